@@ -1,0 +1,49 @@
+# steadyserve: `make serve` and `make test` each work on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+# On a CUDA machine: make serve TORCH_CONSTRAINTS=/path/to/your/constraints.txt
+TORCH_CONSTRAINTS ?= constraints-cpu.txt
+HOST ?= 127.0.0.1
+PORT ?= 8000
+BIN := $(VENV)/bin
+
+.PHONY: setup setup-dev serve test lint typecheck pytest bench check-config clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e .
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.runtime-installed
+	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.runtime-installed
+setup-dev: $(VENV)/.dev-installed
+
+serve: setup
+	HF_HUB_OFFLINE=1 $(BIN)/steadyserve serve --host $(HOST) --port $(PORT)
+
+lint: setup-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup-dev
+	$(BIN)/mypy --strict app
+
+pytest: setup-dev
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -ra
+
+test: lint typecheck pytest
+
+bench: setup-dev
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.bench
+
+check-config: setup
+	$(BIN)/steadyserve check-config
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,163 @@
+"""The one place configuration comes from.
+
+`Settings()` reads the environment (prefix ``STEADY_``) when it is constructed, and only
+then: nothing in steadyserve reads the environment at import time. The CLI builds one
+`Settings` and hands it to `create_app`; everything else receives the values it needs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BUNDLED_DEFAULT_SOURCE = "bundled:all-MiniLM-L6-v2"
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class ModelSpec(BaseModel):
+    """One model to serve: its public name, its task and where its weights come from."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    name: str = Field(
+        default="all-MiniLM-L6-v2",
+        description="Public name, used in the `model` field of requests and in /v1/models.",
+    )
+    task: Literal["embed"] = Field(default="embed", description="What the model does.")
+    source: str = Field(
+        default=BUNDLED_DEFAULT_SOURCE,
+        description=(
+            "A local directory, a Hugging Face id (resolved from the local cache only when "
+            "HF_HUB_OFFLINE=1), or `bundled:all-MiniLM-L6-v2` for the packaged default."
+        ),
+    )
+    dtype: Dtype = Field(
+        default="auto",
+        description="Weights dtype; `auto` means fp16 on CUDA, bf16 on a CPU with native bf16, else fp32.",
+    )
+    max_input_tokens: int | None = Field(
+        default=None,
+        ge=2,
+        description="Token limit per input; defaults to the model's and is capped by the largest length bucket.",
+    )
+
+
+class Settings(BaseSettings):
+    """Every setting, with its default and what it means (the README's table is built from this)."""
+
+    model_config = SettingsConfigDict(env_prefix="STEADY_", extra="ignore", frozen=True)
+
+    # --- serving -----------------------------------------------------------------------
+    host: str = Field(default="127.0.0.1", description="Address uvicorn binds.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port uvicorn binds.")
+    log_level: str = Field(default="info", description="Python logging level.")
+    models: tuple[ModelSpec, ...] = Field(
+        default=(ModelSpec(),),
+        min_length=1,
+        description="Models to serve, as JSON: `[{\"name\":..., \"task\":\"embed\", \"source\":...}]`.",
+    )
+    default_model: str | None = Field(
+        default=None, description="Model used when a request names none; the first model if unset."
+    )
+    device: Device = Field(default="auto", description="`cuda` if available when `auto`, else `cpu`.")
+
+    # --- batching ----------------------------------------------------------------------
+    length_buckets: tuple[int, ...] = Field(
+        default=(16, 32, 64, 128, 256, 512),
+        min_length=1,
+        description="Padded token lengths; each input is padded up to the smallest bucket that holds it.",
+    )
+    max_batch_size: int = Field(
+        default=32, ge=1, description="Largest batch; batch buckets are 1, 2, 4, ... up to this."
+    )
+    max_batch_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="Cap on (batch size x length bucket); long buckets get smaller batches.",
+    )
+    max_wait_ms: float = Field(
+        default=2.0, ge=0, description="Longest a request waits for its batch to fill once a worker is free."
+    )
+
+    # --- admission ---------------------------------------------------------------------
+    rate_limit_per_s: float = Field(
+        default=4000.0, gt=0, description="Token-bucket refill rate, in inputs per second."
+    )
+    rate_limit_burst: int = Field(
+        default=512, ge=1, description="Token-bucket capacity, in inputs (the largest burst admitted at once)."
+    )
+    max_admission_wait_ms: float = Field(
+        default=50.0, ge=0, description="Longest a request waits for a token before a 429 (reason `rate`)."
+    )
+    max_inflight: int = Field(
+        default=512, ge=1, description="Requests admitted and not yet answered; beyond it, 429 (reason `inflight`)."
+    )
+    max_queue: int = Field(
+        default=1024, ge=1, description="Inputs waiting for a batch; beyond it, 429 (reason `queue`)."
+    )
+    max_inputs_per_request: int = Field(default=64, ge=1, description="Inputs in one request; beyond it, 413.")
+    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body; beyond it, 413.")
+    default_timeout_ms: float = Field(
+        default=10_000.0, gt=0, description="Deadline of a request that sets neither `timeout_ms` nor Envoy's header."
+    )
+    max_timeout_ms: float = Field(default=60_000.0, gt=0, description="Upper bound on any request's deadline.")
+
+    # --- dispatcher and buffers --------------------------------------------------------
+    dispatcher_threads: int = Field(
+        default=1, ge=1, description="Threads that run the model (batches in flight at once)."
+    )
+    torch_threads: int | None = Field(
+        default=None, ge=1, description="torch intra-op threads; defaults to the cgroup CPU quota."
+    )
+    torch_interop_threads: int | None = Field(
+        default=None, ge=1, description="torch inter-op threads; defaults to 1."
+    )
+    tokenizer_threads: int = Field(default=1, ge=1, description="Threads that tokenize requests.")
+    pool_slots_per_shape: int | None = Field(
+        default=None, ge=1, description="Preallocated buffer slots per (length, batch) shape; defaults to dispatcher_threads."
+    )
+
+    # --- start-up and shutdown ---------------------------------------------------------
+    warmup: bool = Field(default=True, description="Run every (length bucket x batch bucket) shape before ready.")
+    cuda_alloc_conf: str = Field(
+        default="expandable_segments:True",
+        description="Default for PYTORCH_CUDA_ALLOC_CONF when the environment sets none.",
+    )
+    drain_timeout_s: float = Field(
+        default=20.0, ge=0, description="On SIGTERM, how long admitted requests get to finish."
+    )
+
+    # --- debug -------------------------------------------------------------------------
+    debug_token: str | None = Field(
+        default=None, description="Enables /debug/* when set; requests must send `Authorization: Bearer <token>`."
+    )
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Settings:
+        buckets = self.length_buckets
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 2:
+            raise ValueError("length_buckets must be strictly increasing and >= 2")
+        if self.max_inputs_per_request > self.rate_limit_burst:
+            raise ValueError("max_inputs_per_request must not exceed rate_limit_burst")
+        if self.max_inputs_per_request > self.max_queue:
+            raise ValueError("max_inputs_per_request must not exceed max_queue")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError("model names must be unique")
+        if self.default_model is not None and self.default_model not in names:
+            raise ValueError(f"default_model {self.default_model!r} is not among {names}")
+        if self.max_batch_tokens < buckets[0]:
+            raise ValueError("max_batch_tokens must hold at least one input of the smallest bucket")
+        return self
+
+    @property
+    def default_model_name(self) -> str:
+        return self.default_model or self.models[0].name
+
+    @property
+    def slots_per_shape(self) -> int:
+        return self.pool_slots_per_shape or self.dispatcher_threads

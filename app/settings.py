@@ -37,12 +37,14 @@ class ModelSpec(BaseModel):
     )
     dtype: Dtype = Field(
         default="auto",
-        description="Weights dtype; `auto` means fp16 on CUDA, bf16 on a CPU with native bf16, else fp32.",
+        description="Weights dtype; `auto` means fp16 on CUDA, bf16 on a CPU with native bf16, "
+        "else fp32.",
     )
     max_input_tokens: int | None = Field(
         default=None,
         ge=2,
-        description="Token limit per input; defaults to the model's and is capped by the largest length bucket.",
+        description="Token limit per input; defaults to the model's, capped by the largest "
+        "length bucket.",
     )
 
 
@@ -55,21 +57,30 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address uvicorn binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port uvicorn binds.")
     log_level: str = Field(default="info", description="Python logging level.")
+    keep_alive_timeout_s: float = Field(
+        default=75.0,
+        gt=0,
+        description="Idle keep-alive connections are closed after this; keep it above the "
+        "proxy's upstream idle timeout so the proxy, not the server, closes idle connections.",
+    )
     models: tuple[ModelSpec, ...] = Field(
         default=(ModelSpec(),),
         min_length=1,
-        description="Models to serve, as JSON: `[{\"name\":..., \"task\":\"embed\", \"source\":...}]`.",
+        description='Models to serve, as JSON: `[{"name":..., "task":"embed", "source":...}]`.',
     )
     default_model: str | None = Field(
         default=None, description="Model used when a request names none; the first model if unset."
     )
-    device: Device = Field(default="auto", description="`cuda` if available when `auto`, else `cpu`.")
+    device: Device = Field(
+        default="auto", description="`cuda` if available when `auto`, else `cpu`."
+    )
 
     # --- batching ----------------------------------------------------------------------
     length_buckets: tuple[int, ...] = Field(
         default=(16, 32, 64, 128, 256, 512),
         min_length=1,
-        description="Padded token lengths; each input is padded up to the smallest bucket that holds it.",
+        description="Padded token lengths; each input is padded up to the smallest bucket "
+        "that holds it.",
     )
     max_batch_size: int = Field(
         default=32, ge=1, description="Largest batch; batch buckets are 1, 2, 4, ... up to this."
@@ -80,7 +91,9 @@ class Settings(BaseSettings):
         description="Cap on (batch size x length bucket); long buckets get smaller batches.",
     )
     max_wait_ms: float = Field(
-        default=2.0, ge=0, description="Longest a request waits for its batch to fill once a worker is free."
+        default=2.0,
+        ge=0,
+        description="Longest a request waits for its batch to fill once a worker is free.",
     )
 
     # --- admission ---------------------------------------------------------------------
@@ -88,23 +101,39 @@ class Settings(BaseSettings):
         default=4000.0, gt=0, description="Token-bucket refill rate, in inputs per second."
     )
     rate_limit_burst: int = Field(
-        default=512, ge=1, description="Token-bucket capacity, in inputs (the largest burst admitted at once)."
+        default=512,
+        ge=1,
+        description="Token-bucket capacity, in inputs (the largest burst admitted at once).",
     )
     max_admission_wait_ms: float = Field(
-        default=50.0, ge=0, description="Longest a request waits for a token before a 429 (reason `rate`)."
+        default=50.0,
+        ge=0,
+        description="Longest a request waits for a token before a 429 (reason `rate`).",
     )
     max_inflight: int = Field(
-        default=512, ge=1, description="Requests admitted and not yet answered; beyond it, 429 (reason `inflight`)."
+        default=512,
+        ge=1,
+        description="Requests admitted and not yet answered; beyond it, 429 (reason `inflight`).",
     )
     max_queue: int = Field(
-        default=1024, ge=1, description="Inputs waiting for a batch; beyond it, 429 (reason `queue`)."
+        default=1024,
+        ge=1,
+        description="Inputs waiting for a batch; beyond it, 429 (reason `queue`).",
     )
-    max_inputs_per_request: int = Field(default=64, ge=1, description="Inputs in one request; beyond it, 413.")
-    max_body_bytes: int = Field(default=1_048_576, ge=1024, description="Largest request body; beyond it, 413.")
+    max_inputs_per_request: int = Field(
+        default=64, ge=1, description="Inputs in one request; beyond it, 413."
+    )
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=1024, description="Largest request body; beyond it, 413."
+    )
     default_timeout_ms: float = Field(
-        default=10_000.0, gt=0, description="Deadline of a request that sets neither `timeout_ms` nor Envoy's header."
+        default=10_000.0,
+        gt=0,
+        description="Deadline of a request that sets neither `timeout_ms` nor Envoy's header.",
     )
-    max_timeout_ms: float = Field(default=60_000.0, gt=0, description="Upper bound on any request's deadline.")
+    max_timeout_ms: float = Field(
+        default=60_000.0, gt=0, description="Upper bound on any request's deadline."
+    )
 
     # --- dispatcher and buffers --------------------------------------------------------
     dispatcher_threads: int = Field(
@@ -118,11 +147,16 @@ class Settings(BaseSettings):
     )
     tokenizer_threads: int = Field(default=1, ge=1, description="Threads that tokenize requests.")
     pool_slots_per_shape: int | None = Field(
-        default=None, ge=1, description="Preallocated buffer slots per (length, batch) shape; defaults to dispatcher_threads."
+        default=None,
+        ge=1,
+        description="Preallocated buffer slots per (length, batch) shape; defaults to "
+        "dispatcher_threads.",
     )
 
     # --- start-up and shutdown ---------------------------------------------------------
-    warmup: bool = Field(default=True, description="Run every (length bucket x batch bucket) shape before ready.")
+    warmup: bool = Field(
+        default=True, description="Run every (length bucket x batch bucket) shape before ready."
+    )
     cuda_alloc_conf: str = Field(
         default="expandable_segments:True",
         description="Default for PYTORCH_CUDA_ALLOC_CONF when the environment sets none.",
@@ -133,7 +167,9 @@ class Settings(BaseSettings):
 
     # --- debug -------------------------------------------------------------------------
     debug_token: str | None = Field(
-        default=None, description="Enables /debug/* when set; requests must send `Authorization: Bearer <token>`."
+        default=None,
+        description="Enables /debug/* when set; requests must send "
+        "`Authorization: Bearer <token>`.",
     )
 
     @model_validator(mode="after")

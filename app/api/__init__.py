@@ -1,0 +1,1 @@
+"""Thin HTTP routes: parse with pydantic, call the `Service`, render with orjson."""

@@ -1,0 +1,139 @@
+"""POST /infer (native) and the OpenAI-compatible /v1/embeddings and /v1/models."""
+
+from __future__ import annotations
+
+import base64
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from app.api.cancellation import run_until_disconnect
+from app.api.responses import error_response, json_response
+from app.schemas import (
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    ErrorBody,
+    InferRequest,
+    InferResponse,
+    ModelCard,
+    ModelList,
+)
+from app.service import EmbedResult, PhaseTimer, Service
+
+router = APIRouter()
+
+ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
+
+_ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody} for code in (400, 404, 413, 422, 429, 503, 504)
+}
+
+
+def _service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def _envoy_timeout_ms(request: Request) -> float | None:
+    value = request.headers.get(ENVOY_TIMEOUT_HEADER)
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _too_many_inputs(service: Service, count: int, param: str) -> Response | None:
+    limit = service.settings.max_inputs_per_request
+    if count <= limit:
+        return None
+    return error_response(
+        413, "too_many_inputs", f"{count} inputs; at most {limit} per request", param
+    )
+
+
+async def _embed(
+    request: Request,
+    model: str | None,
+    texts: list[str],
+    normalize: bool,
+    truncate: bool,
+    timeout_ms: float | None,
+) -> EmbedResult:
+    service = _service(request)
+    timer: PhaseTimer = request.state.server_timing
+    work = service.embed(
+        service.resolve_model(model),
+        texts,
+        normalize=normalize,
+        truncate=truncate,
+        timeout_ms=timeout_ms,
+        envoy_timeout_ms=_envoy_timeout_ms(request),
+        timer=timer,
+    )
+    return await run_until_disconnect(request, work)
+
+
+@router.post("/infer", response_model=InferResponse, responses=_ERRORS)
+async def infer(request: Request, body: InferRequest) -> Response:
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if (too_many := _too_many_inputs(_service(request), len(texts), "inputs")) is not None:
+        return too_many
+    result = await _embed(
+        request,
+        body.model,
+        texts,
+        body.parameters.normalize,
+        body.parameters.truncate,
+        body.timeout_ms,
+    )
+    return json_response(
+        {
+            "model": result.model,
+            "outputs": result.vectors,
+            "usage": {"input_tokens": result.input_tokens, "inputs": len(texts)},
+        }
+    )
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=_ERRORS)
+async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if (too_many := _too_many_inputs(_service(request), len(texts), "input")) is not None:
+        return too_many
+    result = await _embed(request, body.model, texts, True, False, None)
+    width = result.vectors.shape[1]
+    if body.dimensions is not None and body.dimensions != width:
+        return error_response(
+            400,
+            "invalid_request",
+            f"dimensions={body.dimensions} is not supported; {result.model} gives {width}",
+            "dimensions",
+        )
+    data = [
+        {
+            "object": "embedding",
+            "index": index,
+            "embedding": base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+            if body.encoding_format == "base64"
+            else vector,
+        }
+        for index, vector in enumerate(result.vectors)
+    ]
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "model": result.model,
+            "usage": {"prompt_tokens": result.input_tokens, "total_tokens": result.input_tokens},
+        }
+    )
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(request: Request) -> Response:
+    service = _service(request)
+    cards = [
+        ModelCard(id=name, task=service.model_task(name)).model_dump()
+        for name in service.model_names()
+    ]
+    return json_response({"object": "list", "data": cards})

@@ -1,0 +1,109 @@
+"""Every exception a request can raise, mapped once to its status and JSON error body.
+
+Client mistakes are 4xx with the offending parameter named; capacity is 429 with
+`Retry-After`; not ready / draining is 503; a passed deadline is 504. Only a fault of the
+server itself becomes a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.admission import Rejected, RejectReason
+from app.api.cancellation import ClientDisconnected
+from app.api.responses import error_response
+from app.batcher import DeadlineExceeded
+from app.models.base import InputTooLong
+from app.service import UnknownModel
+
+log = logging.getLogger(__name__)
+
+_REJECTION_STATUS = {
+    RejectReason.RATE: 429,
+    RejectReason.INFLIGHT: 429,
+    RejectReason.QUEUE: 429,
+    RejectReason.DRAINING: 503,
+    RejectReason.NOT_READY: 503,
+    RejectReason.DEADLINE: 504,
+}
+
+# nginx's convention for "client closed request": the client never sees it, logs do.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def _param(location: tuple[int | str, ...]) -> str | None:
+    parts = [str(p) for p in location if p != "body"]
+    if not parts:
+        return None
+    text = parts[0]
+    for part in parts[1:]:
+        text += f"[{part}]" if part.isdigit() else f".{part}"
+    return text
+
+
+async def _validation_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, RequestValidationError)
+    errors = error.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return error_response(400, "invalid_json", "request body is not valid JSON")
+    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    param = _param(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request"))
+    if first.get("type") == "missing" and param:
+        message = f"field required: {param}"
+    return error_response(422, "invalid_request", message, param)
+
+
+async def _rejected(request: Request, error: Exception) -> Response:
+    assert isinstance(error, Rejected)
+    retry_after = error.retry_after_header
+    headers = {"Retry-After": retry_after} if retry_after else None
+    return error_response(
+        _REJECTION_STATUS[error.reason], error.reason.value, error.message, headers=headers
+    )
+
+
+async def _deadline(request: Request, error: Exception) -> Response:
+    return error_response(504, "deadline", "deadline passed before the request was computed")
+
+
+async def _too_long(request: Request, error: Exception) -> Response:
+    assert isinstance(error, InputTooLong)
+    message = f"{error}; set parameters.truncate to cut inputs to the limit"
+    return error_response(413, "input_too_long", message, f"inputs[{error.index}]")
+
+
+async def _unknown_model(request: Request, error: Exception) -> Response:
+    return error_response(404, "model_not_found", str(error), "model")
+
+
+async def _client_gone(request: Request, error: Exception) -> Response:
+    return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", "client disconnected")
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, StarletteHTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    return error_response(error.status_code, kind, str(error.detail), headers=error.headers)
+
+
+async def _internal(request: Request, error: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
+    return error_response(500, "internal_error", "internal server error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Rejected, _rejected)
+    app.add_exception_handler(DeadlineExceeded, _deadline)
+    app.add_exception_handler(InputTooLong, _too_long)
+    app.add_exception_handler(UnknownModel, _unknown_model)
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal)

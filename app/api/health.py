@@ -1,0 +1,47 @@
+"""Liveness, readiness and metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from app.api.responses import json_response
+from app.service import Service
+
+router = APIRouter()
+
+
+def _service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+@router.get("/healthz")
+async def healthz(request: Request) -> Response:
+    """200 while the process can serve; 503 once start-up failed (so it gets restarted)."""
+    service = _service(request)
+    if not service.alive:
+        return json_response({"status": "failed", "error": service.readiness().error}, 503)
+    return json_response({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    """200 when every warm-up shape ran and the server is not draining; 503 otherwise,
+    saying why."""
+    state = _service(request).readiness()
+    body: dict[str, object] = {
+        "status": state.status,
+        "warmup": {"done": state.warmup_done, "total": state.warmup_total},
+    }
+    if state.error:
+        body["error"] = state.error
+    return json_response(body, 200 if state.ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    service = _service(request)
+    service.refresh_gauges()
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

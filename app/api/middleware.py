@@ -1,0 +1,92 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects).
+
+- `BodyLimitMiddleware`: a body over `max_body_bytes` gets 413 before it is parsed, whether
+  it declares its length or streams it chunked.
+- `ServerTimingMiddleware`: every response carries `Server-Timing`, with the phases the
+  request recorded in `request.state.server_timing` and its total; while the server is
+  draining, responses also say `Connection: close` so clients move to another replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.responses import error_response
+from app.service import PhaseTimer
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                await self._reject(scope, receive, send)
+                return
+        seen = 0
+        response_started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if response_started:
+                raise
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413,
+            "body_too_large",
+            f"request body exceeds {self.max_body_bytes} bytes",
+            headers={"Connection": "close"},
+        )
+        await response(scope, receive, send)
+
+
+class ServerTimingMiddleware:
+    def __init__(self, app: ASGIApp, is_draining: Callable[[], bool]) -> None:
+        self.app = app
+        self.is_draining = is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        timer = PhaseTimer()
+        scope.setdefault("state", {})["server_timing"] = timer
+
+        async def send_with_timing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"server-timing", timer.header().encode("latin-1")))
+                if self.is_draining():
+                    headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_timing)

@@ -1,0 +1,230 @@
+"""The asyncio side of batching: per-model queues, futures, cancellation, and hand-off of
+closed batches to the dispatcher.
+
+Everything here runs on the event loop thread except `execute_batch`, which runs on a
+dispatcher compute thread. Each input's future is resolved exactly once (by its batch, or
+by the scheduler dropping it); resolving an already-done future is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from app.admission import Admission
+from app.buffers import BufferPool
+from app.dispatcher import Dispatcher
+from app.execute import BatchOutput, execute_batch, warmup_token_ids
+from app.metrics import Metrics
+from app.models.base import ModelRunner
+from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DeadlineExceeded(Exception):
+    """The input's deadline passed (or could no longer be met) before it was computed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    vector: npt.NDArray[np.float32]
+    queue_wait_s: float
+    compute_s: float
+    batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    item: WorkItem
+    token_ids: list[int]
+    future: asyncio.Future[ItemResult]
+
+
+def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception_if_not_done(future: asyncio.Future[T], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+class ModelBatcher:
+    """One model's queue and batch loop. Call from the event loop thread only."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        policy: BatchPolicy,
+        pool: BufferPool,
+        dispatcher: Dispatcher,
+        admission: Admission,
+        metrics: Metrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(policy)
+        self.pool = pool
+        self._dispatcher = dispatcher
+        self._admission = admission
+        self._metrics = metrics
+        self._clock = clock
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._free_workers = asyncio.Semaphore(dispatcher.capacity)
+        self._running: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # --- requests -----------------------------------------------------------------------
+    def submit(self, token_ids: list[int], deadline: float) -> asyncio.Future[ItemResult]:
+        """Queue one tokenized input; the caller has admitted it (it counts as queued)."""
+        length_bucket = self.scheduler.policy.length_bucket_for(len(token_ids))
+        if length_bucket is None:
+            raise ValueError(f"{len(token_ids)} tokens exceed every length bucket")
+        item = WorkItem(
+            item_id=next(self._ids),
+            n_tokens=len(token_ids),
+            length_bucket=length_bucket,
+            enqueued_at=self._clock(),
+            deadline=deadline,
+        )
+        future: asyncio.Future[ItemResult] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda done: self._on_done(item.item_id, done))
+        self._pending[item.item_id] = _Pending(item, token_ids, future)
+        self.scheduler.enqueue(item)
+        self._wakeup.set()
+        return future
+
+    def _on_done(self, item_id: int, future: asyncio.Future[ItemResult]) -> None:
+        if future.cancelled() and item_id in self._pending:
+            # The client went away: drop the input before it takes a buffer slot.
+            self.scheduler.cancel(item_id)
+            self._wakeup.set()
+
+    # --- the batch loop ---------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(
+            self._batch_loop(), name=f"batcher-{self.runner.name}"
+        )
+
+    async def close(self) -> None:
+        """Stop after the queue is empty and running batches have finished."""
+        self._closing = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def _batch_loop(self) -> None:
+        while True:
+            await self._free_workers.acquire()
+            batch = await self._next_batch()
+            if batch is None:
+                self._free_workers.release()
+                return
+            task = asyncio.create_task(self._execute(batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    async def _next_batch(self) -> Batch | None:
+        """Wait (a worker being free) until the scheduler closes a batch; None once closing
+        and nothing is queued."""
+        while True:
+            self._wakeup.clear()
+            decision = self.scheduler.poll(self._clock())
+            self._drop(decision)
+            if decision.batch is not None:
+                return decision.batch
+            if self._closing and not self._pending:
+                return None
+            timeout = (
+                None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+
+    def _drop(self, decision: Decision) -> None:
+        dropped = len(decision.expired) + len(decision.cancelled)
+        if not dropped:
+            return
+        for item in decision.expired:
+            pending = self._pending.pop(item.item_id)
+            _set_exception_if_not_done(pending.future, DeadlineExceeded())
+        for item in decision.cancelled:
+            self._pending.pop(item.item_id, None)
+        self._admission.left_queue(dropped, self._clock())
+
+    async def _execute(self, batch: Batch) -> None:
+        try:
+            pendings = [self._pending.pop(item.item_id) for item in batch.items]
+            started = self._clock()
+            self._admission.left_queue(len(pendings), started)
+            bucket = str(batch.shape.length)
+            for pending in pendings:
+                self._metrics.queue_wait.labels(self.runner.name, bucket).observe(
+                    started - pending.item.enqueued_at
+                )
+            try:
+                output = await self._dispatcher.run_compute(
+                    self._run_blocking, batch.shape, [p.token_ids for p in pendings]
+                )
+            except Exception as error:  # the model failed: every input of the batch fails
+                log.exception("batch %s of %s failed", batch.shape, self.runner.name)
+                for pending in pendings:
+                    _set_exception_if_not_done(pending.future, error)
+                return
+            self._record(batch, output)
+            for row, pending in enumerate(pendings):
+                _set_result_if_not_done(
+                    pending.future,
+                    ItemResult(
+                        vector=output.rows[row],
+                        queue_wait_s=started - pending.item.enqueued_at,
+                        compute_s=output.compute_s,
+                        batch_size=len(pendings),
+                    ),
+                )
+        finally:
+            self._free_workers.release()
+            self._wakeup.set()
+
+    def _run_blocking(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
+        """Compute threads only."""
+        return execute_batch(self.pool, self.runner, shape, token_ids, self._dispatcher.stream())
+
+    def _record(self, batch: Batch, output: BatchOutput) -> None:
+        name, bucket = self.runner.name, str(batch.shape.length)
+        self.scheduler.record_compute(batch.shape, output.compute_s)
+        self._metrics.batch_size.labels(name, bucket).observe(len(batch.items))
+        self._metrics.batch_compute.labels(name, bucket).observe(output.compute_s)
+        self._metrics.pool_acquire_wait.labels(name).observe(output.acquire_wait_s)
+        if output.pool_miss:
+            self._metrics.pool_misses.labels(name).inc()
+
+    # --- warm-up ----------------------------------------------------------------------
+    async def warm_up(
+        self, filler_token_id: int, on_shape_done: Callable[[int, int], None]
+    ) -> None:
+        """Run every shape once (on the dispatcher), feeding the scheduler's compute
+        estimates; `on_shape_done(done, total)` reports progress."""
+        shapes = self.scheduler.policy.shapes()
+        for done, shape in enumerate(shapes, start=1):
+            rows = warmup_token_ids(shape, filler_token_id)
+            output = await self._dispatcher.run_compute(self._run_blocking, shape, rows)
+            self.scheduler.record_compute(shape, output.compute_s)
+            on_shape_done(done, len(shapes))

@@ -1,0 +1,173 @@
+"""BufferPool: preallocated fixed-shape tensors that batches are copied into.
+
+Variable-length inputs allocating fresh tensors per request fragment the CUDA caching
+allocator (one of the field incidents). Here every (batch bucket x length bucket) shape gets
+its slots at start-up: device input buffers (token ids, attention mask), a half-precision
+device output buffer, and host staging buffers (pinned on CUDA) that the tokenized inputs
+are written into and the outputs are read back from. A batch acquires a slot, is copied into
+it, runs, is copied out, and releases the slot: no per-request tensor allocation for inputs
+and outputs. A shape without a slot is served by a temporary, counted slot (a *miss*).
+
+`acquire` and `release` are thread-safe and are called from dispatcher threads only
+(`acquire` may block while every slot of a shape is busy).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.scheduler import BatchShape
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    slots: dict[BatchShape, int]
+    in_use: dict[BatchShape, int]
+    misses: int
+    acquire_waits: int
+    bytes_preallocated: int
+
+
+class BufferSlot:
+    """The tensors of one preallocated (or fallback) shape. Owned by one batch at a time."""
+
+    def __init__(
+        self,
+        shape: BatchShape,
+        output_width: int,
+        device: torch.device,
+        output_dtype: torch.dtype,
+        is_fallback: bool = False,
+    ) -> None:
+        self.shape = shape
+        self.is_fallback = is_fallback
+        rows, length = shape.batch, shape.length
+        on_cuda = device.type == "cuda"
+        # Host staging: written by numpy views (no torch allocation per batch); pinned on
+        # CUDA so the host-to-device copy can be asynchronous on the dispatcher's stream.
+        self.host_input_ids = torch.zeros((rows, length), dtype=torch.int64, pin_memory=on_cuda)
+        self.host_attention_mask = torch.zeros(
+            (rows, length), dtype=torch.int64, pin_memory=on_cuda
+        )
+        self.host_output = torch.zeros(
+            (rows, output_width), dtype=torch.float32, pin_memory=on_cuda
+        )
+        if on_cuda:
+            self.input_ids = torch.zeros((rows, length), dtype=torch.int64, device=device)
+            self.attention_mask = torch.zeros((rows, length), dtype=torch.int64, device=device)
+        else:
+            # On the CPU the staging buffers are the model's inputs: no copy at all.
+            self.input_ids = self.host_input_ids
+            self.attention_mask = self.host_attention_mask
+        self.output = torch.zeros((rows, output_width), dtype=output_dtype, device=device)
+        self.ids_view: npt.NDArray[np.int64] = self.host_input_ids.numpy()
+        self.mask_view: npt.NDArray[np.int64] = self.host_attention_mask.numpy()
+        self.output_view: npt.NDArray[np.float32] = self.host_output.numpy()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = {
+            id(t): t
+            for t in (
+                self.host_input_ids,
+                self.host_attention_mask,
+                self.host_output,
+                self.input_ids,
+                self.attention_mask,
+                self.output,
+            )
+        }
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def data_pointers(self) -> tuple[int, ...]:
+        """Addresses of every buffer: unchanged for a slot's life (tests check no re-allocation)."""
+        return tuple(
+            t.data_ptr()
+            for t in (self.host_input_ids, self.input_ids, self.output, self.host_output)
+        )
+
+    def write_inputs(self, token_ids: Iterable[list[int]], pad_token_id: int) -> int:
+        """Copy tokenized inputs into the host staging buffers, padding rows and columns.
+
+        Rows beyond the batch's inputs get a single pad token with mask 1, so attention never
+        sees an all-masked row (which some kernels turn into NaN). Returns the rows written.
+        """
+        ids, mask = self.ids_view, self.mask_view
+        ids.fill(pad_token_id)
+        mask.fill(0)
+        rows = 0
+        for row, sequence in enumerate(token_ids):
+            ids[row, : len(sequence)] = sequence
+            mask[row, : len(sequence)] = 1
+            rows += 1
+        mask[rows:, 0] = 1
+        return rows
+
+
+class BufferPool:
+    """Slots per shape, preallocated at construction; see the module docstring."""
+
+    def __init__(
+        self,
+        shapes: Iterable[BatchShape],
+        output_width: int,
+        device: torch.device,
+        output_dtype: torch.dtype,
+        slots_per_shape: int,
+    ) -> None:
+        self.device = device
+        self.output_width = output_width
+        self.output_dtype = output_dtype
+        self._free: dict[BatchShape, list[BufferSlot]] = {}
+        self._total: dict[BatchShape, int] = {}
+        for shape in shapes:
+            self._free[shape] = [
+                BufferSlot(shape, output_width, device, output_dtype)
+                for _ in range(slots_per_shape)
+            ]
+            self._total[shape] = slots_per_shape
+        self.bytes_preallocated = sum(s.nbytes for slots in self._free.values() for s in slots)
+        self._condition = threading.Condition()
+        self._misses = 0
+        self._acquire_waits = 0
+
+    def acquire(self, shape: BatchShape) -> tuple[BufferSlot, float]:
+        """A slot for `shape` and the seconds spent waiting for it (dispatcher threads only)."""
+        with self._condition:
+            free = self._free.get(shape)
+            if free is None:
+                self._misses += 1
+                slot = BufferSlot(
+                    shape, self.output_width, self.device, self.output_dtype, is_fallback=True
+                )
+                return slot, 0.0
+            if free:
+                return free.pop(), 0.0
+            self._acquire_waits += 1
+            started = time.perf_counter()
+            self._condition.wait_for(lambda: bool(free))
+            return free.pop(), time.perf_counter() - started
+
+    def release(self, slot: BufferSlot) -> None:
+        if slot.is_fallback:
+            return
+        with self._condition:
+            self._free[slot.shape].append(slot)
+            self._condition.notify()
+
+    def stats(self) -> PoolStats:
+        with self._condition:
+            return PoolStats(
+                slots=dict(self._total),
+                in_use={s: self._total[s] - len(f) for s, f in self._free.items()},
+                misses=self._misses,
+                acquire_waits=self._acquire_waits,
+                bytes_preallocated=self.bytes_preallocated,
+            )

@@ -1,0 +1,116 @@
+"""`steadyserve serve | check-config | bench`.
+
+`serve` builds the one `Settings` of the process (from the environment, then flags), and
+runs uvicorn with a drain-aware shutdown: the first SIGTERM/SIGINT turns /readyz to 503,
+answers new requests 503 and waits (up to `drain_timeout_s`) for every admitted request to
+be answered before uvicorn closes its sockets; the process then exits 0. A second signal
+stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from app.main import create_app
+from app.service import Service
+from app.settings import Settings
+
+log = logging.getLogger("app.cli")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._service = service
+        self._drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Unlike uvicorn's own handler this does not re-raise the signal after shutdown:
+        # a drained server exits 0.
+        if self._loop is None or self._drain_task is not None:
+            self.should_exit = True
+            self.force_exit = self.force_exit or sig == signal.SIGINT
+            return
+        log.info(
+            "received %s: draining for up to %.0f s",
+            signal.Signals(sig).name,
+            self._drain_timeout_s,
+        )
+        self._drain_task = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        self._service.begin_drain()
+        await self._service.wait_drained(self._drain_timeout_s)
+        self.should_exit = True
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides)
+    _configure_logging(settings.log_level)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        timeout_keep_alive=int(settings.keep_alive_timeout_s),
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = DrainingServer(config, app.state.service, settings.drain_timeout_s)
+    server.run()
+    return 0 if app.state.service.alive else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steadyserve")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="serve the configured models over HTTP")
+    serve_parser.add_argument("--host", help="overrides STEADY_HOST")
+    serve_parser.add_argument("--port", type=int, help="overrides STEADY_PORT")
+    commands.add_parser(
+        "check-config",
+        help="compare settings, Envoy and k8s files with deploy/baseline.yaml",
+        add_help=False,
+    )
+    commands.add_parser("bench", help="load generator and comparison bench", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return serve(args)
+    if args.command == "check-config":
+        # Imported by name at call time: these tools are not needed to serve.
+        checkconfig = importlib.import_module("app.checkconfig")
+        return int(checkconfig.main(rest))
+    loadtest_cli = importlib.import_module("loadtest.cli")
+    return int(loadtest_cli.main(rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The dedicated thread pools that alone run blocking work: model compute and tokenizing.
+
+The event loop never runs model code: it hands work over with `run_compute` / `run_tokenize`
+(`loop.run_in_executor` on a named pool) and awaits the result. torch's own intra-op and
+inter-op pools are sized explicitly, from settings or else from the cgroup CPU quota, because
+torch's default (all host cores) oversubscribes a CPU-limited container. On CUDA each compute
+thread gets its own stream, so host-to-device copies of one batch overlap another's compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from app.telemetry.cgroup import available_cpus
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadPlan:
+    compute_threads: int
+    tokenizer_threads: int
+    torch_intra_op: int
+    torch_inter_op: int
+
+
+def plan_threads(
+    compute_threads: int,
+    tokenizer_threads: int,
+    torch_threads: int | None,
+    torch_interop_threads: int | None,
+    cpus: int,
+) -> ThreadPlan:
+    """Torch's intra-op pool gets the CPU quota unless told otherwise; inter-op gets 1 (one
+    batch at a time per compute thread already gives the parallelism)."""
+    return ThreadPlan(
+        compute_threads=compute_threads,
+        tokenizer_threads=tokenizer_threads,
+        torch_intra_op=torch_threads or cpus,
+        torch_inter_op=torch_interop_threads or 1,
+    )
+
+
+_interop_configured = False
+
+
+def configure_torch_threads(plan: ThreadPlan) -> None:
+    """Apply the plan to torch's process-wide pools (inter-op can be set once per process)."""
+    global _interop_configured
+    torch.set_num_threads(plan.torch_intra_op)
+    if not _interop_configured:
+        try:
+            torch.set_num_interop_threads(plan.torch_inter_op)
+        except RuntimeError:
+            log.warning(
+                "torch inter-op threads were already started; keeping %d",
+                torch.get_num_interop_threads(),
+            )
+        _interop_configured = True
+    log.info(
+        "torch threads: intra-op %d, inter-op %d (cpus available %d, host cores %s)",
+        torch.get_num_threads(),
+        torch.get_num_interop_threads(),
+        available_cpus(),
+        os.cpu_count(),
+    )
+
+
+class Dispatcher:
+    """Owns the compute and tokenizer pools. Construct and call from the event loop thread;
+    the functions it runs execute on its pool threads."""
+
+    def __init__(self, plan: ThreadPlan, device: torch.device) -> None:
+        self.plan = plan
+        self.device = device
+        self._local = threading.local()
+        configure_torch_threads(plan)
+        self._compute = ThreadPoolExecutor(
+            max_workers=plan.compute_threads,
+            thread_name_prefix="steadyserve-compute",
+            initializer=self._init_compute_thread,
+        )
+        self._tokenize = ThreadPoolExecutor(
+            max_workers=plan.tokenizer_threads, thread_name_prefix="steadyserve-tokenize"
+        )
+
+    @property
+    def capacity(self) -> int:
+        """Batches that can run at once."""
+        return self.plan.compute_threads
+
+    def _init_compute_thread(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self._local.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+
+    def stream(self) -> torch.cuda.Stream | None:
+        """This compute thread's CUDA stream (None on the CPU). Compute threads only."""
+        stream: torch.cuda.Stream | None = getattr(self._local, "stream", None)
+        return stream
+
+    async def run_compute(self, fn: Callable[..., T], *args: object) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._compute, fn, *args)
+
+    async def run_tokenize(self, fn: Callable[..., T], *args: object) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize, fn, *args)
+
+    def shutdown(self) -> None:
+        self._tokenize.shutdown(wait=True, cancel_futures=True)
+        self._compute.shutdown(wait=True, cancel_futures=True)

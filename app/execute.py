@@ -1,0 +1,65 @@
+"""The blocking body of one batch: acquire a slot, copy in, run, copy out, release.
+
+Runs on a dispatcher compute thread only. On CUDA the copies are non-blocking on the
+thread's own stream (inputs from pinned staging) and the thread waits for its stream alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.buffers import BufferPool, BufferSlot
+from app.models.base import ModelRunner
+from app.scheduler import BatchShape
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    rows: npt.NDArray[np.float32]  # (inputs, output_width), owned by the caller
+    compute_s: float
+    acquire_wait_s: float
+    pool_miss: bool
+
+
+def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Stream | None) -> None:
+    if stream is None:
+        slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
+        slot.host_output.copy_(slot.output)
+        return
+    with torch.cuda.stream(stream):
+        slot.input_ids.copy_(slot.host_input_ids, non_blocking=True)
+        slot.attention_mask.copy_(slot.host_attention_mask, non_blocking=True)
+        slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
+        slot.host_output.copy_(slot.output, non_blocking=True)
+    # Wait for this thread's stream only; other threads' batches keep running.
+    stream.synchronize()
+
+
+def execute_batch(
+    pool: BufferPool,
+    runner: ModelRunner,
+    shape: BatchShape,
+    token_ids: Sequence[list[int]],
+    stream: torch.cuda.Stream | None,
+) -> BatchOutput:
+    """Run `token_ids` (at most `shape.batch` rows, each at most `shape.length` tokens)."""
+    slot, waited = pool.acquire(shape)
+    try:
+        started = time.perf_counter()
+        rows = slot.write_inputs(token_ids, runner.pad_token_id)
+        _run_on_slot(runner, slot, stream)
+        result = slot.output_view[:rows].copy()
+        return BatchOutput(result, time.perf_counter() - started, waited, slot.is_fallback)
+    finally:
+        pool.release(slot)
+
+
+def warmup_token_ids(shape: BatchShape, filler_token_id: int) -> list[list[int]]:
+    """Full rows of a shape, so warm-up exercises exactly the shape traffic will use."""
+    return [[filler_token_id] * shape.length for _ in range(shape.batch)]

@@ -1,0 +1,61 @@
+"""The asyncio side of admission: aiolimiter's token bucket in front of `Admission`'s caps.
+
+A request first needs tokens (one per input). When the bucket is short it waits, at most
+`max_wait_s` and never past its deadline, then is turned away with reason `rate`. Then the
+in-flight and queue caps decide (`admission.py`). Every rejection is counted here, where the
+decision is made. Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from aiolimiter import AsyncLimiter
+
+from app.admission import Admission, Rejected, Ticket
+from app.metrics import Metrics
+
+
+class AdmissionGate:
+    def __init__(
+        self,
+        admission: Admission,
+        rate_per_s: float,
+        burst: int,
+        max_wait_s: float,
+        metrics: Metrics,
+        clock: Callable[[], float],
+    ) -> None:
+        self.admission = admission
+        self.rate_per_s = rate_per_s
+        self._max_wait_s = max_wait_s
+        self._metrics = metrics
+        self._clock = clock
+        # aiolimiter's bucket holds `max_rate` tokens and refills them over `time_period`.
+        self._limiter = AsyncLimiter(max_rate=burst, time_period=burst / rate_per_s)
+
+    def reject(self, rejection: Rejected) -> Rejected:
+        """Count a rejection decided here or by the caller, and hand it back to raise."""
+        self._metrics.rejected.labels(rejection.reason.value).inc()
+        return rejection
+
+    async def admit(self, n_inputs: int, deadline: float) -> Ticket:
+        """Wait for tokens, then pass the caps; raises `Rejected` (already counted)."""
+        started = self._clock()
+        if self.admission.draining:
+            raise self.reject(self.admission.draining_rejection())
+        if self._limiter.has_capacity(n_inputs):
+            await self._limiter.acquire(n_inputs)
+        else:
+            budget = max(0.0, min(self._max_wait_s, deadline - started))
+            try:
+                await asyncio.wait_for(self._limiter.acquire(n_inputs), budget)
+            except TimeoutError:
+                raise self.reject(self.admission.rate_limited(n_inputs, self.rate_per_s)) from None
+        try:
+            ticket = self.admission.admit(n_inputs, deadline, self._clock())
+        except Rejected as rejection:
+            raise self.reject(rejection) from None
+        self._metrics.admission_wait.observe(self._clock() - started)
+        return ticket

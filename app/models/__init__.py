@@ -1,0 +1,1 @@
+"""Model runners: one per task, behind the `ModelRunner` protocol."""

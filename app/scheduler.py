@@ -1,0 +1,243 @@
+"""Pure batching policy: which inputs form the next batch, and when.
+
+No asyncio, no torch, no clock of its own: every call takes `now` (monotonic seconds), so
+tests drive it by hand. The asyncio side (`batcher.py`) owns one `Scheduler` per model and
+calls it from the event loop thread only.
+
+Rules, in the order they apply on `poll(now)`:
+
+1. Cancelled inputs and inputs that can no longer finish in time (deadline before `now` plus
+   the fastest measured compute of their bucket) are dropped before they take a buffer slot.
+2. A length bucket is *ready* when its queue holds a full batch, when its oldest input has
+   waited `max_wait_s`, or when its most urgent deadline leaves no more time than the
+   estimated compute of the batch it would form.
+3. Of the ready buckets, the one whose oldest input arrived first goes; its batch takes the
+   inputs with the earliest deadlines (FIFO among equal deadlines), padded up to the next
+   batch bucket so every batch has one of the preallocated shapes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class CloseReason(Enum):
+    FULL = "full"
+    MAX_WAIT = "max_wait"
+    DEADLINE = "deadline"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchShape:
+    """A padded (batch rows x token length) shape; the key of a buffer-pool slot."""
+
+    batch: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One input waiting for a batch. `deadline` and `enqueued_at` are monotonic seconds."""
+
+    item_id: int
+    n_tokens: int
+    length_bucket: int
+    enqueued_at: float
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    shape: BatchShape
+    items: tuple[WorkItem, ...]
+    reason: CloseReason
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What `poll` decided: a batch to run now (or None), what it dropped, when to ask again."""
+
+    batch: Batch | None
+    expired: tuple[WorkItem, ...] = ()
+    cancelled: tuple[WorkItem, ...] = ()
+    wake_at: float | None = None
+
+
+def batch_buckets(
+    max_batch_size: int, max_batch_tokens: int, length_bucket: int
+) -> tuple[int, ...]:
+    """Batch sizes 1, 2, 4, ... for one length bucket, capped by rows and by rows x length."""
+    cap = max(1, min(max_batch_size, max_batch_tokens // length_bucket))
+    sizes = [1]
+    while sizes[-1] * 2 <= cap:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] != cap:
+        sizes.append(cap)
+    return tuple(sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    length_buckets: tuple[int, ...]
+    max_batch_size: int
+    max_batch_tokens: int
+    max_wait_s: float
+
+    def __post_init__(self) -> None:
+        if not self.length_buckets or list(self.length_buckets) != sorted(set(self.length_buckets)):
+            raise ValueError("length_buckets must be non-empty and strictly increasing")
+
+    def length_bucket_for(self, n_tokens: int) -> int | None:
+        """The smallest length bucket holding `n_tokens`, or None when none does."""
+        index = bisect.bisect_left(self.length_buckets, n_tokens)
+        return self.length_buckets[index] if index < len(self.length_buckets) else None
+
+    def batch_buckets(self, length_bucket: int) -> tuple[int, ...]:
+        return batch_buckets(self.max_batch_size, self.max_batch_tokens, length_bucket)
+
+    def max_batch(self, length_bucket: int) -> int:
+        return self.batch_buckets(length_bucket)[-1]
+
+    def padded_batch(self, length_bucket: int, rows: int) -> int:
+        buckets = self.batch_buckets(length_bucket)
+        return buckets[bisect.bisect_left(buckets, rows)]
+
+    def shapes(self) -> tuple[BatchShape, ...]:
+        """Every shape a batch can take: what the buffer pool preallocates and warm-up runs."""
+        return tuple(
+            BatchShape(batch=rows, length=length)
+            for length in self.length_buckets
+            for rows in self.batch_buckets(length)
+        )
+
+
+@dataclass(slots=True)
+class _ComputeEstimate:
+    """Exponentially weighted mean of measured batch compute seconds, per shape."""
+
+    by_shape: dict[BatchShape, float] = field(default_factory=dict)
+    weight: float = 0.2
+
+    def record(self, shape: BatchShape, seconds: float) -> None:
+        previous = self.by_shape.get(shape)
+        self.by_shape[shape] = (
+            seconds if previous is None else previous + self.weight * (seconds - previous)
+        )
+
+    def get(self, shape: BatchShape) -> float:
+        return self.by_shape.get(shape, 0.0)
+
+
+class Scheduler:
+    """Per-model queues by length bucket and the policy that closes batches.
+
+    Not thread-safe: the event loop thread alone calls it.
+    """
+
+    def __init__(self, policy: BatchPolicy) -> None:
+        self.policy = policy
+        self._queues: dict[int, deque[WorkItem]] = {b: deque() for b in policy.length_buckets}
+        self._cancelled: set[int] = set()
+        self._depth = 0
+        self._compute = _ComputeEstimate()
+
+    @property
+    def depth(self) -> int:
+        """Inputs queued, cancelled ones included until the next `poll` drops them."""
+        return self._depth
+
+    def enqueue(self, item: WorkItem) -> None:
+        if item.length_bucket not in self._queues:
+            raise ValueError(f"no length bucket {item.length_bucket}")
+        self._queues[item.length_bucket].append(item)
+        self._depth += 1
+
+    def cancel(self, item_id: int) -> None:
+        """Mark an input as abandoned; the next `poll` drops it if it is still queued."""
+        self._cancelled.add(item_id)
+
+    def record_compute(self, shape: BatchShape, seconds: float) -> None:
+        """Feed back a measured batch time (warm-up measures every shape before traffic)."""
+        self._compute.record(shape, seconds)
+
+    def estimated_compute(self, shape: BatchShape) -> float:
+        return self._compute.get(shape)
+
+    def poll(self, now: float) -> Decision:
+        """Call when a dispatcher worker is free: returns the batch to run now, if any."""
+        expired, cancelled = self._drop_dead(now)
+        best: tuple[float, int, CloseReason] | None = None
+        wake_at: float | None = None
+        for length, queue in self._queues.items():
+            if not queue:
+                continue
+            reason, ready_at = self._readiness(length, queue, now)
+            if reason is not None:
+                oldest = queue[0].enqueued_at
+                if best is None or oldest < best[0]:
+                    best = (oldest, length, reason)
+            elif wake_at is None or ready_at < wake_at:
+                wake_at = ready_at
+        batch = None if best is None else self._take(best[1], best[2])
+        return Decision(
+            batch=batch,
+            expired=expired,
+            cancelled=cancelled,
+            wake_at=None if batch is not None else wake_at,
+        )
+
+    def _readiness(
+        self, length: int, queue: deque[WorkItem], now: float
+    ) -> tuple[CloseReason | None, float]:
+        """Why this bucket's batch should close now, or else the time it will have to."""
+        rows = min(len(queue), self.policy.max_batch(length))
+        if len(queue) >= self.policy.max_batch(length):
+            return CloseReason.FULL, now
+        max_wait_at = queue[0].enqueued_at + self.policy.max_wait_s
+        if now >= max_wait_at:
+            return CloseReason.MAX_WAIT, now
+        shape = BatchShape(self.policy.padded_batch(length, rows), length)
+        urgent_at = min(item.deadline for item in queue) - self._compute.get(shape)
+        if now >= urgent_at:
+            return CloseReason.DEADLINE, now
+        return None, min(max_wait_at, urgent_at)
+
+    def _take(self, length: int, reason: CloseReason) -> Batch:
+        queue = self._queues[length]
+        rows = min(len(queue), self.policy.max_batch(length))
+        if rows == len(queue):
+            chosen = list(queue)
+            queue.clear()
+        else:
+            # Earliest deadlines first; `sorted` is stable, so equal deadlines stay FIFO.
+            by_deadline = sorted(queue, key=lambda item: item.deadline)
+            chosen = by_deadline[:rows]
+            chosen_ids = {item.item_id for item in chosen}
+            self._queues[length] = deque(i for i in queue if i.item_id not in chosen_ids)
+            chosen.sort(key=lambda item: item.enqueued_at)
+        self._depth -= rows
+        shape = BatchShape(self.policy.padded_batch(length, rows), length)
+        return Batch(shape=shape, items=tuple(chosen), reason=reason)
+
+    def _drop_dead(self, now: float) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:
+        expired: list[WorkItem] = []
+        cancelled: list[WorkItem] = []
+        for length, queue in self._queues.items():
+            fastest = self._compute.get(BatchShape(1, length))
+            if not self._cancelled and all(i.deadline > now + fastest for i in queue):
+                continue
+            keep: deque[WorkItem] = deque()
+            for item in queue:
+                if item.item_id in self._cancelled:
+                    cancelled.append(item)
+                elif item.deadline <= now + fastest:
+                    expired.append(item)
+                else:
+                    keep.append(item)
+            self._queues[length] = keep
+        self._depth -= len(expired) + len(cancelled)
+        self._cancelled.clear()
+        return tuple(expired), tuple(cancelled)

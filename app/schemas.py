@@ -1,0 +1,100 @@
+"""Request, response and error models: used at the HTTP edge only."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InferParameters(_Strict):
+    normalize: bool = Field(default=True, description="L2-normalise each output vector.")
+    truncate: bool = Field(
+        default=False,
+        description="Cut inputs to the model's token limit instead of answering 413.",
+    )
+
+
+class InferRequest(_Strict):
+    model: str | None = Field(default=None, description="Model name; the default model if absent.")
+    inputs: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] = Field(
+        description="One text or a non-empty list of texts."
+    )
+    parameters: InferParameters = Field(default_factory=InferParameters)
+    timeout_ms: float | None = Field(default=None, gt=0, description="Deadline from admission.")
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    inputs: int
+
+
+class InferResponse(BaseModel):
+    model: str
+    outputs: list[list[float]]
+    usage: Usage
+
+
+class EmbeddingsRequest(_Strict):
+    """OpenAI's embeddings request (text inputs)."""
+
+    model: str | None = None
+    input: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, gt=0)
+    user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _reject_token_arrays(cls, value: object) -> object:
+        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+            raise ValueError(
+                "input must be a string or a list of strings (token arrays are not supported)"
+            )
+        return value
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingsUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingsUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "steadyserve"
+    task: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    param: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,398 @@
+"""The serving pipeline behind the routes: load -> warm up -> ready; admit -> tokenize ->
+batch -> answer; drain on shutdown.
+
+`Service` is created and called on the event loop thread; model loading, tokenizing of large
+requests and all compute run on the dispatcher's threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.admission import Admission, AdmissionLimits, Rejected, RejectReason, resolve_deadline
+from app.batcher import DeadlineExceeded, ItemResult, ModelBatcher
+from app.buffers import BufferPool
+from app.dispatcher import Dispatcher, plan_threads
+from app.gate import AdmissionGate
+from app.metrics import Metrics
+from app.models.base import ModelRunner, resolve_device, resolve_dtype
+from app.models.embedding import EmbeddingRunner
+from app.scheduler import BatchPolicy
+from app.settings import ModelSpec, Settings
+from app.telemetry.cgroup import available_cpus
+
+log = logging.getLogger(__name__)
+
+# Tokenizing a few short texts takes tens of microseconds: less than the hop to a thread.
+# Larger requests go to the tokenizer pool so they cannot stall the event loop.
+INLINE_TOKENIZE_MAX_CHARS = 2048
+
+RunnerLoader = Callable[[ModelSpec, torch.device, int], ModelRunner]
+
+
+def load_runner(spec: ModelSpec, device: torch.device, largest_length_bucket: int) -> ModelRunner:
+    """The production loader (dispatcher threads only: it blocks for seconds)."""
+    return EmbeddingRunner(
+        name=spec.name,
+        source=spec.source,
+        device=device,
+        dtype=resolve_dtype(spec.dtype, device),
+        max_input_tokens=spec.max_input_tokens,
+        largest_length_bucket=largest_length_bucket,
+    )
+
+
+class UnknownModel(Exception):
+    def __init__(self, name: str, known: Sequence[str]) -> None:
+        super().__init__(f"model {name!r} is not served; available: {', '.join(known)}")
+
+
+class NotReady(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class PhaseTimer:
+    """Durations of a request's phases, rendered as a `Server-Timing` header.
+
+    Mutable by design: one request's phases accumulate in it as they happen.
+    """
+
+    started: float = field(default_factory=time.perf_counter)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def header(self) -> str:
+        entries = [f"{name};dur={seconds * 1000:.2f}" for name, seconds in self.phases.items()]
+        entries.append(f"total;dur={(time.perf_counter() - self.started) * 1000:.2f}")
+        return ", ".join(entries)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    model: str
+    vectors: npt.NDArray[np.float32]
+    input_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    ready: bool
+    status: str
+    warmup_done: int
+    warmup_total: int
+    error: str | None = None
+
+
+def _normalize_rows(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    normalized: npt.NDArray[np.float32] = vectors / np.maximum(norms, np.float32(1e-12))
+    return normalized
+
+
+class Service:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        loader: RunnerLoader = load_runner,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._loader = loader
+        self._clock = clock
+        self.admission = Admission(
+            AdmissionLimits(
+                max_inflight=settings.max_inflight,
+                max_queue=settings.max_queue,
+                default_timeout_s=settings.default_timeout_ms / 1000,
+                max_timeout_s=settings.max_timeout_ms / 1000,
+            )
+        )
+        self.gate = AdmissionGate(
+            self.admission,
+            rate_per_s=settings.rate_limit_per_s,
+            burst=settings.rate_limit_burst,
+            max_wait_s=settings.max_admission_wait_ms / 1000,
+            metrics=metrics,
+            clock=clock,
+        )
+        self.device = resolve_device(settings.device)
+        self.dispatcher = Dispatcher(
+            plan_threads(
+                compute_threads=settings.dispatcher_threads,
+                tokenizer_threads=settings.tokenizer_threads,
+                torch_threads=settings.torch_threads,
+                torch_interop_threads=settings.torch_interop_threads,
+                cpus=available_cpus(),
+            ),
+            self.device,
+        )
+        self.batchers: dict[str, ModelBatcher] = {}
+        self._warmup_done = 0
+        self._warmup_total = 0
+        self._ready = False
+        self._startup_error: str | None = None
+        self._idle = asyncio.Event()
+
+    # --- start-up -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load every model, preallocate its buffers, warm up every shape, then be ready.
+        Failures are kept for /readyz and /healthz rather than raised."""
+        try:
+            await self._start()
+        except Exception as error:
+            log.exception("start-up failed")
+            self._startup_error = f"{type(error).__name__}: {error}"
+
+    async def _start(self) -> None:
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            self._init_cuda()
+        policies = {spec.name: self._policy() for spec in self.settings.models}
+        runners: dict[str, ModelRunner] = {}
+        for spec in self.settings.models:
+            largest = policies[spec.name].length_buckets[-1]
+            runners[spec.name] = await self.dispatcher.run_compute(
+                self._loader, spec, self.device, largest
+            )
+        for name, runner in runners.items():
+            policy = self._policy_for(runner)
+            policies[name] = policy
+            pool = BufferPool(
+                policy.shapes(),
+                runner.output_width,
+                runner.device,
+                runner.dtype,
+                self.settings.slots_per_shape,
+            )
+            self._record_pool(name, pool)
+            self.batchers[name] = ModelBatcher(
+                runner, policy, pool, self.dispatcher, self.admission, self.metrics, self._clock
+            )
+            self._warmup_total += len(policy.shapes()) if self.settings.warmup else 0
+            self.metrics.warmup_shapes.labels(name).set(
+                len(policy.shapes()) if self.settings.warmup else 0
+            )
+        for name, batcher in self.batchers.items():
+            if self.settings.warmup:
+                await self._warm_up(name, batcher)
+            batcher.start()
+        self._ready = True
+        log.info(
+            "ready in %.1f s (%d shapes warmed up)",
+            time.perf_counter() - started,
+            self._warmup_done,
+        )
+
+    def _init_cuda(self) -> None:
+        # The allocator reads this on its first allocation: set it before CUDA starts.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", self.settings.cuda_alloc_conf)
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        torch.cuda.set_device(self.device)
+        log.info(
+            "CUDA initialised eagerly on %s (%s), PYTORCH_CUDA_ALLOC_CONF=%s",
+            self.device,
+            torch.cuda.get_device_name(self.device),
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"],
+        )
+
+    def _policy(self, length_buckets: tuple[int, ...] | None = None) -> BatchPolicy:
+        return BatchPolicy(
+            length_buckets=length_buckets or self.settings.length_buckets,
+            max_batch_size=self.settings.max_batch_size,
+            max_batch_tokens=self.settings.max_batch_tokens,
+            max_wait_s=self.settings.max_wait_ms / 1000,
+        )
+
+    def _policy_for(self, runner: ModelRunner) -> BatchPolicy:
+        """Buckets up to the first one that holds the model's longest input: shapes the
+        model can never see are neither preallocated nor warmed up."""
+        buckets = self.settings.length_buckets
+        needed = [b for b in buckets if b < runner.max_input_tokens]
+        holding = [b for b in buckets if b >= runner.max_input_tokens][:1]
+        return self._policy(tuple(needed + holding))
+
+    def _record_pool(self, name: str, pool: BufferPool) -> None:
+        self.metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)
+        log.info(
+            "%s: buffer pool %d shapes, %.1f MiB",
+            name,
+            len(pool.stats().slots),
+            pool.bytes_preallocated / 2**20,
+        )
+
+    async def _warm_up(self, name: str, batcher: ModelBatcher) -> None:
+        started = time.perf_counter()
+        gauge = self.metrics.warmup_shapes_done.labels(name)
+
+        def shape_done(done: int, total: int) -> None:
+            self._warmup_done += 1
+            gauge.set(done)
+            if done == total or done % 5 == 0:
+                log.info(
+                    "%s: warm-up %d/%d shapes (%.1f s)",
+                    name,
+                    done,
+                    total,
+                    time.perf_counter() - started,
+                )
+
+        await batcher.warm_up(batcher.runner.pad_token_id + 1, shape_done)
+
+    def readiness(self) -> Readiness:
+        if self._startup_error is not None:
+            status = "failed"
+        elif self.admission.draining:
+            status = "draining"
+        elif not self._ready:
+            status = "warming_up"
+        else:
+            status = "ready"
+        return Readiness(
+            ready=status == "ready",
+            status=status,
+            warmup_done=self._warmup_done,
+            warmup_total=self._warmup_total,
+            error=self._startup_error,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._startup_error is None
+
+    def model_names(self) -> list[str]:
+        return [spec.name for spec in self.settings.models]
+
+    def model_task(self, name: str) -> str:
+        return next(spec.task for spec in self.settings.models if spec.name == name)
+
+    # --- requests -----------------------------------------------------------------------
+    def resolve_model(self, name: str | None) -> str:
+        chosen = name or self.settings.default_model_name
+        if chosen not in self.model_names():
+            raise UnknownModel(chosen, self.model_names())
+        return chosen
+
+    async def embed(
+        self,
+        model: str,
+        texts: Sequence[str],
+        *,
+        normalize: bool,
+        truncate: bool,
+        timeout_ms: float | None,
+        envoy_timeout_ms: float | None,
+        timer: PhaseTimer,
+    ) -> EmbedResult:
+        """Admit, tokenize, batch and return one vector per text.
+
+        Raises `Rejected` (429/503/504), `InputTooLong`, `NotReady` or `DeadlineExceeded`.
+        Cancelling the caller's task (client gone) drops its queued inputs.
+        """
+        if self.admission.draining:
+            raise self.gate.reject(self.admission.draining_rejection())
+        if not self._ready:
+            raise self.gate.reject(Rejected(RejectReason.NOT_READY, "warm-up has not finished"))
+        batcher = self.batchers[model]
+        now = self._clock()
+        deadline = resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)
+        ticket = await self.gate.admit(len(texts), deadline)
+        admitted_at = self._clock()
+        timer.add("admission", admitted_at - now)
+        outcome = "error"
+        submitted = 0
+        try:
+            token_ids = await self._tokenize(batcher.runner, texts, truncate)
+            tokenized_at = self._clock()
+            timer.add("tokenize", tokenized_at - admitted_at)
+            futures = [batcher.submit(ids, deadline) for ids in token_ids]
+            submitted = len(futures)
+            try:
+                results: list[ItemResult] = await asyncio.gather(*futures)
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+            timer.add("queue", max(r.queue_wait_s for r in results))
+            timer.add("compute", max(r.compute_s for r in results))
+            vectors = np.stack([r.vector for r in results])
+            outcome = "ok"
+            return EmbedResult(
+                model=model,
+                vectors=_normalize_rows(vectors) if normalize else vectors,
+                input_tokens=sum(len(ids) for ids in token_ids),
+            )
+        except DeadlineExceeded:
+            outcome = "deadline"
+            self.metrics.rejected.labels(RejectReason.DEADLINE.value).inc()
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            finished = self._clock()
+            if submitted < ticket.n_inputs:  # never reached the queue (e.g. too long)
+                self.admission.left_queue(ticket.n_inputs - submitted, finished)
+                outcome = "bad_request" if outcome == "error" else outcome
+            self.admission.release(ticket, finished)
+            self.metrics.request_duration.labels(model, "embed", outcome).observe(finished - now)
+            if self.admission.draining and self.admission.inflight == 0:
+                self._idle.set()
+
+    async def _tokenize(
+        self, runner: ModelRunner, texts: Sequence[str], truncate: bool
+    ) -> list[list[int]]:
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_MAX_CHARS:
+            return runner.tokenize(texts, truncate)
+        return await self.dispatcher.run_tokenize(runner.tokenize, texts, truncate)
+
+    # --- metrics at scrape time -----------------------------------------------------------
+    def refresh_gauges(self) -> None:
+        """Called by the /metrics route just before it renders."""
+        m = self.metrics
+        m.inflight.set(self.admission.inflight)
+        m.queue_depth.set(self.admission.queued)
+        m.queue_depth_max.set(self.admission.take_queue_high_water())
+        for name, batcher in self.batchers.items():
+            stats = batcher.pool.stats()
+            for shape, total in stats.slots.items():
+                bucket = f"{shape.batch}x{shape.length}"
+                m.pool_slots.labels(name, bucket).set(total)
+                m.pool_slots_in_use.labels(name, bucket).set(stats.in_use[shape])
+
+    # --- shutdown -----------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        """Stop admitting (503) and report unready; admitted requests carry on."""
+        if not self.admission.draining:
+            log.info("draining: %d requests in flight", self.admission.inflight)
+        self.admission.draining = True
+        if self.admission.inflight == 0:
+            self._idle.set()
+
+    async def wait_drained(self, timeout_s: float) -> bool:
+        """True when every admitted request was answered within `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("drain timeout: %d requests still in flight", self.admission.inflight)
+            return False
+        log.info("drained")
+        return True
+
+    async def stop(self) -> None:
+        for batcher in self.batchers.values():
+            await batcher.close()
+        self.dispatcher.shutdown()

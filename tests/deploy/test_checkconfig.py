@@ -1,0 +1,173 @@
+"""`steadyserve check-config` (app/checkconfig.py): passes on the shipped files and fails,
+naming the field and both values, when any one source drifts from deploy/baseline.yaml."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.checkconfig import main
+from tests.deploy.tools import DEPLOY
+from tests.support.server import REPO_ROOT
+
+
+@pytest.fixture
+def deploy_copy(tmp_path: Path) -> Path:
+    copied = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copied)
+    return copied
+
+
+def check(deploy: Path) -> int:
+    return main(
+        [
+            "--baseline",
+            str(deploy / "baseline.yaml"),
+            "--envoy",
+            str(deploy / "envoy" / "envoy.yaml"),
+            "--k8s",
+            str(deploy / "k8s"),
+        ]
+    )
+
+
+def replace_once(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, f"{old!r} in {path}"
+    path.write_text(text.replace(old, new))
+
+
+def test_shipped_configuration_matches_the_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    assert check(DEPLOY) == 0
+    assert "configuration matches" in capsys.readouterr().out
+
+
+def test_module_entry_point_runs_from_the_repository_root() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "app.checkconfig"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_reuse_limit_drift_is_named(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "envoy" / "envoy.yaml",
+        "max_requests_per_connection: 5000",
+        "max_requests_per_connection: 100",
+    )
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "envoy.downstream_max_requests_per_connection: baseline 5000, actual 100" in out
+
+
+def test_deprecated_upstream_reuse_field_is_drift(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "envoy" / "envoy.yaml",
+        "      lb_policy: LEAST_REQUEST\n",
+        "      lb_policy: LEAST_REQUEST\n      max_requests_per_connection: 10\n",
+    )
+    assert check(deploy_copy) == 1
+    assert "envoy.deprecated_cluster_max_requests_per_connection" in capsys.readouterr().out
+
+
+def test_config_map_setting_drift_is_named_for_every_overlay(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "STEADY_MAX_INFLIGHT=512",
+        "STEADY_MAX_INFLIGHT=2048",
+    )
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    for overlay in ("cpu", "gpu"):
+        assert f"k8s[{overlay}].settings.max_inflight: baseline 512, actual 2048" in out
+
+
+def test_cpu_limit_change_is_named_with_the_thread_count_it_implies(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    patch = deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml"
+    replace_once(
+        patch, 'cpu: "4"\n              memory: 8Gi', 'cpu: "6"\n              memory: 8Gi'
+    )
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert 'k8s[cpu].cpu_limit: baseline "4", actual "6"' in out
+    assert "k8s[cpu].settings.torch_threads: baseline 4, actual 6" in out
+    assert "k8s[gpu]" not in out
+
+
+def test_probe_timing_drift_is_named(deploy_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "overlays" / "gpu" / "steadyserve-gpu.yaml",
+        "failureThreshold: 120",
+        "failureThreshold: 12",
+    )
+    assert check(deploy_copy) == 1
+    assert (
+        "k8s[gpu].startup_probe_failure_threshold: baseline 120, actual 12"
+        in capsys.readouterr().out
+    )
+
+
+def test_grace_period_shorter_than_the_drain_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Changed in both places, so only the invariant between sources catches it."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "steadyserve-deployment.yaml",
+        "terminationGracePeriodSeconds: 45",
+        "terminationGracePeriodSeconds: 25",
+    )
+    replace_once(
+        deploy_copy / "baseline.yaml",
+        "termination_grace_period_s: 45",
+        "termination_grace_period_s: 25",
+    )
+    assert check(deploy_copy) == 1
+    assert "must exceed pre_stop_sleep_s (10) + drain_timeout_s (20.0)" in capsys.readouterr().out
+
+
+def test_unknown_setting_in_the_config_map_is_named(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "      - STEADY_WARMUP=true\n",
+        "      - STEADY_WARMUP=true\n      - STEADY_MAX_INFLIGHTS=1\n",
+    )
+    assert check(deploy_copy) == 1
+    assert "STEADY_MAX_INFLIGHTS is not a setting" in capsys.readouterr().out
+
+
+def test_process_environment_drift_is_named(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STEADY_MAX_QUEUE", "4096")
+    assert check(DEPLOY) == 1
+    assert "settings.max_queue: baseline 1024, actual 4096" in capsys.readouterr().out
+
+
+def test_baseline_key_that_nothing_reads_is_an_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(deploy_copy / "baseline.yaml", "  num_retries: 2\n", "  num_retrys: 2\n")
+    assert check(deploy_copy) == 2
+    err = capsys.readouterr().err
+    assert "envoy.num_retrys is not read" in err
+    assert "envoy.num_retries is read by check-config but missing" in err

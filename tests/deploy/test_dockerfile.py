@@ -1,0 +1,67 @@
+"""Dockerfile: hadolint-clean and shaped as deploy/README.md says (no Docker engine runs in CI,
+so the image is linted and inspected, not built)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from tests.deploy.tools import DEPLOY, require_tool, run_tool
+from tests.support.server import REPO_ROOT
+
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    pairs = []
+    for line in joined.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            keyword, _, rest = stripped.partition(" ")
+            pairs.append((keyword.upper(), rest.strip()))
+    return pairs
+
+
+def test_hadolint_passes() -> None:
+    result = run_tool(require_tool("hadolint"), str(DOCKERFILE))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_flags_a_root_user_and_unpinned_packages(tmp_path: Path) -> None:
+    """The check above can fail."""
+    broken = DOCKERFILE.read_text().replace("USER 10001:10001", "USER root")
+    broken += "RUN pip install --no-cache-dir requests\n"
+    path = tmp_path / "Dockerfile"
+    path.write_text(broken)
+    result = run_tool(require_tool("hadolint"), str(path))
+    assert result.returncode != 0
+    assert "DL3002" in result.stdout and "DL3013" in result.stdout
+
+
+def test_multi_stage_non_root_with_healthcheck_and_entry_point() -> None:
+    steps = instructions(DOCKERFILE.read_text())
+    stages = [args for keyword, args in steps if keyword == "FROM"]
+    assert len(stages) >= 2
+    assert any(" AS runtime" in stage for stage in stages)
+    final_stage = steps[max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM") :]
+    users = [args for keyword, args in final_stage if keyword == "USER"]
+    assert users and not users[-1].startswith(("root", "0"))
+    healthchecks = [args for keyword, args in final_stage if keyword == "HEALTHCHECK"]
+    assert len(healthchecks) == 1 and "/healthz" in healthchecks[0]
+    assert ("ENTRYPOINT", '["steadyserve"]') in final_stage
+    assert any(k == "CMD" and args.startswith('["serve"') for k, args in final_stage)
+    arguments = {args.split("=")[0] for keyword, args in steps if keyword == "ARG"}
+    assert {"TORCH_VARIANT", "TORCH_INDEX_URL"} <= arguments
+
+
+def test_image_user_is_the_one_kubernetes_runs_as() -> None:
+    user = [args for keyword, args in instructions(DOCKERFILE.read_text()) if keyword == "USER"][-1]
+    deployment = yaml.safe_load(
+        (DEPLOY / "k8s" / "base" / "steadyserve-deployment.yaml").read_text()
+    )
+    pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert user == f"{pod_security['runAsUser']}:{pod_security['runAsGroup']}"

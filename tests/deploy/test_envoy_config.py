@@ -1,0 +1,134 @@
+"""deploy/envoy/envoy.yaml through the real Envoy: it validates without deprecated fields,
+and its route timeout reaches the upstream as x-envoy-expected-rq-timeout-ms."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.tools import run_tool
+from tests.support.envoy import (
+    ENVOY_YAML,
+    envoy_binary,
+    free_ports,
+    local_envoy_config,
+    post_json,
+    running_envoy,
+    upstream_cluster,
+)
+
+
+def validate(config_path: Path) -> tuple[int, str]:
+    result = run_tool(envoy_binary(), "--mode", "validate", "--config-path", str(config_path))
+    return result.returncode, result.stdout + result.stderr
+
+
+def test_shipped_config_validates_without_deprecated_fields() -> None:
+    returncode, output = validate(ENVOY_YAML)
+    assert returncode == 0, output
+    assert "Deprecated field" not in output, output
+
+
+def test_validation_reports_the_deprecated_cluster_reuse_field(tmp_path: Path) -> None:
+    """The check above can fail: the pre-v1.20 place of the upstream reuse limit is flagged."""
+    config = yaml.safe_load(ENVOY_YAML.read_text())
+    upstream_cluster(config)["max_requests_per_connection"] = 100
+    path = tmp_path / "deprecated.yaml"
+    path.write_text(yaml.safe_dump(config))
+    _, output = validate(path)
+    assert "Deprecated field" in output
+    assert "Cluster.max_requests_per_connection" in output
+
+
+def test_upstream_reuse_limit_is_in_http_protocol_options() -> None:
+    cluster = upstream_cluster(yaml.safe_load(ENVOY_YAML.read_text()))
+    options = cluster["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
+    assert options["common_http_protocol_options"]["max_requests_per_connection"] > 0
+    assert "max_requests_per_connection" not in cluster
+
+
+class _EchoHeaders(BaseHTTPRequestHandler):
+    """An upstream that answers every request with the request's headers, as JSON."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        body = json.dumps({k.lower(): v for k, v in self.headers.items()}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = _answer
+    do_POST = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: the test reads what it needs from the responses."""
+
+
+@pytest.fixture
+def echo_upstream() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EchoHeaders)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_route_timeout_reaches_the_server_as_its_deadline_header(
+    tmp_path: Path, echo_upstream: int
+) -> None:
+    listener, stats, admin = free_ports(3)
+    config = local_envoy_config(listener, stats, admin, [echo_upstream])
+    route_timeout_ms = 1000 * float(
+        config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+            "typed_config"
+        ]["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"].rstrip("s")
+    )
+    with running_envoy(tmp_path, config) as envoy:
+        connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
+        status, _, body = post_json(connection, "/infer", b'{"inputs": "x"}')
+        connection.close()
+    assert status == 200
+    assert float(json.loads(body)["x-envoy-expected-rq-timeout-ms"]) == route_timeout_ms
+
+
+def test_stats_listener_exposes_only_metrics_and_readiness(
+    tmp_path: Path, echo_upstream: int
+) -> None:
+    """Prometheus and the kubelet reach /stats/prometheus and /ready; the rest of the admin
+    interface (which can drain or stop Envoy) stays on 127.0.0.1."""
+    listener, stats, admin = free_ports(3)
+    config = local_envoy_config(listener, stats, admin, [echo_upstream])
+    with running_envoy(tmp_path, config) as envoy:
+        metrics = envoy_get(envoy.stats_port, "/stats/prometheus")
+        ready = envoy_get(envoy.stats_port, "/ready")
+        quit_attempt = envoy_get(envoy.stats_port, "/quitquitquit")
+        assert envoy.process.poll() is None
+    assert metrics[0] == 200 and "envoy_cluster_upstream_cx_total" in metrics[1]
+    assert ready[0] == 200
+    assert quit_attempt[0] == 404
+
+
+def envoy_get(port: int, path: str) -> tuple[int, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()

@@ -703,16 +703,28 @@ def check_overlay(
     return differences
 
 
+def _default(setting: str) -> Any:
+    return Settings.model_fields[setting].default
+
+
 def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
     envoy = read_envoy(envoy_config)
     settings = baseline.settings
     differences = []
     route_timeout_s = envoy["route_timeout_s"]
-    max_timeout_s = float(settings.get("max_timeout_ms", Settings().max_timeout_ms)) / 1000
+    max_timeout_s = float(settings.get("max_timeout_ms", _default("max_timeout_ms"))) / 1000
     if isinstance(route_timeout_s, float) and route_timeout_s > max_timeout_s:
         differences.append(
             f"envoy.route_timeout_s: {route_timeout_s} exceeds the server's max_timeout_ms "
             f"({max_timeout_s * 1000:g}): the server would cut Envoy's deadline short"
+        )
+    keep_alive_s = float(settings.get("keep_alive_timeout_s", _default("keep_alive_timeout_s")))
+    upstream_idle_s = envoy["upstream_idle_timeout_s"]
+    if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:
+        differences.append(
+            f"envoy.upstream_idle_timeout_s: {upstream_idle_s} must be below the server's "
+            f"keep_alive_timeout_s ({keep_alive_s:g}), or the server closes connections Envoy "
+            "is about to reuse"
         )
     fleet_inflight = int(settings.get("max_inflight", 0)) * int(
         baseline.k8s.get("hpa_max_replicas", 0)

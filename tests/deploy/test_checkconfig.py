@@ -171,3 +171,20 @@ def test_baseline_key_that_nothing_reads_is_an_error(
     err = capsys.readouterr().err
     assert "envoy.num_retrys is not read" in err
     assert "envoy.num_retries is read by check-config but missing" in err
+
+
+def test_upstream_idle_timeout_at_or_above_server_keep_alive_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Changed in both places, so only the invariant between sources catches it."""
+    replace_once(deploy_copy / "envoy" / "envoy.yaml", "idle_timeout: 60s", "idle_timeout: 90s")
+    replace_once(
+        deploy_copy / "baseline.yaml",
+        "upstream_idle_timeout_s: 60.0",
+        "upstream_idle_timeout_s: 90.0",
+    )
+    assert check(deploy_copy) == 1
+    assert (
+        "envoy.upstream_idle_timeout_s: 90.0 must be below the server's keep_alive_timeout_s (75)"
+        in capsys.readouterr().out
+    )

@@ -23,7 +23,7 @@ MAX_HEAD_BYTES = 64 * 1024
 class Response(NamedTuple):
     status: int
     retry_after_s: float | None
-    body_bytes: int
+    body_bytes: int  # on the wire, chunk framing included
 
 
 class RequestError(Exception):

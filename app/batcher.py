@@ -84,7 +84,7 @@ class ModelBatcher:
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
-        self._free_workers = asyncio.Semaphore(dispatcher.capacity)
+        self._free_workers = dispatcher.capacity
         self._running: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -127,34 +127,29 @@ class ModelBatcher:
         self._wakeup.set()
         if self._loop_task is not None:
             await self._loop_task
-        if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
 
     async def _batch_loop(self) -> None:
-        while True:
-            await self._free_workers.acquire()
-            batch = await self._next_batch()
-            if batch is None:
-                self._free_workers.release()
-                return
-            task = asyncio.create_task(self._execute(batch))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
-
-    async def _next_batch(self) -> Batch | None:
-        """Wait (a worker being free) until the scheduler closes a batch; None once closing
-        and nothing is queued."""
+        """Close a batch whenever a worker is free and the policy says so; while every
+        worker is busy, still answer inputs whose deadline passes (504) and drop cancelled
+        ones, so nobody waits on a queue that can no longer serve them."""
         while True:
             self._wakeup.clear()
-            decision = self.scheduler.poll(self._clock())
+            now = self._clock()
+            if self._free_workers > 0:
+                decision = self.scheduler.poll(now)
+            else:
+                decision = self.scheduler.expire(now)
             self._drop(decision)
             if decision.batch is not None:
-                return decision.batch
-            if self._closing and not self._pending:
-                return None
-            timeout = (
-                None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
-            )
+                self._free_workers -= 1
+                task = asyncio.create_task(self._execute(decision.batch))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+                continue
+            idle = self._free_workers == self._dispatcher.capacity
+            if self._closing and not self._pending and idle:
+                return
+            timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 
@@ -200,7 +195,7 @@ class ModelBatcher:
                     ),
                 )
         finally:
-            self._free_workers.release()
+            self._free_workers += 1
             self._wakeup.set()
 
     def _run_blocking(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:

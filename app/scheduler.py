@@ -166,6 +166,20 @@ class Scheduler:
     def estimated_compute(self, shape: BatchShape) -> float:
         return self._compute.get(shape)
 
+    def expire(self, now: float) -> Decision:
+        """Call while every worker is busy: drops cancelled and hopeless inputs only, and
+        says when the next queued input will become hopeless."""
+        expired, cancelled = self._drop_dead(now)
+        wake_at = min(
+            (
+                item.deadline - self._compute.get(BatchShape(1, length))
+                for length, queue in self._queues.items()
+                for item in queue
+            ),
+            default=None,
+        )
+        return Decision(batch=None, expired=expired, cancelled=cancelled, wake_at=wake_at)
+
     def poll(self, now: float) -> Decision:
         """Call when a dispatcher worker is free: returns the batch to run now, if any."""
         expired, cancelled = self._drop_dead(now)

@@ -7,6 +7,7 @@ client's inputs would still be batched and computed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -41,4 +42,8 @@ async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, T]) -
     if work_task.done():
         return work_task.result()
     work_task.cancel()
+    # Wait for the work to unwind (its inputs leave the queue, its admission is released)
+    # so nothing of it is left half-done when the handler returns.
+    with contextlib.suppress(asyncio.CancelledError):
+        await work_task
     raise ClientDisconnected

@@ -1,0 +1,285 @@
+"""The shipped Envoy config in front of two real steadyserve processes, all on 127.0.0.1.
+
+The Envoy config is deploy/envoy/envoy.yaml with only addresses and ports substituted
+(tests/support/envoy.py); a test that changes a limit says so. Every wait polls for the
+condition with a bound; every process is started here and stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.support.envoy import (
+    EnvoyProcess,
+    free_ports,
+    local_envoy_config,
+    post_json,
+    running_envoy,
+    upstream_cluster,
+    wait_for,
+)
+from tests.support.server import (
+    FAST_TEST_ENV,
+    REPO_ROOT,
+    ServerProcess,
+    free_port,
+    http_status,
+    running_server,
+)
+
+pytestmark = pytest.mark.e2e
+
+INFER_BODY = json.dumps({"inputs": "steady tails through envoy"}).encode()
+# One replica answers 429 to nearly everything: one input per second, no waiting for a token,
+# so Retry-After is 1 s (whole seconds, at least 1).
+SATURATED_ENV = {
+    "STEADY_RATE_LIMIT_PER_S": "1",
+    "STEADY_RATE_LIMIT_BURST": "1",
+    "STEADY_MAX_INPUTS_PER_REQUEST": "1",
+    "STEADY_MAX_ADMISSION_WAIT_MS": "0",
+}
+
+
+def envoy_in_front_of(
+    tmp_path: Path, *replicas: ServerProcess, upstream_reuse_limit: int | None = None
+) -> contextlib.AbstractContextManager[EnvoyProcess]:
+    listener, stats, admin = free_ports(3)
+    config = local_envoy_config(listener, stats, admin, [r.port for r in replicas])
+    if upstream_reuse_limit is not None:
+        options = upstream_cluster(config)["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        ]
+        options["common_http_protocol_options"]["max_requests_per_connection"] = (
+            upstream_reuse_limit
+        )
+    return running_envoy(tmp_path, config)
+
+
+def wait_until_healthy(envoy: EnvoyProcess, *replicas: ServerProcess) -> None:
+    wait_for(
+        lambda: all(envoy.host_healthy(r.port) for r in replicas),
+        timeout=20,
+        what="Envoy's health check to pass on every replica",
+    )
+
+
+def send_sequentially(envoy: EnvoyProcess, count: int) -> Counter[int]:
+    """`count` requests on one kept-alive client connection; their status codes."""
+    statuses: Counter[int] = Counter()
+    connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
+    try:
+        for _ in range(count):
+            status, _, _ = post_json(connection, "/infer", INFER_BODY)
+            statuses[status] += 1
+    finally:
+        connection.close()
+    return statuses
+
+
+def send_concurrently(
+    envoy: EnvoyProcess, count: int, concurrency: int
+) -> list[tuple[int, dict[str, str]]]:
+    """`count` requests from `concurrency` threads, each its own connection."""
+
+    def one(_: int) -> tuple[int, dict[str, str]]:
+        connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
+        try:
+            status, headers, _ = post_json(connection, "/infer", INFER_BODY)
+            return status, headers
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def test_requests_succeed_and_the_upstream_reuse_limit_takes_effect(tmp_path: Path) -> None:
+    with running_server(tmp_path) as first, running_server(tmp_path) as second:
+        # The shipped limits: one client connection carries every request, and no upstream
+        # connection is closed for having served too many.
+        with envoy_in_front_of(tmp_path, first, second) as envoy:
+            wait_until_healthy(envoy, first, second)
+            assert send_sequentially(envoy, 40) == Counter({200: 40})
+            stats = envoy.stats()
+            assert stats["http.ingress_http.downstream_cx_total"] == 1
+            assert stats["cluster.steadyserve.upstream_cx_max_requests"] == 0
+            for replica in (first, second):
+                assert int(envoy.host_stats(replica.port)["rq_total"]) > 0
+
+        # The test's copy lowers the upstream limit to 5: Envoy closes each upstream
+        # connection after 5 requests and opens a new one, and counts it.
+        with envoy_in_front_of(tmp_path, first, second, upstream_reuse_limit=5) as envoy:
+            wait_until_healthy(envoy, first, second)
+            assert send_sequentially(envoy, 40) == Counter({200: 40})
+            stats = envoy.stats()
+            assert stats["http.ingress_http.downstream_cx_total"] == 1
+            # 40 requests over connections of at most 5: at least 6 reached the limit.
+            assert stats["cluster.steadyserve.upstream_cx_max_requests"] >= 6
+            assert stats["cluster.steadyserve.upstream_cx_total"] >= 8
+
+
+def test_429_from_a_saturated_replica_is_retried_on_the_other_never_a_5xx(
+    tmp_path: Path,
+) -> None:
+    with (
+        running_server(tmp_path, SATURATED_ENV) as saturated,
+        running_server(tmp_path) as healthy,
+    ):
+        with envoy_in_front_of(tmp_path, saturated, healthy) as envoy:
+            wait_until_healthy(envoy, saturated, healthy)
+            results = send_concurrently(envoy, count=24, concurrency=8)
+            stats = envoy.stats()
+        statuses = Counter(status for status, _ in results)
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses[200] >= 16, statuses
+        assert stats["cluster.steadyserve.upstream_rq_429"] >= 1
+        assert stats["cluster.steadyserve.upstream_rq_retry_success"] >= 1
+        # The retry waited for the replica's Retry-After instead of the exponential back-off.
+        assert stats["cluster.steadyserve.upstream_rq_retry_backoff_ratelimited"] >= 1
+        assert stats.get("cluster.steadyserve.upstream_rq_5xx", 0) == 0
+        assert stats.get("http.ingress_http.downstream_rq_5xx", 0) == 0
+
+        # With no other replica to go to, the client gets the 429 and its Retry-After. The
+        # token bucket admits at most ~5 of 10 requests in the ~3 s the retries take.
+        with envoy_in_front_of(tmp_path, saturated) as envoy:
+            wait_until_healthy(envoy, saturated)
+            results = send_concurrently(envoy, count=10, concurrency=10)
+            stats = envoy.stats()
+        statuses = Counter(status for status, _ in results)
+        assert set(statuses) <= {200, 429}, statuses
+        assert statuses[429] >= 3, statuses
+        assert all(int(headers["retry-after"]) >= 1 for s, headers in results if s == 429)
+        assert stats.get("http.ingress_http.downstream_rq_5xx", 0) == 0
+
+
+class LoadThroughEnvoy:
+    """Closed-loop load from a few threads, each on its own kept-alive connection; records
+    every outcome (a status code, or the exception's name if no response came back)."""
+
+    def __init__(self, envoy: EnvoyProcess, threads: int) -> None:
+        self._envoy = envoy
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.outcomes: list[int | str] = []
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> LoadThroughEnvoy:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.outcomes)
+
+    def _run(self) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", self._envoy.listener_port)
+        while not self._stop.is_set():
+            outcome: int | str
+            try:
+                outcome, _, _ = post_json(connection, "/infer", INFER_BODY, timeout_s=30)
+            except (OSError, http.client.HTTPException) as error:
+                outcome = type(error).__name__
+                connection.close()
+                connection = http.client.HTTPConnection("127.0.0.1", self._envoy.listener_port)
+            with self._lock:
+                self.outcomes.append(outcome)
+        connection.close()
+
+
+def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> None:
+    with (
+        running_server(tmp_path) as staying,
+        running_server(tmp_path) as leaving,
+        envoy_in_front_of(tmp_path, staying, leaving) as envoy,
+    ):
+        wait_until_healthy(envoy, staying, leaving)
+        with LoadThroughEnvoy(envoy, threads=4) as load:
+            wait_for(
+                lambda: (
+                    load.count() >= 40 and int(envoy.host_stats(leaving.port)["rq_total"]) >= 10
+                ),
+                timeout=60,
+                what="load to reach both replicas",
+            )
+            leaving.terminate()  # SIGTERM, by PID
+            exit_code = leaving.wait(timeout=40)
+            after_exit = load.count()
+            wait_for(
+                lambda: load.count() >= after_exit + 40,
+                timeout=60,
+                what="load to carry on through the remaining replica",
+            )
+        # The health check takes the replica that went away out of the cluster.
+        wait_for(
+            lambda: "failed_active_hc" in envoy.host_stats(leaving.port)["health_flags"],
+            timeout=15,
+            what="Envoy's health check to mark the terminated replica",
+        )
+    outcomes = Counter(load.outcomes)
+    assert exit_code == 0, leaving.log()
+    assert outcomes == Counter({200: len(load.outcomes)}), outcomes
+
+
+@contextlib.contextmanager
+def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A real steadyserve whose start-up fails (its model source does not exist): it stays
+    up and answers /readyz with 503 for as long as it runs."""
+    port = free_port()
+    log_path = tmp_path / f"steadyserve-unready-{port}.log"
+    broken_model = [{"name": "broken", "source": str(tmp_path / "no-such-model")}]
+    env = {**os.environ, **FAST_TEST_ENV, "STEADY_MODELS": json.dumps(broken_model)}
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    replica = ServerProcess(process=process, port=port, log_path=log_path)
+    try:
+        wait_for(
+            lambda: http_status(f"{replica.base_url}/readyz") == 503,
+            timeout=60,
+            what="the broken replica to answer /readyz with 503",
+        )
+        yield replica
+    finally:
+        replica.kill()
+
+
+def test_an_unready_replica_is_taken_out_by_the_health_check(tmp_path: Path) -> None:
+    with (
+        running_server(tmp_path) as ready,
+        replica_that_never_gets_ready(tmp_path) as unready,
+        envoy_in_front_of(tmp_path, ready, unready) as envoy,
+    ):
+        wait_until_healthy(envoy, ready)
+        wait_for(
+            lambda: "failed_active_hc" in envoy.host_stats(unready.port)["health_flags"],
+            timeout=15,
+            what="Envoy's health check to mark the unready replica",
+        )
+        assert send_sequentially(envoy, 30) == Counter({200: 30})
+        assert int(envoy.host_stats(ready.port)["rq_total"]) == 30
+        assert int(envoy.host_stats(unready.port)["rq_total"]) == 0
+        assert unready.process.poll() is None, "the unready replica must still be running"
+        assert http_status(f"{unready.base_url}/readyz") == 503

@@ -1,0 +1,216 @@
+"""Scheduling behaviour through the ASGI app, with a gated fake model so each test decides
+when a batch finishes (the point here is the queue, not the numbers)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from app.admission import RejectReason
+from app.api.cancellation import ClientDisconnected, run_until_disconnect
+from app.main import create_app
+from app.service import PhaseTimer, Service
+from app.settings import ModelSpec, Settings
+from tests.support.asgi import serving
+from tests.support.fake_model import GatedLoader, GatedRunner
+
+BASE = {
+    "models": (ModelSpec(name="fake"),),
+    "length_buckets": (8, 16, 64),
+    "max_batch_size": 4,
+    "max_wait_ms": 0.0,
+}
+
+
+@dataclass
+class Harness:
+    client: httpx.AsyncClient
+    service: Service
+    runner: GatedRunner
+
+    async def hold_the_worker(self) -> asyncio.Task[httpx.Response]:
+        """Start a request whose batch blocks in the model until `release()`."""
+        self.runner.gate.clear()
+        task = asyncio.create_task(self.client.post("/infer", json={"inputs": "hold"}))
+        await asyncio.to_thread(self.runner.started.acquire, True, 30)
+        return task
+
+    def release(self) -> None:
+        self.runner.gate.set()
+
+    async def until(self, condition: object, what: str) -> None:
+        for _ in range(10_000):
+            if callable(condition) and condition():
+                return
+            await asyncio.sleep(0)  # yield to the loop; the condition is re-checked
+        raise AssertionError(f"never happened: {what}")
+
+
+async def start(**overrides: object) -> AsyncIterator[Harness]:
+    loader = GatedLoader()
+    settings = Settings(**{**BASE, **overrides})  # type: ignore[arg-type]
+    app = create_app(settings, loader=loader)
+    async with serving(app) as client:
+        runner = loader.runners["fake"]
+        runner.started = type(runner.started)(0)  # forget warm-up's batches
+        runner.batches.clear()
+        yield Harness(client, app.state.service, runner)
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    async for h in start():
+        yield h
+
+
+async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
+    loader = GatedLoader()
+    loader.loaded.clear()
+    app = create_app(Settings(**BASE), loader=loader)  # type: ignore[arg-type]
+    async with serving(app, wait_ready=False) as client:
+        waiting = await client.get("/readyz")
+        assert waiting.status_code == 503
+        assert waiting.json() == {"status": "warming_up", "warmup": {"done": 0, "total": 0}}
+        early = await client.post("/infer", json={"inputs": "too early"})
+        assert early.status_code == 503
+        assert early.json()["error"]["type"] == "not_ready"
+        assert (await client.get("/healthz")).status_code == 200
+        loader.loaded.set()
+        await app.state.startup_task
+        ready = await client.get("/readyz")
+        total = len(app.state.service.batchers["fake"].scheduler.policy.shapes())
+        assert ready.status_code == 200
+        assert ready.json()["warmup"] == {"done": total, "total": total}
+        metrics = (await client.get("/metrics")).text
+        assert f'steadyserve_warmup_shapes_done{{model="fake"}} {total}.0' in metrics
+
+
+async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
+    harness: Harness,
+) -> None:
+    holder = await harness.hold_the_worker()
+    late = await harness.client.post("/infer", json={"inputs": "never run", "timeout_ms": 30})
+    assert late.status_code == 504
+    assert late.json()["error"]["type"] == "deadline"
+    harness.release()
+    assert (await holder).status_code == 200
+    computed = [row for batch in harness.runner.batches for row in batch]
+    assert [1, 5, 3, 2] not in computed  # "never run" is never computed
+    assert harness.service.admission.queued == 0
+    assert harness.service.admission.inflight == 0
+
+
+async def test_a_cancelled_request_leaves_the_queue_before_it_is_computed(
+    harness: Harness,
+) -> None:
+    holder = await harness.hold_the_worker()
+    timer = PhaseTimer()
+    abandoned = asyncio.create_task(
+        harness.service.embed(
+            "fake", ["abandoned words"], normalize=False, truncate=False,
+            timeout_ms=None, envoy_timeout_ms=None, timer=timer,
+        )
+    )  # fmt: skip
+    batcher = harness.service.batchers["fake"]
+    await harness.until(lambda: batcher.scheduler.depth == 1, "the request is queued")
+    abandoned.cancel()
+    await harness.until(lambda: harness.service.admission.queued == 0, "the queue drops it")
+    harness.release()
+    assert (await holder).status_code == 200
+    computed = [row for batch in harness.runner.batches for row in batch]
+    assert [1, 9, 5, 2] not in computed
+    assert harness.service.admission.inflight == 0
+
+
+async def test_a_client_disconnect_cancels_the_work() -> None:
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "unreachable"
+
+    class DisconnectingRequest:
+        async def receive(self) -> dict[str, str]:
+            await started.wait()
+            return {"type": "http.disconnect"}
+
+    with pytest.raises(ClientDisconnected):
+        await run_until_disconnect(DisconnectingRequest(), work())  # type: ignore[arg-type]
+    assert cancelled.is_set()
+
+
+async def test_inflight_cap_answers_429_with_retry_after() -> None:
+    async for harness in start(max_inflight=1):
+        holder = await harness.hold_the_worker()
+        rejected = await harness.client.post("/infer", json={"inputs": "one too many"})
+        assert rejected.status_code == 429
+        assert rejected.json()["error"]["type"] == RejectReason.INFLIGHT.value
+        assert int(rejected.headers["retry-after"]) >= 1
+        harness.release()
+        assert (await holder).status_code == 200
+        metrics = (await harness.client.get("/metrics")).text
+        assert 'steadyserve_rejected_total{reason="inflight"} 1.0' in metrics
+
+
+async def test_queue_cap_answers_429_and_reports_depth() -> None:
+    async for harness in start(max_queue=3, max_inputs_per_request=3, rate_limit_burst=3):
+        holder = await harness.hold_the_worker()
+        queued = asyncio.create_task(
+            harness.client.post("/infer", json={"inputs": ["a b", "c d e", "f"]})
+        )
+        await harness.until(lambda: harness.service.admission.queued == 3, "3 inputs queued")
+        rejected = await harness.client.post("/infer", json={"inputs": "no room"})
+        assert rejected.status_code == 429
+        assert rejected.json()["error"]["type"] == "queue"
+        assert "retry-after" in rejected.headers
+        metrics = (await harness.client.get("/metrics")).text
+        assert "steadyserve_queue_depth 3.0" in metrics
+        assert "steadyserve_queue_depth_max 3.0" in metrics
+        harness.release()
+        assert (await holder).status_code == 200
+        assert (await queued).status_code == 200
+
+
+async def test_waiting_requests_are_batched_together(harness: Harness) -> None:
+    holder = await harness.hold_the_worker()
+    texts = ["one", "two words", "three little words", "four"]
+    waiting = [
+        asyncio.create_task(
+            harness.client.post("/infer", json={"inputs": t, "parameters": {"normalize": False}})
+        )
+        for t in texts
+    ]
+    batcher = harness.service.batchers["fake"]
+    await harness.until(lambda: batcher.scheduler.depth == 4, "all four queued")
+    harness.release()
+    responses = [await task for task in waiting]
+    assert all(r.status_code == 200 for r in responses)
+    assert len(harness.runner.batches[-1]) == 4  # one batch of four, after the holder's
+    assert (await holder).status_code == 200
+    # Each output is its own input's, not a neighbour's: row sums of word lengths + 1 + 2.
+    sums = [r.json()["outputs"][0][0] for r in responses]
+    assert sums == [3 + 3, 3 + 3 + 5, 3 + 5 + 6 + 5, 3 + 4]
+
+
+async def test_draining_refuses_new_work_but_finishes_admitted(harness: Harness) -> None:
+    holder = await harness.hold_the_worker()
+    harness.service.begin_drain()
+    refused = await harness.client.post("/infer", json={"inputs": "late"})
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "draining"
+    assert refused.headers["connection"] == "close"
+    assert (await harness.client.get("/readyz")).json()["status"] == "draining"
+    drained = asyncio.create_task(harness.service.wait_drained(30))
+    harness.release()
+    assert (await holder).status_code == 200
+    assert await drained

@@ -1,0 +1,62 @@
+"""A stand-in model for tests whose point is scheduling, not the result.
+
+Its forward pass blocks on a gate the test controls, so tests decide exactly when a batch
+finishes instead of sleeping; it records every batch it ran.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from app.settings import ModelSpec
+
+
+class GatedRunner:
+    task = "embed"
+    dtype = torch.float32
+    device = torch.device("cpu")
+    max_input_tokens = 64
+    output_width = 4
+    pad_token_id = 0
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Semaphore(0)
+        self.batches: list[list[list[int]]] = []
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        # One token per word, id = word length: distinct, checkable outputs.
+        return [[1] + [len(w) for w in text.split()] + [2] for text in texts]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        rows = [
+            [int(t) for t, m in zip(ids, mask, strict=True) if m]
+            for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
+        ]
+        self.batches.append(rows)
+        self.started.release()
+        self.gate.wait(timeout=30)
+        kept = (input_ids * attention_mask).float()
+        return torch.stack(
+            [kept.sum(1), attention_mask.sum(1).float(), kept.max(1).values, kept[:, 1]], dim=1
+        )
+
+
+class GatedLoader:
+    """A `RunnerLoader` handing out one `GatedRunner` per model; `loaded` gates loading."""
+
+    def __init__(self) -> None:
+        self.runners: dict[str, GatedRunner] = {}
+        self.loaded = threading.Event()
+        self.loaded.set()
+
+    def __call__(self, spec: ModelSpec, device: torch.device, largest: int) -> GatedRunner:
+        self.loaded.wait(timeout=30)
+        runner = GatedRunner(spec.name)
+        self.runners[spec.name] = runner
+        return runner

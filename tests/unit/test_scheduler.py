@@ -1,0 +1,198 @@
+"""The batching policy, driven by hand with an injected clock (no asyncio, no torch)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from app.scheduler import (
+    BatchPolicy,
+    BatchShape,
+    CloseReason,
+    Scheduler,
+    WorkItem,
+    batch_buckets,
+)
+
+POLICY = BatchPolicy(
+    length_buckets=(16, 32, 64, 128),
+    max_batch_size=8,
+    max_batch_tokens=256,
+    max_wait_s=0.005,
+)
+_ids = itertools.count()
+
+
+def item(n_tokens: int, at: float, deadline: float = 100.0) -> WorkItem:
+    bucket = POLICY.length_bucket_for(n_tokens)
+    assert bucket is not None
+    return WorkItem(next(_ids), n_tokens, bucket, enqueued_at=at, deadline=deadline)
+
+
+def test_inputs_go_to_the_smallest_length_bucket_that_holds_them() -> None:
+    assert POLICY.length_bucket_for(1) == 16
+    assert POLICY.length_bucket_for(16) == 16
+    assert POLICY.length_bucket_for(17) == 32
+    assert POLICY.length_bucket_for(128) == 128
+    assert POLICY.length_bucket_for(129) is None
+
+
+def test_batch_buckets_are_powers_of_two_capped_by_rows_and_tokens() -> None:
+    assert batch_buckets(32, 4096, 16) == (1, 2, 4, 8, 16, 32)
+    assert batch_buckets(32, 4096, 512) == (1, 2, 4, 8)
+    assert batch_buckets(24, 4096, 16) == (1, 2, 4, 8, 16, 24)
+    assert batch_buckets(32, 100, 64) == (1,)
+    # Long buckets get smaller batches under the token cap.
+    assert POLICY.batch_buckets(16) == (1, 2, 4, 8)
+    assert POLICY.batch_buckets(64) == (1, 2, 4)
+    assert POLICY.batch_buckets(128) == (1, 2)
+
+
+def test_shapes_cover_every_length_and_batch_bucket() -> None:
+    shapes = POLICY.shapes()
+    assert BatchShape(8, 16) in shapes
+    assert BatchShape(2, 128) in shapes
+    assert BatchShape(4, 128) not in shapes
+    assert len(shapes) == len(set(shapes)) == 4 + 4 + 3 + 2
+
+
+def test_a_full_bucket_closes_at_once_and_is_not_padded() -> None:
+    scheduler = Scheduler(POLICY)
+    for _ in range(8):
+        scheduler.enqueue(item(10, at=0.0))
+    decision = scheduler.poll(now=0.0)
+    assert decision.batch is not None
+    assert decision.batch.reason is CloseReason.FULL
+    assert decision.batch.shape == BatchShape(8, 16)
+    assert len(decision.batch.items) == 8
+    assert scheduler.depth == 0
+
+
+def test_a_partial_batch_waits_for_max_wait_then_is_padded_to_a_batch_bucket() -> None:
+    scheduler = Scheduler(POLICY)
+    for _ in range(3):
+        scheduler.enqueue(item(20, at=1.000))
+    waiting = scheduler.poll(now=1.001)
+    assert waiting.batch is None
+    assert waiting.wake_at == pytest.approx(1.005)
+    closed = scheduler.poll(now=1.005)
+    assert closed.batch is not None
+    assert closed.batch.reason is CloseReason.MAX_WAIT
+    assert closed.batch.shape == BatchShape(4, 32)
+    assert len(closed.batch.items) == 3
+
+
+def test_more_than_a_batch_leaves_the_rest_queued_in_arrival_order() -> None:
+    scheduler = Scheduler(POLICY)
+    queued = [item(5, at=0.001 * i) for i in range(11)]
+    for entry in queued:
+        scheduler.enqueue(entry)
+    first = scheduler.poll(now=0.011).batch
+    assert first is not None
+    assert [i.item_id for i in first.items] == [i.item_id for i in queued[:8]]
+    assert scheduler.depth == 3
+    second = scheduler.poll(now=0.020).batch
+    assert second is not None
+    assert [i.item_id for i in second.items] == [i.item_id for i in queued[8:]]
+
+
+def test_an_urgent_deadline_closes_the_batch_before_max_wait() -> None:
+    scheduler = Scheduler(POLICY)
+    scheduler.record_compute(BatchShape(2, 16), 0.010)
+    scheduler.enqueue(item(5, at=0.0, deadline=1.0))
+    scheduler.enqueue(item(5, at=0.0, deadline=0.012))
+    # max_wait would close at 0.005; the deadline needs the 10 ms batch to start by 0.002.
+    assert scheduler.poll(now=0.001).wake_at == pytest.approx(0.002)
+    decision = scheduler.poll(now=0.002)
+    assert decision.batch is not None
+    assert decision.batch.reason is CloseReason.DEADLINE
+
+
+def test_earliest_deadlines_are_taken_first_when_a_bucket_overflows() -> None:
+    scheduler = Scheduler(POLICY)
+    relaxed = [item(5, at=0.0, deadline=10.0) for _ in range(8)]
+    urgent = item(5, at=0.001, deadline=0.5)
+    for entry in [*relaxed, urgent]:
+        scheduler.enqueue(entry)
+    batch = scheduler.poll(now=0.002).batch
+    assert batch is not None
+    assert urgent.item_id in {i.item_id for i in batch.items}
+    assert relaxed[-1].item_id not in {i.item_id for i in batch.items}
+
+
+def test_expired_inputs_are_dropped_before_they_take_a_slot() -> None:
+    scheduler = Scheduler(POLICY)
+    alive = item(5, at=0.0, deadline=5.0)
+    dead = item(5, at=0.0, deadline=0.003)
+    scheduler.enqueue(alive)
+    scheduler.enqueue(dead)
+    decision = scheduler.poll(now=0.006)
+    assert [i.item_id for i in decision.expired] == [dead.item_id]
+    assert decision.batch is not None
+    assert [i.item_id for i in decision.batch.items] == [alive.item_id]
+    assert decision.batch.shape == BatchShape(1, 16)
+
+
+def test_inputs_that_cannot_finish_in_time_are_dropped_as_expired() -> None:
+    scheduler = Scheduler(POLICY)
+    scheduler.record_compute(BatchShape(1, 16), 0.050)
+    hopeless = item(5, at=0.0, deadline=0.030)
+    scheduler.enqueue(hopeless)
+    decision = scheduler.poll(now=0.001)
+    assert [i.item_id for i in decision.expired] == [hopeless.item_id]
+    assert decision.batch is None
+    assert scheduler.depth == 0
+
+
+def test_cancelled_inputs_are_dropped_and_reported() -> None:
+    scheduler = Scheduler(POLICY)
+    kept, gone = item(5, at=0.0), item(5, at=0.0)
+    scheduler.enqueue(kept)
+    scheduler.enqueue(gone)
+    scheduler.cancel(gone.item_id)
+    decision = scheduler.poll(now=0.010)
+    assert [i.item_id for i in decision.cancelled] == [gone.item_id]
+    assert decision.batch is not None
+    assert [i.item_id for i in decision.batch.items] == [kept.item_id]
+    assert scheduler.depth == 0
+
+
+def test_the_bucket_with_the_oldest_input_goes_first() -> None:
+    scheduler = Scheduler(POLICY)
+    scheduler.enqueue(item(100, at=0.000))
+    scheduler.enqueue(item(5, at=0.001))
+    first = scheduler.poll(now=0.010).batch
+    assert first is not None and first.shape.length == 128
+    second = scheduler.poll(now=0.010).batch
+    assert second is not None and second.shape.length == 16
+
+
+def test_compute_estimates_are_smoothed() -> None:
+    scheduler = Scheduler(POLICY)
+    shape = BatchShape(4, 32)
+    assert scheduler.estimated_compute(shape) == 0.0
+    scheduler.record_compute(shape, 0.010)
+    scheduler.record_compute(shape, 0.020)
+    assert 0.010 < scheduler.estimated_compute(shape) < 0.020
+
+
+def test_an_empty_scheduler_has_nothing_to_do() -> None:
+    decision = Scheduler(POLICY).poll(now=0.0)
+    assert decision.batch is None and decision.wake_at is None
+
+
+def test_expire_drops_only_dead_inputs_and_says_when_the_next_one_dies() -> None:
+    scheduler = Scheduler(POLICY)
+    scheduler.record_compute(BatchShape(1, 16), 0.010)
+    dying = item(5, at=0.0, deadline=0.020)
+    later = item(5, at=0.0, deadline=0.500)
+    scheduler.enqueue(dying)
+    scheduler.enqueue(later)
+    first = scheduler.expire(now=0.001)
+    assert first.batch is None and first.expired == ()
+    assert first.wake_at == pytest.approx(0.010)
+    second = scheduler.expire(now=0.010)
+    assert [i.item_id for i in second.expired] == [dying.item_id]
+    assert second.wake_at == pytest.approx(0.490)
+    assert scheduler.depth == 1

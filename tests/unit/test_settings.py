@@ -1,0 +1,38 @@
+"""Settings: defaults, environment parsing and consistency checks."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+
+def test_defaults_are_consistent() -> None:
+    settings = Settings()
+    assert settings.default_model_name == "all-MiniLM-L6-v2"
+    assert settings.slots_per_shape == settings.dispatcher_threads
+
+
+def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEADY_LENGTH_BUCKETS", "[8,32]")
+    monkeypatch.setenv("STEADY_MAX_INFLIGHT", "7")
+    monkeypatch.setenv("STEADY_MODELS", '[{"name": "a"}, {"name": "b", "source": "/m"}]')
+    settings = Settings()
+    assert settings.length_buckets == (8, 32)
+    assert settings.max_inflight == 7
+    assert [m.name for m in settings.models] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"length_buckets": (32, 16)},
+        {"max_inputs_per_request": 100, "rate_limit_burst": 50},
+        {"default_model": "missing"},
+        {"models": ({"name": "x"}, {"name": "x"})},
+    ],
+)
+def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        Settings(**overrides)  # type: ignore[arg-type]

@@ -302,13 +302,14 @@ def format_table(summary: Summary) -> str:
         if summary.dispatch_lag_p99_ms is not None
         else ""
     )
-    rows.append(
-        (
-            "generator",
-            f"cpu {summary.generator_cpu_mean:.0%} of a core (peak "
-            f"{summary.generator_cpu_peak:.0%}){lag}",
+    if summary.generator_cpu_peak > 0 or lag:  # hey runs have no generator figures
+        rows.append(
+            (
+                "generator",
+                f"cpu {summary.generator_cpu_mean:.0%} of a core (peak "
+                f"{summary.generator_cpu_peak:.0%}){lag}",
+            )
         )
-    )
     verdict = summary.verdict
     if verdict is not None and (verdict.reasons or verdict.checks):
         if verdict.passed:

@@ -50,7 +50,7 @@ class _StubProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio's.
         self._transport = cast(asyncio.Transport, transport)
-        self._server.transports.add(transport)
+        self._server.transports.add(self._transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._transport is not None:

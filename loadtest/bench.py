@@ -1,0 +1,431 @@
+"""The comparison bench behind ``make bench``: raw model limit vs naive server vs steadyserve.
+
+Three phases, back to back in one invocation, all with the bundled all-MiniLM-L6-v2, the
+same dtype and the same number of torch threads, on ~12-word sentences, one per request:
+
+1. **raw**: the model in this process, no HTTP. A short sweep finds the batch size with
+   the most sentences per second; that batch size then runs for the full duration. This
+   is the ceiling any server on this machine could approach.
+2. **naive**: `loadtest.naive_server` (FastAPI, model run per request) in a child process,
+   driven by the generator in closed loop with N connections for the duration.
+3. **steadyserve**: ``python -m app.cli serve`` in a child process, driven the same way.
+
+It prints req/s, p50/p95/p99 and the ratios (steadyserve/raw, steadyserve/naive, p99/p50
+for each), and writes each phase's report.json and plots plus bench.json under --out.
+
+``python -m loadtest.bench [--duration 20s] [--connections 64] [--threads 2]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.bodies import LengthDistribution, sentence
+from loadtest.cli import ProgressPrinter, execute, run_event_loop
+from loadtest.httpclient import Target
+from loadtest.minilm import DTYPES, MiniLM, configure_torch
+from loadtest.report import Summary, format_table, summarize, write_json, write_plots
+from loadtest.runner import Mode, Recorder, RunConfig, RunResult
+from loadtest.stages import Stage, parse_duration
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("raw", "naive", "steadyserve")
+
+
+@dataclass
+class PhaseOutcome:
+    name: str
+    description: str
+    throughput_rps: float
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    error_rate: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tail_ratio(self) -> float | None:
+        if self.p50_ms is None or self.p99_ms is None or self.p50_ms <= 0:
+            return None
+        return self.p99_ms / self.p50_ms
+
+    @classmethod
+    def of(cls, name: str, description: str, summary: Summary, **details: Any) -> PhaseOutcome:
+        latency = summary.latency_ms
+        return cls(
+            name=name,
+            description=description,
+            throughput_rps=summary.throughput_rps,
+            p50_ms=latency.get("p50"),
+            p95_ms=latency.get("p95"),
+            p99_ms=latency.get("p99"),
+            error_rate=summary.error_rate,
+            details=details,
+        )
+
+
+def bench_sentences(count: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    lengths = LengthDistribution("fixed", float(words))
+    return [sentence(lengths.sample(rng), rng) for _ in range(count)]
+
+
+def _log(message: str) -> None:
+    sys.stderr.write(f"[bench] {message}\n")
+    sys.stderr.flush()
+
+
+# -- phase 1: the raw model ---------------------------------------------------------------
+
+
+def _time_batches(
+    model: MiniLM, sentences: Sequence[str], batch_size: int, seconds: float
+) -> tuple[array[float], array[float]]:
+    """Run batches back to back for ``seconds``; start and end time of each batch."""
+    starts, ends = array("d"), array("d")
+    position = 0
+    give_up_at = time.monotonic() + seconds
+    while time.monotonic() < give_up_at or len(ends) < 3:
+        batch = [sentences[(position + i) % len(sentences)] for i in range(batch_size)]
+        position += batch_size
+        started = time.monotonic()
+        model.embed(batch)
+        starts.append(started)
+        ends.append(time.monotonic())
+    return starts, ends
+
+
+def measure_raw(
+    options: argparse.Namespace, sentences: Sequence[str], out_dir: Path
+) -> PhaseOutcome:
+    configure_torch(options.threads)
+    model = MiniLM.load(options.dtype)
+    _time_batches(model, sentences, 8, 1.0)  # first calls pay one-off kernel setup
+    sweep: dict[int, float] = {}
+    for batch_size in options.batch_sizes:
+        starts, ends = _time_batches(model, sentences, batch_size, options.sweep_seconds)
+        sweep[batch_size] = batch_size * len(ends) / (ends[-1] - starts[0])
+        _log(f"raw sweep: batch {batch_size:4d} -> {sweep[batch_size]:8.1f} sentences/s")
+    best = max(sweep, key=lambda size: sweep[size])
+    _log(f"raw: best batch size {best}; measuring it for {options.duration_s:g} s")
+    starts, ends = _time_batches(model, sentences, best, options.duration_s)
+    # Each batch counts as `best` requests whose latency is the batch's time.
+    recorder = Recorder()
+    for started, ended in zip(starts, ends, strict=True):
+        for _ in range(best):
+            recorder.record(started, started, ended, 200, "", 0)
+    result = RunResult(
+        config=RunConfig(mode=Mode.CLOSED, stages=(Stage(options.duration_s, best, best),)),
+        recorder=recorder,
+        started_at=starts[0],
+        finished_at=ends[-1],
+        scheduled_total=len(recorder),
+        dispatch_lags=array("d"),
+    )
+    label = f"raw in-process, batch {best}"
+    summary = summarize(result, "in-process", label)
+    phase_dir = out_dir / "raw"
+    write_json(summary, result, phase_dir / "report.json")
+    write_plots(summary, result, phase_dir)
+    print(format_table(summary), flush=True)
+    return PhaseOutcome.of(
+        "raw",
+        label,
+        summary,
+        best_batch_size=best,
+        sweep_sentences_per_s={str(k): round(v, 1) for k, v in sweep.items()},
+    )
+
+
+# -- phases 2 and 3: servers --------------------------------------------------------------
+
+
+def _http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _resident_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        return None
+    return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def measure_server(
+    name: str,
+    command: list[str],
+    env: dict[str, str],
+    port: int,
+    options: argparse.Namespace,
+    payloads: Sequence[bytes],
+    target: Target,
+    out_dir: Path,
+) -> PhaseOutcome:
+    phase_dir = out_dir / name
+    phase_dir.mkdir(parents=True, exist_ok=True)
+    log_path = phase_dir / "server.log"
+    started = time.monotonic()
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT
+        )
+    try:
+        ready_url = f"http://127.0.0.1:{port}/readyz"
+        give_up_at = started + options.ready_timeout_s
+        while _http_status(ready_url) != 200:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see {log_path}")
+            if time.monotonic() > give_up_at:
+                raise TimeoutError(f"{name} not ready in {options.ready_timeout_s:g} s")
+            time.sleep(0.2)  # polling the readiness endpoint
+        ready_s = time.monotonic() - started
+        rss_ready = _resident_mb(process.pid)
+        _log(f"{name}: ready in {ready_s:.1f} s, {rss_ready or 0:.0f} MB resident; warming up")
+        warmup = RunConfig(
+            mode=Mode.CLOSED,
+            stages=(Stage(options.warmup_s, options.connections, options.connections),),
+        )
+        run_event_loop(lambda: execute(warmup, target, payloads))
+        _log(f"{name}: {options.connections} connections for {options.duration_s:g} s")
+        config = RunConfig(
+            mode=Mode.CLOSED,
+            stages=(Stage(options.duration_s, options.connections, options.connections),),
+            timeout_s=30.0,
+        )
+        progress = ProgressPrinter(sys.stderr, options.duration_s)
+        result = run_event_loop(lambda: execute(config, target, payloads, progress))
+        rss_after = _resident_mb(process.pid)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+    description = f"{name}, {options.connections} connections"
+    summary = summarize(result, target.path, description)
+    write_json(summary, result, phase_dir / "report.json")
+    write_plots(summary, result, phase_dir)
+    print(format_table(summary), flush=True)
+    return PhaseOutcome.of(
+        name,
+        description,
+        summary,
+        ready_s=round(ready_s, 1),
+        resident_mb_ready=rss_ready,
+        resident_mb_after=rss_after,
+        generator_cpu_mean=round(summary.generator_cpu_mean, 3),
+        warnings=summary.warnings,
+    )
+
+
+def measure_naive(options: argparse.Namespace, payloads_for: Any, out_dir: Path) -> PhaseOutcome:
+    port = _free_port()
+    target = Target.parse(f"http://127.0.0.1:{port}/infer")
+    command = [
+        sys.executable,
+        "-m",
+        "loadtest.naive_server",
+        "--port",
+        str(port),
+        "--threads",
+        str(options.threads),
+        "--dtype",
+        options.dtype,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return measure_server(
+        "naive", command, env, port, options, payloads_for(target), target, out_dir
+    )
+
+
+def measure_steadyserve(
+    options: argparse.Namespace, payloads_for: Any, out_dir: Path
+) -> PhaseOutcome:
+    port = _free_port()
+    target = Target.parse(f"http://127.0.0.1:{port}/infer")
+    command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "STEADY_TORCH_THREADS": str(options.threads),
+        "STEADY_MODELS": json.dumps([{"name": "all-MiniLM-L6-v2", "dtype": options.dtype}]),
+        "STEADY_LOG_LEVEL": "warning",
+    }
+    for assignment in options.steady_env:
+        key, _, value = assignment.partition("=")
+        env[key] = value
+    return measure_server(
+        "steadyserve", command, env, port, options, payloads_for(target), target, out_dir
+    )
+
+
+# -- the comparison -----------------------------------------------------------------------
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def _figure(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def comparison_table(outcomes: dict[str, PhaseOutcome]) -> tuple[str, dict[str, float | None]]:
+    lines = [
+        f"{'phase':<40} {'req/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
+        f"{'p99/p50':>8} {'errors':>8}"
+    ]
+    for outcome in outcomes.values():
+        lines.append(
+            f"{outcome.description:<40} {outcome.throughput_rps:9.1f} "
+            f"{_figure(outcome.p50_ms):>8} {_figure(outcome.p95_ms):>8} "
+            f"{_figure(outcome.p99_ms):>8} {_figure(outcome.tail_ratio, 2):>8} "
+            f"{outcome.error_rate:8.2%}"
+        )
+
+    def rate(name: str) -> float | None:
+        outcome = outcomes.get(name)
+        return outcome.throughput_rps if outcome is not None else None
+
+    ratios: dict[str, float | None] = {
+        "steadyserve/raw": _ratio(rate("steadyserve"), rate("raw")),
+        "steadyserve/naive": _ratio(rate("steadyserve"), rate("naive")),
+    }
+    for outcome in outcomes.values():
+        ratios[f"{outcome.name} p99/p50"] = outcome.tail_ratio
+    targets = {"steadyserve/raw": 0.8, "steadyserve/naive": 4.0, "steadyserve p99/p50": 1.5}
+    lines.append("")
+    for name, value in ratios.items():
+        line = f"{name:<24} {_figure(value, 2):>6}"
+        if name in targets and value is not None:
+            goal = targets[name]
+            met = value <= goal if "p99/p50" in name else value >= goal
+            sign = "<=" if "p99/p50" in name else ">="
+            line += f"   (target {sign} {goal:g}: {'met' if met else 'NOT met'})"
+        lines.append(line)
+    return "\n".join(lines), ratios
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--duration", default="20s", help="Measured time of each phase.")
+    parser.add_argument("--warmup", default="3s", help="Unmeasured load before each server phase.")
+    parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads.")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--words", type=int, default=12, help="Words per sentence.")
+    parser.add_argument("--phases", default=",".join(PHASES), help="Subset, comma-separated.")
+    parser.add_argument("--batch-sizes", default="1,4,8,16,32,64,128", help="Raw phase's sweep.")
+    parser.add_argument("--sweep", default="2s", help="Raw phase: time per batch size.")
+    parser.add_argument("--ready-timeout", default="300s")
+    parser.add_argument(
+        "--steady-env",
+        action="append",
+        default=[],
+        help="Extra KEY=VALUE for steadyserve (e.g. STEADY_MAX_BATCH_SIZE=64).",
+    )
+    parser.add_argument("--out", help="Folder for the results (default loadtest/results/...).")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    options.duration_s = parse_duration(options.duration)
+    options.warmup_s = parse_duration(options.warmup)
+    options.sweep_seconds = parse_duration(options.sweep)
+    options.ready_timeout_s = parse_duration(options.ready_timeout)
+    options.batch_sizes = [int(size) for size in options.batch_sizes.split(",")]
+    phases = [phase.strip() for phase in options.phases.split(",") if phase.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        sys.stderr.write(f"unknown phases {sorted(unknown)}; choose from {PHASES}\n")
+        return 2
+    out_dir = Path(
+        options.out or REPO_ROOT / "loadtest/results" / time.strftime("bench-%Y%m%d-%H%M%S")
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sentences = bench_sentences(1000, options.words, options.seed)
+
+    def payloads_for(target: Target) -> list[bytes]:
+        return [
+            target.post_bytes(json.dumps({"inputs": text}, separators=(",", ":")).encode())
+            for text in sentences
+        ]
+
+    outcomes: dict[str, PhaseOutcome] = {}
+    failures: dict[str, str] = {}
+    for phase in phases:
+        _log(f"phase {phase}")
+        try:
+            if phase == "raw":
+                outcomes[phase] = measure_raw(options, sentences, out_dir)
+            elif phase == "naive":
+                outcomes[phase] = measure_naive(options, payloads_for, out_dir)
+            else:
+                outcomes[phase] = measure_steadyserve(options, payloads_for, out_dir)
+        except (RuntimeError, TimeoutError, OSError) as error:
+            failures[phase] = str(error)
+            _log(f"phase {phase} failed: {error}")
+    table, ratios = comparison_table(outcomes)
+    print("\n" + table, flush=True)
+    document = {
+        "command": "python -m loadtest.bench "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "settings": {
+            "duration_s": options.duration_s,
+            "connections": options.connections,
+            "threads": options.threads,
+            "dtype": options.dtype,
+            "words": options.words,
+            "cpus": os.cpu_count(),
+        },
+        "phases": {name: asdict(outcome) for name, outcome in outcomes.items()},
+        "ratios": ratios,
+        "failures": failures,
+    }
+    (out_dir / "bench.json").write_text(json.dumps(document, indent=2) + "\n")
+    print(f"results in {out_dir}/", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

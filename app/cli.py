@@ -28,10 +28,13 @@ log = logging.getLogger("app.cli")
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, service: Service, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, service: Service, drain_timeout_s: float, quiet_s: float
+    ) -> None:
         super().__init__(config)
         self._service = service
         self._drain_timeout_s = drain_timeout_s
+        self._quiet_s = quiet_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
 
@@ -55,7 +58,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         self._service.begin_drain()
-        await self._service.wait_drained(self._drain_timeout_s)
+        await self._service.wait_drained(self._drain_timeout_s, self._quiet_s)
         self.should_exit = True
 
 
@@ -82,7 +85,9 @@ def serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = DrainingServer(config, app.state.service, settings.drain_timeout_s)
+    server = DrainingServer(
+        config, app.state.service, settings.drain_timeout_s, settings.drain_quiet_s
+    )
     server.run()
     return 0 if app.state.service.alive else 1
 

@@ -146,6 +146,7 @@ class Service:
         self._ready = False
         self._startup_error: str | None = None
         self._idle = asyncio.Event()
+        self._arrival = asyncio.Event()
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -302,6 +303,7 @@ class Service:
         Raises `Rejected` (429/503/504), `InputTooLong`, `NotReady` or `DeadlineExceeded`.
         Cancelling the caller's task (client gone) drops its queued inputs.
         """
+        self._arrival.set()
         if self.admission.draining:
             raise self.gate.reject(self.admission.draining_rejection())
         if not self._ready:
@@ -382,11 +384,23 @@ class Service:
         if self.admission.inflight == 0:
             self._idle.set()
 
-    async def wait_drained(self, timeout_s: float) -> bool:
-        """True when every admitted request was answered within `timeout_s`."""
+    async def wait_drained(self, timeout_s: float, quiet_s: float) -> bool:
+        """True when every admitted request was answered and no new one arrived for
+        `quiet_s`, all within `timeout_s`."""
+        give_up_at = self._clock() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
+            # Nothing new is admitted while draining, but clients may still be arriving to
+            # hear 503: wait until none has for `quiet_s`, within the drain timeout.
+            while (remaining := give_up_at - self._clock()) > 0:
+                self._arrival.clear()
+                try:
+                    await asyncio.wait_for(self._arrival.wait(), min(quiet_s, remaining))
+                except TimeoutError:
+                    break
         except TimeoutError:
+            pass
+        if self.admission.inflight:
             log.warning("drain timeout: %d requests still in flight", self.admission.inflight)
             return False
         log.info("drained")

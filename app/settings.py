@@ -164,6 +164,13 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(
         default=20.0, ge=0, description="On SIGTERM, how long admitted requests get to finish."
     )
+    drain_quiet_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="On SIGTERM, exit once nothing is in flight and no inference request has "
+        "arrived (and been answered 503) for this long, so clients and proxies see the 503s "
+        "and move on before the socket closes; bounded by drain_timeout_s.",
+    )
 
     # --- debug -------------------------------------------------------------------------
     debug_token: str | None = Field(

@@ -17,10 +17,6 @@ from app.api.responses import error_response
 from app.service import PhaseTimer
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
@@ -35,27 +31,32 @@ class BodyLimitMiddleware:
                 await self._reject(scope, receive, send)
                 return
         seen = 0
-        response_started = False
+        exceeded = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            # Stop reading at the limit. The app sees a disconnect; whatever it answers
+            # (frameworks turn a broken body into a 400) is replaced by the 413 below.
+            nonlocal seen, exceeded
+            if exceeded:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body_bytes:
-                    raise BodyTooLarge
+                    exceeded = True
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal response_started
-            response_started = response_started or message["type"] == "http.response.start"
-            await send(message)
+        async def guarded_send(message: Message) -> None:
+            if not exceeded:
+                await send(message)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if response_started:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not exceeded:
                 raise
+        if exceeded:
             await self._reject(scope, receive, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:

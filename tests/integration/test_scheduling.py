@@ -4,6 +4,7 @@ when a batch finishes (the point here is the queue, not the numbers)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ class Harness:
         raise AssertionError(f"never happened: {what}")
 
 
+@contextlib.asynccontextmanager
 async def start(**overrides: object) -> AsyncIterator[Harness]:
     loader = GatedLoader()
     settings = Settings(**{**BASE, **overrides})  # type: ignore[arg-type]
@@ -63,7 +65,7 @@ async def start(**overrides: object) -> AsyncIterator[Harness]:
 
 @pytest.fixture
 async def harness() -> AsyncIterator[Harness]:
-    async for h in start():
+    async with start() as h:
         yield h
 
 
@@ -150,7 +152,7 @@ async def test_a_client_disconnect_cancels_the_work() -> None:
 
 
 async def test_inflight_cap_answers_429_with_retry_after() -> None:
-    async for harness in start(max_inflight=1):
+    async with start(max_inflight=1) as harness:
         holder = await harness.hold_the_worker()
         rejected = await harness.client.post("/infer", json={"inputs": "one too many"})
         assert rejected.status_code == 429
@@ -163,7 +165,7 @@ async def test_inflight_cap_answers_429_with_retry_after() -> None:
 
 
 async def test_queue_cap_answers_429_and_reports_depth() -> None:
-    async for harness in start(max_queue=3, max_inputs_per_request=3, rate_limit_burst=3):
+    async with start(max_queue=3, max_inputs_per_request=3, rate_limit_burst=3) as harness:
         holder = await harness.hold_the_worker()
         queued = asyncio.create_task(
             harness.client.post("/infer", json={"inputs": ["a b", "c d e", "f"]})
@@ -210,7 +212,7 @@ async def test_draining_refuses_new_work_but_finishes_admitted(harness: Harness)
     assert refused.json()["error"]["type"] == "draining"
     assert refused.headers["connection"] == "close"
     assert (await harness.client.get("/readyz")).json()["status"] == "draining"
-    drained = asyncio.create_task(harness.service.wait_drained(30))
+    drained = asyncio.create_task(harness.service.wait_drained(30, quiet_s=0))
     harness.release()
     assert (await holder).status_code == 200
     assert await drained

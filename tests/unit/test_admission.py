@@ -93,7 +93,9 @@ def test_rate_meter_decays_without_events() -> None:
 def test_deadline_is_the_tightest_of_client_and_proxy_and_bounded() -> None:
     assert resolve_deadline(10.0, LIMITS) == 15.0
     assert resolve_deadline(10.0, LIMITS, timeout_ms=200) == pytest.approx(10.2)
-    assert resolve_deadline(10.0, LIMITS, timeout_ms=900, envoy_timeout_ms=300) == pytest.approx(10.3)
+    assert resolve_deadline(10.0, LIMITS, timeout_ms=900, envoy_timeout_ms=300) == pytest.approx(
+        10.3
+    )
     assert resolve_deadline(10.0, LIMITS, timeout_ms=10**9) == 40.0
     assert resolve_deadline(10.0, LIMITS, envoy_timeout_ms=0) == 15.0  # 0 means "no timeout"
 

@@ -1,0 +1,104 @@
+"""A real uvicorn process on 127.0.0.1: concurrency and draining on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from app.models.base import resolve_dtype, resolve_source
+from app.models.embedding import mean_pool
+from app.settings import BUNDLED_DEFAULT_SOURCE
+from tests.support.server import running_server
+
+pytestmark = pytest.mark.e2e
+
+SUBJECTS = ["The scheduler", "A batch", "Envoy", "The buffer pool", "Tail latency"]
+VERBS = ["keeps", "drops", "measures", "explains"]
+OBJECTS = ["every slow request", "the queue", "p99 under load", "its warm-up shapes",
+           "a thousand connections"]  # fmt: skip
+TEXTS = [f"{s} {v} {o} ({i})" for i, (s, v, o) in enumerate(
+    (s, v, o) for s in SUBJECTS for v in VERBS for o in OBJECTS
+)]  # fmt: skip
+
+
+def reference_vectors(texts: list[str]) -> np.ndarray:
+    location = resolve_source(BUNDLED_DEFAULT_SOURCE)
+    tokenizer = AutoTokenizer.from_pretrained(location)
+    model = AutoModel.from_pretrained(location, dtype=resolve_dtype("auto", torch.device("cpu")))
+    with torch.inference_mode():
+        encoded = tokenizer(texts, return_tensors="pt", padding=True)
+        pooled = mean_pool(model(**encoded).last_hidden_state, encoded["attention_mask"])
+    vectors = pooled.numpy()
+    return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+
+
+def test_200_concurrent_requests_are_all_answered_correctly(tmp_path: Path) -> None:
+    assert len(TEXTS) >= 100
+    texts = [TEXTS[i % len(TEXTS)] for i in range(200)]
+    expected = reference_vectors(TEXTS)
+
+    async def fire(base_url: str) -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
+        async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60) as client:
+            return await asyncio.gather(*(client.post("/infer", json={"inputs": t}) for t in texts))
+
+    with running_server(tmp_path) as server:
+        responses = asyncio.run(fire(server.base_url))
+    assert [r.status_code for r in responses] == [200] * 200
+    for index, response in enumerate(responses):
+        served = np.array(response.json()["outputs"][0])
+        assert float(served @ expected[index % len(TEXTS)]) >= 0.9999, texts[index]
+
+
+def test_sigterm_under_load_loses_no_admitted_request(tmp_path: Path) -> None:
+    """Clients keep sending until the server says 503 (then they would go elsewhere) or
+    refuses the connection. Every request sent must get 200, 503 or 504; a connection
+    dropped mid-request is a lost request."""
+    outcomes: list[str] = []
+    signalled_at: list[float] = []
+
+    async def client_loop(client: httpx.AsyncClient, worker: int) -> None:
+        for attempt in range(10_000):
+            try:
+                response = await client.post(
+                    "/infer", json={"inputs": f"worker {worker} request {attempt}"}
+                )
+            except httpx.ConnectError:
+                outcomes.append("refused")  # listener closed: never admitted
+                return
+            except httpx.HTTPError as error:
+                outcomes.append(f"dropped: {type(error).__name__}")
+                return
+            outcomes.append(str(response.status_code))
+            if response.status_code == 503:
+                return
+
+    async def load(server_terminate: object, base_url: str) -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+            workers = [asyncio.create_task(client_loop(client, w)) for w in range(32)]
+            while outcomes.count("200") < 100:
+                await asyncio.sleep(0.01)  # polling the outcome count, bounded below
+                if all(w.done() for w in workers):
+                    break
+            assert callable(server_terminate)
+            server_terminate()
+            signalled_at.append(time.monotonic())
+            await asyncio.wait_for(asyncio.gather(*workers), timeout=60)
+
+    with running_server(tmp_path) as server:
+        asyncio.run(load(server.terminate, server.base_url))
+        exit_code = server.wait(timeout=60)
+        log = server.log()
+    assert exit_code == 0, log
+    assert signalled_at, "load never reached 100 answers"
+    allowed = {"200", "503", "504", "refused"}
+    assert set(outcomes) <= allowed, sorted(set(outcomes) - allowed)
+    assert outcomes.count("200") >= 100
+    assert "draining" in log and "drained" in log

@@ -1,0 +1,292 @@
+"""The real all-MiniLM-L6-v2 through the ASGI app: results, batching, limits and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from app.main import create_app
+from app.models.base import resolve_dtype, resolve_source
+from app.models.embedding import mean_pool
+from app.settings import BUNDLED_DEFAULT_SOURCE, Settings
+from tests.support.asgi import serving
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SETTINGS = Settings(
+    length_buckets=(16, 32, 64),
+    max_batch_size=16,
+    max_wait_ms=5.0,
+    torch_threads=2,
+    max_body_bytes=16_384,
+    max_inputs_per_request=8,
+)
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog near the quiet river bank",
+    "Batching scheduler closes a batch on size, on max wait, or on the oldest deadline; "
+    "cancelled and expired requests are dropped before they take a buffer slot at all.",
+    "p99",
+]
+LONG_TEXT = " ".join(["tail latency"] * 80)
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[AutoTokenizer, AutoModel]:
+    location = resolve_source(BUNDLED_DEFAULT_SOURCE)
+    dtype = resolve_dtype("auto", torch.device("cpu"))
+    return AutoTokenizer.from_pretrained(location), AutoModel.from_pretrained(location, dtype=dtype)
+
+
+def reference_vectors(
+    reference: tuple[AutoTokenizer, AutoModel], texts: list[str], normalize: bool = True
+) -> npt.NDArray[np.float32]:
+    """A direct transformers computation: each text alone, no padding, same dtype."""
+    tokenizer, model = reference
+    rows = []
+    with torch.inference_mode():
+        for text in texts:
+            encoded = tokenizer(text, return_tensors="pt", truncation=True, max_length=64)
+            hidden = model(**encoded).last_hidden_state
+            rows.append(mean_pool(hidden, encoded["attention_mask"])[0].numpy())
+    vectors = np.stack(rows)
+    if normalize:
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors
+
+
+def cosines(a: npt.NDArray[np.float32], b: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    dots = (a * b).sum(axis=1)
+    result: npt.NDArray[np.float32] = dots / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return result
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with serving(create_app(SETTINGS)) as client:
+        yield client
+
+
+async def test_infer_matches_a_direct_transformers_computation(
+    client: httpx.AsyncClient, reference: tuple[AutoTokenizer, AutoModel]
+) -> None:
+    response = await client.post("/infer", json={"inputs": TEXTS})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["model"] == "all-MiniLM-L6-v2"
+    assert body["usage"]["inputs"] == len(TEXTS)
+    served = np.array(body["outputs"], dtype=np.float32)
+    assert served.shape == (len(TEXTS), 384)
+    assert np.allclose(np.linalg.norm(served, axis=1), 1.0, atol=1e-4)
+    assert cosines(served, reference_vectors(reference, TEXTS)).min() >= 0.9999
+
+
+async def test_unnormalized_outputs_are_the_raw_mean_pool(
+    client: httpx.AsyncClient, reference: tuple[AutoTokenizer, AutoModel]
+) -> None:
+    response = await client.post(
+        "/infer", json={"inputs": TEXTS[1], "parameters": {"normalize": False}}
+    )
+    served = np.array(response.json()["outputs"], dtype=np.float32)
+    expected = reference_vectors(reference, [TEXTS[1]], normalize=False)
+    assert cosines(served, expected).min() >= 0.9999
+    assert np.linalg.norm(served) == pytest.approx(np.linalg.norm(expected), rel=0.01)
+
+
+async def test_openai_embeddings_float_and_base64_agree_with_infer(
+    client: httpx.AsyncClient,
+) -> None:
+    native = np.array((await client.post("/infer", json={"inputs": TEXTS})).json()["outputs"])
+    floats = await client.post("/v1/embeddings", json={"input": TEXTS, "model": "all-MiniLM-L6-v2"})
+    assert floats.status_code == 200
+    body = floats.json()
+    assert body["object"] == "list" and body["usage"]["prompt_tokens"] > 0
+    assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+    as_floats = np.array([d["embedding"] for d in body["data"]])
+    encoded = await client.post(
+        "/v1/embeddings", json={"input": TEXTS, "encoding_format": "base64"}
+    )
+    as_base64 = np.stack(
+        [
+            np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+            for d in encoded.json()["data"]
+        ]
+    )
+    assert np.allclose(as_floats, native, atol=1e-6)
+    assert np.allclose(as_base64, native, atol=1e-6)
+
+
+async def test_models_are_listed(client: httpx.AsyncClient) -> None:
+    body = (await client.get("/v1/models")).json()
+    assert [m["id"] for m in body["data"]] == ["all-MiniLM-L6-v2"]
+
+
+async def test_concurrent_requests_are_batched(client: httpx.AsyncClient) -> None:
+    def batches_and_inputs(metrics: str) -> tuple[float, float]:
+        count = total = 0.0
+        for line in metrics.splitlines():
+            if line.startswith("steadyserve_batch_size_count"):
+                count += float(line.split()[-1])
+            elif line.startswith("steadyserve_batch_size_sum"):
+                total += float(line.split()[-1])
+        return count, total
+
+    before = batches_and_inputs((await client.get("/metrics")).text)
+    texts = [f"request number {i} about batching" for i in range(32)]
+    responses = await asyncio.gather(*(client.post("/infer", json={"inputs": t}) for t in texts))
+    assert all(r.status_code == 200 for r in responses)
+    after = batches_and_inputs((await client.get("/metrics")).text)
+    batches, inputs = after[0] - before[0], after[1] - before[1]
+    assert inputs == 32
+    assert inputs / batches > 1  # mean batch size
+    # Batching does not mix results up: each answer is its own text's embedding.
+    solo = (await client.post("/infer", json={"inputs": texts[7]})).json()["outputs"][0]
+    assert np.dot(solo, responses[7].json()["outputs"][0]) >= 0.9999
+
+
+async def test_every_response_carries_server_timing(client: httpx.AsyncClient) -> None:
+    ok = await client.post("/infer", json={"inputs": "timing"})
+    phases = {entry.split(";")[0] for entry in ok.headers["server-timing"].split(", ")}
+    assert {"admission", "tokenize", "queue", "compute", "total"} <= phases
+    error = await client.post("/infer", json={"inputs": []})
+    assert "total;dur=" in error.headers["server-timing"]
+
+
+async def test_metrics_expose_http_and_steadyserve_instruments(client: httpx.AsyncClient) -> None:
+    await client.post("/infer", json={"inputs": "metrics"})
+    text = (await client.get("/metrics")).text
+    for name in (
+        "http_requests_total",
+        "steadyserve_request_duration_seconds_bucket",
+        'le="0.15"',
+        "steadyserve_queue_wait_seconds",
+        "steadyserve_batch_compute_seconds",
+        "steadyserve_inflight_requests",
+        "steadyserve_pool_slots{",
+        "steadyserve_pool_bytes",
+        "steadyserve_warmup_shapes",
+    ):
+        assert name in text, name
+
+
+async def test_an_expired_deadline_gets_504(client: httpx.AsyncClient) -> None:
+    response = await client.post("/infer", json={"inputs": "late", "timeout_ms": 0.0001})
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "deadline"
+    envoy = await client.post(
+        "/infer", json={"inputs": "late"}, headers={"x-envoy-expected-rq-timeout-ms": "0.0001"}
+    )
+    assert envoy.status_code == 504
+
+
+async def test_long_text_is_refused_unless_truncation_is_asked_for(
+    client: httpx.AsyncClient, reference: tuple[AutoTokenizer, AutoModel]
+) -> None:
+    refused = await client.post("/infer", json={"inputs": ["short", LONG_TEXT]})
+    assert refused.status_code == 413
+    assert refused.json()["error"] == {
+        "type": "input_too_long",
+        "message": refused.json()["error"]["message"],
+        "param": "inputs[1]",
+    }
+    truncated = await client.post(
+        "/infer", json={"inputs": LONG_TEXT, "parameters": {"truncate": True}}
+    )
+    assert truncated.status_code == 200
+    served = np.array(truncated.json()["outputs"], dtype=np.float32)
+    assert cosines(served, reference_vectors(reference, [LONG_TEXT])).min() >= 0.9999
+
+
+BAD_REQUESTS: list[tuple[str, object, int, str | None]] = [
+    ("malformed JSON", b'{"inputs": ["unterminated"', 400, None),
+    ("not an object", b"[1, 2, 3]", 422, None),
+    ("missing inputs", {"parameters": {}}, 422, "inputs"),
+    ("wrong type", {"inputs": 42}, 422, "inputs"),
+    ("wrong item type", {"inputs": ["ok", 7]}, 422, "inputs"),
+    ("empty list", {"inputs": []}, 422, "inputs"),
+    ("empty string", {"inputs": ""}, 422, "inputs"),
+    ("empty item", {"inputs": ["fine", ""]}, 422, "inputs"),
+    ("unknown field", {"inputs": "x", "surprise": 1}, 422, "surprise"),
+    ("bad parameter", {"inputs": "x", "parameters": {"normalize": "maybe"}}, 422, None),
+    ("negative timeout", {"inputs": "x", "timeout_ms": -5}, 422, "timeout_ms"),
+    ("too many inputs", {"inputs": ["x"] * 9}, 413, "inputs"),
+    ("unknown model", {"inputs": "x", "model": "gpt-17"}, 404, "model"),
+    ("oversized body", {"inputs": ["y" * 1000] * 20}, 413, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [case[1:] for case in BAD_REQUESTS],
+    ids=[case[0] for case in BAD_REQUESTS],
+)
+async def test_bad_input_gets_a_clear_4xx(
+    client: httpx.AsyncClient, body: object, status: int, param: str | None
+) -> None:
+    if isinstance(body, bytes):
+        response = await client.post(
+            "/infer", content=body, headers={"content-type": "application/json"}
+        )
+    else:
+        response = await client.post("/infer", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] and error["message"]
+    if param is not None:
+        assert error["param"].startswith(param), error
+
+
+async def test_a_chunked_body_over_the_limit_gets_413(client: httpx.AsyncClient) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"inputs": ["'
+        for _ in range(40):
+            yield b"z" * 1000
+        yield b'"]}'
+
+    response = await client.post(
+        "/infer", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 413
+
+
+async def test_openai_errors_are_4xx_too(client: httpx.AsyncClient) -> None:
+    tokens = await client.post("/v1/embeddings", json={"input": [[1, 2, 3]]})
+    assert tokens.status_code == 422
+    dims = await client.post("/v1/embeddings", json={"input": "x", "dimensions": 12})
+    assert dims.status_code == 400 and dims.json()["error"]["param"] == "dimensions"
+    unknown = await client.get("/v2/nothing")
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found"
+
+
+async def test_caps_and_rate_give_429_with_retry_after() -> None:
+    tight = Settings(
+        length_buckets=(16,),
+        max_batch_size=4,
+        max_inflight=2,
+        rate_limit_per_s=1.0,
+        rate_limit_burst=4,
+        max_inputs_per_request=4,
+        max_admission_wait_ms=0.0,
+    )
+    async with serving(create_app(tight)) as client:
+        responses = await asyncio.gather(
+            *(client.post("/infer", json={"inputs": f"burst {i}"}) for i in range(10))
+        )
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) <= {200, 429}
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(rejected) >= 6  # 4 tokens at 1/s: at most 4 of 10 get in
+        assert all(int(r.headers["retry-after"]) >= 1 for r in rejected)
+        reasons = {r.json()["error"]["type"] for r in rejected}
+        assert "rate" in reasons and reasons <= {"rate", "inflight"}
+        metrics = (await client.get("/metrics")).text
+        assert 'steadyserve_rejected_total{reason="rate"}' in metrics

@@ -84,6 +84,45 @@ def bench_sentences(count: int, words: int, seed: int) -> list[str]:
     return [sentence(lengths.sample(rng), rng) for _ in range(count)]
 
 
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _system_busy_s() -> float:
+    """CPU seconds all processes have used since boot (Linux /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICKS_PER_S
+
+
+def _process_cpu_s(pid: int) -> float:
+    # Fields after the command name; utime and stime are the 14th and 15th of the line.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+class ForeignLoad:
+    """Cores used by processes other than the bench and its server during a phase.
+
+    On a shared 2-core machine other work slows every phase, torch most of all (its
+    threads wait for each other when one is descheduled), so each phase reports it.
+    """
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self._pids = list(pids)
+        self._started = time.monotonic()
+        self._busy = _system_busy_s()
+        self._own = sum(_process_cpu_s(pid) for pid in self._pids)
+
+    def cores(self) -> float | None:
+        try:
+            own = sum(_process_cpu_s(pid) for pid in self._pids) - self._own
+            busy = _system_busy_s() - self._busy
+        except (OSError, ValueError, IndexError):
+            return None
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return max(busy - own, 0.0) / wall
+
+
 def _log(message: str) -> None:
     sys.stderr.write(f"[bench] {message}\n")
     sys.stderr.flush()
@@ -122,7 +161,9 @@ def measure_raw(
         _log(f"raw sweep: batch {batch_size:4d} -> {sweep[batch_size]:8.1f} sentences/s")
     best = max(sweep, key=lambda size: sweep[size])
     _log(f"raw: best batch size {best}; measuring it for {options.duration_s:g} s")
+    foreign = ForeignLoad([os.getpid()])
     starts, ends = _time_batches(model, sentences, best, options.duration_s)
+    foreign_cores = foreign.cores()
     # Each batch counts as `best` requests whose latency is the batch's time.
     recorder = Recorder()
     for started, ended in zip(starts, ends, strict=True):
@@ -147,6 +188,7 @@ def measure_raw(
         label,
         summary,
         best_batch_size=best,
+        foreign_cores=foreign_cores,
         sweep_sentences_per_s={str(k): round(v, 1) for k, v in sweep.items()},
     )
 
@@ -224,7 +266,9 @@ def measure_server(
             timeout_s=30.0,
         )
         progress = ProgressPrinter(sys.stderr, options.duration_s)
+        foreign = ForeignLoad([os.getpid(), process.pid])
         result = run_event_loop(lambda: execute(config, target, payloads, progress))
+        foreign_cores = foreign.cores()
         rss_after = _resident_mb(process.pid)
     finally:
         if process.poll() is None:
@@ -247,6 +291,7 @@ def measure_server(
         resident_mb_ready=rss_ready,
         resident_mb_after=rss_after,
         generator_cpu_mean=round(summary.generator_cpu_mean, 3),
+        foreign_cores=foreign_cores,
         warnings=summary.warnings,
     )
 
@@ -407,6 +452,17 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"phase {phase} failed: {error}")
     table, ratios = comparison_table(outcomes)
     print("\n" + table, flush=True)
+    busy = {
+        name: round(outcome.details["foreign_cores"], 2)
+        for name, outcome in outcomes.items()
+        if (outcome.details.get("foreign_cores") or 0.0) > 0.2
+    }
+    if busy:
+        print(
+            f"WARNING: other processes used CPU during {sorted(busy)} (cores: {busy}); "
+            "on a small machine that slows the phases unevenly: rerun when it is idle.",
+            flush=True,
+        )
     document = {
         "command": "python -m loadtest.bench "
         + " ".join(argv if argv is not None else sys.argv[1:]),

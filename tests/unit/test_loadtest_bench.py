@@ -1,0 +1,46 @@
+"""The bench's comparison arithmetic, on phase figures given by hand (no model, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest.bench import PhaseOutcome, bench_sentences, comparison_table
+
+
+def _phase(name: str, rps: float, p50: float, p99: float) -> PhaseOutcome:
+    return PhaseOutcome(name, name, rps, p50, p50 * 1.1, p99, 0.0)
+
+
+def test_ratios_and_target_marks() -> None:
+    outcomes = {
+        "raw": _phase("raw", 1000.0, 40.0, 50.0),
+        "naive": _phase("naive", 100.0, 600.0, 900.0),
+        "steadyserve": _phase("steadyserve", 850.0, 70.0, 98.0),
+    }
+    table, ratios = comparison_table(outcomes)
+    assert ratios["steadyserve/raw"] == pytest.approx(0.85)
+    assert ratios["steadyserve/naive"] == pytest.approx(8.5)
+    assert ratios["steadyserve p99/p50"] == pytest.approx(1.4)
+    assert ratios["naive p99/p50"] == pytest.approx(1.5)
+    assert "(target >= 0.8: met)" in table
+    assert "(target >= 4: met)" in table
+    assert "(target <= 1.5: met)" in table
+
+
+def test_missed_targets_are_marked_and_missing_phases_give_no_ratio() -> None:
+    outcomes = {
+        "raw": _phase("raw", 1000.0, 40.0, 50.0),
+        "steadyserve": _phase("steadyserve", 500.0, 50.0, 100.0),
+    }
+    table, ratios = comparison_table(outcomes)
+    assert ratios["steadyserve/raw"] == pytest.approx(0.5)
+    assert ratios["steadyserve/naive"] is None
+    assert "(target >= 0.8: NOT met)" in table
+    assert "(target <= 1.5: NOT met)" in table
+
+
+def test_bench_sentences_have_the_requested_words_and_are_reproducible() -> None:
+    sentences = bench_sentences(50, 12, seed=1)
+    assert all(len(text.split()) == 12 for text in sentences)
+    assert sentences == bench_sentences(50, 12, seed=1)
+    assert len(set(sentences)) == 50

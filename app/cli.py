@@ -22,7 +22,7 @@ import uvicorn
 
 from app.main import create_app
 from app.service import Service
-from app.settings import Settings
+from app.settings import Settings, settings_table
 
 log = logging.getLogger("app.cli")
 
@@ -104,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         add_help=False,
     )
     commands.add_parser("bench", help="load generator and comparison bench", add_help=False)
+    commands.add_parser("settings", help="print every setting as a Markdown table")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return serve(args)
+    if args.command == "settings":
+        print(settings_table())
+        return 0
     if args.command == "check-config":
         # Imported by name at call time: these tools are not needed to serve.
         checkconfig = importlib.import_module("app.checkconfig")

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from app import __version__
-from app.api import embed, health
+from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyLimitMiddleware, ServerTimingMiddleware
 from app.metrics import Metrics
@@ -48,6 +48,7 @@ def create_app(settings: Settings, loader: RunnerLoader = load_runner) -> FastAP
     install_error_handlers(app)
     app.include_router(embed.router)
     app.include_router(health.router)
+    app.include_router(debug.router)
     Instrumentator(
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],

@@ -204,3 +204,18 @@ class Settings(BaseSettings):
     @property
     def slots_per_shape(self) -> int:
         return self.pool_slots_per_shape or self.dispatcher_threads
+
+
+def settings_table() -> str:
+    """Every setting as a Markdown table (the README's copy is checked against this)."""
+    rows = ["| environment variable | default | meaning |", "|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, tuple):
+            default = list(default)
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [d.model_dump() for d in default]
+        shown = "unset" if default is None else f"`{default}`"
+        description = (field.description or "").replace("|", "\\|")
+        rows.append(f"| `STEADY_{name.upper()}` | {shown} | {description} |")
+    return "\n".join(rows)

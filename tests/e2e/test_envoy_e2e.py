@@ -52,6 +52,14 @@ SATURATED_ENV = {
 }
 
 
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ...]]:
+    """Two ready replicas with the test defaults, shared by the tests that stop neither."""
+    logs = tmp_path_factory.mktemp("replicas")
+    with running_server(logs) as first, running_server(logs) as second:
+        yield first, second
+
+
 def envoy_in_front_of(
     tmp_path: Path, *replicas: ServerProcess, upstream_reuse_limit: int | None = None
 ) -> contextlib.AbstractContextManager[EnvoyProcess]:
@@ -105,38 +113,38 @@ def send_concurrently(
         return list(pool.map(one, range(count)))
 
 
-def test_requests_succeed_and_the_upstream_reuse_limit_takes_effect(tmp_path: Path) -> None:
-    with running_server(tmp_path) as first, running_server(tmp_path) as second:
-        # The shipped limits: one client connection carries every request, and no upstream
-        # connection is closed for having served too many.
-        with envoy_in_front_of(tmp_path, first, second) as envoy:
-            wait_until_healthy(envoy, first, second)
-            assert send_sequentially(envoy, 40) == Counter({200: 40})
-            stats = envoy.stats()
-            assert stats["http.ingress_http.downstream_cx_total"] == 1
-            assert stats["cluster.steadyserve.upstream_cx_max_requests"] == 0
-            for replica in (first, second):
-                assert int(envoy.host_stats(replica.port)["rq_total"]) > 0
+def test_requests_succeed_and_the_upstream_reuse_limit_takes_effect(
+    tmp_path: Path, replicas: tuple[ServerProcess, ...]
+) -> None:
+    first, second = replicas
+    # The shipped limits: one client connection carries every request, and no upstream
+    # connection is closed for having served too many.
+    with envoy_in_front_of(tmp_path, first, second) as envoy:
+        wait_until_healthy(envoy, first, second)
+        assert send_sequentially(envoy, 40) == Counter({200: 40})
+        stats = envoy.stats()
+        assert stats["http.ingress_http.downstream_cx_total"] == 1
+        assert stats["cluster.steadyserve.upstream_cx_max_requests"] == 0
+        for replica in (first, second):
+            assert int(envoy.host_stats(replica.port)["rq_total"]) > 0
 
-        # The test's copy lowers the upstream limit to 5: Envoy closes each upstream
-        # connection after 5 requests and opens a new one, and counts it.
-        with envoy_in_front_of(tmp_path, first, second, upstream_reuse_limit=5) as envoy:
-            wait_until_healthy(envoy, first, second)
-            assert send_sequentially(envoy, 40) == Counter({200: 40})
-            stats = envoy.stats()
-            assert stats["http.ingress_http.downstream_cx_total"] == 1
-            # 40 requests over connections of at most 5: at least 6 reached the limit.
-            assert stats["cluster.steadyserve.upstream_cx_max_requests"] >= 6
-            assert stats["cluster.steadyserve.upstream_cx_total"] >= 8
+    # The test's copy lowers the upstream limit to 5: Envoy closes each upstream
+    # connection after 5 requests and opens a new one, and counts it.
+    with envoy_in_front_of(tmp_path, first, second, upstream_reuse_limit=5) as envoy:
+        wait_until_healthy(envoy, first, second)
+        assert send_sequentially(envoy, 40) == Counter({200: 40})
+        stats = envoy.stats()
+        assert stats["http.ingress_http.downstream_cx_total"] == 1
+        # 40 requests over connections of at most 5: at least 6 reached the limit.
+        assert stats["cluster.steadyserve.upstream_cx_max_requests"] >= 6
+        assert stats["cluster.steadyserve.upstream_cx_total"] >= 8
 
 
 def test_429_from_a_saturated_replica_is_retried_on_the_other_never_a_5xx(
-    tmp_path: Path,
+    tmp_path: Path, replicas: tuple[ServerProcess, ...]
 ) -> None:
-    with (
-        running_server(tmp_path, SATURATED_ENV) as saturated,
-        running_server(tmp_path) as healthy,
-    ):
+    healthy = replicas[0]
+    with running_server(tmp_path, SATURATED_ENV) as saturated:
         with envoy_in_front_of(tmp_path, saturated, healthy) as envoy:
             wait_until_healthy(envoy, saturated, healthy)
             results = send_concurrently(envoy, count=24, concurrency=8)
@@ -267,9 +275,11 @@ def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
         replica.kill()
 
 
-def test_an_unready_replica_is_taken_out_by_the_health_check(tmp_path: Path) -> None:
+def test_an_unready_replica_is_taken_out_by_the_health_check(
+    tmp_path: Path, replicas: tuple[ServerProcess, ...]
+) -> None:
+    ready = replicas[0]
     with (
-        running_server(tmp_path) as ready,
         replica_that_never_gets_ready(tmp_path) as unready,
         envoy_in_front_of(tmp_path, ready, unready) as envoy,
     ):

@@ -216,3 +216,20 @@ async def test_draining_refuses_new_work_but_finishes_admitted(harness: Harness)
     harness.release()
     assert (await holder).status_code == 200
     assert await drained
+
+
+async def test_debug_endpoints_are_off_by_default_and_token_protected() -> None:
+    async with start() as harness:
+        assert (await harness.client.get("/debug/pool")).status_code == 404
+    async with start(debug_token="s3cret") as harness:
+        assert (await harness.client.get("/debug/pool")).status_code == 401
+        wrong = {"authorization": "Bearer nope"}
+        assert (await harness.client.get("/debug/config", headers=wrong)).status_code == 401
+        auth = {"authorization": "Bearer s3cret"}
+        pool = (await harness.client.get("/debug/pool", headers=auth)).json()
+        assert pool["fake"]["misses"] == 0
+        shapes = {(s["batch"], s["length"]) for s in pool["fake"]["shapes"]}
+        assert (4, 16) in shapes and (1, 64) in shapes
+        config = (await harness.client.get("/debug/config", headers=auth)).json()
+        assert config["settings"]["debug_token"] == "***"
+        assert config["threads"]["compute"] == 1

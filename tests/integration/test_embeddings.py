@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from app.main import create_app
-from app.models.base import resolve_dtype, resolve_source
+from app.models.base import resolve_device, resolve_dtype, resolve_source
 from app.models.embedding import mean_pool
 from app.settings import BUNDLED_DEFAULT_SOURCE, Settings
 from tests.support.asgi import serving
@@ -42,9 +42,11 @@ LONG_TEXT = " ".join(["tail latency"] * 80)
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[AutoTokenizer, AutoModel]:
+    """The same weights on the same device and dtype as the server (CUDA in gpu_check.sh)."""
     location = resolve_source(BUNDLED_DEFAULT_SOURCE)
-    dtype = resolve_dtype("auto", torch.device("cpu"))
-    return AutoTokenizer.from_pretrained(location), AutoModel.from_pretrained(location, dtype=dtype)
+    device = resolve_device(SETTINGS.device)
+    model = AutoModel.from_pretrained(location, dtype=resolve_dtype("auto", device))
+    return AutoTokenizer.from_pretrained(location), model.to(device).eval()
 
 
 def reference_vectors(
@@ -56,8 +58,9 @@ def reference_vectors(
     with torch.inference_mode():
         for text in texts:
             encoded = tokenizer(text, return_tensors="pt", truncation=True, max_length=64)
+            encoded = encoded.to(model.device)
             hidden = model(**encoded).last_hidden_state
-            rows.append(mean_pool(hidden, encoded["attention_mask"])[0].numpy())
+            rows.append(mean_pool(hidden, encoded["attention_mask"])[0].cpu().numpy())
     vectors = np.stack(rows)
     if normalize:
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)

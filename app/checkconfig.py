@@ -320,14 +320,15 @@ def _envoy_parts(config: Any) -> _EnvoyParts:
     hcm_filter = _named(_dig(listener, "filter_chains.0.filters"), HCM_FILTER, "listener filter")
     hcm = hcm_filter.get("typed_config")
     cluster = _named(_dig(resources, "clusters"), UPSTREAM_CLUSTER, "cluster")
+    # The extension's name contains dots, so it cannot be a step of a `_dig` path.
+    protocol_options = cluster.get("typed_extension_protocol_options") or {}
     return _EnvoyParts(
         config=config,
         listener=listener,
         hcm=hcm,
         route=_dig(hcm, "route_config.virtual_hosts.0.routes.0.route"),
         cluster=cluster,
-        upstream_http=_dig(cluster, "typed_extension_protocol_options")
-        and cluster["typed_extension_protocol_options"].get(UPSTREAM_HTTP_OPTIONS),
+        upstream_http=protocol_options.get(UPSTREAM_HTTP_OPTIONS),
     )
 
 
@@ -577,7 +578,7 @@ def _normalise(value: Any) -> Any:
 
 
 def _show(value: Any) -> str:
-    return "<absent>" if value is None else json.dumps(_normalise_for_display(value))
+    return "<absent>" if value is None else json.dumps(_normalise_for_display(value), default=str)
 
 
 def _normalise_for_display(value: Any) -> Any:
@@ -611,6 +612,8 @@ class Baseline:
             loaded = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as error:
             raise ConfigError(f"{path}: {error}") from error
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: not a mapping")
         baseline = cls(
             settings=loaded.get("settings") or {},
             envoy=loaded.get("envoy") or {},
@@ -767,7 +770,10 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
     if found != sorted(baseline.overlays):
         differences.append(f"k8s.overlays: baseline {sorted(baseline.overlays)}, actual {found}")
     for name in sorted(set(found) & set(baseline.overlays)):
-        manifests = render_kustomization(overlays_dir / name)
+        try:
+            manifests = render_kustomization(overlays_dir / name)
+        except OSError as error:
+            raise ConfigError(f"rendering overlay {name}: {error}") from error
         differences += check_overlay(baseline, name, manifests, envoy_text)
     return differences
 

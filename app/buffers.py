@@ -67,6 +67,14 @@ class BufferSlot:
             self.input_ids = self.host_input_ids
             self.attention_mask = self.host_attention_mask
         self.output = torch.zeros((rows, output_width), dtype=output_dtype, device=device)
+        # On CUDA the half-precision output comes back into pinned memory of its own dtype
+        # (a same-dtype, non-blocking copy), and is widened to fp32 on the host in place; a
+        # cross-dtype device-to-host copy would allocate a temporary on the GPU per batch.
+        self.host_output_staging: torch.Tensor | None = (
+            torch.zeros((rows, output_width), dtype=output_dtype, pin_memory=True)
+            if on_cuda
+            else None
+        )
         self.ids_view: npt.NDArray[np.int64] = self.host_input_ids.numpy()
         self.mask_view: npt.NDArray[np.int64] = self.host_attention_mask.numpy()
         self.output_view: npt.NDArray[np.float32] = self.host_output.numpy()
@@ -82,6 +90,7 @@ class BufferSlot:
                 self.input_ids,
                 self.attention_mask,
                 self.output,
+                *([self.host_output_staging] if self.host_output_staging is not None else []),
             )
         }
         return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -32,13 +32,16 @@ def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Strea
         slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
         slot.host_output.copy_(slot.output)
         return
+    staging = slot.host_output_staging
+    assert staging is not None, "CUDA slots have pinned output staging"
     with torch.cuda.stream(stream):
         slot.input_ids.copy_(slot.host_input_ids, non_blocking=True)
         slot.attention_mask.copy_(slot.host_attention_mask, non_blocking=True)
         slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
-        slot.host_output.copy_(slot.output, non_blocking=True)
+        staging.copy_(slot.output, non_blocking=True)
     # Wait for this thread's stream only; other threads' batches keep running.
     stream.synchronize()
+    slot.host_output.copy_(staging)
 
 
 def execute_batch(

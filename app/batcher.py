@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from app.admission import Admission
 from app.buffers import BufferPool
@@ -199,8 +200,34 @@ class ModelBatcher:
             self._wakeup.set()
 
     def _run_blocking(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
-        """Compute threads only."""
-        return execute_batch(self.pool, self.runner, shape, token_ids, self._dispatcher.stream())
+        """Compute threads only. Out of device memory, the batch is split in halves (each
+        padded to its own batch bucket) instead of failing every request in it."""
+        try:
+            return execute_batch(
+                self.pool, self.runner, shape, token_ids, self._dispatcher.stream()
+            )
+        except torch.OutOfMemoryError:
+            if len(token_ids) == 1:
+                raise
+            log.warning("%s: out of memory at %s; splitting the batch", self.runner.name, shape)
+            if self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+        half = len(token_ids) // 2
+        parts = [
+            self._run_blocking(
+                BatchShape(
+                    self.scheduler.policy.padded_batch(shape.length, len(rows)), shape.length
+                ),
+                rows,
+            )
+            for rows in (token_ids[:half], token_ids[half:])
+        ]
+        return BatchOutput(
+            rows=np.concatenate([p.rows for p in parts]),
+            compute_s=sum(p.compute_s for p in parts),
+            acquire_wait_s=sum(p.acquire_wait_s for p in parts),
+            pool_miss=any(p.pool_miss for p in parts),
+        )
 
     def _record(self, batch: Batch, output: BatchOutput) -> None:
         name, bucket = self.runner.name, str(batch.shape.length)

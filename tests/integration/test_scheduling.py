@@ -233,3 +233,24 @@ async def test_debug_endpoints_are_off_by_default_and_token_protected() -> None:
         config = (await harness.client.get("/debug/config", headers=auth)).json()
         assert config["settings"]["debug_token"] == "***"
         assert config["threads"]["compute"] == 1
+
+
+async def test_out_of_memory_splits_the_batch_and_answers_everyone(harness: Harness) -> None:
+    holder = await harness.hold_the_worker()
+    harness.runner.out_of_memory_above_rows = 1
+    texts = ["a", "bb cc", "ddd eee fff", "g h"]
+    waiting = [
+        asyncio.create_task(
+            harness.client.post("/infer", json={"inputs": t, "parameters": {"normalize": False}})
+        )
+        for t in texts
+    ]
+    batcher = harness.service.batchers["fake"]
+    await harness.until(lambda: batcher.scheduler.depth == 4, "all four queued")
+    harness.release()
+    responses = [await task for task in waiting]
+    assert [r.status_code for r in responses] == [200] * 4
+    sums = [r.json()["outputs"][0][0] for r in responses]
+    assert sums == [3 + 1, 3 + 2 + 2, 3 + 9, 3 + 2]
+    assert all(len(batch) == 1 for batch in harness.runner.batches[1:])
+    assert (await holder).status_code == 200

@@ -28,6 +28,7 @@ class GatedRunner:
         self.gate.set()
         self.started = threading.Semaphore(0)
         self.batches: list[list[list[int]]] = []
+        self.out_of_memory_above_rows: int | None = None
 
     def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
         # One token per word, id = word length: distinct, checkable outputs.
@@ -38,6 +39,9 @@ class GatedRunner:
             [int(t) for t, m in zip(ids, mask, strict=True) if m]
             for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
         ]
+        real_rows = [r for r in rows if r != [self.pad_token_id]]
+        if self.out_of_memory_above_rows and len(real_rows) > self.out_of_memory_above_rows:
+            raise torch.OutOfMemoryError("fake: batch too large for the device")
         self.batches.append(rows)
         self.started.release()
         self.gate.wait(timeout=30)

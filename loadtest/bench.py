@@ -387,6 +387,32 @@ def comparison_table(outcomes: dict[str, PhaseOutcome]) -> tuple[str, dict[str, 
     return "\n".join(lines), ratios
 
 
+def markdown_summary(
+    outcomes: dict[str, PhaseOutcome], ratios: dict[str, float | None], command: str
+) -> str:
+    """The comparison as a Markdown table, ready for docs/BENCHMARKS.md."""
+    lines = [
+        f"`{command}`",
+        "",
+        "| phase | req/s | p50 ms | p95 ms | p99 ms | p99/p50 | errors | other processes' CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for outcome in outcomes.values():
+        foreign = outcome.details.get("foreign_cores")
+        lines.append(
+            f"| {outcome.description} | {outcome.throughput_rps:.1f} | "
+            f"{_figure(outcome.p50_ms)} | {_figure(outcome.p95_ms)} | "
+            f"{_figure(outcome.p99_ms)} | {_figure(outcome.tail_ratio, 2)} | "
+            f"{outcome.error_rate:.2%} | "
+            f"{'-' if foreign is None else f'{foreign:.2f} cores'} |"
+        )
+    lines.append("")
+    lines.append(
+        "Ratios: " + ", ".join(f"{name} **{_figure(value, 2)}**" for name, value in ratios.items())
+    )
+    return "\n".join(lines) + "\n"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench", description=__doc__.split("\n")[0]

@@ -166,16 +166,13 @@ class Service:
         started = time.perf_counter()
         if self.device.type == "cuda":
             await self.dispatcher.run_compute(self._init_cuda)
-        policies = {spec.name: self._policy() for spec in self.settings.models}
         runners: dict[str, ModelRunner] = {}
         for spec in self.settings.models:
-            largest = policies[spec.name].length_buckets[-1]
             runners[spec.name] = await self.dispatcher.run_compute(
-                self._loader, spec, self.device, largest
+                self._loader, spec, self.device, self.settings.length_buckets[-1]
             )
         for name, runner in runners.items():
             policy = self._policy_for(runner)
-            policies[name] = policy
             pool = BufferPool(
                 policy.shapes(),
                 runner.output_width,
@@ -213,21 +210,18 @@ class Service:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"],
         )
 
-    def _policy(self, length_buckets: tuple[int, ...] | None = None) -> BatchPolicy:
-        return BatchPolicy(
-            length_buckets=length_buckets or self.settings.length_buckets,
-            max_batch_size=self.settings.max_batch_size,
-            max_batch_tokens=self.settings.max_batch_tokens,
-            max_wait_s=self.settings.max_wait_ms / 1000,
-        )
-
     def _policy_for(self, runner: ModelRunner) -> BatchPolicy:
         """Buckets up to the first one that holds the model's longest input: shapes the
         model can never see are neither preallocated nor warmed up."""
         buckets = self.settings.length_buckets
         needed = [b for b in buckets if b < runner.max_input_tokens]
         holding = [b for b in buckets if b >= runner.max_input_tokens][:1]
-        return self._policy(tuple(needed + holding))
+        return BatchPolicy(
+            length_buckets=tuple(needed + holding),
+            max_batch_size=self.settings.max_batch_size,
+            max_batch_tokens=self.settings.max_batch_tokens,
+            max_wait_s=self.settings.max_wait_ms / 1000,
+        )
 
     def _record_pool(self, name: str, pool: BufferPool) -> None:
         self.metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,10 @@ def test_service_monitors_scrape_named_ports_of_existing_services(overlay: str) 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_renderer_matches_kubectl_kustomize(overlay: str) -> None:
+    # A cross-check beyond the list: kubectl is not installable from the registries
+    # CI reaches (Debian's is 1.20, without kustomize v5), so it runs where the image has it.
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl (>= 1.27, kustomize v5) is not on this machine")
     kubectl = require_tool("kubectl")
     result = run_tool(kubectl, "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay))
     assert result.returncode == 0, result.stderr

@@ -489,9 +489,11 @@ def main(argv: list[str] | None = None) -> int:
             "on a small machine that slows the phases unevenly: rerun when it is idle.",
             flush=True,
         )
+    arguments = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m loadtest.bench", *arguments])
+    (out_dir / "summary.md").write_text(markdown_summary(outcomes, ratios, command))
     document = {
-        "command": "python -m loadtest.bench "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
         "settings": {
             "duration_s": options.duration_s,
             "connections": options.connections,

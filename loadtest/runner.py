@@ -259,7 +259,8 @@ class LoadRun:
 
     # -- public -----------------------------------------------------------------------------
     async def run(self) -> RunResult:
-        self._started_at = self.clock.now()
+        self._started_at = self._last_sample_at = self.clock.now()
+        self._last_cpu = time.process_time()
         timeline: list[MonitorSample] = []
         monitor = asyncio.create_task(self._monitor(timeline))
         try:
@@ -479,8 +480,6 @@ class LoadRun:
     # -- monitoring -------------------------------------------------------------------------
     async def _monitor(self, timeline: list[MonitorSample]) -> None:
         """Every interval: CPU use of this process, progress counters, the callback."""
-        self._last_sample_at = self._started_at
-        self._last_cpu = time.process_time()
         while True:
             await self.clock.sleep_until(self._last_sample_at + self.config.monitor_interval_s)
             self._take_sample(timeline)

@@ -100,7 +100,11 @@ class StubServer:
     @contextlib.asynccontextmanager
     async def serving(self, port: int = 0) -> AsyncIterator[int]:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _StubProtocol(self), "127.0.0.1", port)
+        # A deep accept backlog: a generator opening hundreds of connections at once would
+        # otherwise overflow the default (100) and see 1 s SYN retransmits as latency.
+        server = await loop.create_server(
+            lambda: _StubProtocol(self), "127.0.0.1", port, backlog=4096
+        )
         try:
             yield int(server.sockets[0].getsockname()[1])
         finally:

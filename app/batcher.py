@@ -1,9 +1,10 @@
 """The asyncio side of batching: per-model queues, futures, cancellation, and hand-off of
 closed batches to the dispatcher.
 
-Everything here runs on the event loop thread except `execute_batch`, which runs on a
-dispatcher compute thread. Each input's future is resolved exactly once (by its batch, or
-by the scheduler dropping it); resolving an already-done future is a no-op.
+Everything here runs on the event loop thread; the batch itself runs on a dispatcher
+compute thread (`execute.run_batch`). Each input's future is resolved exactly once (by its
+batch, or by the scheduler dropping it); resolving an already-done future is a no-op, and a
+batch that fails for any reason fails its inputs rather than leaving them waiting.
 """
 
 from __future__ import annotations
@@ -14,16 +15,16 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from app.admission import Admission
 from app.buffers import BufferPool
 from app.dispatcher import Dispatcher
-from app.execute import BatchOutput, execute_batch, warmup_token_ids
+from app.execute import BatchOutput, run_batch, warmup_token_ids
 from app.metrics import Metrics
 from app.models.base import ModelRunner
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
@@ -35,6 +36,10 @@ T = TypeVar("T")
 
 class DeadlineExceeded(Exception):
     """The input's deadline passed (or could no longer be met) before it was computed."""
+
+
+class BatchFailed(Exception):
+    """The batch holding the input failed on the server's side (answered 500)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,24 +96,29 @@ class ModelBatcher:
         self._closing = False
 
     # --- requests -----------------------------------------------------------------------
-    def submit(self, token_ids: list[int], deadline: float) -> asyncio.Future[ItemResult]:
-        """Queue one tokenized input; the caller has admitted it (it counts as queued)."""
-        length_bucket = self.scheduler.policy.length_bucket_for(len(token_ids))
-        if length_bucket is None:
-            raise ValueError(f"{len(token_ids)} tokens exceed every length bucket")
-        item = WorkItem(
-            item_id=next(self._ids),
-            n_tokens=len(token_ids),
-            length_bucket=length_bucket,
-            enqueued_at=self._clock(),
-            deadline=deadline,
-        )
-        future: asyncio.Future[ItemResult] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda done: self._on_done(item.item_id, done))
-        self._pending[item.item_id] = _Pending(item, token_ids, future)
-        self.scheduler.enqueue(item)
+    def submit(
+        self, token_ids: list[list[int]], deadline: float
+    ) -> list[asyncio.Future[ItemResult]]:
+        """Queue a request's tokenized inputs, all or none (the caller admitted them, so
+        they count as queued); raises `ValueError` before queuing any if one fits no bucket."""
+        policy = self.scheduler.policy
+        buckets = [policy.length_bucket_for(len(ids)) for ids in token_ids]
+        if None in buckets:
+            longest = max(len(ids) for ids in token_ids)
+            raise ValueError(f"{longest} tokens exceed the largest length bucket")
+        now = self._clock()
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[ItemResult]] = []
+        for ids, bucket in zip(token_ids, buckets, strict=True):
+            assert bucket is not None
+            item = WorkItem(next(self._ids), len(ids), bucket, enqueued_at=now, deadline=deadline)
+            future: asyncio.Future[ItemResult] = loop.create_future()
+            future.add_done_callback(partial(self._on_done, item.item_id))
+            self._pending[item.item_id] = _Pending(item, ids, future)
+            self.scheduler.enqueue(item)
+            futures.append(future)
         self._wakeup.set()
-        return future
+        return futures
 
     def _on_done(self, item_id: int, future: asyncio.Future[ItemResult]) -> None:
         if future.cancelled() and item_id in self._pending:
@@ -166,8 +176,8 @@ class ModelBatcher:
         self._admission.left_queue(dropped, self._clock())
 
     async def _execute(self, batch: Batch) -> None:
+        pendings = [self._pending.pop(item.item_id) for item in batch.items]
         try:
-            pendings = [self._pending.pop(item.item_id) for item in batch.items]
             started = self._clock()
             self._admission.left_queue(len(pendings), started)
             bucket = str(batch.shape.length)
@@ -175,15 +185,9 @@ class ModelBatcher:
                 self._metrics.queue_wait.labels(self.runner.name, bucket).observe(
                     started - pending.item.enqueued_at
                 )
-            try:
-                output = await self._dispatcher.run_compute(
-                    self._run_blocking, batch.shape, [p.token_ids for p in pendings]
-                )
-            except Exception as error:  # the model failed: every input of the batch fails
-                log.exception("batch %s of %s failed", batch.shape, self.runner.name)
-                for pending in pendings:
-                    _set_exception_if_not_done(pending.future, error)
-                return
+            output = await self._dispatcher.run_compute(
+                self._run_batch, batch.shape, [p.token_ids for p in pendings]
+            )
             self._record(batch, output)
             for row, pending in enumerate(pendings):
                 _set_result_if_not_done(
@@ -195,38 +199,26 @@ class ModelBatcher:
                         batch_size=len(pendings),
                     ),
                 )
+        except BaseException as error:
+            log.exception("batch %s of %s failed", batch.shape, self.runner.name)
+            for pending in pendings:
+                _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
+            if not isinstance(error, Exception):
+                raise
         finally:
             self._free_workers += 1
             self._wakeup.set()
 
-    def _run_blocking(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
-        """Compute threads only. Out of device memory, the batch is split in halves (each
-        padded to its own batch bucket) instead of failing every request in it."""
-        try:
-            return execute_batch(
-                self.pool, self.runner, shape, token_ids, self._dispatcher.stream()
-            )
-        except torch.OutOfMemoryError:
-            if len(token_ids) == 1:
-                raise
-            log.warning("%s: out of memory at %s; splitting the batch", self.runner.name, shape)
-            if self.runner.device.type == "cuda":
-                torch.cuda.empty_cache()
-        half = len(token_ids) // 2
-        parts = [
-            self._run_blocking(
-                BatchShape(
-                    self.scheduler.policy.padded_batch(shape.length, len(rows)), shape.length
-                ),
-                rows,
-            )
-            for rows in (token_ids[:half], token_ids[half:])
-        ]
-        return BatchOutput(
-            rows=np.concatenate([p.rows for p in parts]),
-            compute_s=sum(p.compute_s for p in parts),
-            acquire_wait_s=sum(p.acquire_wait_s for p in parts),
-            pool_miss=any(p.pool_miss for p in parts),
+    def _run_batch(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
+        """Compute threads only."""
+        policy = self.scheduler.policy
+        return run_batch(
+            self.pool,
+            self.runner,
+            shape,
+            token_ids,
+            self._dispatcher.stream(),
+            lambda rows: BatchShape(policy.padded_batch(shape.length, rows), shape.length),
         )
 
     def _record(self, batch: Batch, output: BatchOutput) -> None:
@@ -247,6 +239,6 @@ class ModelBatcher:
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
             rows = warmup_token_ids(shape, filler_token_id)
-            output = await self._dispatcher.run_compute(self._run_blocking, shape, rows)
+            output = await self._dispatcher.run_compute(self._run_batch, shape, rows)
             self.scheduler.record_compute(shape, output.compute_s)
             on_shape_done(done, len(shapes))

@@ -37,6 +37,7 @@ class DrainingServer(uvicorn.Server):
         self._quiet_s = quiet_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._drain_requested = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -45,7 +46,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler this does not re-raise the signal after shutdown:
         # a drained server exits 0.
-        if self._loop is None or self._drain_task is not None:
+        if self._loop is None or self._drain_requested:
             self.should_exit = True
             self.force_exit = self.force_exit or sig == signal.SIGINT
             return
@@ -54,7 +55,13 @@ class DrainingServer(uvicorn.Server):
             signal.Signals(sig).name,
             self._drain_timeout_s,
         )
-        self._drain_task = self._loop.create_task(self._drain())
+        # This runs in a signal handler: hand the work to the loop thread-safely, which
+        # also wakes its selector at once.
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
         self._service.begin_drain()

@@ -6,8 +6,9 @@ thread's own stream (inputs from pinned staging) and the thread waits for its st
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,8 @@ import torch
 from app.buffers import BufferPool, BufferSlot
 from app.models.base import ModelRunner
 from app.scheduler import BatchShape
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +37,16 @@ def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Strea
         return
     staging = slot.host_output_staging
     assert staging is not None, "CUDA slots have pinned output staging"
-    with torch.cuda.stream(stream):
-        slot.input_ids.copy_(slot.host_input_ids, non_blocking=True)
-        slot.attention_mask.copy_(slot.host_attention_mask, non_blocking=True)
-        slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
-        staging.copy_(slot.output, non_blocking=True)
-    # Wait for this thread's stream only; other threads' batches keep running.
-    stream.synchronize()
+    try:
+        with torch.cuda.stream(stream):
+            slot.input_ids.copy_(slot.host_input_ids, non_blocking=True)
+            slot.attention_mask.copy_(slot.host_attention_mask, non_blocking=True)
+            slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
+            staging.copy_(slot.output, non_blocking=True)
+    finally:
+        # Wait for this thread's stream only (other threads' batches keep running), and
+        # always, so that no copy into the slot is still in flight once it is released.
+        stream.synchronize()
     slot.host_output.copy_(staging)
 
 
@@ -61,6 +67,37 @@ def execute_batch(
         return BatchOutput(result, time.perf_counter() - started, waited, slot.is_fallback)
     finally:
         pool.release(slot)
+
+
+def run_batch(
+    pool: BufferPool,
+    runner: ModelRunner,
+    shape: BatchShape,
+    token_ids: Sequence[list[int]],
+    stream: torch.cuda.Stream | None,
+    shape_for_rows: Callable[[int], BatchShape],
+) -> BatchOutput:
+    """`execute_batch`, but out of device memory the batch is split in halves (each in the
+    shape `shape_for_rows` gives) instead of failing every request in it."""
+    try:
+        return execute_batch(pool, runner, shape, token_ids, stream)
+    except torch.OutOfMemoryError:
+        if len(token_ids) == 1:
+            raise
+        log.warning("%s: out of memory at %s; splitting the batch", runner.name, shape)
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+    half = len(token_ids) // 2
+    parts = [
+        run_batch(pool, runner, shape_for_rows(len(rows)), rows, stream, shape_for_rows)
+        for rows in (token_ids[:half], token_ids[half:])
+    ]
+    return BatchOutput(
+        rows=np.concatenate([p.rows for p in parts]),
+        compute_s=sum(p.compute_s for p in parts),
+        acquire_wait_s=sum(p.acquire_wait_s for p in parts),
+        pool_miss=any(p.pool_miss for p in parts),
+    )
 
 
 def warmup_token_ids(shape: BatchShape, filler_token_id: int) -> list[list[int]]:

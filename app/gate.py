@@ -35,16 +35,16 @@ class AdmissionGate:
         # aiolimiter's bucket holds `max_rate` tokens and refills them over `time_period`.
         self._limiter = AsyncLimiter(max_rate=burst, time_period=burst / rate_per_s)
 
-    def reject(self, rejection: Rejected) -> Rejected:
+    def reject(self, rejection: Rejected, model: str) -> Rejected:
         """Count a rejection decided here or by the caller, and hand it back to raise."""
-        self._metrics.rejected.labels(rejection.reason.value).inc()
+        self._metrics.rejected.labels(model, rejection.reason.value).inc()
         return rejection
 
-    async def admit(self, n_inputs: int, deadline: float) -> Ticket:
+    async def admit(self, model: str, n_inputs: int, deadline: float) -> Ticket:
         """Wait for tokens, then pass the caps; raises `Rejected` (already counted)."""
         started = self._clock()
-        if self.admission.draining:
-            raise self.reject(self.admission.draining_rejection())
+        if self.admission.draining:  # before waiting for tokens it will not need
+            raise self.reject(self.admission.draining_rejection(), model)
         if self._limiter.has_capacity(n_inputs):
             await self._limiter.acquire(n_inputs)
         else:
@@ -52,10 +52,11 @@ class AdmissionGate:
             try:
                 await asyncio.wait_for(self._limiter.acquire(n_inputs), budget)
             except TimeoutError:
-                raise self.reject(self.admission.rate_limited(n_inputs, self.rate_per_s)) from None
+                rejection = self.admission.rate_limited(n_inputs, self.rate_per_s)
+                raise self.reject(rejection, model) from None
         try:
             ticket = self.admission.admit(n_inputs, deadline, self._clock())
         except Rejected as rejection:
-            raise self.reject(rejection) from None
-        self._metrics.admission_wait.observe(self._clock() - started)
+            raise self.reject(rejection, model) from None
+        self._metrics.admission_wait.labels(model).observe(self._clock() - started)
         return ticket

@@ -19,7 +19,7 @@ from app import __version__
 from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyLimitMiddleware, ServerTimingMiddleware
-from app.metrics import Metrics
+from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.service import RunnerLoader, Service, load_runner
 from app.settings import Settings
 
@@ -52,8 +52,9 @@ def create_app(settings: Settings, loader: RunnerLoader = load_runner) -> FastAP
     Instrumentator(
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],
-    ).instrument(app, latency_highr_buckets=metrics.LATENCY_BUCKETS)
-    # Added last = outermost: the limit applies before anything reads the body.
-    app.add_middleware(ServerTimingMiddleware, is_draining=lambda: service.admission.draining)
+    ).instrument(app, latency_highr_buckets=LATENCY_BUCKETS_S)
+    # Added last = outermost. The body limit applies before anything reads the body;
+    # Server-Timing wraps it so that its 413s carry the header too.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(ServerTimingMiddleware, is_draining=lambda: service.admission.draining)
     return app

@@ -17,21 +17,20 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Metrics:
-    LATENCY_BUCKETS = LATENCY_BUCKETS_S
-
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.request_duration = Histogram(
             "steadyserve_request_duration_seconds",
-            "Admission to response, by model, task and outcome.",
+            "Admission to response of admitted requests, by model, task and outcome.",
             ["model", "task", "outcome"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.admission_wait = Histogram(
             "steadyserve_admission_wait_seconds",
-            "Time spent in admission (token bucket).",
+            "Time spent in admission (token bucket), admitted requests.",
+            ["model"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
@@ -58,8 +57,8 @@ class Metrics:
         )
         self.rejected = Counter(
             "steadyserve_rejected_total",
-            "Requests rejected, by reason.",
-            ["reason"],
+            "Requests rejected, by model and reason.",
+            ["model", "reason"],
             registry=r,
         )
         self.inflight = Gauge(
@@ -74,12 +73,15 @@ class Metrics:
             registry=r,
         )
         self.pool_slots = Gauge(
-            "steadyserve_pool_slots", "Buffer-pool slots.", ["model", "bucket"], registry=r
+            "steadyserve_pool_slots",
+            "Buffer-pool slots, by length bucket and batch rows.",
+            ["model", "bucket", "batch"],
+            registry=r,
         )
         self.pool_slots_in_use = Gauge(
             "steadyserve_pool_slots_in_use",
             "Buffer-pool slots held by a running batch.",
-            ["model", "bucket"],
+            ["model", "bucket", "batch"],
             registry=r,
         )
         self.pool_acquire_wait = Histogram(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +23,10 @@ from app.buffers import BufferPool
 from app.dispatcher import Dispatcher, plan_threads
 from app.gate import AdmissionGate
 from app.metrics import Metrics
-from app.models.base import ModelRunner, resolve_device, resolve_dtype
+from app.models.base import InputTooLong, ModelRunner, resolve_device, resolve_dtype
 from app.models.embedding import EmbeddingRunner
 from app.scheduler import BatchPolicy
-from app.settings import ModelSpec, Settings
+from app.settings import ModelSpec, Settings, export_cuda_alloc_conf
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)
@@ -54,10 +53,6 @@ def load_runner(spec: ModelSpec, device: torch.device, largest_length_bucket: in
 class UnknownModel(Exception):
     def __init__(self, name: str, known: Sequence[str]) -> None:
         super().__init__(f"model {name!r} is not served; available: {', '.join(known)}")
-
-
-class NotReady(Exception):
-    pass
 
 
 @dataclass(slots=True)
@@ -130,10 +125,11 @@ class Service:
             clock=clock,
         )
         self.device = resolve_device(settings.device)
+        self._cuda_alloc_conf: str | None = None
         if self.device.type == "cuda":
             # CUDA reads the allocator configuration once, when it initialises: set the
             # default before anything (the compute threads' streams included) touches it.
-            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf)
+            self._cuda_alloc_conf = export_cuda_alloc_conf(settings)
         self.dispatcher = Dispatcher(
             plan_threads(
                 compute_threads=settings.dispatcher_threads,
@@ -173,7 +169,9 @@ class Service:
             )
         for name, runner in runners.items():
             policy = self._policy_for(runner)
-            pool = BufferPool(
+            # Preallocation touches the device (and pins host memory): a compute-thread job.
+            pool = await self.dispatcher.run_compute(
+                BufferPool,
                 policy.shapes(),
                 runner.output_width,
                 runner.device,
@@ -207,7 +205,7 @@ class Service:
             "CUDA initialised eagerly on %s (%s), PYTORCH_CUDA_ALLOC_CONF=%s",
             self.device,
             torch.cuda.get_device_name(self.device),
-            os.environ["PYTORCH_CUDA_ALLOC_CONF"],
+            self._cuda_alloc_conf,
         )
 
     def _policy_for(self, runner: ModelRunner) -> BatchPolicy:
@@ -255,6 +253,8 @@ class Service:
             status = "failed"
         elif self.admission.draining:
             status = "draining"
+        elif not self.batchers:
+            status = "loading"
         elif not self._ready:
             status = "warming_up"
         else:
@@ -273,6 +273,11 @@ class Service:
 
     def model_names(self) -> list[str]:
         return [spec.name for spec in self.settings.models]
+
+    def output_width(self, name: str) -> int | None:
+        """The model's output vector width, once it is loaded."""
+        batcher = self.batchers.get(name)
+        return batcher.runner.output_width if batcher else None
 
     def model_task(self, name: str) -> str:
         return next(spec.task for spec in self.settings.models if spec.name == name)
@@ -297,28 +302,27 @@ class Service:
     ) -> EmbedResult:
         """Admit, tokenize, batch and return one vector per text.
 
-        Raises `Rejected` (429/503/504), `InputTooLong`, `NotReady` or `DeadlineExceeded`.
+        Raises `Rejected` (429/503/504), `InputTooLong`, `DeadlineExceeded` or `BatchFailed`.
         Cancelling the caller's task (client gone) drops its queued inputs.
         """
         self._arrival.set()
-        if self.admission.draining:
-            raise self.gate.reject(self.admission.draining_rejection())
-        if not self._ready:
-            raise self.gate.reject(Rejected(RejectReason.NOT_READY, "warm-up has not finished"))
-        batcher = self.batchers[model]
+        if not self._ready and not self.admission.draining:
+            raise self.gate.reject(
+                Rejected(RejectReason.NOT_READY, "warm-up has not finished"), model
+            )
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)
-        ticket = await self.gate.admit(len(texts), deadline)
+        ticket = await self.gate.admit(model, len(texts), deadline)
+        batcher = self.batchers[model]
         admitted_at = self._clock()
         timer.add("admission", admitted_at - now)
         outcome = "error"
-        submitted = 0
+        futures: list[asyncio.Future[ItemResult]] = []
         try:
             token_ids = await self._tokenize(batcher.runner, texts, truncate)
             tokenized_at = self._clock()
             timer.add("tokenize", tokenized_at - admitted_at)
-            futures = [batcher.submit(ids, deadline) for ids in token_ids]
-            submitted = len(futures)
+            futures = batcher.submit(token_ids, deadline)
             try:
                 results: list[ItemResult] = await asyncio.gather(*futures)
             except BaseException:
@@ -336,16 +340,18 @@ class Service:
             )
         except DeadlineExceeded:
             outcome = "deadline"
-            self.metrics.rejected.labels(RejectReason.DEADLINE.value).inc()
+            self.metrics.rejected.labels(model, RejectReason.DEADLINE.value).inc()
+            raise
+        except InputTooLong:
+            outcome = "bad_request"
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
             finished = self._clock()
-            if submitted < ticket.n_inputs:  # never reached the queue (e.g. too long)
-                self.admission.left_queue(ticket.n_inputs - submitted, finished)
-                outcome = "bad_request" if outcome == "error" else outcome
+            if not futures:  # never reached the queue (e.g. an input too long)
+                self.admission.left_queue(ticket.n_inputs, finished)
             self.admission.release(ticket, finished)
             self.metrics.request_duration.labels(model, "embed", outcome).observe(finished - now)
             if self.admission.draining and self.admission.inflight == 0:
@@ -368,9 +374,9 @@ class Service:
         for name, batcher in self.batchers.items():
             stats = batcher.pool.stats()
             for shape, total in stats.slots.items():
-                bucket = f"{shape.batch}x{shape.length}"
-                m.pool_slots.labels(name, bucket).set(total)
-                m.pool_slots_in_use.labels(name, bucket).set(stats.in_use[shape])
+                labels = (name, str(shape.length), str(shape.batch))
+                m.pool_slots.labels(*labels).set(total)
+                m.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
 
     # --- shutdown -----------------------------------------------------------------------
     def begin_drain(self) -> None:

@@ -7,6 +7,7 @@ then: nothing in steadyserve reads the environment at import time. The CLI build
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -204,6 +205,12 @@ class Settings(BaseSettings):
     @property
     def slots_per_shape(self) -> int:
         return self.pool_slots_per_shape or self.dispatcher_threads
+
+
+def export_cuda_alloc_conf(settings: Settings) -> str:
+    """Give PYTORCH_CUDA_ALLOC_CONF its default unless the environment sets it; returns the
+    value in effect. Call before CUDA initialises (it reads the variable once, then)."""
+    return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf)
 
 
 def settings_table() -> str:

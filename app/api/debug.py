@@ -8,14 +8,13 @@ import hmac
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.api.responses import error_response, json_response
-from app.service import Service
+from app.api.responses import error_response, json_response, service_of
 
 router = APIRouter(prefix="/debug", include_in_schema=False)
 
 
 def _denied(request: Request) -> Response | None:
-    service: Service = request.app.state.service
+    service = service_of(request)
     token = service.settings.debug_token
     if token is None:
         return error_response(404, "not_found", "debug endpoints are disabled")
@@ -33,7 +32,7 @@ async def pool(request: Request) -> Response:
     """Buffer-pool slots, in use, misses and bytes, per model and shape."""
     if (denied := _denied(request)) is not None:
         return denied
-    service: Service = request.app.state.service
+    service = service_of(request)
     report = {}
     for name, batcher in service.batchers.items():
         stats = batcher.pool.stats()
@@ -62,7 +61,7 @@ async def config(request: Request) -> Response:
     """The settings in effect (the debug token itself withheld)."""
     if (denied := _denied(request)) is not None:
         return denied
-    service: Service = request.app.state.service
+    service = service_of(request)
     settings = service.settings.model_dump(mode="json")
     settings["debug_token"] = "***"
     return json_response(

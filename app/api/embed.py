@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from app.api.cancellation import run_until_disconnect
-from app.api.responses import error_response, json_response
+from app.api.responses import error_response, json_response, service_of
 from app.schemas import (
     EmbeddingsRequest,
     EmbeddingsResponse,
@@ -27,11 +27,6 @@ ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
 _ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (400, 404, 413, 422, 429, 503, 504)
 }
-
-
-def _service(request: Request) -> Service:
-    service: Service = request.app.state.service
-    return service
 
 
 def _envoy_timeout_ms(request: Request) -> float | None:
@@ -59,7 +54,7 @@ async def _embed(
     truncate: bool,
     timeout_ms: float | None,
 ) -> EmbedResult:
-    service = _service(request)
+    service = service_of(request)
     timer: PhaseTimer = request.state.server_timing
     work = service.embed(
         service.resolve_model(model),
@@ -76,7 +71,7 @@ async def _embed(
 @router.post("/infer", response_model=InferResponse, responses=_ERRORS)
 async def infer(request: Request, body: InferRequest) -> Response:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    if (too_many := _too_many_inputs(_service(request), len(texts), "inputs")) is not None:
+    if (too_many := _too_many_inputs(service_of(request), len(texts), "inputs")) is not None:
         return too_many
     result = await _embed(
         request,
@@ -98,17 +93,19 @@ async def infer(request: Request, body: InferRequest) -> Response:
 @router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=_ERRORS)
 async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
     texts = [body.input] if isinstance(body.input, str) else body.input
-    if (too_many := _too_many_inputs(_service(request), len(texts), "input")) is not None:
+    if (too_many := _too_many_inputs(service_of(request), len(texts), "input")) is not None:
         return too_many
-    result = await _embed(request, body.model, texts, True, False, None)
-    width = result.vectors.shape[1]
-    if body.dimensions is not None and body.dimensions != width:
+    service = service_of(request)
+    model = service.resolve_model(body.model)
+    width = service.output_width(model)
+    if body.dimensions is not None and width is not None and body.dimensions != width:
         return error_response(
             400,
             "invalid_request",
-            f"dimensions={body.dimensions} is not supported; {result.model} gives {width}",
+            f"dimensions={body.dimensions} is not supported; {model} gives {width}",
             "dimensions",
         )
+    result = await _embed(request, model, texts, True, False, None)
     data = [
         {
             "object": "embedding",
@@ -131,7 +128,7 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
 
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> Response:
-    service = _service(request)
+    service = service_of(request)
     cards = [
         ModelCard(id=name, task=service.model_task(name)).model_dump()
         for name in service.model_names()

@@ -75,6 +75,8 @@ async def _deadline(request: Request, error: Exception) -> Response:
 
 async def _too_long(request: Request, error: Exception) -> Response:
     assert isinstance(error, InputTooLong)
+    if request.url.path.startswith("/v1/"):  # OpenAI's field is `input`, without truncation
+        return error_response(413, "input_too_long", str(error), f"input[{error.index}]")
     message = f"{error}; set parameters.truncate to cut inputs to the limit"
     return error_response(413, "input_too_long", message, f"inputs[{error.index}]")
 

@@ -6,21 +6,15 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
-from app.api.responses import json_response
-from app.service import Service
+from app.api.responses import json_response, service_of
 
 router = APIRouter()
-
-
-def _service(request: Request) -> Service:
-    service: Service = request.app.state.service
-    return service
 
 
 @router.get("/healthz")
 async def healthz(request: Request) -> Response:
     """200 while the process can serve; 503 once start-up failed (so it gets restarted)."""
-    service = _service(request)
+    service = service_of(request)
     if not service.alive:
         return json_response({"status": "failed", "error": service.readiness().error}, 503)
     return json_response({"status": "ok"})
@@ -30,7 +24,7 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     """200 when every warm-up shape ran and the server is not draining; 503 otherwise,
     saying why."""
-    state = _service(request).readiness()
+    state = service_of(request).readiness()
     body: dict[str, object] = {
         "status": state.status,
         "warmup": {"done": state.warmup_done, "total": state.warmup_total},
@@ -42,6 +36,6 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    service = _service(request)
+    service = service_of(request)
     service.refresh_gauges()
     return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

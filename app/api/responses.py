@@ -6,7 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 from starlette.responses import Response
+
+from app.service import Service
 
 
 def json_response(
@@ -25,3 +28,8 @@ def error_response(
 ) -> Response:
     payload = {"error": {"type": error_type, "message": message, "param": param}}
     return json_response(payload, status_code, headers)
+
+
+def service_of(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service

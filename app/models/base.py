@@ -25,8 +25,9 @@ class InputTooLong(Exception):
 
 
 class ModelRunner(Protocol):
-    """A loaded model. `tokenize` runs on tokenizer threads, `forward` on compute threads;
-    neither is ever called from the event loop."""
+    """A loaded model. `forward` runs on compute threads only; `tokenize` must be
+    thread-safe (small requests are tokenized on the event loop, large ones on the
+    tokenizer threads)."""
 
     name: str
     task: str

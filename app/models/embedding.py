@@ -70,22 +70,43 @@ class EmbeddingRunner:
         self.output_width = int(self.model.config.hidden_size)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else 0
+        self._special_suffix = self._trailing_special_tokens()
 
-    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        """Token ids per text (tokenizer threads only); raises `InputTooLong`."""
-        encoded = self.tokenizer(
-            list(texts),
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # Always the same call: a fast tokenizer stores truncation settings on its shared
+        # Rust object and releases the GIL while encoding, so varying them per call would
+        # let concurrent callers (event loop and tokenizer threads) change each other's.
+        ids: list[list[int]] = self.tokenizer(
+            texts,
             add_special_tokens=True,
-            truncation=truncate,
-            max_length=self.max_input_tokens if truncate else None,
+            truncation=False,
             return_attention_mask=False,
             return_token_type_ids=False,
-        )
-        ids: list[list[int]] = encoded["input_ids"]
-        if not truncate:
-            for index, sequence in enumerate(ids):
-                if len(sequence) > self.max_input_tokens:
-                    raise InputTooLong(index, len(sequence), self.max_input_tokens)
+        )["input_ids"]
+        return ids
+
+    def _trailing_special_tokens(self) -> list[int]:
+        """The special tokens the tokenizer appends after the text (BERT's [SEP])."""
+        text_only: list[int] = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = self._encode(["a"])[0]
+        for start in range(len(full) - len(text_only) + 1):
+            if full[start : start + len(text_only)] == text_only:
+                return full[start + len(text_only) :]
+        return []
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        """Token ids per text, special tokens included; raises `InputTooLong` unless
+        `truncate`, which cuts the text (keeping the closing special tokens). Thread-safe:
+        called on the event loop for small requests and on tokenizer threads otherwise."""
+        limit = self.max_input_tokens
+        ids = self._encode(list(texts))
+        for index, sequence in enumerate(ids):
+            if len(sequence) <= limit:
+                continue
+            if not truncate:
+                raise InputTooLong(index, len(sequence), limit)
+            suffix = self._special_suffix
+            ids[index] = sequence[: limit - len(suffix)] + suffix
         return ids
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

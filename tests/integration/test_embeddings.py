@@ -162,6 +162,9 @@ async def test_every_response_carries_server_timing(client: httpx.AsyncClient) -
     assert {"admission", "tokenize", "queue", "compute", "total"} <= phases
     error = await client.post("/infer", json={"inputs": []})
     assert "total;dur=" in error.headers["server-timing"]
+    too_big = await client.post("/infer", json={"inputs": ["y" * 20_000]})
+    assert too_big.status_code == 413
+    assert "total;dur=" in too_big.headers["server-timing"]
 
 
 async def test_metrics_expose_http_and_steadyserve_instruments(client: httpx.AsyncClient) -> None:
@@ -292,4 +295,4 @@ async def test_caps_and_rate_give_429_with_retry_after() -> None:
         reasons = {r.json()["error"]["type"] for r in rejected}
         assert "rate" in reasons and reasons <= {"rate", "inflight"}
         metrics = (await client.get("/metrics")).text
-        assert 'steadyserve_rejected_total{reason="rate"}' in metrics
+        assert 'steadyserve_rejected_total{model="all-MiniLM-L6-v2",reason="rate"}' in metrics

@@ -76,7 +76,7 @@ async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
     async with serving(app, wait_ready=False) as client:
         waiting = await client.get("/readyz")
         assert waiting.status_code == 503
-        assert waiting.json() == {"status": "warming_up", "warmup": {"done": 0, "total": 0}}
+        assert waiting.json() == {"status": "loading", "warmup": {"done": 0, "total": 0}}
         early = await client.post("/infer", json={"inputs": "too early"})
         assert early.status_code == 503
         assert early.json()["error"]["type"] == "not_ready"
@@ -161,7 +161,7 @@ async def test_inflight_cap_answers_429_with_retry_after() -> None:
         harness.release()
         assert (await holder).status_code == 200
         metrics = (await harness.client.get("/metrics")).text
-        assert 'steadyserve_rejected_total{reason="inflight"} 1.0' in metrics
+        assert 'steadyserve_rejected_total{model="fake",reason="inflight"} 1.0' in metrics
 
 
 async def test_queue_cap_answers_429_and_reports_depth() -> None:
@@ -254,3 +254,14 @@ async def test_out_of_memory_splits_the_batch_and_answers_everyone(harness: Harn
     assert sums == [3 + 1, 3 + 2 + 2, 3 + 9, 3 + 2]
     assert all(len(batch) == 1 for batch in harness.runner.batches[1:])
     assert (await holder).status_code == 200
+
+
+async def test_a_request_failing_at_submission_leaves_no_counts_behind(harness: Harness) -> None:
+    # The fake tokenizer does not enforce the limit, so the second input fits no bucket.
+    response = await harness.client.post("/infer", json={"inputs": ["short", "w " * 100]})
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "internal_error"
+    assert harness.service.admission.queued == 0
+    assert harness.service.admission.inflight == 0
+    assert harness.service.batchers["fake"].scheduler.depth == 0
+    assert (await harness.client.post("/infer", json={"inputs": "after"})).status_code == 200

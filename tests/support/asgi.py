@@ -18,6 +18,7 @@ async def serving(app: FastAPI, wait_ready: bool = True) -> AsyncIterator[httpx.
             await startup
             readiness = app.state.service.readiness()
             assert readiness.ready, readiness
-        transport = httpx.ASGITransport(app=app)
+        # As under uvicorn: an unhandled error is a logged 500, not raised into the client.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client

@@ -150,11 +150,11 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
         outcomes: list[object] = []
         for _ in range(5):
             try:
-                outcomes.append(await gate.admit(1, deadline=virtual_loop.now + 5))
+                outcomes.append(await gate.admit("m", 1, deadline=virtual_loop.now + 5))
             except Rejected as rejection:
                 outcomes.append(rejection)
         virtual_loop.now += 0.1  # refills one token at 10/s
-        outcomes.append(await gate.admit(1, deadline=virtual_loop.now + 5))
+        outcomes.append(await gate.admit("m", 1, deadline=virtual_loop.now + 5))
         return outcomes
 
     outcomes = virtual_loop.run_until_complete(scenario())
@@ -163,4 +163,4 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
     assert rejected.reason is RejectReason.RATE
     assert rejected.retry_after_s == pytest.approx(0.1)
     assert not any(isinstance(o, Rejected) for o in outcomes[:4] + outcomes[5:])
-    assert metrics.rejected.labels("rate")._value.get() == 1
+    assert metrics.rejected.labels("m", "rate")._value.get() == 1

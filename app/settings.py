@@ -137,11 +137,17 @@ class Settings(BaseSettings):
     )
 
     # --- dispatcher and buffers --------------------------------------------------------
-    dispatcher_threads: int = Field(
-        default=1, ge=1, description="Threads that run the model (batches in flight at once)."
+    dispatcher_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="Threads that run the model (batches in flight at once); defaults to 2, "
+        "or 1 with a single CPU.",
     )
     torch_threads: int | None = Field(
-        default=None, ge=1, description="torch intra-op threads; defaults to the cgroup CPU quota."
+        default=None,
+        ge=1,
+        description="torch intra-op threads per dispatcher thread; defaults to the cgroup CPU "
+        "quota divided among the dispatcher threads.",
     )
     torch_interop_threads: int | None = Field(
         default=None, ge=1, description="torch inter-op threads; defaults to 1."
@@ -201,10 +207,6 @@ class Settings(BaseSettings):
     @property
     def default_model_name(self) -> str:
         return self.default_model or self.models[0].name
-
-    @property
-    def slots_per_shape(self) -> int:
-        return self.pool_slots_per_shape or self.dispatcher_threads
 
 
 def export_cuda_alloc_conf(settings: Settings) -> str:

@@ -24,6 +24,7 @@ BASE = {
     "length_buckets": (8, 16, 64),
     "max_batch_size": 4,
     "max_wait_ms": 0.0,
+    "dispatcher_threads": 1,  # one worker, so holding it holds every batch
 }
 
 

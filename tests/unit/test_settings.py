@@ -11,7 +11,7 @@ from app.settings import Settings
 def test_defaults_are_consistent() -> None:
     settings = Settings()
     assert settings.default_model_name == "all-MiniLM-L6-v2"
-    assert settings.slots_per_shape == settings.dispatcher_threads
+    assert settings.dispatcher_threads is None  # sized from the CPU quota at start-up
 
 
 def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:

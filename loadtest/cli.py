@@ -6,7 +6,8 @@ Subcommands:
   a JSON report, plots and an optional SLA verdict. Exit status 0 when the verdict passes
   (or none was asked for), 1 when it fails, 2 for a usage error.
 - ``hey-summary``: read ``hey -o csv`` output and print the same table (used by hey.sh).
-- ``bench``: the raw vs naive vs steadyserve comparison (`loadtest.bench`).
+- ``compare`` (or ``bench``): the raw vs naive vs steadyserve comparison, `loadtest.bench`;
+  ``steadyserve bench compare`` reads better than ``steadyserve bench bench``.
 """
 
 from __future__ import annotations
@@ -382,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     hey.set_defaults(handler=command_hey_summary)
 
     bench = commands.add_parser(
-        "bench", help="raw vs naive vs steadyserve comparison", add_help=False
+        "compare",
+        aliases=["bench"],
+        help="raw vs naive vs steadyserve comparison (`make bench`; same as loadtest.bench)",
+        add_help=False,
     )
     bench.set_defaults(handler=None)
     return parser
@@ -390,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    if arguments and arguments[0] == "bench":
+    if arguments and arguments[0] in ("bench", "compare"):
         from loadtest import bench
 
         return bench.main(arguments[1:])

@@ -55,6 +55,12 @@ class EmbeddingRunner:
         location = resolve_source(source)
         log.info("loading %s from %s (%s, %s)", name, location, device, dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(location)
+        self._backend = (
+            getattr(self.tokenizer, "_tokenizer", None) if self.tokenizer.is_fast else None
+        )
+        if self._backend is not None:
+            self._backend.no_truncation()
+            self._backend.no_padding()
         model = AutoModel.from_pretrained(location, dtype=dtype)
         self.model = model.to(device).eval()
         limits = [largest_length_bucket, int(self.model.config.max_position_embeddings)]
@@ -73,9 +79,13 @@ class EmbeddingRunner:
         self._special_suffix = self._trailing_special_tokens()
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        # Always the same call: a fast tokenizer stores truncation settings on its shared
-        # Rust object and releases the GIL while encoding, so varying them per call would
-        # let concurrent callers (event loop and tokenizer threads) change each other's.
+        # Always the same settings: a fast tokenizer stores truncation on its shared Rust
+        # object and releases the GIL while encoding, so varying it per call would let
+        # concurrent callers (event loop and tokenizer threads) change each other's. Truncation
+        # happens in `tokenize`. The Rust tokenizer is called directly where there is one:
+        # the Python wrapper costs more than the encoding of a short sentence.
+        if self._backend is not None:
+            return [encoding.ids for encoding in self._backend.encode_batch(texts)]
         ids: list[list[int]] = self.tokenizer(
             texts,
             add_special_tokens=True,

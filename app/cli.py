@@ -89,6 +89,8 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_keep_alive=int(settings.keep_alive_timeout_s),
+        # A backstop only: by the time uvicorn shuts down, the drain has already waited for
+        # every admitted request (see DrainingServer).
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
@@ -110,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         help="compare settings, Envoy and k8s files with deploy/baseline.yaml",
         add_help=False,
     )
-    commands.add_parser("bench", help="load generator and comparison bench", add_help=False)
+    commands.add_parser(
+        "bench",
+        help="load generator (loadtest); `bench compare` runs the comparison",
+        add_help=False,
+    )
     commands.add_parser("settings", help="print every setting as a Markdown table")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":

@@ -10,9 +10,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
-import subprocess
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -31,12 +28,10 @@ from tests.support.envoy import (
     wait_for,
 )
 from tests.support.server import (
-    FAST_TEST_ENV,
-    REPO_ROOT,
     ServerProcess,
-    free_port,
     http_status,
     running_server,
+    start_server,
 )
 
 pytestmark = pytest.mark.e2e
@@ -251,19 +246,8 @@ def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> Non
 def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
     """A real steadyserve whose start-up fails (its model source does not exist): it stays
     up and answers /readyz with 503 for as long as it runs."""
-    port = free_port()
-    log_path = tmp_path / f"steadyserve-unready-{port}.log"
     broken_model = [{"name": "broken", "source": str(tmp_path / "no-such-model")}]
-    env = {**os.environ, **FAST_TEST_ENV, "STEADY_MODELS": json.dumps(broken_model)}
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    replica = ServerProcess(process=process, port=port, log_path=log_path)
+    replica = start_server(tmp_path, {"STEADY_MODELS": json.dumps(broken_model)})
     try:
         wait_for(
             lambda: http_status(f"{replica.base_url}/readyz") == 503,

@@ -85,11 +85,10 @@ def wait_until_ready(server: ServerProcess, timeout: float = 120.0) -> None:
     raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
 
 
-@contextlib.contextmanager
-def running_server(
+def start_server(
     tmp_path: Path, env: Mapping[str, str] | None = None, port: int | None = None
-) -> Iterator[ServerProcess]:
-    """A ready steadyserve on 127.0.0.1; killed by PID on exit if still running."""
+) -> ServerProcess:
+    """Start `steadyserve serve` on 127.0.0.1 (fast test settings + `env`), not waiting."""
     port = port or free_port()
     log_path = tmp_path / f"steadyserve-{port}.log"
     full_env = {**os.environ, **FAST_TEST_ENV, **(env or {})}
@@ -101,7 +100,15 @@ def running_server(
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
-    server = ServerProcess(process=process, port=port, log_path=log_path)
+    return ServerProcess(process=process, port=port, log_path=log_path)
+
+
+@contextlib.contextmanager
+def running_server(
+    tmp_path: Path, env: Mapping[str, str] | None = None, port: int | None = None
+) -> Iterator[ServerProcess]:
+    """A ready steadyserve on 127.0.0.1; killed by PID on exit if still running."""
+    server = start_server(tmp_path, env, port)
     try:
         wait_until_ready(server)
         yield server

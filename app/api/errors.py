@@ -2,7 +2,7 @@
 
 Client mistakes are 4xx with the offending parameter named; capacity is 429 with
 `Retry-After`; not ready / draining is 503; a passed deadline is 504. Only a fault of the
-server itself becomes a 500.
+server itself becomes a 500 (answered by `ServerTimingMiddleware`).
 """
 
 from __future__ import annotations
@@ -95,11 +95,6 @@ async def _http_error(request: Request, error: Exception) -> Response:
     return error_response(error.status_code, kind, str(error.detail), headers=error.headers)
 
 
-async def _internal(request: Request, error: Exception) -> Response:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=error)
-    return error_response(500, "internal_error", "internal server error")
-
-
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Rejected, _rejected)
@@ -108,4 +103,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(UnknownModel, _unknown_model)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal)

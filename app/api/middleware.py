@@ -3,18 +3,22 @@
 - `BodyLimitMiddleware`: a body over `max_body_bytes` gets 413 before it is parsed, whether
   it declares its length or streams it chunked.
 - `ServerTimingMiddleware`: every response carries `Server-Timing`, with the phases the
-  request recorded in `request.state.server_timing` and its total; while the server is
-  draining, responses also say `Connection: close` so clients move to another replica.
+  request recorded in `request.state.server_timing` and its total (unhandled errors are
+  answered here, as a JSON 500, for that reason); while the server is draining, responses
+  also say `Connection: close` so clients move to another replica.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.responses import error_response
 from app.service import PhaseTimer
+
+log = logging.getLogger(__name__)
 
 
 class BodyLimitMiddleware:
@@ -80,9 +84,12 @@ class ServerTimingMiddleware:
             return
         timer = PhaseTimer()
         scope.setdefault("state", {})["server_timing"] = timer
+        response_started = False
 
         async def send_with_timing(message: Message) -> None:
+            nonlocal response_started
             if message["type"] == "http.response.start":
+                response_started = True
                 headers = list(message.get("headers", []))
                 headers.append((b"server-timing", timer.header().encode("latin-1")))
                 if self.is_draining():
@@ -90,4 +97,13 @@ class ServerTimingMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_timing)
+        try:
+            await self.app(scope, receive, send_with_timing)
+        except Exception:
+            # A fault of the server's own: answered here (not by Starlette's outermost error
+            # middleware) so that the 500 carries Server-Timing like every other response.
+            if response_started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            response = error_response(500, "internal_error", "internal server error")
+            await response(scope, receive, send_with_timing)

@@ -262,6 +262,7 @@ async def test_a_request_failing_at_submission_leaves_no_counts_behind(harness: 
     response = await harness.client.post("/infer", json={"inputs": ["short", "w " * 100]})
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "internal_error"
+    assert "total;dur=" in response.headers["server-timing"]
     assert harness.service.admission.queued == 0
     assert harness.service.admission.inflight == 0
     assert harness.service.batchers["fake"].scheduler.depth == 0

@@ -7,8 +7,6 @@ server itself becomes a 500 (answered by `ServerTimingMiddleware`).
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,7 +20,6 @@ from app.batcher import DeadlineExceeded
 from app.models.base import InputTooLong
 from app.service import UnknownModel
 
-log = logging.getLogger(__name__)
 
 _REJECTION_STATUS = {
     RejectReason.RATE: 429,

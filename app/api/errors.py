@@ -20,7 +20,6 @@ from app.batcher import DeadlineExceeded
 from app.models.base import InputTooLong
 from app.service import UnknownModel
 
-
 _REJECTION_STATUS = {
     RejectReason.RATE: 429,
     RejectReason.INFLIGHT: 429,

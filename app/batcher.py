@@ -131,6 +131,19 @@ class ModelBatcher:
         self._loop_task = asyncio.create_task(
             self._batch_loop(), name=f"batcher-{self.runner.name}"
         )
+        self._loop_task.add_done_callback(self._on_loop_exit)
+
+    def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
+        """A batch loop that dies of a bug must not leave requests waiting forever: fail
+        what is queued (500) and start a fresh loop."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("batch loop of %s failed", self.runner.name, exc_info=task.exception())
+        for item_id, pending in list(self._pending.items()):
+            self.scheduler.cancel(item_id)
+            _set_exception_if_not_done(pending.future, BatchFailed("batch loop failed"))
+        if not self._closing:
+            self.start()
 
     async def close(self) -> None:
         """Stop after the queue is empty and running batches have finished."""

@@ -267,3 +267,26 @@ async def test_a_request_failing_at_submission_leaves_no_counts_behind(harness: 
     assert harness.service.admission.inflight == 0
     assert harness.service.batchers["fake"].scheduler.depth == 0
     assert (await harness.client.post("/infer", json={"inputs": "after"})).status_code == 200
+
+
+async def test_a_failing_batch_loop_fails_queued_requests_and_recovers(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batcher = harness.service.batchers["fake"]
+    original_poll = batcher.scheduler.poll
+    failures = iter([RuntimeError("a bug in the policy")])
+
+    def poll_once_broken(now: float) -> object:
+        error = next(failures, None)
+        if error is not None:
+            raise error
+        return original_poll(now)
+
+    monkeypatch.setattr(batcher.scheduler, "poll", poll_once_broken)
+    failed = await harness.client.post("/infer", json={"inputs": "unlucky"})
+    assert failed.status_code == 500
+    assert "total;dur=" in failed.headers["server-timing"]
+    recovered = await harness.client.post("/infer", json={"inputs": "next one"})
+    assert recovered.status_code == 200
+    assert harness.service.admission.queued == 0
+    assert harness.service.admission.inflight == 0

@@ -50,6 +50,7 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             self.force_exit = self.force_exit or sig == signal.SIGINT
             return
+        self._drain_requested = True
         log.info(
             "received %s: draining for up to %.0f s",
             signal.Signals(sig).name,

@@ -15,7 +15,7 @@ from transformers import AutoModel, AutoTokenizer
 from app.models.base import resolve_dtype, resolve_source
 from app.models.embedding import mean_pool
 from app.settings import BUNDLED_DEFAULT_SOURCE
-from tests.support.server import running_server
+from tests.support.server import http_status, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -102,3 +102,18 @@ def test_sigterm_under_load_loses_no_admitted_request(tmp_path: Path) -> None:
     assert set(outcomes) <= allowed, sorted(set(outcomes) - allowed)
     assert outcomes.count("200") >= 100
     assert "draining" in log and "drained" in log
+
+
+def test_a_second_signal_stops_a_draining_server_at_once(tmp_path: Path) -> None:
+    # The drain would wait a minute for quiet; the second SIGTERM must not.
+    env = {"STEADY_DRAIN_QUIET_S": "60", "STEADY_DRAIN_TIMEOUT_S": "60"}
+    with running_server(tmp_path, env) as server:
+        server.terminate()
+        for _ in range(200):  # until the first signal has been taken (503 on /readyz)
+            if http_status(f"{server.base_url}/readyz") == 503:
+                break
+            time.sleep(0.05)
+        assert http_status(f"{server.base_url}/readyz") == 503
+        server.terminate()
+        assert server.wait(timeout=30) == 0
+        assert "draining" in server.log()

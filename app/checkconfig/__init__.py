@@ -1,0 +1,23 @@
+"""`steadyserve check-config`: the deployed limits must equal deploy/baseline.yaml.
+
+Three sources are read and compared with the baseline, value by value:
+
+* the app's settings: `Settings()` (defaults + STEADY_* environment of this process) and, for
+  each overlay under deploy/k8s/overlays, the settings a pod would get from its ConfigMap and
+  container env;
+* deploy/envoy/envoy.yaml (connection-reuse and buffer limits, retries, health checks, ...);
+* the Kubernetes manifests rendered from each overlay (probes, grace period, resources, HPA).
+
+Every difference is printed with both values, and the exit status is 1 if there is any. The
+manifests are rendered by `render_kustomization`, a small kustomize that understands exactly
+the subset the shipped kustomizations use and refuses anything else, so the files stay valid
+for `kubectl kustomize` too (tests/deploy compares the two where kubectl exists).
+
+Single-threaded command-line code; nothing here runs inside the server.
+"""
+
+from app.checkconfig.common import ConfigError
+from app.checkconfig.compare import main
+from app.checkconfig.kustomize import render_kustomization, strategic_merge
+
+__all__ = ["ConfigError", "main", "render_kustomization", "strategic_merge"]

@@ -1,0 +1,21 @@
+"""Names and the error shared by the drift check's modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Manifest = dict[str, Any]
+
+ENV_PREFIX = "STEADY_"
+SERVER_DEPLOYMENT = "steadyserve"
+SERVER_CONTAINER = "steadyserve"
+ENVOY_CONFIG_MAP_PREFIX = "envoy-config"
+ENVOY_CONFIG_KEY = "envoy.yaml"
+INGRESS_LISTENER = "steadyserve_ingress"
+UPSTREAM_CLUSTER = "steadyserve"
+HCM_FILTER = "envoy.filters.network.http_connection_manager"
+UPSTREAM_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+class ConfigError(Exception):
+    """A file is missing, unreadable or uses something this checker does not understand."""

@@ -1,0 +1,262 @@
+"""Comparing every source with the baseline, and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from app.checkconfig.common import ENVOY_CONFIG_KEY, ENVOY_CONFIG_MAP_PREFIX, ConfigError, Manifest
+from app.checkconfig.kustomize import render_kustomization
+from app.checkconfig.sources import (
+    ENVOY_FIELDS,
+    K8S_FIELDS,
+    pod_environment,
+    read_envoy,
+    read_k8s,
+    settings_from_environment,
+)
+from app.settings import Settings
+
+
+def _normalise(value: Any) -> Any:
+    if isinstance(value, tuple | list):
+        return [_normalise(item) for item in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int | float):
+        return float(value)
+    return value
+
+
+def _show(value: Any) -> str:
+    return "<absent>" if value is None else json.dumps(_normalise_for_display(value), default=str)
+
+
+def _normalise_for_display(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def compare(where: str, expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
+    """One line per key of `expected` whose value differs in `actual`."""
+    differences = []
+    for key, want in expected.items():
+        have = actual.get(key)
+        if _normalise(want) != _normalise(have):
+            differences.append(f"{where}.{key}: baseline {_show(want)}, actual {_show(have)}")
+    return differences
+
+
+def _settings_values(settings: Settings, keys: Iterable[str]) -> dict[str, Any]:
+    return {key: getattr(settings, key) for key in keys}
+
+
+@dataclass(frozen=True)
+class Baseline:
+    settings: Mapping[str, Any]
+    envoy: Mapping[str, Any]
+    k8s: Mapping[str, Any]
+    overlays: Mapping[str, Mapping[str, Mapping[str, Any]]]
+
+    @classmethod
+    def load(cls, path: Path) -> Baseline:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as error:
+            raise ConfigError(f"{path}: {error}") from error
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: not a mapping")
+        baseline = cls(
+            settings=loaded.get("settings") or {},
+            envoy=loaded.get("envoy") or {},
+            k8s=loaded.get("k8s") or {},
+            overlays=loaded.get("overlays") or {},
+        )
+        baseline._check_keys(path)
+        return baseline
+
+    def _check_keys(self, path: Path) -> None:
+        """A baseline key nobody reads would pass silently: refuse it."""
+        problems = [
+            f"settings.{key} is not a Settings field"
+            for key in self.settings
+            if key not in Settings.model_fields
+        ]
+        problems += [
+            f"envoy.{key} is not read by check-config"
+            for key in self.envoy
+            if key not in ENVOY_FIELDS
+        ]
+        problems += [
+            f"envoy.{key} is read by check-config but missing from the baseline"
+            for key in ENVOY_FIELDS
+            if key not in self.envoy
+        ]
+        for name, overlay in self.overlays.items():
+            problems += [
+                f"overlays.{name}.settings.{key} is not a Settings field"
+                for key in overlay.get("settings", {})
+                if key not in Settings.model_fields
+            ]
+            k8s_keys = {**self.k8s, **overlay.get("k8s", {})}
+            problems += [
+                f"overlays.{name}: k8s.{key} is not read by check-config"
+                for key in k8s_keys
+                if key not in K8S_FIELDS
+            ]
+            problems += [
+                f"overlays.{name}: k8s.{key} is missing from the baseline"
+                for key in K8S_FIELDS
+                if key not in k8s_keys
+            ]
+        if problems:
+            raise ConfigError(f"{path}: " + "; ".join(problems))
+
+
+def check_envoy(baseline: Baseline, envoy_config: Any, where: str) -> list[str]:
+    actual = read_envoy(envoy_config)
+    expected = {**baseline.envoy, "deprecated_cluster_max_requests_per_connection": None}
+    return compare(where, expected, actual)
+
+
+def check_overlay(
+    baseline: Baseline, name: str, manifests: list[Manifest], envoy_file_text: str
+) -> list[str]:
+    overlay = baseline.overlays[name]
+    where = f"k8s[{name}]"
+    environment = pod_environment(manifests)
+    try:
+        settings, unknown = settings_from_environment(environment)
+    except ValidationError as error:
+        return [f"{where}: the ConfigMap/env settings do not validate: {error}"]
+    expected_settings = {**baseline.settings, **overlay.get("settings", {})}
+    differences = compare(
+        f"{where}.settings", expected_settings, _settings_values(settings, expected_settings)
+    )
+    differences += [f"{where}.settings: {variable} is not a setting" for variable in unknown]
+    k8s_actual = read_k8s(manifests)
+    differences += compare(where, {**baseline.k8s, **overlay.get("k8s", {})}, k8s_actual)
+
+    envoy_config_maps = [
+        m
+        for m in manifests
+        if m["kind"] == "ConfigMap" and m["metadata"]["name"].startswith(ENVOY_CONFIG_MAP_PREFIX)
+    ]
+    if len(envoy_config_maps) != 1:
+        differences.append(f"{where}: expected one {ENVOY_CONFIG_MAP_PREFIX} ConfigMap")
+    elif envoy_config_maps[0].get("data", {}).get(ENVOY_CONFIG_KEY) != envoy_file_text:
+        differences.append(f"{where}: the Envoy ConfigMap differs from deploy/envoy/envoy.yaml")
+
+    # Invariants between sources, which no single baseline value can express.
+    grace = k8s_actual["termination_grace_period_s"] or 0
+    pre_stop = k8s_actual["pre_stop_sleep_s"] or 0
+    if grace <= pre_stop + settings.drain_timeout_s:
+        differences.append(
+            f"{where}.termination_grace_period_s: {grace} must exceed pre_stop_sleep_s "
+            f"({pre_stop}) + drain_timeout_s ({settings.drain_timeout_s})"
+        )
+    return differences
+
+
+def _default(setting: str) -> Any:
+    return Settings.model_fields[setting].default
+
+
+def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
+    envoy = read_envoy(envoy_config)
+    settings = baseline.settings
+    differences = []
+    route_timeout_s = envoy["route_timeout_s"]
+    max_timeout_s = float(settings.get("max_timeout_ms", _default("max_timeout_ms"))) / 1000
+    if isinstance(route_timeout_s, float) and route_timeout_s > max_timeout_s:
+        differences.append(
+            f"envoy.route_timeout_s: {route_timeout_s} exceeds the server's max_timeout_ms "
+            f"({max_timeout_s * 1000:g}): the server would cut Envoy's deadline short"
+        )
+    keep_alive_s = float(settings.get("keep_alive_timeout_s", _default("keep_alive_timeout_s")))
+    upstream_idle_s = envoy["upstream_idle_timeout_s"]
+    if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:
+        differences.append(
+            f"envoy.upstream_idle_timeout_s: {upstream_idle_s} must be below the server's "
+            f"keep_alive_timeout_s ({keep_alive_s:g}), or the server closes connections Envoy "
+            "is about to reuse"
+        )
+    fleet_inflight = int(settings.get("max_inflight", 0)) * int(
+        baseline.k8s.get("hpa_max_replicas", 0)
+    )
+    if envoy["circuit_breaker_max_requests"] != fleet_inflight:
+        differences.append(
+            f"envoy.circuit_breaker_max_requests: {envoy['circuit_breaker_max_requests']} is not "
+            f"max_inflight x hpa_max_replicas ({fleet_inflight})"
+        )
+    return differences
+
+
+def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[str]:
+    """Every difference between the baseline and the shipped configuration, one line each."""
+    baseline = Baseline.load(baseline_path)
+    try:
+        envoy_text = envoy_path.read_text()
+        envoy_config = yaml.safe_load(envoy_text)
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"{envoy_path}: {error}") from error
+
+    differences: list[str] = []
+    try:
+        process_settings = Settings()
+    except ValidationError as error:
+        differences.append(f"settings: Settings() does not validate: {error}")
+    else:
+        differences += compare(
+            "settings", baseline.settings, _settings_values(process_settings, baseline.settings)
+        )
+    differences += check_envoy(baseline, envoy_config, "envoy")
+    differences += check_invariants(baseline, envoy_config)
+
+    overlays_dir = k8s_path / "overlays"
+    found = (
+        sorted(p.name for p in overlays_dir.iterdir() if p.is_dir())
+        if overlays_dir.is_dir()
+        else []
+    )
+    if found != sorted(baseline.overlays):
+        differences.append(f"k8s.overlays: baseline {sorted(baseline.overlays)}, actual {found}")
+    for name in sorted(set(found) & set(baseline.overlays)):
+        try:
+            manifests = render_kustomization(overlays_dir / name)
+        except OSError as error:
+            raise ConfigError(f"rendering overlay {name}: {error}") from error
+        differences += check_overlay(baseline, name, manifests, envoy_text)
+    return differences
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="steadyserve check-config",
+        description="Compare settings, Envoy config and Kubernetes manifests with the baseline.",
+    )
+    parser.add_argument("--baseline", type=Path, default=Path("deploy/baseline.yaml"))
+    parser.add_argument("--envoy", type=Path, default=Path("deploy/envoy/envoy.yaml"))
+    parser.add_argument("--k8s", type=Path, default=Path("deploy/k8s"))
+    arguments = parser.parse_args(argv)
+    try:
+        differences = run_checks(arguments.baseline, arguments.envoy, arguments.k8s)
+    except ConfigError as error:
+        sys.stderr.write(f"check-config: {error}\n")
+        return 2
+    for line in differences:
+        sys.stdout.write(f"{line}\n")
+    if differences:
+        sys.stdout.write(
+            f"check-config: {len(differences)} difference(s) from {arguments.baseline}\n"
+        )
+        return 1
+    sys.stdout.write(f"check-config: configuration matches {arguments.baseline}\n")
+    return 0

@@ -1,0 +1,313 @@
+"""Reading the compared values out of envoy.yaml, rendered manifests and settings."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+from app.checkconfig.common import (
+    ENV_PREFIX,
+    HCM_FILTER,
+    INGRESS_LISTENER,
+    SERVER_CONTAINER,
+    SERVER_DEPLOYMENT,
+    UPSTREAM_CLUSTER,
+    UPSTREAM_HTTP_OPTIONS,
+    ConfigError,
+    Manifest,
+)
+from app.checkconfig.kustomize import find_manifest
+from app.settings import Settings
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)s$")
+_CPU_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m?)$")
+
+
+def _seconds(value: Any) -> Any:
+    """A protobuf JSON duration ("0.25s") as float seconds; anything else unchanged."""
+    if isinstance(value, str) and (match := _DURATION.match(value)):
+        return float(match.group(1))
+    return value
+
+
+def _dig(node: Any, path: str) -> Any:
+    """`a.b.0.c` into nested dicts and lists; None where any step is missing."""
+    for step in path.split("."):
+        if isinstance(node, dict):
+            node = node.get(step)
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node
+
+
+def _named(items: Any, name: str, what: str) -> Any:
+    for item in items or []:
+        if isinstance(item, dict) and item.get("name") == name:
+            return item
+    raise ConfigError(f"no {what} named {name!r}")
+
+
+@dataclass(frozen=True)
+class _EnvoyParts:
+    config: Any
+    listener: Any
+    hcm: Any
+    route: Any
+    cluster: Any
+    upstream_http: Any
+
+
+def _envoy_parts(config: Any) -> _EnvoyParts:
+    resources = _dig(config, "static_resources")
+    listener = _named(_dig(resources, "listeners"), INGRESS_LISTENER, "listener")
+    hcm_filter = _named(_dig(listener, "filter_chains.0.filters"), HCM_FILTER, "listener filter")
+    hcm = hcm_filter.get("typed_config")
+    cluster = _named(_dig(resources, "clusters"), UPSTREAM_CLUSTER, "cluster")
+    # The extension's name contains dots, so it cannot be a step of a `_dig` path.
+    protocol_options = cluster.get("typed_extension_protocol_options") or {}
+    return _EnvoyParts(
+        config=config,
+        listener=listener,
+        hcm=hcm,
+        route=_dig(hcm, "route_config.virtual_hosts.0.routes.0.route"),
+        cluster=cluster,
+        upstream_http=protocol_options.get(UPSTREAM_HTTP_OPTIONS),
+    )
+
+
+def _names(items: Any) -> Any:
+    return None if items is None else [item.get("name") for item in items]
+
+
+# Baseline key under `envoy:` -> how to read it from envoy.yaml.
+ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
+    "admin_address": lambda p: _dig(p.config, "admin.address.socket_address.address"),
+    "listener_per_connection_buffer_limit_bytes": lambda p: p.listener.get(
+        "per_connection_buffer_limit_bytes"
+    ),
+    "downstream_max_requests_per_connection": lambda p: _dig(
+        p.hcm, "common_http_protocol_options.max_requests_per_connection"
+    ),
+    "downstream_idle_timeout_s": lambda p: _dig(p.hcm, "common_http_protocol_options.idle_timeout"),
+    "downstream_stream_idle_timeout_s": lambda p: _dig(p.hcm, "stream_idle_timeout"),
+    "downstream_request_headers_timeout_s": lambda p: _dig(p.hcm, "request_headers_timeout"),
+    "route_timeout_s": lambda p: _dig(p.route, "timeout"),
+    "retry_on": lambda p: _dig(p.route, "retry_policy.retry_on"),
+    "retriable_status_codes": lambda p: _dig(p.route, "retry_policy.retriable_status_codes"),
+    "num_retries": lambda p: _dig(p.route, "retry_policy.num_retries"),
+    "retry_host_predicates": lambda p: _names(_dig(p.route, "retry_policy.retry_host_predicate")),
+    "rate_limited_retry_reset_headers": lambda p: _names(
+        _dig(p.route, "retry_policy.rate_limited_retry_back_off.reset_headers")
+    ),
+    "rate_limited_retry_max_interval_s": lambda p: _dig(
+        p.route, "retry_policy.rate_limited_retry_back_off.max_interval"
+    ),
+    "upstream_lb_policy": lambda p: p.cluster.get("lb_policy"),
+    "upstream_connect_timeout_s": lambda p: p.cluster.get("connect_timeout"),
+    "upstream_per_connection_buffer_limit_bytes": lambda p: p.cluster.get(
+        "per_connection_buffer_limit_bytes"
+    ),
+    "upstream_max_requests_per_connection": lambda p: _dig(
+        p.upstream_http, "common_http_protocol_options.max_requests_per_connection"
+    ),
+    "upstream_idle_timeout_s": lambda p: _dig(
+        p.upstream_http, "common_http_protocol_options.idle_timeout"
+    ),
+    "circuit_breaker_max_connections": lambda p: _dig(
+        p.cluster, "circuit_breakers.thresholds.0.max_connections"
+    ),
+    "circuit_breaker_max_requests": lambda p: _dig(
+        p.cluster, "circuit_breakers.thresholds.0.max_requests"
+    ),
+    "circuit_breaker_max_pending_requests": lambda p: _dig(
+        p.cluster, "circuit_breakers.thresholds.0.max_pending_requests"
+    ),
+    "retry_budget_percent": lambda p: _dig(
+        p.cluster, "circuit_breakers.thresholds.0.retry_budget.budget_percent.value"
+    ),
+    "retry_budget_min_retry_concurrency": lambda p: _dig(
+        p.cluster, "circuit_breakers.thresholds.0.retry_budget.min_retry_concurrency"
+    ),
+    "outlier_consecutive_5xx": lambda p: _dig(p.cluster, "outlier_detection.consecutive_5xx"),
+    "outlier_consecutive_gateway_failure": lambda p: _dig(
+        p.cluster, "outlier_detection.consecutive_gateway_failure"
+    ),
+    "outlier_base_ejection_time_s": lambda p: _dig(
+        p.cluster, "outlier_detection.base_ejection_time"
+    ),
+    "outlier_max_ejection_percent": lambda p: _dig(
+        p.cluster, "outlier_detection.max_ejection_percent"
+    ),
+    "health_check_path": lambda p: _dig(p.cluster, "health_checks.0.http_health_check.path"),
+    "health_check_interval_s": lambda p: _dig(p.cluster, "health_checks.0.interval"),
+    "health_check_timeout_s": lambda p: _dig(p.cluster, "health_checks.0.timeout"),
+    "health_check_no_traffic_interval_s": lambda p: _dig(
+        p.cluster, "health_checks.0.no_traffic_interval"
+    ),
+    "health_check_unhealthy_threshold": lambda p: _dig(
+        p.cluster, "health_checks.0.unhealthy_threshold"
+    ),
+    "health_check_healthy_threshold": lambda p: _dig(
+        p.cluster, "health_checks.0.healthy_threshold"
+    ),
+}
+
+
+def read_envoy(config: Any) -> dict[str, Any]:
+    """The baseline's `envoy` values as configured in an envoy.yaml (already parsed)."""
+    parts = _envoy_parts(config)
+    values = {key: _seconds(read(parts)) for key, read in ENVOY_FIELDS.items()}
+    # The deprecated cluster-level field would override nothing and hide a missing real one.
+    values["deprecated_cluster_max_requests_per_connection"] = parts.cluster.get(
+        "max_requests_per_connection"
+    )
+    return values
+
+
+def _cpu_count(quantity: Any) -> int:
+    """A CPU quantity ("4", "500m") rounded up to whole CPUs, as a divisor-1 resourceFieldRef."""
+    match = _CPU_QUANTITY.match(str(quantity))
+    if match is None:
+        raise ConfigError(f"cannot read CPU quantity {quantity!r}")
+    cpus = float(match.group(1)) / (1000 if match.group(2) else 1)
+    return max(1, math.ceil(cpus))
+
+
+def _probe(container: Any, probe: str) -> Any:
+    return container.get(probe) or {}
+
+
+def _server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
+    deployment = find_manifest(manifests, "Deployment", SERVER_DEPLOYMENT)
+    if deployment is None:
+        raise ConfigError(f"no Deployment {SERVER_DEPLOYMENT}")
+    pod_spec = deployment["spec"]["template"]["spec"]
+    return pod_spec, _named(pod_spec.get("containers"), SERVER_CONTAINER, "container")
+
+
+# Baseline key under `k8s:` / `overlays.<name>.k8s:` -> how to read it from the manifests.
+K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
+    "termination_grace_period_s": lambda m: _server_parts(m)[0].get(
+        "terminationGracePeriodSeconds"
+    ),
+    "pre_stop_sleep_s": lambda m: _dig(_server_parts(m)[1], "lifecycle.preStop.sleep.seconds"),
+    "startup_probe_path": lambda m: _dig(_server_parts(m)[1], "startupProbe.httpGet.path"),
+    "startup_probe_period_s": lambda m: _dig(_server_parts(m)[1], "startupProbe.periodSeconds"),
+    "startup_probe_timeout_s": lambda m: _dig(_server_parts(m)[1], "startupProbe.timeoutSeconds"),
+    "startup_probe_failure_threshold": lambda m: _dig(
+        _server_parts(m)[1], "startupProbe.failureThreshold"
+    ),
+    "readiness_probe_path": lambda m: _dig(_server_parts(m)[1], "readinessProbe.httpGet.path"),
+    "readiness_probe_period_s": lambda m: _dig(_server_parts(m)[1], "readinessProbe.periodSeconds"),
+    "readiness_probe_timeout_s": lambda m: _dig(
+        _server_parts(m)[1], "readinessProbe.timeoutSeconds"
+    ),
+    "readiness_probe_failure_threshold": lambda m: _dig(
+        _server_parts(m)[1], "readinessProbe.failureThreshold"
+    ),
+    "liveness_probe_path": lambda m: _dig(_server_parts(m)[1], "livenessProbe.httpGet.path"),
+    "liveness_probe_period_s": lambda m: _dig(_server_parts(m)[1], "livenessProbe.periodSeconds"),
+    "liveness_probe_timeout_s": lambda m: _dig(_server_parts(m)[1], "livenessProbe.timeoutSeconds"),
+    "liveness_probe_failure_threshold": lambda m: _dig(
+        _server_parts(m)[1], "livenessProbe.failureThreshold"
+    ),
+    "run_as_non_root": lambda m: _dig(_server_parts(m)[0], "securityContext.runAsNonRoot"),
+    "read_only_root_filesystem": lambda m: _dig(
+        _server_parts(m)[1], "securityContext.readOnlyRootFilesystem"
+    ),
+    "capabilities_drop": lambda m: _dig(_server_parts(m)[1], "securityContext.capabilities.drop"),
+    "cpu_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.cpu"),
+    "cpu_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.cpu"),
+    "memory_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.memory"),
+    "gpu_limit": lambda m: (_dig(_server_parts(m)[1], "resources.limits") or {}).get(
+        "nvidia.com/gpu"
+    ),
+    "hpa_min_replicas": lambda m: _dig(
+        find_manifest(m, "HorizontalPodAutoscaler", "steadyserve"), "spec.minReplicas"
+    ),
+    "hpa_max_replicas": lambda m: _dig(
+        find_manifest(m, "HorizontalPodAutoscaler", "steadyserve"), "spec.maxReplicas"
+    ),
+    "hpa_cpu_utilization": lambda m: _hpa_metric(
+        m, "Resource", "resource.target.averageUtilization"
+    ),
+    "hpa_inflight_per_pod": lambda m: _hpa_metric(m, "Pods", "pods.target.averageValue"),
+    "pdb_max_unavailable": lambda m: _dig(
+        find_manifest(m, "PodDisruptionBudget", "steadyserve"), "spec.maxUnavailable"
+    ),
+}
+
+
+def _hpa_metric(manifests: list[Manifest], metric_type: str, path: str) -> Any:
+    hpa = find_manifest(manifests, "HorizontalPodAutoscaler", "steadyserve")
+    for metric in _dig(hpa, "spec.metrics") or []:
+        if metric.get("type") == metric_type:
+            return _dig(metric, path)
+    return None
+
+
+def read_k8s(manifests: list[Manifest]) -> dict[str, Any]:
+    """Every `K8S_FIELDS` value of one rendered overlay."""
+    return {key: read(manifests) for key, read in K8S_FIELDS.items()}
+
+
+def pod_environment(manifests: list[Manifest]) -> dict[str, str]:
+    """The STEADY_* environment the server container starts with: its ConfigMaps (envFrom),
+    then its own env, with resourceFieldRef on limits.cpu resolved as the kubelet does."""
+    _, container = _server_parts(manifests)
+    environment: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        reference = source.get("configMapRef")
+        if reference is None:
+            continue
+        config_map = find_manifest(manifests, "ConfigMap", reference["name"])
+        if config_map is None:
+            raise ConfigError(f"envFrom names ConfigMap {reference['name']!r}, which is absent")
+        environment.update({str(k): str(v) for k, v in config_map.get("data", {}).items()})
+    for variable in container.get("env", []):
+        if "value" in variable:
+            environment[variable["name"]] = str(variable["value"])
+        elif _dig(variable, "valueFrom.resourceFieldRef.resource") == "limits.cpu":
+            if str(_dig(variable, "valueFrom.resourceFieldRef.divisor") or "1") != "1":
+                raise ConfigError(f"{variable['name']}: only divisor 1 is understood")
+            cpu_limit = _dig(container, "resources.limits.cpu")
+            environment[variable["name"]] = str(_cpu_count(cpu_limit))
+    return {key: value for key, value in environment.items() if key.startswith(ENV_PREFIX)}
+
+
+class _EnvironmentFreeSettings(Settings):
+    """Settings built only from the values passed in: what a pod gets, not what this process
+    happens to have in its own environment."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings, list[str]]:
+    """Settings from STEADY_* strings parsed the way pydantic-settings parses the environment
+    (JSON for lists and objects); also the variables that name no setting (typos)."""
+    values: dict[str, Any] = {}
+    unknown: list[str] = []
+    for name, raw in environment.items():
+        field_name = name[len(ENV_PREFIX) :].lower()
+        if field_name not in Settings.model_fields:
+            unknown.append(name)
+            continue
+        values[field_name] = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
+    return _EnvironmentFreeSettings(**values), unknown

@@ -181,8 +181,17 @@ def _cpu_count(quantity: Any) -> int:
     return max(1, math.ceil(cpus))
 
 
-def _probe(container: Any, probe: str) -> Any:
-    return container.get(probe) or {}
+# Baseline key suffix -> path inside each of the server container's probes.
+_PROBE_FIELDS = {
+    "path": "httpGet.path",
+    "period_s": "periodSeconds",
+    "timeout_s": "timeoutSeconds",
+    "failure_threshold": "failureThreshold",
+}
+
+
+def _container_field(path: str) -> Callable[[list[Manifest]], Any]:
+    return lambda manifests: _dig(_server_parts(manifests)[1], path)
 
 
 def _server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
@@ -199,26 +208,11 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
         "terminationGracePeriodSeconds"
     ),
     "pre_stop_sleep_s": lambda m: _dig(_server_parts(m)[1], "lifecycle.preStop.sleep.seconds"),
-    "startup_probe_path": lambda m: _dig(_server_parts(m)[1], "startupProbe.httpGet.path"),
-    "startup_probe_period_s": lambda m: _dig(_server_parts(m)[1], "startupProbe.periodSeconds"),
-    "startup_probe_timeout_s": lambda m: _dig(_server_parts(m)[1], "startupProbe.timeoutSeconds"),
-    "startup_probe_failure_threshold": lambda m: _dig(
-        _server_parts(m)[1], "startupProbe.failureThreshold"
-    ),
-    "readiness_probe_path": lambda m: _dig(_server_parts(m)[1], "readinessProbe.httpGet.path"),
-    "readiness_probe_period_s": lambda m: _dig(_server_parts(m)[1], "readinessProbe.periodSeconds"),
-    "readiness_probe_timeout_s": lambda m: _dig(
-        _server_parts(m)[1], "readinessProbe.timeoutSeconds"
-    ),
-    "readiness_probe_failure_threshold": lambda m: _dig(
-        _server_parts(m)[1], "readinessProbe.failureThreshold"
-    ),
-    "liveness_probe_path": lambda m: _dig(_server_parts(m)[1], "livenessProbe.httpGet.path"),
-    "liveness_probe_period_s": lambda m: _dig(_server_parts(m)[1], "livenessProbe.periodSeconds"),
-    "liveness_probe_timeout_s": lambda m: _dig(_server_parts(m)[1], "livenessProbe.timeoutSeconds"),
-    "liveness_probe_failure_threshold": lambda m: _dig(
-        _server_parts(m)[1], "livenessProbe.failureThreshold"
-    ),
+    **{
+        f"{probe}_probe_{key}": _container_field(f"{probe}Probe.{path}")
+        for probe in ("startup", "readiness", "liveness")
+        for key, path in _PROBE_FIELDS.items()
+    },
     "run_as_non_root": lambda m: _dig(_server_parts(m)[0], "securityContext.runAsNonRoot"),
     "read_only_root_filesystem": lambda m: _dig(
         _server_parts(m)[1], "securityContext.readOnlyRootFilesystem"

@@ -20,8 +20,9 @@ from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyLimitMiddleware, ServerTimingMiddleware
 from app.metrics import LATENCY_BUCKETS_S, Metrics
-from app.service import RunnerLoader, Service, load_runner
+from app.service import Service
 from app.settings import Settings
+from app.startup import RunnerLoader, load_runner
 
 log = logging.getLogger(__name__)
 

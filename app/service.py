@@ -8,15 +8,13 @@ requests and all compute run on the dispatcher's threads.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from app.admission import Admission, AdmissionLimits, Rejected, RejectReason, resolve_deadline
 from app.batcher import DeadlineExceeded, ItemResult, ModelBatcher
@@ -24,11 +22,11 @@ from app.buffers import BufferPool
 from app.dispatcher import Dispatcher, plan_threads
 from app.gate import AdmissionGate
 from app.metrics import Metrics
-from app.models.base import InputTooLong, ModelRunner, resolve_device, resolve_dtype
-from app.models.embedding import EmbeddingRunner
-from app.scheduler import BatchPolicy
-from app.settings import ModelSpec, Settings, export_cuda_alloc_conf
+from app.models.base import InputTooLong, ModelRunner, resolve_device
+from app.settings import Settings, export_cuda_alloc_conf
+from app.startup import RunnerLoader, freeze_startup_heap, init_cuda, load_runner, policy_for
 from app.telemetry.cgroup import available_cpus
+from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -36,56 +34,10 @@ log = logging.getLogger(__name__)
 # Larger requests go to the tokenizer pool so they cannot stall the event loop.
 INLINE_TOKENIZE_MAX_CHARS = 2048
 
-RunnerLoader = Callable[[ModelSpec, torch.device, int], ModelRunner]
-
-
-def load_runner(spec: ModelSpec, device: torch.device, largest_length_bucket: int) -> ModelRunner:
-    """The production loader (dispatcher threads only: it blocks for seconds)."""
-    return EmbeddingRunner(
-        name=spec.name,
-        source=spec.source,
-        device=device,
-        dtype=resolve_dtype(spec.dtype, device),
-        max_input_tokens=spec.max_input_tokens,
-        largest_length_bucket=largest_length_bucket,
-    )
-
-
-def _freeze_startup_heap() -> None:
-    """Move everything alive after start-up (model, tokenizer, torch and transformers
-    modules: millions of objects) out of the garbage collector's reach.
-
-    Otherwise every full (generation 2) collection walks all of it, holding the GIL for
-    ~200 ms about once a second under load on a 2-core machine: a periodic p99 spike on
-    every request in flight. Objects created later are collected as usual.
-    """
-    gc.collect()
-    gc.freeze()
-    log.info("garbage collector: %d start-up objects frozen", gc.get_freeze_count())
-
 
 class UnknownModel(Exception):
     def __init__(self, name: str, known: Sequence[str]) -> None:
         super().__init__(f"model {name!r} is not served; available: {', '.join(known)}")
-
-
-@dataclass(slots=True)
-class PhaseTimer:
-    """Durations of a request's phases, rendered as a `Server-Timing` header.
-
-    Mutable by design: one request's phases accumulate in it as they happen.
-    """
-
-    started: float = field(default_factory=time.perf_counter)
-    phases: dict[str, float] = field(default_factory=dict)
-
-    def add(self, phase: str, seconds: float) -> None:
-        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
-
-    def header(self) -> str:
-        entries = [f"{name};dur={seconds * 1000:.2f}" for name, seconds in self.phases.items()]
-        entries.append(f"total;dur={(time.perf_counter() - self.started) * 1000:.2f}")
-        return ", ".join(entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,14 +127,15 @@ class Service:
     async def _start(self) -> None:
         started = time.perf_counter()
         if self.device.type == "cuda":
-            await self.dispatcher.run_compute(self._init_cuda)
+            await self.dispatcher.run_compute(init_cuda, self.device, self._cuda_alloc_conf)
         runners: dict[str, ModelRunner] = {}
         for spec in self.settings.models:
             runners[spec.name] = await self.dispatcher.run_compute(
                 self._loader, spec, self.device, self.settings.length_buckets[-1]
             )
         for name, runner in runners.items():
-            policy = self._policy_for(runner)
+            policy = policy_for(self.settings, runner.max_input_tokens)
+            warmup_shapes = len(policy.shapes()) if self.settings.warmup else 0
             # Preallocation touches the device (and pins host memory): a compute-thread job.
             pool = await self.dispatcher.run_compute(
                 BufferPool,
@@ -196,44 +149,18 @@ class Service:
             self.batchers[name] = ModelBatcher(
                 runner, policy, pool, self.dispatcher, self.admission, self.metrics, self._clock
             )
-            self._warmup_total += len(policy.shapes()) if self.settings.warmup else 0
-            self.metrics.warmup_shapes.labels(name).set(
-                len(policy.shapes()) if self.settings.warmup else 0
-            )
+            self._warmup_total += warmup_shapes
+            self.metrics.warmup_shapes.labels(name).set(warmup_shapes)
         for name, batcher in self.batchers.items():
             if self.settings.warmup:
                 await self._warm_up(name, batcher)
             batcher.start()
-        _freeze_startup_heap()
+        freeze_startup_heap()
         self._ready = True
         log.info(
             "ready in %.1f s (%d shapes warmed up)",
             time.perf_counter() - started,
             self._warmup_done,
-        )
-
-    def _init_cuda(self) -> None:
-        """Create the CUDA context now, not on the first request (compute thread)."""
-        torch.cuda.init()  # type: ignore[no-untyped-call]
-        torch.cuda.set_device(self.device)
-        log.info(
-            "CUDA initialised eagerly on %s (%s), PYTORCH_CUDA_ALLOC_CONF=%s",
-            self.device,
-            torch.cuda.get_device_name(self.device),
-            self._cuda_alloc_conf,
-        )
-
-    def _policy_for(self, runner: ModelRunner) -> BatchPolicy:
-        """Buckets up to the first one that holds the model's longest input: shapes the
-        model can never see are neither preallocated nor warmed up."""
-        buckets = self.settings.length_buckets
-        needed = [b for b in buckets if b < runner.max_input_tokens]
-        holding = [b for b in buckets if b >= runner.max_input_tokens][:1]
-        return BatchPolicy(
-            length_buckets=tuple(needed + holding),
-            max_batch_size=self.settings.max_batch_size,
-            max_batch_tokens=self.settings.max_batch_tokens,
-            max_wait_s=self.settings.max_wait_ms / 1000,
         )
 
     def _record_pool(self, name: str, pool: BufferPool) -> None:

@@ -18,7 +18,8 @@ from app.schemas import (
     ModelCard,
     ModelList,
 )
-from app.service import EmbedResult, PhaseTimer, Service
+from app.service import EmbedResult, Service
+from app.timing import PhaseTimer
 
 router = APIRouter()
 

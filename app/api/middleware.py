@@ -16,7 +16,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.responses import error_response
-from app.service import PhaseTimer
+from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ import pytest
 from app.admission import RejectReason
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.main import create_app
-from app.service import PhaseTimer, Service
+from app.service import Service
 from app.settings import ModelSpec, Settings
+from app.timing import PhaseTimer
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner
 

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.settings import Settings
+from app.startup import policy_for
 
 
 def test_defaults_are_consistent() -> None:
@@ -36,3 +37,10 @@ def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) ->
 def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         Settings(**overrides)  # type: ignore[arg-type]
+
+
+def test_a_models_policy_stops_at_the_bucket_holding_its_longest_input() -> None:
+    settings = Settings(length_buckets=(16, 32, 64, 128, 256, 512))
+    assert policy_for(settings, 256).length_buckets == (16, 32, 64, 128, 256)
+    assert policy_for(settings, 100).length_buckets == (16, 32, 64, 128)
+    assert policy_for(settings, 512).length_buckets == (16, 32, 64, 128, 256, 512)

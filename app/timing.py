@@ -1,0 +1,25 @@
+"""Per-request phase durations, rendered as a `Server-Timing` header."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PhaseTimer:
+    """Durations of a request's phases, rendered as a `Server-Timing` header.
+
+    Mutable by design: one request's phases accumulate in it as they happen.
+    """
+
+    started: float = field(default_factory=time.perf_counter)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+
+    def header(self) -> str:
+        entries = [f"{name};dur={seconds * 1000:.2f}" for name, seconds in self.phases.items()]
+        entries.append(f"total;dur={(time.perf_counter() - self.started) * 1000:.2f}")
+        return ", ".join(entries)

@@ -45,6 +45,20 @@ class Harness:
     def release(self) -> None:
         self.runner.gate.set()
 
+    async def queue_then_release(self, texts: list[str]) -> list[httpx.Response]:
+        """While the worker is held, queue one unnormalised request per text; once all are
+        queued, release the worker and return the answers in order."""
+        waiting = [
+            asyncio.create_task(
+                self.client.post("/infer", json={"inputs": t, "parameters": {"normalize": False}})
+            )
+            for t in texts
+        ]
+        scheduler = self.service.batchers["fake"].scheduler
+        await self.until(lambda: scheduler.depth == len(texts), "all queued")
+        self.release()
+        return [await task for task in waiting]
+
     async def until(self, condition: object, what: str) -> None:
         for _ in range(10_000):
             if callable(condition) and condition():
@@ -188,16 +202,7 @@ async def test_queue_cap_answers_429_and_reports_depth() -> None:
 async def test_waiting_requests_are_batched_together(harness: Harness) -> None:
     holder = await harness.hold_the_worker()
     texts = ["one", "two words", "three little words", "four"]
-    waiting = [
-        asyncio.create_task(
-            harness.client.post("/infer", json={"inputs": t, "parameters": {"normalize": False}})
-        )
-        for t in texts
-    ]
-    batcher = harness.service.batchers["fake"]
-    await harness.until(lambda: batcher.scheduler.depth == 4, "all four queued")
-    harness.release()
-    responses = [await task for task in waiting]
+    responses = await harness.queue_then_release(texts)
     assert all(r.status_code == 200 for r in responses)
     assert len(harness.runner.batches[-1]) == 4  # one batch of four, after the holder's
     assert (await holder).status_code == 200
@@ -241,16 +246,7 @@ async def test_out_of_memory_splits_the_batch_and_answers_everyone(harness: Harn
     holder = await harness.hold_the_worker()
     harness.runner.out_of_memory_above_rows = 1
     texts = ["a", "bb cc", "ddd eee fff", "g h"]
-    waiting = [
-        asyncio.create_task(
-            harness.client.post("/infer", json={"inputs": t, "parameters": {"normalize": False}})
-        )
-        for t in texts
-    ]
-    batcher = harness.service.batchers["fake"]
-    await harness.until(lambda: batcher.scheduler.depth == 4, "all four queued")
-    harness.release()
-    responses = [await task for task in waiting]
+    responses = await harness.queue_then_release(texts)
     assert [r.status_code for r in responses] == [200] * 4
     sums = [r.json()["outputs"][0][0] for r in responses]
     assert sums == [3 + 1, 3 + 2 + 2, 3 + 9, 3 + 2]

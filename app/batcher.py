@@ -47,7 +47,6 @@ class ItemResult:
     vector: npt.NDArray[np.float32]
     queue_wait_s: float
     compute_s: float
-    batch_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +208,6 @@ class ModelBatcher:
                         vector=output.rows[row],
                         queue_wait_s=started - pending.item.enqueued_at,
                         compute_s=output.compute_s,
-                        batch_size=len(pendings),
                     ),
                 )
         except BaseException as error:

@@ -93,6 +93,7 @@ class ModelBatcher:
         self._running: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
+        self._next_wake: float | None = None  # when the loop wakes by itself, if it does
 
     # --- requests -----------------------------------------------------------------------
     def submit(
@@ -116,7 +117,13 @@ class ModelBatcher:
             self._pending[item.item_id] = _Pending(item, ids, future)
             self.scheduler.enqueue(item)
             futures.append(future)
-        self._wakeup.set()
+        # With every worker busy the loop only needs waking if these inputs expire before
+        # the moment it already waits for: spares a queue scan per arrival under overload.
+        expires_at = deadline - max(
+            self.scheduler.estimated_compute(BatchShape(1, bucket)) for bucket in buckets if bucket
+        )
+        if self._free_workers > 0 or self._next_wake is None or expires_at < self._next_wake:
+            self._wakeup.set()
         return futures
 
     def _on_done(self, item_id: int, future: asyncio.Future[ItemResult]) -> None:
@@ -172,6 +179,7 @@ class ModelBatcher:
             idle = self._free_workers == self._dispatcher.capacity
             if self._closing and not self._pending and idle:
                 return
+            self._next_wake = decision.wake_at
             timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)

@@ -114,6 +114,9 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
     late = await harness.client.post("/infer", json={"inputs": "never run", "timeout_ms": 30})
     assert late.status_code == 504
     assert late.json()["error"]["type"] == "deadline"
+    # Answered at its deadline, while the worker is still busy, not when it frees up.
+    pool = harness.service.batchers["fake"].pool
+    assert sum(pool.stats().in_use.values()) == 1
     harness.release()
     assert (await holder).status_code == 200
     computed = [row for batch in harness.runner.batches for row in batch]

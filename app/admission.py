@@ -1,11 +1,16 @@
-"""Pure admission policy: in-flight cap, queue cap, deadlines, draining, Retry-After.
+"""Pure admission policy: admission by predicted delay, the in-flight cap, deadlines,
+draining, Retry-After.
 
 No asyncio and no clock of its own: every call takes `now` (monotonic seconds). The token
-bucket that sits in front of these caps is aiolimiter's, driven by `gate.py`; this module
-turns its verdict and the caps into admit/reject decisions, and computes `Retry-After` from
-the drain rate it measures (inputs and requests completed per second), not from a constant.
+bucket that sits in front (charged by tokens) is aiolimiter's, driven by `gate.py`.
 
-Only the event loop thread calls an `Admission`.
+A request is admitted only while its predicted wait (the queued work ahead of it, measured
+per shape, divided among the compute threads, plus its own batch) fits both its deadline and
+the queue-delay budget (`delay_verdict`): the engine applies it to every request, front ends
+apply it to the engine's last published backlog before reading a body. `Retry-After` comes
+from the predicted excess or the measured completion rate, not from a constant.
+
+Only the event loop thread of its process calls an `Admission`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class RejectReason(Enum):
     DEADLINE = "deadline"
     DRAINING = "draining"
     NOT_READY = "not_ready"
+    ENGINE_LOST = "engine_lost"  # the engine process died with the request in it
 
 
 class Rejected(Exception):
@@ -44,18 +50,53 @@ class Rejected(Exception):
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
     max_inflight: int
-    max_queue: int
     default_timeout_s: float
     max_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
 class Ticket:
-    """An admitted request: how many inputs it queued and when it must be answered by."""
+    """An admitted request and when it must be answered by."""
 
-    n_inputs: int
     admitted_at: float
     deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class DelayEstimate:
+    """Predicted seconds of queued work ahead of a request (already divided among the compute
+    threads) and of the request's own batch."""
+
+    backlog_s: float
+    own_compute_s: float
+
+    @property
+    def wait_s(self) -> float:
+        return self.backlog_s + self.own_compute_s
+
+
+def delay_verdict(
+    estimate: DelayEstimate, deadline: float, now: float, max_queue_delay_s: float
+) -> Rejected | None:
+    """None to admit; else why not. A deadline shorter than the request's own compute can
+    never be met (504); a wait over the budget is retryable (429, retry once the excess has
+    drained). With nothing queued ahead, a request is admitted whatever its own estimate:
+    refusing it could not get it served sooner."""
+    time_left = deadline - now
+    if time_left <= estimate.own_compute_s:
+        return Rejected(
+            RejectReason.DEADLINE,
+            f"the deadline leaves {max(0.0, time_left) * 1000:.0f} ms, less than the "
+            f"{estimate.own_compute_s * 1000:.0f} ms this request computes for",
+        )
+    budget = min(max_queue_delay_s, time_left)
+    if estimate.wait_s <= budget or estimate.backlog_s <= 0:
+        return None
+    return Rejected(
+        RejectReason.QUEUE,
+        f"predicted wait {estimate.wait_s * 1000:.0f} ms exceeds the {budget * 1000:.0f} ms budget",
+        estimate.wait_s - budget,
+    )
 
 
 class RateMeter:
@@ -97,20 +138,17 @@ def resolve_deadline(
 
 
 class Admission:
-    """Counts what is admitted and queued, and decides who gets in."""
+    """A front end's count of admitted requests, its in-flight cap and its draining flag."""
 
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.inflight = 0
-        self.queued = 0
-        self._queue_high_water = 0
         self.draining = False
-        self._inputs_drained = RateMeter()
         self._requests_completed = RateMeter()
 
-    def admit(self, n_inputs: int, deadline: float, now: float) -> Ticket:
-        """Admit a request of `n_inputs` inputs or raise `Rejected`; the caller has already
-        passed the token bucket. On success the caller must later call `release`."""
+    def admit(self, deadline: float, now: float) -> Ticket:
+        """Admit a request or raise `Rejected`; the caller has already passed the token
+        bucket and the delay check. On success the caller must later call `release`."""
         if self.draining:
             raise self.draining_rejection()
         if deadline <= now:
@@ -122,44 +160,26 @@ class Admission:
                 f"{self.inflight} requests in flight (cap {self.limits.max_inflight})",
                 self._time_to_drain(excess, self._requests_completed, now),
             )
-        if self.queued + n_inputs > self.limits.max_queue:
-            excess = self.queued + n_inputs - self.limits.max_queue
-            raise Rejected(
-                RejectReason.QUEUE,
-                f"{self.queued} inputs queued (cap {self.limits.max_queue})",
-                self._time_to_drain(excess, self._inputs_drained, now),
-            )
         self.inflight += 1
-        self.queued += n_inputs
-        self._queue_high_water = max(self._queue_high_water, self.queued)
-        return Ticket(n_inputs=n_inputs, admitted_at=now, deadline=deadline)
-
-    def left_queue(self, n_inputs: int, now: float) -> None:
-        """Inputs left the queue: started computing, or dropped (expired, cancelled)."""
-        self.queued -= n_inputs
-        self._inputs_drained.record(n_inputs, now)
+        return Ticket(admitted_at=now, deadline=deadline)
 
     def release(self, ticket: Ticket, now: float) -> None:
         """The request was answered (whatever the outcome)."""
         self.inflight -= 1
         self._requests_completed.record(1, now)
 
-    def take_queue_high_water(self) -> int:
-        """The deepest the queue has been since the last call (a scrape), then reset."""
-        high_water, self._queue_high_water = self._queue_high_water, self.queued
-        return high_water
-
     @staticmethod
     def draining_rejection() -> Rejected:
         return Rejected(RejectReason.DRAINING, "server is draining; retry on another replica")
 
-    def rate_limited(self, n_inputs: int, rate_per_s: float) -> Rejected:
+    @staticmethod
+    def rate_limited(n_tokens: int, rate_per_s: float) -> Rejected:
         """The rejection for a request the token bucket could not serve in time: retry once
-        the bucket has refilled `n_inputs` tokens."""
+        the bucket has refilled `n_tokens` tokens."""
         return Rejected(
             RejectReason.RATE,
-            f"over the admission rate of {rate_per_s:g} inputs/s",
-            n_inputs / rate_per_s,
+            f"over the admission rate of {rate_per_s:g} tokens/s",
+            n_tokens / rate_per_s,
         )
 
     @staticmethod

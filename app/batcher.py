@@ -1,10 +1,12 @@
 """The asyncio side of batching: per-model queues, futures, cancellation, and hand-off of
 closed batches to the dispatcher.
 
-Everything here runs on the event loop thread; the batch itself runs on a dispatcher
-compute thread (`execute.run_batch`). Each input's future is resolved exactly once (by its
-batch, or by the scheduler dropping it); resolving an already-done future is a no-op, and a
-batch that fails for any reason fails its inputs rather than leaving them waiting.
+Everything here runs on the engine's event loop thread; the batch itself runs on a
+dispatcher compute thread (`execute.run_batch`). Every model's batcher draws on one shared
+`ComputeSlots`, so together they never start more batches than the dispatcher has threads.
+Each input's future is resolved exactly once (by its batch, or by the scheduler dropping
+it); resolving an already-done future is a no-op, and a batch that fails for any reason
+fails its inputs rather than leaving them waiting.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from app.admission import Admission
 from app.buffers import BufferPool
 from app.dispatcher import Dispatcher
 from app.execute import BatchOutput, run_batch, warmup_token_ids
+from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.models.base import ModelRunner
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
@@ -32,14 +34,6 @@ from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, W
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class DeadlineExceeded(Exception):
-    """The input's deadline passed (or could no longer be met) before it was computed."""
-
-
-class BatchFailed(Exception):
-    """The batch holding the input failed on the server's side (answered 500)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +60,30 @@ def _set_exception_if_not_done(future: asyncio.Future[T], error: BaseException) 
         future.set_exception(error)
 
 
+class ComputeSlots:
+    """Batches that may run at once, shared by every model's batcher (the dispatcher's
+    compute threads). Event loop thread only."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = capacity
+        self._listeners: list[asyncio.Event] = []
+
+    def listen(self, wakeup: asyncio.Event) -> None:
+        """`wakeup` is set whenever a slot is given back."""
+        self._listeners.append(wakeup)
+
+    def take(self) -> None:
+        if self.free <= 0:
+            raise RuntimeError("no compute slot is free")
+        self.free -= 1
+
+    def give(self) -> None:
+        self.free += 1
+        for wakeup in self._listeners:
+            wakeup.set()
+
+
 class ModelBatcher:
     """One model's queue and batch loop. Call from the event loop thread only."""
 
@@ -75,21 +93,24 @@ class ModelBatcher:
         policy: BatchPolicy,
         pool: BufferPool,
         dispatcher: Dispatcher,
-        admission: Admission,
+        slots: ComputeSlots,
         metrics: Metrics,
         clock: Callable[[], float],
+        on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
     ) -> None:
         self.runner = runner
         self.scheduler = Scheduler(policy)
         self.pool = pool
         self._dispatcher = dispatcher
-        self._admission = admission
+        self._slots = slots
         self._metrics = metrics
+        self._on_batch_done = on_batch_done
         self._clock = clock
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
-        self._free_workers = dispatcher.capacity
+        slots.listen(self._wakeup)
+        self._running_batches = 0
         self._running: set[asyncio.Task[None]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
@@ -99,8 +120,8 @@ class ModelBatcher:
     def submit(
         self, token_ids: list[list[int]], deadline: float
     ) -> list[asyncio.Future[ItemResult]]:
-        """Queue a request's tokenized inputs, all or none (the caller admitted them, so
-        they count as queued); raises `ValueError` before queuing any if one fits no bucket."""
+        """Queue a request's tokenized inputs, all or none; raises `ValueError` before
+        queuing any if one fits no bucket."""
         policy = self.scheduler.policy
         buckets = [policy.length_bucket_for(len(ids)) for ids in token_ids]
         if None in buckets:
@@ -122,7 +143,7 @@ class ModelBatcher:
         expires_at = deadline - max(
             self.scheduler.estimated_compute(BatchShape(1, bucket)) for bucket in buckets if bucket
         )
-        if self._free_workers > 0 or self._next_wake is None or expires_at < self._next_wake:
+        if self._slots.free > 0 or self._next_wake is None or expires_at < self._next_wake:
             self._wakeup.set()
         return futures
 
@@ -165,19 +186,19 @@ class ModelBatcher:
         while True:
             self._wakeup.clear()
             now = self._clock()
-            if self._free_workers > 0:
+            if self._slots.free > 0:
                 decision = self.scheduler.poll(now)
             else:
                 decision = self.scheduler.expire(now)
             self._drop(decision)
             if decision.batch is not None:
-                self._free_workers -= 1
+                self._slots.take()
+                self._running_batches += 1
                 task = asyncio.create_task(self._execute(decision.batch))
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
                 continue
-            idle = self._free_workers == self._dispatcher.capacity
-            if self._closing and not self._pending and idle:
+            if self._closing and not self._pending and self._running_batches == 0:
                 return
             self._next_wake = decision.wake_at
             timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - now)
@@ -185,21 +206,17 @@ class ModelBatcher:
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 
     def _drop(self, decision: Decision) -> None:
-        dropped = len(decision.expired) + len(decision.cancelled)
-        if not dropped:
-            return
         for item in decision.expired:
             pending = self._pending.pop(item.item_id)
             _set_exception_if_not_done(pending.future, DeadlineExceeded())
         for item in decision.cancelled:
             self._pending.pop(item.item_id, None)
-        self._admission.left_queue(dropped, self._clock())
 
     async def _execute(self, batch: Batch) -> None:
         pendings = [self._pending.pop(item.item_id) for item in batch.items]
+        failure: BaseException | None = None
         try:
             started = self._clock()
-            self._admission.left_queue(len(pendings), started)
             bucket = str(batch.shape.length)
             for pending in pendings:
                 self._metrics.queue_wait.labels(self.runner.name, bucket).observe(
@@ -219,14 +236,16 @@ class ModelBatcher:
                     ),
                 )
         except BaseException as error:
+            failure = error
             log.exception("batch %s of %s failed", batch.shape, self.runner.name)
             for pending in pendings:
                 _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
             if not isinstance(error, Exception):
                 raise
         finally:
-            self._free_workers += 1
-            self._wakeup.set()
+            self._running_batches -= 1
+            self._slots.give()
+            self._on_batch_done(failure)
 
     def _run_batch(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
         """Compute threads only."""

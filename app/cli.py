@@ -1,26 +1,31 @@
-"""`steadyserve serve | check-config | bench`.
+"""`steadyserve serve | check-config | bench | settings`.
 
-`serve` builds the one `Settings` of the process (from the environment, then flags), and
-runs uvicorn with a drain-aware shutdown: the first SIGTERM/SIGINT turns /readyz to 503,
-answers new requests 503 and waits (up to `drain_timeout_s`) for every admitted request to
-be answered before uvicorn closes its sockets; the process then exits 0. A second signal
-stops at once.
+`serve` builds the one `Settings` of the server (from the environment, then flags). In
+engine-process mode (the default) it runs the process tree of `processes.py`; with
+`STEADY_ENGINE=inprocess` it runs one process. Each front end runs uvicorn with a
+drain-aware shutdown: the first SIGTERM/SIGINT turns /readyz to 503, answers new requests
+503 and waits (up to `drain_timeout_s`) for every admitted request to be answered before
+uvicorn closes its sockets; the process then exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from app.main import create_app
+from app.processes import serve_processes
 from app.service import Service
 from app.settings import Settings, settings_table
 
@@ -28,10 +33,21 @@ log = logging.getLogger("app.cli")
 
 
 class DrainingServer(uvicorn.Server):
+    """uvicorn, draining on `drain_signals` (SIGTERM and SIGINT for a server of its own;
+    SIGUSR1 alone for a front end of the process tree, whose parent decides when)."""
+
     def __init__(
-        self, config: uvicorn.Config, service: Service, drain_timeout_s: float, quiet_s: float
+        self,
+        config: uvicorn.Config,
+        service: Service,
+        drain_timeout_s: float,
+        quiet_s: float,
+        drain_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+        ignored_signals: tuple[signal.Signals, ...] = (),
     ) -> None:
         super().__init__(config)
+        self._drain_signals = drain_signals
+        self._ignored_signals = ignored_signals
         self._service = service
         self._drain_timeout_s = drain_timeout_s
         self._quiet_s = quiet_s
@@ -42,6 +58,16 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self._drain_signals}
+        previous.update({sig: signal.signal(sig, signal.SIG_IGN) for sig in self._ignored_signals})
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Unlike uvicorn's own handler this does not re-raise the signal after shutdown:
@@ -78,11 +104,15 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def serve(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = Settings(**overrides)
-    _configure_logging(settings.log_level)
-    app = create_app(settings)
+def run_uvicorn(
+    app: FastAPI,
+    settings: Settings,
+    sockets: list[socket.socket] | None = None,
+    in_process_tree: bool = False,
+) -> int:
+    """Serve `app` until drained; 0 unless the server is unhealthy. In the process tree the
+    parent asks for the drain (SIGUSR1) and SIGTERM/SIGINT are ignored, so that a signal
+    sent to the whole process group does not count twice."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -90,16 +120,38 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_keep_alive=int(settings.keep_alive_timeout_s),
+        limit_concurrency=settings.max_connections,
+        backlog=settings.listen_backlog,
         # A backstop only: by the time uvicorn shuts down, the drain has already waited for
         # every admitted request (see DrainingServer).
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = DrainingServer(
-        config, app.state.service, settings.drain_timeout_s, settings.drain_quiet_s
+    service: Service = app.state.service
+    drain_signals, ignored_signals = (
+        ((signal.SIGUSR1,), (signal.SIGTERM, signal.SIGINT))
+        if in_process_tree
+        else ((signal.SIGTERM, signal.SIGINT), ())
     )
-    server.run()
-    return 0 if app.state.service.alive else 1
+    server = DrainingServer(
+        config,
+        service,
+        settings.drain_timeout_s,
+        settings.drain_quiet_s,
+        drain_signals=drain_signals,
+        ignored_signals=ignored_signals,
+    )
+    server.run(sockets=sockets)
+    return 0 if service.liveness() is None else 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = Settings(**overrides)
+    if settings.engine == "process":
+        return serve_processes(settings)
+    _configure_logging(settings.log_level)
+    return run_uvicorn(create_app(settings), settings)
 
 
 def main(argv: list[str] | None = None) -> int:

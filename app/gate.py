@@ -1,9 +1,10 @@
 """The asyncio side of admission: aiolimiter's token bucket in front of `Admission`'s caps.
 
-A request first needs tokens (one per input). When the bucket is short it waits, at most
-`max_wait_s` and never past its deadline, then is turned away with reason `rate`. Then the
-in-flight and queue caps decide (`admission.py`). Every rejection is counted here, where the
-decision is made. Event loop thread only.
+A request pays one bucket token per model token it carries (a long input costs what it
+computes, not one unit). When the bucket is short it waits, at most `max_wait_s` and never
+past its deadline, then is turned away with reason `rate`. Then the in-flight cap decides
+(`admission.py`). Every rejection is counted here, where the decision is made. Front-end
+event loop thread only.
 """
 
 from __future__ import annotations
@@ -40,22 +41,27 @@ class AdmissionGate:
         self._metrics.rejected.labels(model, rejection.reason.value).inc()
         return rejection
 
-    async def admit(self, model: str, n_inputs: int, deadline: float) -> Ticket:
-        """Wait for tokens, then pass the caps; raises `Rejected` (already counted)."""
+    def has_capacity(self, n_tokens: int) -> bool:
+        """Whether `n_tokens` could be taken now without waiting."""
+        return bool(self._limiter.has_capacity(n_tokens))
+
+    async def admit(self, model: str, n_tokens: int, deadline: float) -> Ticket:
+        """Wait for `n_tokens` bucket tokens, then pass the in-flight cap; raises
+        `Rejected` (already counted)."""
         started = self._clock()
         if self.admission.draining:  # before waiting for tokens it will not need
             raise self.reject(self.admission.draining_rejection(), model)
-        if self._limiter.has_capacity(n_inputs):
-            await self._limiter.acquire(n_inputs)
+        if self._limiter.has_capacity(n_tokens):
+            await self._limiter.acquire(n_tokens)
         else:
             budget = max(0.0, min(self._max_wait_s, deadline - started))
             try:
-                await asyncio.wait_for(self._limiter.acquire(n_inputs), budget)
+                await asyncio.wait_for(self._limiter.acquire(n_tokens), budget)
             except TimeoutError:
-                rejection = self.admission.rate_limited(n_inputs, self.rate_per_s)
+                rejection = self.admission.rate_limited(n_tokens, self.rate_per_s)
                 raise self.reject(rejection, model) from None
         try:
-            ticket = self.admission.admit(n_inputs, deadline, self._clock())
+            ticket = self.admission.admit(deadline, self._clock())
         except Rejected as rejection:
             raise self.reject(rejection, model) from None
         self._metrics.admission_wait.labels(model).observe(self._clock() - started)

@@ -1,16 +1,26 @@
-"""`create_app(settings)`: the FastAPI app and its lifespan.
+"""`create_app(settings)`: one front end's FastAPI app, its engine connection and lifespan.
 
-Lifespan: start-up launches loading and warm-up in the background (so /healthz and /readyz
-answer, with progress, while it runs); shutdown stops the batchers after they empty and
-then the dispatcher. Draining on SIGTERM is driven by `cli.py` through `Service.begin_drain`.
+The engine is reached through an `EngineClient`:
+- `settings.engine == "process"` and `engine_addresses` given: a front end of
+  `steadyserve serve`, whose parent supervises the engine process;
+- `"process"` without addresses: the app starts and supervises its own engine process
+  (one front end; what the integration tests run);
+- `"inprocess"`: the engine runs on this event loop (tests, debugging).
+
+Lifespan: start-up loads the tokenizers and connects (the engine loads and warms up on its
+own, so /healthz and /readyz answer with progress meanwhile); shutdown closes the engine
+connection (and stops an owned engine). Draining on SIGTERM is driven by `cli.py` through
+`Service.begin_drain`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -18,21 +28,66 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from app import __version__
 from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
-from app.api.middleware import BodyLimitMiddleware, ServerTimingMiddleware
+from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
+from app.engine.client import EngineClient
+from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.metrics import LATENCY_BUCKETS_S, Metrics
-from app.service import Service
+from app.service import Service, TokenizerLoader, load_model_tokenizer
 from app.settings import Settings
-from app.startup import RunnerLoader, load_runner
 
 log = logging.getLogger(__name__)
 
+# Inference routes: the ones early shedding applies to.
+INFERENCE_PATHS = frozenset({"/infer", "/v1/embeddings"})
 
-def create_app(settings: Settings, loader: RunnerLoader = load_runner) -> FastAPI:
+
+def _engine_client(
+    settings: Settings,
+    metrics: Metrics,
+    engine_addresses: EngineAddresses | None,
+    runner_loader: object | None,
+) -> tuple[EngineClient, object | None]:
+    """The engine connection, and the supervisor when this app owns an engine process."""
+    if settings.engine == "inprocess":
+        # Imported here: torch and the model are loaded only where the engine runs.
+        from app.engine.core import EngineCore
+        from app.engine.inprocess import InProcessEngine
+        from app.startup import load_runner
+
+        loader = runner_loader if runner_loader is not None else load_runner
+        return InProcessEngine(EngineCore(settings, metrics, loader)), None  # type: ignore[arg-type]
+    if engine_addresses is not None:
+        return ZmqEngineClient(engine_addresses), None
+    from app.engine.supervisor import EngineSupervisor
+
+    run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-engine-"))
+    addresses = EngineAddresses.in_directory(run_dir)
+    return ZmqEngineClient(addresses), EngineSupervisor(settings, addresses)
+
+
+def create_app(
+    settings: Settings,
+    loader: object | None = None,
+    tokenizer_loader: TokenizerLoader = load_model_tokenizer,
+    engine_addresses: EngineAddresses | None = None,
+    frontend_processes: int = 1,
+) -> FastAPI:
+    """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
+    `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling)."""
     metrics = Metrics()
-    service = Service(settings, metrics, loader=loader)
+    engine, supervisor = _engine_client(settings, metrics, engine_addresses, loader)
+    service = Service(
+        settings,
+        metrics,
+        engine,
+        tokenizer_loader=tokenizer_loader,
+        frontend_processes=frontend_processes,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if supervisor is not None:
+            supervisor.start()  # type: ignore[attr-defined]
         startup = asyncio.create_task(service.start(), name="startup")
         app.state.startup_task = startup
         try:
@@ -42,10 +97,13 @@ def create_app(settings: Settings, loader: RunnerLoader = load_runner) -> FastAP
                 startup.cancel()
             await asyncio.gather(startup, return_exceptions=True)
             await service.stop()
+            if supervisor is not None:
+                await supervisor.stop()  # type: ignore[attr-defined]
 
     app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)
     app.state.service = service
     app.state.settings = settings
+    app.state.supervisor = supervisor
     install_error_handlers(app)
     app.include_router(embed.router)
     app.include_router(health.router)
@@ -54,8 +112,15 @@ def create_app(settings: Settings, loader: RunnerLoader = load_runner) -> FastAP
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],
     ).instrument(app, latency_highr_buckets=LATENCY_BUCKETS_S)
-    # Added last = outermost. The body limit applies before anything reads the body;
-    # Server-Timing wraps it so that its 413s carry the header too.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    # Added last = outermost. The body guard bounds a body's size and the time it takes to
+    # arrive; Server-Timing wraps it so its answers carry the header too; shedding, outermost,
+    # refuses from headers alone before anything else runs (its answers are prebuilt, with
+    # their own Server-Timing).
+    app.add_middleware(
+        BodyGuardMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        read_timeout_s=settings.body_read_timeout_s,
+    )
     app.add_middleware(ServerTimingMiddleware, is_draining=lambda: service.admission.draining)
+    app.add_middleware(SheddingMiddleware, service=service, paths=INFERENCE_PATHS)
     return app

@@ -1,12 +1,28 @@
 """Every Prometheus instrument of steadyserve, defined once (DESIGN.md section 5).
 
-One `Metrics` per app, on its own registry, so that several apps (tests) can coexist in one
-process. Values are recorded where the decision is made (admission, batcher, pool, warm-up).
+One `Metrics` per process (per app in tests, on its own registry, so several coexist).
+Values are recorded where the decision is made: admission and request outcomes in the front
+ends, queue, batches, pool and warm-up in the engine.
+
+With several processes (`steadyserve serve` in engine-process mode) prometheus_client's
+multiprocess mode is on: the supervisor sets `PROMETHEUS_MULTIPROC_DIR` before any child
+starts, every process writes its values there, and any front end's /metrics renders them
+all (`render`). Each gauge says how its processes' values combine; the names stay the same.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess_mode() -> bool:
+    return bool(os.environ.get(MULTIPROCESS_DIR_ENV))
+
 
 # From 1 ms to 10 s, dense around a 150 ms SLO so its quantiles interpolate well.
 LATENCY_BUCKETS_S = (
@@ -62,27 +78,36 @@ class Metrics:
             registry=r,
         )
         self.inflight = Gauge(
-            "steadyserve_inflight_requests", "Admitted and not yet answered.", registry=r
+            "steadyserve_inflight_requests",
+            "Admitted and not yet answered (all front ends).",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_depth = Gauge(
-            "steadyserve_queue_depth", "Inputs waiting for a batch.", registry=r
+            "steadyserve_queue_depth",
+            "Inputs waiting for a batch.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue_depth_max = Gauge(
             "steadyserve_queue_depth_max",
-            "Deepest the queue has been since the previous scrape.",
+            "Deepest the queue has been over the last gauge refresh period (0.25 s).",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.pool_slots = Gauge(
             "steadyserve_pool_slots",
             "Buffer-pool slots, by length bucket and batch rows.",
             ["model", "bucket", "batch"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.pool_slots_in_use = Gauge(
             "steadyserve_pool_slots_in_use",
             "Buffer-pool slots held by a running batch.",
             ["model", "bucket", "batch"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.pool_acquire_wait = Histogram(
             "steadyserve_pool_acquire_wait_seconds",
@@ -102,10 +127,27 @@ class Metrics:
             "Bytes preallocated by the buffer pool.",
             ["model"],
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.warmup_shapes = Gauge(
-            "steadyserve_warmup_shapes", "Shapes warm-up must run.", ["model"], registry=r
+            "steadyserve_warmup_shapes",
+            "Shapes warm-up must run.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.warmup_shapes_done = Gauge(
-            "steadyserve_warmup_shapes_done", "Shapes warm-up has run.", ["model"], registry=r
+            "steadyserve_warmup_shapes_done",
+            "Shapes warm-up has run.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
+
+    def render(self) -> bytes:
+        """The Prometheus text of this process, or of every process in multiprocess mode."""
+        if multiprocess_mode():
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            return generate_latest(merged)
+        return generate_latest(self.registry)

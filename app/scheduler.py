@@ -166,6 +166,18 @@ class Scheduler:
     def estimated_compute(self, shape: BatchShape) -> float:
         return self._compute.get(shape)
 
+    def seconds_per_input(self, length_bucket: int) -> float:
+        """Compute one queued input of this bucket costs when batches are full (measured)."""
+        rows = self.policy.max_batch(length_bucket)
+        return self._compute.get(BatchShape(rows, length_bucket)) / rows
+
+    def backlog_seconds(self) -> float:
+        """Compute time of everything queued, run in full batches on one worker: the work a
+        new input waits behind (the caller divides among workers)."""
+        return sum(
+            len(queue) * self.seconds_per_input(length) for length, queue in self._queues.items()
+        )
+
     def expire(self, now: float) -> Decision:
         """Call while every worker is busy: drops cancelled and hopeless inputs only, and
         says when the next queued input will become hopeless."""

@@ -1,8 +1,10 @@
-"""The serving pipeline behind the routes: load -> warm up -> ready; admit -> tokenize ->
-batch -> answer; drain on shutdown.
+"""The front end's pipeline behind the routes: check size -> tokenize -> admit (token bucket
+by tokens, in-flight cap) -> send to the engine -> read its stream -> answer; drain on
+shutdown; shed load early from the engine's published backlog.
 
-`Service` is created and called on the event loop thread; model loading, tokenizing of large
-requests and all compute run on the dispatcher's threads.
+`Service` is created and called on its front end's event loop thread; large requests are
+tokenized on a small thread pool. It never imports torch: the model lives in the engine
+(another process, or `inprocess.py` in tests), reached through an `EngineClient`.
 """
 
 from __future__ import annotations
@@ -11,21 +13,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from app.admission import Admission, AdmissionLimits, Rejected, RejectReason, resolve_deadline
-from app.batcher import DeadlineExceeded, ItemResult, ModelBatcher
-from app.buffers import BufferPool
-from app.dispatcher import Dispatcher, plan_threads
+from app.admission import (
+    Admission,
+    AdmissionLimits,
+    DelayEstimate,
+    Rejected,
+    RejectReason,
+    delay_verdict,
+    resolve_deadline,
+)
+from app.engine.client import EngineClient, EngineUnavailable
+from app.engine.protocol import EmbedOutput, EmbedPayload, EngineStatus, Submit
+from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
 from app.metrics import Metrics
-from app.models.base import InputTooLong, ModelRunner, resolve_device
-from app.settings import Settings, export_cuda_alloc_conf
-from app.startup import RunnerLoader, freeze_startup_heap, init_cuda, load_runner, policy_for
-from app.telemetry.cgroup import available_cpus
+from app.models.tokenizer import InputTooLong, TextTokenizer, load_tokenizer
+from app.settings import ModelSpec, Settings
 from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -33,6 +42,16 @@ log = logging.getLogger(__name__)
 # Tokenizing a few short texts takes tens of microseconds: less than the hop to a thread.
 # Larger requests go to the tokenizer pool so they cannot stall the event loop.
 INLINE_TOKENIZE_MAX_CHARS = 2048
+
+# A text longer than this many characters per allowed token is refused (or, with
+# truncation, cut) before tokenizing: a 1 MiB input must not cost a tokenizer pass.
+MAX_CHARS_PER_TOKEN = 32
+
+TokenizerLoader = Callable[[ModelSpec, int], TextTokenizer]
+
+
+def load_model_tokenizer(spec: ModelSpec, largest_length_bucket: int) -> TextTokenizer:
+    return load_tokenizer(spec.source, largest_length_bucket, spec.max_input_tokens)
 
 
 class UnknownModel(Exception):
@@ -53,7 +72,7 @@ class Readiness:
     status: str
     warmup_done: int
     warmup_total: int
-    error: str | None = None
+    problem: str | None = None
 
 
 def _normalize_rows(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
@@ -62,167 +81,148 @@ def _normalize_rows(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]
     return normalized
 
 
+def _vectors(output: EmbedOutput) -> npt.NDArray[np.float32]:
+    flat = np.frombuffer(output.vectors, dtype=np.float32)
+    return flat.reshape(output.rows, output.width)
+
+
 class Service:
     def __init__(
         self,
         settings: Settings,
         metrics: Metrics,
-        loader: RunnerLoader = load_runner,
+        engine: EngineClient,
+        tokenizer_loader: TokenizerLoader = load_model_tokenizer,
+        frontend_processes: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
-        self._loader = loader
+        self.engine = engine
+        self._tokenizer_loader = tokenizer_loader
         self._clock = clock
         self.admission = Admission(
             AdmissionLimits(
                 max_inflight=settings.max_inflight,
-                max_queue=settings.max_queue,
                 default_timeout_s=settings.default_timeout_ms / 1000,
                 max_timeout_s=settings.max_timeout_ms / 1000,
             )
         )
         self.gate = AdmissionGate(
             self.admission,
-            rate_per_s=settings.rate_limit_per_s,
+            rate_per_s=settings.rate_limit_per_s / frontend_processes,
             burst=settings.rate_limit_burst,
             max_wait_s=settings.max_admission_wait_ms / 1000,
             metrics=metrics,
             clock=clock,
         )
-        self.device = resolve_device(settings.device)
-        self._cuda_alloc_conf: str | None = None
-        if self.device.type == "cuda":
-            # CUDA reads the allocator configuration once, when it initialises: set the
-            # default before anything (the compute threads' streams included) touches it.
-            self._cuda_alloc_conf = export_cuda_alloc_conf(settings)
-        self.dispatcher = Dispatcher(
-            plan_threads(
-                compute_threads=settings.dispatcher_threads,
-                tokenizer_threads=settings.tokenizer_threads,
-                torch_threads=settings.torch_threads,
-                torch_interop_threads=settings.torch_interop_threads,
-                cpus=available_cpus(),
-            ),
-            self.device,
+        self.tokenizers: dict[str, TextTokenizer] = {}
+        self._tokenize_pool = ThreadPoolExecutor(
+            max_workers=settings.tokenizer_threads, thread_name_prefix="steadyserve-tokenize"
         )
-        self.batchers: dict[str, ModelBatcher] = {}
-        self._warmup_done = 0
-        self._warmup_total = 0
-        self._ready = False
         self._startup_error: str | None = None
         self._idle = asyncio.Event()
         self._arrival = asyncio.Event()
+        # Inputs sent to the engine since its last published status: added to its backlog
+        # when shedding, so a burst between two status messages is not all let through.
+        self._sent_since_status = 0
+        self._status_seen_at = -1.0
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:
-        """Load every model, preallocate its buffers, warm up every shape, then be ready.
-        Failures are kept for /readyz and /healthz rather than raised."""
+        """Load the tokenizers and connect to the engine. A failure is kept for the probes
+        (logged in full, reported without detail), not raised."""
         try:
-            await self._start()
-        except Exception as error:
-            log.exception("start-up failed")
-            self._startup_error = f"{type(error).__name__}: {error}"
-
-    async def _start(self) -> None:
-        started = time.perf_counter()
-        if self.device.type == "cuda":
-            await self.dispatcher.run_compute(init_cuda, self.device, self._cuda_alloc_conf)
-        runners: dict[str, ModelRunner] = {}
-        for spec in self.settings.models:
-            runners[spec.name] = await self.dispatcher.run_compute(
-                self._loader, spec, self.device, self.settings.length_buckets[-1]
-            )
-        for name, runner in runners.items():
-            policy = policy_for(self.settings, runner.max_input_tokens)
-            warmup_shapes = len(policy.shapes()) if self.settings.warmup else 0
-            # Preallocation touches the device (and pins host memory): a compute-thread job.
-            pool = await self.dispatcher.run_compute(
-                BufferPool,
-                policy.shapes(),
-                runner.output_width,
-                runner.device,
-                runner.dtype,
-                self.settings.pool_slots_per_shape or self.dispatcher.capacity,
-            )
-            self._record_pool(name, pool)
-            self.batchers[name] = ModelBatcher(
-                runner, policy, pool, self.dispatcher, self.admission, self.metrics, self._clock
-            )
-            self._warmup_total += warmup_shapes
-            self.metrics.warmup_shapes.labels(name).set(warmup_shapes)
-        for name, batcher in self.batchers.items():
-            if self.settings.warmup:
-                await self._warm_up(name, batcher)
-            batcher.start()
-        freeze_startup_heap()
-        self._ready = True
-        log.info(
-            "ready in %.1f s (%d shapes warmed up)",
-            time.perf_counter() - started,
-            self._warmup_done,
-        )
-
-    def _record_pool(self, name: str, pool: BufferPool) -> None:
-        self.metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)
-        log.info(
-            "%s: buffer pool %d shapes, %.1f MiB",
-            name,
-            len(pool.stats().slots),
-            pool.bytes_preallocated / 2**20,
-        )
-
-    async def _warm_up(self, name: str, batcher: ModelBatcher) -> None:
-        started = time.perf_counter()
-        gauge = self.metrics.warmup_shapes_done.labels(name)
-
-        def shape_done(done: int, total: int) -> None:
-            self._warmup_done += 1
-            gauge.set(done)
-            if done == total or done % 5 == 0:
-                log.info(
-                    "%s: warm-up %d/%d shapes (%.1f s)",
-                    name,
-                    done,
-                    total,
-                    time.perf_counter() - started,
+            largest = self.settings.length_buckets[-1]
+            for spec in self.settings.models:
+                self.tokenizers[spec.name] = await asyncio.to_thread(
+                    self._tokenizer_loader, spec, largest
                 )
+            await self.engine.start()
+        except Exception as error:
+            log.exception("front-end start-up failed")
+            self._startup_error = f"front-end start-up failed: {type(error).__name__}"
 
-        await batcher.warm_up(batcher.runner.pad_token_id + 1, shape_done)
+    def engine_status(self) -> EngineStatus | None:
+        status = self.engine.status()
+        if status is not None and status.published_at != self._status_seen_at:
+            self._status_seen_at = status.published_at
+            self._sent_since_status = 0
+        return status
 
     def readiness(self) -> Readiness:
+        status = self.engine_status()
         if self._startup_error is not None:
-            status = "failed"
+            state, problem = "failed", self._startup_error
         elif self.admission.draining:
-            status = "draining"
-        elif not self.batchers:
-            status = "loading"
-        elif not self._ready:
-            status = "warming_up"
+            state, problem = "draining", None
+        elif status is None:
+            state, problem = "engine_unavailable", "no engine is connected (restarting?)"
         else:
-            status = "ready"
+            state, problem = status.state, status.problem
         return Readiness(
-            ready=status == "ready",
-            status=status,
-            warmup_done=self._warmup_done,
-            warmup_total=self._warmup_total,
-            error=self._startup_error,
+            ready=state == "ready" and bool(self.tokenizers),
+            status=state,
+            warmup_done=status.warmup_done if status else 0,
+            warmup_total=status.warmup_total if status else 0,
+            problem=problem,
         )
 
-    @property
-    def alive(self) -> bool:
-        return self._startup_error is None
+    def liveness(self) -> str | None:
+        """None while this server should be left running; else why it should be restarted
+        (start-up failed, or the engine's batches keep failing)."""
+        if self._startup_error is not None:
+            return self._startup_error
+        status = self.engine_status()
+        if status is not None and (status.state == "failed" or not status.healthy):
+            return status.problem or "engine unhealthy"
+        return None
 
     def model_names(self) -> list[str]:
         return [spec.name for spec in self.settings.models]
 
     def output_width(self, name: str) -> int | None:
-        """The model's output vector width, once it is loaded."""
-        batcher = self.batchers.get(name)
-        return batcher.runner.output_width if batcher else None
+        """The model's output vector width, once the engine has loaded it."""
+        status = self.engine_status()
+        info = status.models.get(name) if status else None
+        return info.output_width if info else None
 
     def model_task(self, name: str) -> str:
         return next(spec.task for spec in self.settings.models if spec.name == name)
+
+    # --- shedding before the body is read ---------------------------------------------------
+    def shed(self, envoy_timeout_ms: float | None) -> Rejected | None:
+        """What can be refused from headers alone, at almost no cost: draining, no ready
+        engine, the engine's backlog over the delay budget, an empty token bucket. The
+        rejection is counted here; the caller answers it."""
+        self._arrival.set()
+        rejection = self._shed_reason(envoy_timeout_ms)
+        if rejection is not None:
+            self.metrics.rejected.labels("", rejection.reason.value).inc()
+        return rejection
+
+    def _shed_reason(self, envoy_timeout_ms: float | None) -> Rejected | None:
+        if self.admission.draining:
+            return self.admission.draining_rejection()
+        status = self.engine_status()
+        if status is None or status.state != "ready" or not self.tokenizers:
+            return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
+        now = self._clock()
+        deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
+        backlog = status.backlog_s + self._sent_since_status * status.seconds_per_input
+        verdict = delay_verdict(
+            DelayEstimate(backlog_s=backlog, own_compute_s=0.0),
+            deadline,
+            now,
+            self.settings.max_queue_delay_ms / 1000,
+        )
+        if verdict is not None:
+            return verdict
+        if not self.gate.has_capacity(self.settings.length_buckets[0]):
+            return self.admission.rate_limited(
+                self.settings.length_buckets[0], self.gate.rate_per_s
+            )
+        return None
 
     # --- requests -----------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -242,83 +242,79 @@ class Service:
         envoy_timeout_ms: float | None,
         timer: PhaseTimer,
     ) -> EmbedResult:
-        """Admit, tokenize, batch and return one vector per text.
+        """Tokenize, admit, compute in the engine and return one vector per text.
 
-        Raises `Rejected` (429/503/504), `InputTooLong`, `DeadlineExceeded` or `BatchFailed`.
-        Cancelling the caller's task (client gone) drops its queued inputs.
+        Raises `Rejected` (429/503/504), `InputTooLong`, `DeadlineExceeded`, `EngineRefused`
+        or `BatchFailed`. Cancelling the caller's task (client gone) cancels the request in
+        the engine, dropping its queued inputs.
         """
         self._arrival.set()
-        if not self._ready and not self.admission.draining:
-            raise self.gate.reject(
-                Rejected(RejectReason.NOT_READY, "warm-up has not finished"), model
-            )
         now = self._clock()
+        if self.admission.draining:
+            raise self.gate.reject(self.admission.draining_rejection(), model)
+        status = self.engine_status()
+        if status is None or status.state != "ready":
+            rejection = Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
+            raise self.gate.reject(rejection, model)
         deadline = resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)
-        ticket = await self.gate.admit(model, len(texts), deadline)
-        batcher = self.batchers[model]
+        token_ids = await self._tokenize(self.tokenizers[model], texts, truncate)
+        tokenized_at = self._clock()
+        timer.add("tokenize", tokenized_at - now)
+        n_tokens = sum(len(ids) for ids in token_ids)
+        ticket = await self.gate.admit(model, n_tokens, deadline)
         admitted_at = self._clock()
-        timer.add("admission", admitted_at - now)
+        timer.add("admission", admitted_at - tokenized_at)
+        self.metrics.inflight.inc()
         outcome = "error"
-        futures: list[asyncio.Future[ItemResult]] = []
         try:
-            token_ids = await self._tokenize(batcher.runner, texts, truncate)
-            tokenized_at = self._clock()
-            timer.add("tokenize", tokenized_at - admitted_at)
-            futures = batcher.submit(token_ids, deadline)
-            try:
-                results: list[ItemResult] = await asyncio.gather(*futures)
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
-            timer.add("queue", max(r.queue_wait_s for r in results))
-            timer.add("compute", max(r.compute_s for r in results))
-            vectors = np.stack([r.vector for r in results])
-            outcome = "ok"
-            return EmbedResult(
-                model=model,
-                vectors=_normalize_rows(vectors) if normalize else vectors,
-                input_tokens=sum(len(ids) for ids in token_ids),
+            request = Submit(
+                self.engine.next_request_id(), model, deadline, EmbedPayload(token_ids)
             )
+            self._sent_since_status += len(token_ids)
+            async for output in self.engine.stream(request):
+                payload = output.payload
+                timer.add("queue", output.queue_s)
+                timer.add("compute", output.compute_s)
+                vectors = _vectors(payload)
+                outcome = "ok"
+                return EmbedResult(
+                    model=model,
+                    vectors=_normalize_rows(vectors) if normalize else vectors.copy(),
+                    input_tokens=payload.input_tokens,
+                )
+            raise EngineUnavailable("the engine's stream ended without an output")
+        except Rejected as rejection:
+            outcome = "rejected"
+            if rejection.reason is RejectReason.DEADLINE:
+                outcome = "deadline"
+            raise
         except DeadlineExceeded:
             outcome = "deadline"
-            self.metrics.rejected.labels(model, RejectReason.DEADLINE.value).inc()
-            raise
-        except InputTooLong:
-            outcome = "bad_request"
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
             finished = self._clock()
-            if not futures:  # never reached the queue (e.g. an input too long)
-                self.admission.left_queue(ticket.n_inputs, finished)
             self.admission.release(ticket, finished)
+            self.metrics.inflight.dec()
             self.metrics.request_duration.labels(model, "embed", outcome).observe(finished - now)
             if self.admission.draining and self.admission.inflight == 0:
                 self._idle.set()
 
     async def _tokenize(
-        self, runner: ModelRunner, texts: Sequence[str], truncate: bool
+        self, tokenizer: TextTokenizer, texts: Sequence[str], truncate: bool
     ) -> list[list[int]]:
+        max_chars = tokenizer.max_input_tokens * MAX_CHARS_PER_TOKEN
+        for index, text in enumerate(texts):
+            if len(text) > max_chars and not truncate:
+                raise InputTooLong(index, len(text), max_chars, "characters")
+        if truncate:
+            texts = [text[:max_chars] for text in texts]
         if sum(len(t) for t in texts) <= INLINE_TOKENIZE_MAX_CHARS:
-            return runner.tokenize(texts, truncate)
-        return await self.dispatcher.run_tokenize(runner.tokenize, texts, truncate)
-
-    # --- metrics at scrape time -----------------------------------------------------------
-    def refresh_gauges(self) -> None:
-        """Called by the /metrics route just before it renders."""
-        m = self.metrics
-        m.inflight.set(self.admission.inflight)
-        m.queue_depth.set(self.admission.queued)
-        m.queue_depth_max.set(self.admission.take_queue_high_water())
-        for name, batcher in self.batchers.items():
-            stats = batcher.pool.stats()
-            for shape, total in stats.slots.items():
-                labels = (name, str(shape.length), str(shape.batch))
-                m.pool_slots.labels(*labels).set(total)
-                m.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
+            return tokenizer.tokenize(texts, truncate)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, tokenizer.tokenize, texts, truncate)
 
     # --- shutdown -----------------------------------------------------------------------
     def begin_drain(self) -> None:
@@ -352,6 +348,5 @@ class Service:
         return True
 
     async def stop(self) -> None:
-        for batcher in self.batchers.values():
-            await batcher.close()
-        self.dispatcher.shutdown()
+        await self.engine.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

@@ -17,6 +17,7 @@ BUNDLED_DEFAULT_SOURCE = "bundled:all-MiniLM-L6-v2"
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Device = Literal["auto", "cpu", "cuda"]
+EngineMode = Literal["process", "inprocess"]
 
 
 class ModelSpec(BaseModel):
@@ -76,6 +77,55 @@ class Settings(BaseSettings):
         default="auto", description="`cuda` if available when `auto`, else `cpu`."
     )
 
+    # --- processes ---------------------------------------------------------------------
+    engine: EngineMode = Field(
+        default="process",
+        description="`process`: the model runs in its own supervised engine process fed by "
+        "the front ends; `inprocess`: one process does everything (tests, debugging).",
+    )
+    frontend_workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Front-end processes sharing the port (SO_REUSEPORT), each parsing, "
+        "tokenizing and answering; defaults to half the CPUs (at least 1, at most 8). "
+        "Always 1 with `engine=inprocess`.",
+    )
+    frontend_nice: int = Field(
+        default=5,
+        ge=0,
+        le=19,
+        description="Niceness added to front-end processes so a flood of connections cannot "
+        "take CPU from the engine's admitted work.",
+    )
+    max_connections: int = Field(
+        default=8192,
+        ge=1,
+        description="Open connections per front-end process; beyond it uvicorn answers 503 "
+        "at once. Sized so a flood is answered with 429s, not refused.",
+    )
+    listen_backlog: int = Field(
+        default=4096,
+        ge=1,
+        description="Accept queue per front-end socket (bounded by net.core.somaxconn).",
+    )
+    body_read_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="A request body not received in full within this is answered 408 and "
+        "its connection closed (a stalled or trickling client holds nothing longer).",
+    )
+    engine_restart_backoff_s: tuple[float, float] = Field(
+        default=(1.0, 30.0),
+        description="First and longest wait before restarting an engine that died; doubles "
+        "per consecutive death, reset once an engine has been ready for a minute.",
+    )
+    unhealthy_after_failed_batches: int = Field(
+        default=5,
+        ge=1,
+        description="Consecutive failed batches after which /healthz answers 503 (so "
+        "Kubernetes restarts the pod); one successful batch makes it healthy again.",
+    )
+
     # --- batching ----------------------------------------------------------------------
     length_buckets: tuple[int, ...] = Field(
         default=(16, 32, 64, 128, 256, 512),
@@ -99,12 +149,23 @@ class Settings(BaseSettings):
 
     # --- admission ---------------------------------------------------------------------
     rate_limit_per_s: float = Field(
-        default=4000.0, gt=0, description="Token-bucket refill rate, in inputs per second."
+        default=100_000.0,
+        gt=0,
+        description="Token-bucket refill rate, in model tokens per second, shared equally by "
+        "the front-end processes.",
     )
     rate_limit_burst: int = Field(
-        default=512,
+        default=32_768,
         ge=1,
-        description="Token-bucket capacity, in inputs (the largest burst admitted at once).",
+        description="Token-bucket capacity, in model tokens (the largest burst admitted at "
+        "once); must hold the largest request.",
+    )
+    max_queue_delay_ms: float = Field(
+        default=100.0,
+        gt=0,
+        description="Admit a request only while its predicted wait (queued work / measured "
+        "compute rate, plus its own batch) fits this and its deadline; beyond, 429 with "
+        "Retry-After. Sized for a 150 ms p99 SLO.",
     )
     max_admission_wait_ms: float = Field(
         default=50.0,
@@ -117,9 +178,10 @@ class Settings(BaseSettings):
         description="Requests admitted and not yet answered; beyond it, 429 (reason `inflight`).",
     )
     max_queue: int = Field(
-        default=1024,
+        default=4096,
         ge=1,
-        description="Inputs waiting for a batch; beyond it, 429 (reason `queue`).",
+        description="Backstop on inputs waiting for a batch in the engine; beyond it, 429 "
+        "(reason `queue`). The delay budget normally refuses long before.",
     )
     max_inputs_per_request: int = Field(
         default=64, ge=1, description="Inputs in one request; beyond it, 413."
@@ -191,8 +253,11 @@ class Settings(BaseSettings):
         buckets = self.length_buckets
         if list(buckets) != sorted(set(buckets)) or buckets[0] < 2:
             raise ValueError("length_buckets must be strictly increasing and >= 2")
-        if self.max_inputs_per_request > self.rate_limit_burst:
-            raise ValueError("max_inputs_per_request must not exceed rate_limit_burst")
+        if self.max_inputs_per_request * buckets[-1] > self.rate_limit_burst:
+            raise ValueError(
+                "rate_limit_burst must hold the largest request "
+                "(max_inputs_per_request x the largest length bucket, in tokens)"
+            )
         if self.max_inputs_per_request > self.max_queue:
             raise ValueError("max_inputs_per_request must not exceed max_queue")
         names = [m.name for m in self.models]
@@ -207,6 +272,11 @@ class Settings(BaseSettings):
     @property
     def default_model_name(self) -> str:
         return self.default_model or self.models[0].name
+
+    def frontend_processes(self, cpus: int) -> int:
+        if self.engine == "inprocess":
+            return 1
+        return self.frontend_workers or max(1, min(8, cpus // 2))
 
 
 def export_cuda_alloc_conf(settings: Settings) -> str:

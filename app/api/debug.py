@@ -29,50 +29,19 @@ def _denied(request: Request) -> Response | None:
 
 @router.get("/pool")
 async def pool(request: Request) -> Response:
-    """Buffer-pool slots, in use, misses and bytes, per model and shape."""
+    """Buffer-pool slots, in use, misses and bytes, per model and shape (from the engine)."""
     if (denied := _denied(request)) is not None:
         return denied
-    service = service_of(request)
-    report = {}
-    for name, batcher in service.batchers.items():
-        stats = batcher.pool.stats()
-        report[name] = {
-            "bytes_preallocated": stats.bytes_preallocated,
-            "misses": stats.misses,
-            "acquire_waits": stats.acquire_waits,
-            "shapes": [
-                {
-                    "batch": shape.batch,
-                    "length": shape.length,
-                    "slots": total,
-                    "in_use": stats.in_use[shape],
-                    "estimated_compute_ms": round(
-                        batcher.scheduler.estimated_compute(shape) * 1000, 3
-                    ),
-                }
-                for shape, total in stats.slots.items()
-            ],
-        }
-    return json_response(report)
+    return json_response(await service_of(request).engine.debug("pool"))
 
 
 @router.get("/config")
 async def config(request: Request) -> Response:
-    """The settings in effect (the debug token itself withheld)."""
+    """The settings in effect (the debug token itself withheld), and the engine's device
+    and threads."""
     if (denied := _denied(request)) is not None:
         return denied
     service = service_of(request)
     settings = service.settings.model_dump(mode="json")
     settings["debug_token"] = "***"
-    return json_response(
-        {
-            "settings": settings,
-            "device": str(service.device),
-            "threads": {
-                "compute": service.dispatcher.plan.compute_threads,
-                "tokenizer": service.dispatcher.plan.tokenizer_threads,
-                "torch_intra_op": service.dispatcher.plan.torch_intra_op,
-                "torch_inter_op": service.dispatcher.plan.torch_inter_op,
-            },
-        }
-    )
+    return json_response({"settings": settings, **await service.engine.debug("config")})

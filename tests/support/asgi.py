@@ -16,6 +16,7 @@ async def serving(app: FastAPI, wait_ready: bool = True) -> AsyncIterator[httpx.
         if wait_ready:
             startup: asyncio.Task[None] = app.state.startup_task
             await startup
+            await app.state.service.engine.wait_ready()
             readiness = app.state.service.readiness()
             assert readiness.ready, readiness
         # As under uvicorn: an unhandled error is a logged 500, not raised into the client.

@@ -30,10 +30,6 @@ class GatedRunner:
         self.batches: list[list[list[int]]] = []
         self.out_of_memory_above_rows: int | None = None
 
-    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
-        # One token per word, id = word length: distinct, checkable outputs.
-        return [[1] + [len(w) for w in text.split()] + [2] for text in texts]
-
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = [
             [int(t) for t, m in zip(ids, mask, strict=True) if m]
@@ -51,8 +47,20 @@ class GatedRunner:
         )
 
 
+class WordLengthTokenizer:
+    """One token per word, id = word length: distinct, checkable outputs. No limit check,
+    so tests can send what the engine itself must refuse."""
+
+    max_input_tokens = GatedRunner.max_input_tokens
+    pad_token_id = GatedRunner.pad_token_id
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        return [[1] + [len(w) for w in text.split()] + [2] for text in texts]
+
+
 class GatedLoader:
-    """A `RunnerLoader` handing out one `GatedRunner` per model; `loaded` gates loading."""
+    """A `RunnerLoader` handing out one `GatedRunner` per model; `loaded` gates loading.
+    `tokenizer` is the matching front-end tokenizer loader."""
 
     def __init__(self) -> None:
         self.runners: dict[str, GatedRunner] = {}
@@ -64,3 +72,6 @@ class GatedLoader:
         runner = GatedRunner(spec.name)
         self.runners[spec.name] = runner
         return runner
+
+    def tokenizer(self, spec: ModelSpec, largest: int) -> WordLengthTokenizer:
+        return WordLengthTokenizer()

@@ -1,4 +1,5 @@
-"""Admission caps, deadlines and Retry-After against an injected clock."""
+"""Admission by predicted delay, the in-flight cap, deadlines and Retry-After against an
+injected clock."""
 
 from __future__ import annotations
 
@@ -11,68 +12,95 @@ import pytest
 from app.admission import (
     Admission,
     AdmissionLimits,
+    DelayEstimate,
     RateMeter,
     Rejected,
     RejectReason,
+    delay_verdict,
     resolve_deadline,
 )
 from app.gate import AdmissionGate
 from app.metrics import Metrics
 
-LIMITS = AdmissionLimits(max_inflight=3, max_queue=10, default_timeout_s=5.0, max_timeout_s=30.0)
+LIMITS = AdmissionLimits(max_inflight=3, default_timeout_s=5.0, max_timeout_s=30.0)
 
 
 def test_requests_are_admitted_until_the_inflight_cap() -> None:
     admission = Admission(LIMITS)
-    tickets = [admission.admit(1, deadline=10.0, now=0.0) for _ in range(3)]
+    tickets = [admission.admit(deadline=10.0, now=0.0) for _ in range(3)]
     with pytest.raises(Rejected) as caught:
-        admission.admit(1, deadline=10.0, now=0.0)
+        admission.admit(deadline=10.0, now=0.0)
     assert caught.value.reason is RejectReason.INFLIGHT
     admission.release(tickets[0], now=0.1)
-    admission.admit(1, deadline=10.0, now=0.1)
+    admission.admit(deadline=10.0, now=0.1)
 
 
-def test_the_queue_cap_counts_inputs_not_requests() -> None:
-    admission = Admission(LIMITS)
-    admission.admit(8, deadline=10.0, now=0.0)
-    with pytest.raises(Rejected) as caught:
-        admission.admit(3, deadline=10.0, now=0.0)
-    assert caught.value.reason is RejectReason.QUEUE
-    admission.admit(2, deadline=10.0, now=0.0)
-    assert admission.queued == 10
-
-
-def _retry_after_after_draining(inputs_per_step: int, step_s: float) -> float:
-    """Drain a steady flow for 30 s (six meter time constants), fill the queue, overflow it
-    by one input and return the Retry-After that gives."""
-    admission = Admission(AdmissionLimits(1000, 10, 5.0, 30.0))
+def _inflight_retry_after(step_s: float) -> float:
+    """Complete one request every `step_s` for 30 s (six meter time constants), fill the
+    in-flight cap, overflow it by one and return the Retry-After that gives."""
+    admission = Admission(AdmissionLimits(3, 5.0, 30.0))
     now = 0.0
     while now < 30.0:
         now += step_s
-        ticket = admission.admit(inputs_per_step, deadline=now + 5, now=now)
-        admission.left_queue(inputs_per_step, now=now)
-        admission.release(ticket, now=now)
-    admission.admit(10, deadline=now + 5, now=now)
+        admission.release(admission.admit(deadline=now + 5, now=now), now=now)
+    for _ in range(3):
+        admission.admit(deadline=now + 5, now=now)
     with pytest.raises(Rejected) as caught:
-        admission.admit(1, deadline=now + 5, now=now)
-    assert caught.value.reason is RejectReason.QUEUE
+        admission.admit(deadline=now + 5, now=now)
     assert caught.value.retry_after_s is not None
     return caught.value.retry_after_s
 
 
-def test_retry_after_follows_the_measured_drain_rate() -> None:
-    # One excess input at 20 inputs/s drains in 50 ms; at 2 inputs/s in 500 ms.
-    # (An exponentially decayed meter read just after an event runs slightly high.)
-    assert _retry_after_after_draining(2, 0.1) == pytest.approx(1 / 20, rel=0.15)
-    assert _retry_after_after_draining(2, 1.0) == pytest.approx(1 / 2, rel=0.15)
+def test_inflight_retry_after_follows_the_measured_completion_rate() -> None:
+    # One excess request at 10 completions/s clears in 100 ms; at 1/s in 1 s.
+    assert _inflight_retry_after(0.1) == pytest.approx(1 / 10, rel=0.15)
+    assert _inflight_retry_after(1.0) == pytest.approx(1.0, rel=0.15)
 
 
-def test_retry_after_without_any_measurement_is_bounded() -> None:
-    admission = Admission(AdmissionLimits(1, 10, 5.0, 30.0))
-    admission.admit(1, deadline=5.0, now=0.0)
+def test_inflight_retry_after_without_any_measurement_is_bounded() -> None:
+    admission = Admission(AdmissionLimits(1, 5.0, 30.0))
+    admission.admit(deadline=5.0, now=0.0)
     with pytest.raises(Rejected) as caught:
-        admission.admit(1, deadline=5.0, now=0.0)
+        admission.admit(deadline=5.0, now=0.0)
     assert caught.value.retry_after_s == 1.0
+
+
+def test_a_request_is_admitted_while_its_predicted_wait_fits_the_budget() -> None:
+    # 60 ms of queued work ahead + 10 ms of its own = 70 ms against a 100 ms budget.
+    fits = DelayEstimate(backlog_s=0.060, own_compute_s=0.010)
+    assert delay_verdict(fits, deadline=10.0, now=0.0, max_queue_delay_s=0.100) is None
+
+
+def test_a_predicted_wait_over_the_budget_is_refused_with_the_excess_as_retry_after() -> None:
+    over = DelayEstimate(backlog_s=0.350, own_compute_s=0.010)
+    rejection = delay_verdict(over, deadline=10.0, now=0.0, max_queue_delay_s=0.100)
+    assert rejection is not None
+    assert rejection.reason is RejectReason.QUEUE
+    assert rejection.retry_after_s == pytest.approx(0.260)
+    assert rejection.retry_after_header == "1"
+
+
+def test_a_deadline_tighter_than_the_budget_bounds_the_wait() -> None:
+    # 70 ms fits the 100 ms budget but not a deadline 50 ms away.
+    estimate = DelayEstimate(backlog_s=0.060, own_compute_s=0.010)
+    rejection = delay_verdict(estimate, deadline=1.050, now=1.0, max_queue_delay_s=0.100)
+    assert rejection is not None and rejection.reason is RejectReason.QUEUE
+    assert delay_verdict(estimate, deadline=1.080, now=1.0, max_queue_delay_s=0.100) is None
+
+
+def test_with_nothing_queued_ahead_a_slow_request_is_still_admitted() -> None:
+    # Its own batch alone (measured on a busy machine) exceeds the budget; refusing it
+    # could not get it served sooner.
+    alone = DelayEstimate(backlog_s=0.0, own_compute_s=0.300)
+    assert delay_verdict(alone, deadline=10.0, now=0.0, max_queue_delay_s=0.100) is None
+
+
+def test_a_deadline_shorter_than_the_requests_own_compute_can_never_be_met() -> None:
+    estimate = DelayEstimate(backlog_s=0.0, own_compute_s=0.020)
+    rejection = delay_verdict(estimate, deadline=1.015, now=1.0, max_queue_delay_s=0.100)
+    assert rejection is not None
+    assert rejection.reason is RejectReason.DEADLINE
+    assert rejection.retry_after_s is None
 
 
 def test_retry_after_header_is_whole_seconds_at_least_one() -> None:
@@ -103,21 +131,12 @@ def test_deadline_is_the_tightest_of_client_and_proxy_and_bounded() -> None:
 def test_a_passed_deadline_and_draining_are_rejected() -> None:
     admission = Admission(LIMITS)
     with pytest.raises(Rejected) as late:
-        admission.admit(1, deadline=1.0, now=1.0)
+        admission.admit(deadline=1.0, now=1.0)
     assert late.value.reason is RejectReason.DEADLINE
     admission.draining = True
     with pytest.raises(Rejected) as draining:
-        admission.admit(1, deadline=10.0, now=1.0)
+        admission.admit(deadline=10.0, now=1.0)
     assert draining.value.reason is RejectReason.DRAINING
-
-
-def test_queue_high_water_is_reset_by_each_scrape() -> None:
-    admission = Admission(LIMITS)
-    ticket = admission.admit(7, deadline=10.0, now=0.0)
-    admission.left_queue(7, now=0.1)
-    admission.release(ticket, now=0.1)
-    assert admission.take_queue_high_water() == 7
-    assert admission.take_queue_high_water() == 0
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):
@@ -140,21 +159,22 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
     virtual_loop: VirtualClockLoop,
 ) -> None:
     metrics = Metrics()
-    admission = Admission(AdmissionLimits(100, 100, 5.0, 30.0))
+    admission = Admission(AdmissionLimits(100, 5.0, 30.0))
     gate = AdmissionGate(
-        admission, rate_per_s=10.0, burst=4, max_wait_s=0.0, metrics=metrics,
+        admission, rate_per_s=100.0, burst=40, max_wait_s=0.0, metrics=metrics,
         clock=virtual_loop.time,
     )  # fmt: skip
 
     async def scenario() -> list[object]:
+        # Charged by tokens: four 10-token requests empty the 40-token bucket.
         outcomes: list[object] = []
         for _ in range(5):
             try:
-                outcomes.append(await gate.admit("m", 1, deadline=virtual_loop.now + 5))
+                outcomes.append(await gate.admit("m", 10, deadline=virtual_loop.now + 5))
             except Rejected as rejection:
                 outcomes.append(rejection)
-        virtual_loop.now += 0.1  # refills one token at 10/s
-        outcomes.append(await gate.admit("m", 1, deadline=virtual_loop.now + 5))
+        virtual_loop.now += 0.1  # refills ten tokens at 100/s
+        outcomes.append(await gate.admit("m", 10, deadline=virtual_loop.now + 5))
         return outcomes
 
     outcomes = virtual_loop.run_until_complete(scenario())

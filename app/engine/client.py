@@ -1,0 +1,170 @@
+"""The front end's side of the engine protocol: send a request, read its stream of outputs.
+
+`EngineClient` is what the front end's service calls; `StreamingClient` holds what every
+transport shares (one queue per request, failures turned into exceptions, cancellation when
+the reader stops early). A transport only says how a message reaches the engine (`_send`)
+and hands back what arrives (`_deliver`). Front-end event loop thread only. Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from app.admission import Rejected, RejectReason
+from app.engine.protocol import (
+    Cancel,
+    DebugQuery,
+    DebugReply,
+    EngineStatus,
+    Failure,
+    FailureKind,
+    FromEngine,
+    Output,
+    Submit,
+    ToEngine,
+)
+from app.failures import BatchFailed, DeadlineExceeded
+
+# After the engine is lost, clients retry once a new one had time to start.
+RETRY_AFTER_ENGINE_LOST_S = 1.0
+
+
+class EngineRefused(Exception):
+    """The engine could not serve the request as sent (answered 400)."""
+
+
+class EngineUnavailable(Exception):
+    """No engine can take the request now (not connected, or it is starting)."""
+
+
+class _Lost:
+    """Queued to every open stream when the engine goes away with their requests."""
+
+
+_LOST = _Lost()
+
+
+def failure_error(failure: Failure) -> Exception:
+    """The exception a front end raises for an engine's `Failure`."""
+    if failure.kind is FailureKind.REJECTED:
+        reason = RejectReason(failure.reason or RejectReason.NOT_READY.value)
+        return Rejected(reason, failure.message, failure.retry_after_s)
+    if failure.kind is FailureKind.DEADLINE:
+        return DeadlineExceeded(failure.message)
+    if failure.kind is FailureKind.BAD_REQUEST:
+        return EngineRefused(failure.message)
+    if failure.kind is FailureKind.ENGINE_RESTARTING:
+        return engine_lost()
+    return BatchFailed(failure.message)
+
+
+def engine_lost() -> Rejected:
+    return Rejected(
+        RejectReason.ENGINE_LOST,
+        "the engine restarted while the request was in it; retry",
+        RETRY_AFTER_ENGINE_LOST_S,
+    )
+
+
+class EngineClient(Protocol):
+    def status(self) -> EngineStatus | None:
+        """The engine's last published status; None while no engine is connected."""
+        ...
+
+    async def start(self) -> None: ...
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Return once the engine is ready; raise `EngineUnavailable` if it fails or the
+        time runs out (start-up scripts and tests)."""
+        ...
+
+    def refresh_metrics(self) -> None:
+        """Bring engine-side gauges up to date before a scrape, where this process holds
+        them (an engine in another process refreshes its own)."""
+        ...
+
+    async def close(self) -> None: ...
+
+    def next_request_id(self) -> int: ...
+
+    def stream(self, request: Submit) -> AsyncIterator[Output]:
+        """The request's outputs, the last one `final`; raises `Rejected`,
+        `DeadlineExceeded`, `EngineRefused`, `BatchFailed` or `EngineUnavailable`.
+        Leaving the loop early (or being cancelled) cancels the request in the engine."""
+        ...
+
+    async def debug(self, what: str) -> dict[str, object]: ...
+
+
+class StreamingClient:
+    """Per-request queues and their life cycle; subclasses provide the transport."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, asyncio.Queue[FromEngine | _Lost]] = {}
+        self._ids = itertools.count(1)
+
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def _send(self, message: ToEngine) -> None:
+        """Hand a message to the engine without blocking; raise `EngineUnavailable` if it
+        cannot be delivered."""
+        raise NotImplementedError
+
+    def _deliver(self, message: FromEngine) -> None:
+        queue = self._streams.get(message.request_id)
+        if queue is not None:  # else: its reader left (cancelled) or it was failed already
+            queue.put_nowait(message)
+
+    def _fail_all(self) -> None:
+        """The engine went away: every open stream ends with a retryable 503."""
+        for queue in self._streams.values():
+            queue.put_nowait(_LOST)
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    async def stream(self, request: Submit) -> AsyncIterator[Output]:
+        request_id = request.request_id
+        queue: asyncio.Queue[FromEngine | _Lost] = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            self._send(request)
+            while True:
+                message = await queue.get()
+                if isinstance(message, _Lost):
+                    finished = True
+                    raise engine_lost()
+                if isinstance(message, Failure):
+                    finished = True
+                    raise failure_error(message)
+                if isinstance(message, Output):
+                    finished = message.final
+                    yield message
+                    if finished:
+                        return
+        finally:
+            del self._streams[request_id]
+            if not finished:
+                # Without an engine there is nothing to cancel.
+                with contextlib.suppress(EngineUnavailable):
+                    self._send(Cancel(request_id))
+
+    async def debug(self, what: str) -> dict[str, object]:
+        request_id = self.next_request_id()
+        queue: asyncio.Queue[FromEngine | _Lost] = asyncio.Queue()
+        self._streams[request_id] = queue
+        try:
+            self._send(DebugQuery(request_id, what))
+            message = await asyncio.wait_for(queue.get(), 5.0)
+        finally:
+            del self._streams[request_id]
+        if not isinstance(message, DebugReply):
+            raise EngineUnavailable("no debug report from the engine")
+        return message.report

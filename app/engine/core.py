@@ -1,0 +1,382 @@
+"""The engine: load -> warm up -> ready; admit by predicted delay -> batch -> stream outputs.
+
+`EngineCore` owns the models, their buffer pools and batchers, the dispatcher's threads and
+the compute slots they share. It speaks only the messages of `protocol.py`: `submit` takes a
+`Submit` and answers through `emit` (a stream of `Output`, or one `Failure`), whoever carries
+them (`process.py` over ZeroMQ, `inprocess.py` by direct call).
+
+Construct and call from the engine's event loop thread only; model loading and all compute
+run on the dispatcher's threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+
+from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
+from app.batcher import ComputeSlots, ItemResult, ModelBatcher
+from app.buffers import BufferPool
+from app.dispatcher import Dispatcher, plan_threads
+from app.engine.health import BatchHealth
+from app.engine.protocol import (
+    EmbedOutput,
+    EngineStatus,
+    Failure,
+    FailureKind,
+    FromEngine,
+    ModelInfo,
+    Output,
+    Submit,
+)
+from app.failures import BatchFailed, DeadlineExceeded
+from app.metrics import Metrics
+from app.models.base import ModelRunner, resolve_device
+from app.scheduler import BatchShape
+from app.settings import Settings, export_cuda_alloc_conf
+from app.startup import RunnerLoader, freeze_startup_heap, init_cuda, load_runner, policy_for
+from app.telemetry.cgroup import available_cpus
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[FromEngine], None]
+RequestKey = tuple[bytes, int]  # (front end, its request id): ids are unique per front end
+
+
+class EngineCore:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        loader: RunnerLoader = load_runner,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.engine_id = uuid.uuid4().hex[:12]
+        self._loader = loader
+        self._clock = clock
+        self.device = resolve_device(settings.device)
+        self._cuda_alloc_conf: str | None = None
+        if self.device.type == "cuda":
+            # CUDA reads the allocator configuration once, when it initialises: set the
+            # default before anything (the compute threads' streams included) touches it.
+            self._cuda_alloc_conf = export_cuda_alloc_conf(settings)
+        self.dispatcher = Dispatcher(
+            plan_threads(
+                compute_threads=settings.dispatcher_threads,
+                tokenizer_threads=settings.tokenizer_threads,
+                torch_threads=settings.torch_threads,
+                torch_interop_threads=settings.torch_interop_threads,
+                cpus=available_cpus(),
+            ),
+            self.device,
+        )
+        self.slots = ComputeSlots(self.dispatcher.capacity)
+        self.health = BatchHealth(settings.unhealthy_after_failed_batches)
+        self.batchers: dict[str, ModelBatcher] = {}
+        self._requests: dict[RequestKey, asyncio.Task[None]] = {}
+        self._warmup_done = 0
+        self._warmup_total = 0
+        self._ready = False
+        self._startup_error: str | None = None
+        self._queue_high_water = 0
+
+    # --- start-up -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load every model, preallocate its buffers, warm up every shape, then be ready.
+        A failure is kept for the status (and so /readyz and /healthz), not raised."""
+        try:
+            await self._start()
+        except Exception as error:
+            log.exception("engine start-up failed")
+            self._startup_error = f"start-up failed: {type(error).__name__}"
+
+    async def _start(self) -> None:
+        started = time.perf_counter()
+        if self.device.type == "cuda":
+            await self.dispatcher.run_compute(init_cuda, self.device, self._cuda_alloc_conf)
+        runners: dict[str, ModelRunner] = {}
+        for spec in self.settings.models:
+            runners[spec.name] = await self.dispatcher.run_compute(
+                self._loader, spec, self.device, self.settings.length_buckets[-1]
+            )
+        for name, runner in runners.items():
+            policy = policy_for(self.settings, runner.max_input_tokens)
+            warmup_shapes = len(policy.shapes()) if self.settings.warmup else 0
+            # Preallocation touches the device (and pins host memory): a compute-thread job.
+            pool = await self.dispatcher.run_compute(
+                BufferPool,
+                policy.shapes(),
+                runner.output_width,
+                runner.device,
+                runner.dtype,
+                self.settings.pool_slots_per_shape or self.dispatcher.capacity,
+            )
+            self._record_pool(name, pool)
+            self.batchers[name] = ModelBatcher(
+                runner,
+                policy,
+                pool,
+                self.dispatcher,
+                self.slots,
+                self.metrics,
+                self._clock,
+                self.health.record,
+            )
+            self._warmup_total += warmup_shapes
+            self.metrics.warmup_shapes.labels(name).set(warmup_shapes)
+        for name, batcher in self.batchers.items():
+            if self.settings.warmup:
+                await self._warm_up(name, batcher)
+            batcher.start()
+        freeze_startup_heap()
+        self._ready = True
+        log.info(
+            "engine ready in %.1f s (%d shapes warmed up)",
+            time.perf_counter() - started,
+            self._warmup_done,
+        )
+
+    def _record_pool(self, name: str, pool: BufferPool) -> None:
+        self.metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)
+        log.info(
+            "%s: buffer pool %d shapes, %.1f MiB",
+            name,
+            len(pool.stats().slots),
+            pool.bytes_preallocated / 2**20,
+        )
+
+    async def _warm_up(self, name: str, batcher: ModelBatcher) -> None:
+        started = time.perf_counter()
+        gauge = self.metrics.warmup_shapes_done.labels(name)
+
+        def shape_done(done: int, total: int) -> None:
+            self._warmup_done += 1
+            gauge.set(done)
+            if done == total or done % 5 == 0:
+                log.info(
+                    "%s: warm-up %d/%d shapes (%.1f s)",
+                    name,
+                    done,
+                    total,
+                    time.perf_counter() - started,
+                )
+
+        await batcher.warm_up(batcher.runner.pad_token_id + 1, shape_done)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    # --- status -------------------------------------------------------------------------
+    def backlog_seconds(self) -> float:
+        """Queued work of every model, divided among the compute threads they share."""
+        total = sum(b.scheduler.backlog_seconds() for b in self.batchers.values())
+        return total / self.slots.capacity
+
+    def queued_inputs(self) -> int:
+        return sum(b.scheduler.depth for b in self.batchers.values())
+
+    def status(self) -> EngineStatus:
+        """What front ends shed load and answer probes from."""
+        if self._startup_error is not None:
+            state = "failed"
+        elif not self.batchers:
+            state = "loading"
+        elif not self._ready:
+            state = "warming_up"
+        else:
+            state = "ready"
+        per_input = [
+            b.scheduler.seconds_per_input(b.scheduler.policy.length_buckets[0])
+            for b in self.batchers.values()
+        ]
+        healthy = self._startup_error is None and self.health.healthy
+        return EngineStatus(
+            engine_id=self.engine_id,
+            state=state,
+            warmup_done=self._warmup_done,
+            warmup_total=self._warmup_total,
+            healthy=healthy,
+            backlog_s=self.backlog_seconds(),
+            seconds_per_input=min(per_input, default=0.0) / self.slots.capacity,
+            queued_inputs=self.queued_inputs(),
+            published_at=self._clock(),
+            models={
+                name: ModelInfo(
+                    task=b.runner.task,
+                    output_width=b.runner.output_width,
+                    max_input_tokens=b.runner.max_input_tokens,
+                )
+                for name, b in self.batchers.items()
+            },
+            problem=self._startup_error or self.health.problem,
+        )
+
+    def refresh_gauges(self) -> None:
+        """Engine-side gauges (queue, pool); called on the status tick."""
+        m = self.metrics
+        depth = self.queued_inputs()
+        m.queue_depth.set(depth)
+        for name, batcher in self.batchers.items():
+            stats = batcher.pool.stats()
+            for shape, total in stats.slots.items():
+                labels = (name, str(shape.length), str(shape.batch))
+                m.pool_slots.labels(*labels).set(total)
+                m.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
+
+    def take_queue_high_water(self) -> int:
+        """The deepest the queue has been since the previous call, then reset."""
+        high, self._queue_high_water = self._queue_high_water, self.queued_inputs()
+        return high
+
+    # --- requests -----------------------------------------------------------------------
+    def submit(self, origin: bytes, request: Submit, emit: Emit) -> None:
+        """Admit `request` by predicted delay and queue it; its answer goes to `emit`
+        (exactly once for an embedding: one `Output` or one `Failure`)."""
+        rejection = self._admit(request)
+        if rejection is not None:
+            self.metrics.rejected.labels(request.model, rejection.reason.value).inc()
+            emit(
+                Failure(
+                    request.request_id,
+                    FailureKind.REJECTED,
+                    rejection.message,
+                    rejection.reason.value,
+                    rejection.retry_after_s,
+                )
+            )
+            return
+        batcher = self.batchers[request.model]
+        try:
+            futures = batcher.submit(request.payload.token_ids, request.deadline)
+        except ValueError as error:
+            emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
+            return
+        depth = self.queued_inputs()
+        self._queue_high_water = max(self._queue_high_water, depth)
+        key = (origin, request.request_id)
+        task = asyncio.create_task(self._answer(request, futures, emit))
+        self._requests[key] = task
+        task.add_done_callback(lambda _: self._requests.pop(key, None))
+
+    def _admit(self, request: Submit) -> Rejected | None:
+        if not self._ready:
+            return Rejected(RejectReason.NOT_READY, "the engine is warming up", 1.0)
+        batcher = self.batchers.get(request.model)
+        if batcher is None:
+            return Rejected(RejectReason.NOT_READY, f"model {request.model!r} is not loaded")
+        token_ids = request.payload.token_ids
+        if self.queued_inputs() + len(token_ids) > self.settings.max_queue:
+            return Rejected(
+                RejectReason.QUEUE,
+                f"{self.queued_inputs()} inputs queued (cap {self.settings.max_queue})",
+                self.backlog_seconds(),
+            )
+        scheduler = batcher.scheduler
+        policy = scheduler.policy
+        bucket = policy.length_bucket_for(max(len(ids) for ids in token_ids))
+        if bucket is None:
+            return None  # refused as a bad request by `submit`
+        rows = min(len(token_ids), policy.max_batch(bucket))
+        own = scheduler.estimated_compute(BatchShape(policy.padded_batch(bucket, rows), bucket))
+        estimate = DelayEstimate(backlog_s=self.backlog_seconds(), own_compute_s=own)
+        return delay_verdict(
+            estimate, request.deadline, self._clock(), self.settings.max_queue_delay_ms / 1000
+        )
+
+    async def _answer(
+        self, request: Submit, futures: list[asyncio.Future[ItemResult]], emit: Emit
+    ) -> None:
+        request_id = request.request_id
+        try:
+            results: list[ItemResult] = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for future in futures:
+                future.cancel()
+            return  # the front end cancelled: it expects no answer
+        except DeadlineExceeded:
+            self.metrics.rejected.labels(request.model, RejectReason.DEADLINE.value).inc()
+            emit(Failure(request_id, FailureKind.DEADLINE, "deadline passed in the queue"))
+            return
+        except BatchFailed as error:
+            emit(Failure(request_id, FailureKind.FAILED, f"batch failed: {error}"))
+            return
+        vectors = np.ascontiguousarray(np.stack([r.vector for r in results]), dtype=np.float32)
+        emit(
+            Output(
+                request_id,
+                final=True,
+                payload=EmbedOutput(
+                    vectors=vectors.tobytes(),
+                    rows=vectors.shape[0],
+                    width=vectors.shape[1],
+                    input_tokens=sum(len(ids) for ids in request.payload.token_ids),
+                ),
+                queue_s=max(r.queue_wait_s for r in results),
+                compute_s=max(r.compute_s for r in results),
+            )
+        )
+
+    def cancel(self, origin: bytes, request_id: int) -> None:
+        """Drop a request's queued inputs (its client went away); no answer follows."""
+        task = self._requests.pop((origin, request_id), None)
+        if task is not None:
+            task.cancel()
+
+    def cancel_all_from(self, origin: bytes) -> None:
+        for key in [k for k in self._requests if k[0] == origin]:
+            self.cancel(*key)
+
+    # --- debug --------------------------------------------------------------------------
+    def debug_report(self, what: str) -> dict[str, object]:
+        if what == "pool":
+            return self._pool_report()
+        if what == "config":
+            plan = self.dispatcher.plan
+            return {
+                "device": str(self.device),
+                "threads": {
+                    "compute": plan.compute_threads,
+                    "tokenizer": plan.tokenizer_threads,
+                    "torch_intra_op": plan.torch_intra_op,
+                    "torch_inter_op": plan.torch_inter_op,
+                },
+            }
+        raise ValueError(f"unknown debug report {what!r}")
+
+    def _pool_report(self) -> dict[str, object]:
+        report: dict[str, object] = {}
+        for name, batcher in self.batchers.items():
+            stats = batcher.pool.stats()
+            report[name] = {
+                "bytes_preallocated": stats.bytes_preallocated,
+                "misses": stats.misses,
+                "acquire_waits": stats.acquire_waits,
+                "shapes": [
+                    {
+                        "batch": shape.batch,
+                        "length": shape.length,
+                        "slots": total,
+                        "in_use": stats.in_use[shape],
+                        "estimated_compute_ms": round(
+                            batcher.scheduler.estimated_compute(shape) * 1000, 3
+                        ),
+                    }
+                    for shape, total in stats.slots.items()
+                ],
+            }
+        return report
+
+    # --- shutdown -----------------------------------------------------------------------
+    async def stop(self) -> None:
+        """Finish what is queued and running, then stop the threads."""
+        for batcher in self.batchers.values():
+            await batcher.close()
+        self.dispatcher.shutdown()

@@ -1,0 +1,141 @@
+"""The engine process: an `EngineCore` served over ZeroMQ.
+
+A ROUTER socket takes requests from every front end (each frame tagged with the sender's
+identity, so outputs go back to the front end that asked); a PUB socket publishes the
+engine's status every few milliseconds. `run_engine_process` is the entry point the
+supervisor starts (a fresh interpreter: `spawn`); everything else runs on the engine's event
+loop thread, and compute on the dispatcher's threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.asyncio
+
+from app.engine.protocol import (
+    Cancel,
+    DebugQuery,
+    DebugReply,
+    FromEngine,
+    Submit,
+    decode_to_engine,
+    encode,
+)
+from app.engine.zmq_client import STATUS_INTERVAL_S, EngineAddresses
+from app.metrics import Metrics
+from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.engine.core import EngineCore
+
+log = logging.getLogger(__name__)
+
+# Engine-side gauges (queue depth, pool slots) are refreshed this often, not on every tick.
+GAUGE_INTERVAL_S = 0.25
+
+
+class EngineServer:
+    """Carries protocol messages between the sockets and the core. Event loop thread only."""
+
+    def __init__(self, core: EngineCore, addresses: EngineAddresses) -> None:
+        self.core = core
+        self._context = zmq.asyncio.Context()
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.bind(addresses.requests)
+        self._publisher = self._context.socket(zmq.PUB)
+        self._publisher.setsockopt(zmq.LINGER, 0)
+        self._publisher.bind(addresses.status)
+
+    def _emitter(self, origin: bytes) -> Callable[[FromEngine], None]:
+        def emit(message: FromEngine) -> None:
+            self._router.send_multipart([origin, encode(message)], zmq.NOBLOCK)
+
+        return emit
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        startup = asyncio.create_task(self.core.start(), name="engine-startup")
+        tasks = [
+            asyncio.create_task(self._receive(), name="engine-requests"),
+            asyncio.create_task(self._publish(), name="engine-status"),
+        ]
+        try:
+            await stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not startup.done():
+                startup.cancel()
+            await asyncio.gather(startup, return_exceptions=True)
+            await self.core.stop()
+            self._context.destroy(linger=0)
+
+    async def _receive(self) -> None:
+        while True:
+            origin, data = await self._router.recv_multipart()
+            message = decode_to_engine(data)
+            if isinstance(message, Submit):
+                self.core.submit(origin, message, self._emitter(origin))
+            elif isinstance(message, Cancel):
+                self.core.cancel(origin, message.request_id)
+            elif isinstance(message, DebugQuery):
+                try:
+                    report = self.core.debug_report(message.what)
+                except ValueError as error:
+                    report = {"error": str(error)}
+                self._emitter(origin)(DebugReply(message.request_id, report))
+
+    async def _publish(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_gauges = 0.0
+        while True:
+            self._publisher.send(encode(self.core.status()), zmq.NOBLOCK)
+            if loop.time() >= next_gauges:
+                self.core.refresh_gauges()
+                self.core.metrics.queue_depth_max.set(self.core.take_queue_high_water())
+                next_gauges = loop.time() + GAUGE_INTERVAL_S
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+
+async def _serve(settings: Settings, addresses: EngineAddresses) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Only the supervisor stops the engine (SIGUSR1), after the front ends drained: a
+    # SIGTERM or Ctrl-C sent to the whole process group must not cut the engine first.
+    loop.add_signal_handler(signal.SIGUSR1, stop.set)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    from app.engine.core import EngineCore  # torch: only in the engine process
+
+    core = EngineCore(settings, Metrics())
+    await EngineServer(core, addresses).serve(stop)
+
+
+def run_engine_process(settings: Settings, addresses: EngineAddresses) -> None:
+    """Entry point of the engine process (spawned by the supervisor)."""
+    from app.processes import die_with_parent
+
+    die_with_parent()
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            import uvloop
+
+            uvloop.run(_serve(settings, addresses))
+        except ImportError:
+            asyncio.run(_serve(settings, addresses))

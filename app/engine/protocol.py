@@ -1,0 +1,141 @@
+"""The messages between front ends and the engine, and their encoding (msgpack via msgspec).
+
+A request is (id, model, deadline, payload); its answer is a *stream* of `Output` messages
+ending with one whose `final` is true (an embedding sends exactly one; generation will send
+many), or a single `Failure`. The payload is a tagged union: a new task adds a payload and an
+output type here, and a runner in the engine; nothing else in the pipeline changes.
+
+Deadlines are `time.monotonic()` seconds: on Linux that clock is system-wide, so front ends
+and the engine on one host agree on it. Torch-free: front ends import this module.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import msgspec
+
+
+class EmbedPayload(msgspec.Struct, frozen=True, tag="embed"):
+    """Token ids of each input (the front end tokenized and checked them)."""
+
+    token_ids: list[list[int]]
+
+
+Payload = EmbedPayload
+
+
+class Submit(msgspec.Struct, frozen=True, tag="submit"):
+    request_id: int
+    model: str
+    deadline: float
+    payload: Payload
+
+
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    """The client went away: drop the request's queued work."""
+
+    request_id: int
+
+
+class DebugQuery(msgspec.Struct, frozen=True, tag="debug"):
+    """Ask for a JSON report (`what`: "pool" or "config")."""
+
+    request_id: int
+    what: str
+
+
+ToEngine = Submit | Cancel | DebugQuery
+
+
+class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):
+    """Unnormalised float32 vectors, row-major, `rows` x `width`."""
+
+    vectors: bytes
+    rows: int
+    width: int
+    input_tokens: int
+
+
+OutputPayload = EmbedOutput
+
+
+class Output(msgspec.Struct, frozen=True, tag="output"):
+    request_id: int
+    final: bool
+    payload: OutputPayload
+    queue_s: float
+    compute_s: float
+
+
+class FailureKind(Enum):
+    REJECTED = "rejected"  # refused at admission: 429 (`reason`), 503 or 504
+    DEADLINE = "deadline"  # expired in the queue: 504
+    BAD_REQUEST = "bad_request"  # the request cannot be served as sent: 400
+    FAILED = "failed"  # the batch failed on the server's side: 500
+    ENGINE_RESTARTING = "engine_restarting"  # the engine died with the request: 503
+
+
+class Failure(msgspec.Struct, frozen=True, tag="failure"):
+    request_id: int
+    kind: FailureKind
+    message: str
+    reason: str | None = None  # for REJECTED: a `RejectReason` value
+    retry_after_s: float | None = None
+
+
+class DebugReply(msgspec.Struct, frozen=True, tag="debug_reply"):
+    request_id: int
+    report: dict[str, object]
+
+
+FromEngine = Output | Failure | DebugReply
+
+
+class ModelInfo(msgspec.Struct, frozen=True):
+    task: str
+    output_width: int
+    max_input_tokens: int
+
+
+class EngineStatus(msgspec.Struct, frozen=True):
+    """What the engine publishes every few milliseconds (front ends shed load from it).
+
+    `backlog_s`: predicted seconds before a newly queued input starts computing;
+    `seconds_per_input`: what one more queued input adds to it (full batches of the
+    smallest length bucket, all workers busy).
+    """
+
+    engine_id: str
+    state: str  # loading | warming_up | ready | failed
+    warmup_done: int
+    warmup_total: int
+    healthy: bool
+    backlog_s: float
+    seconds_per_input: float
+    queued_inputs: int
+    published_at: float
+    models: dict[str, ModelInfo] = {}
+    problem: str | None = None  # why it is failed or unhealthy, for /readyz and /healthz
+
+
+_to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+_from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+_status_decoder = msgspec.msgpack.Decoder(EngineStatus)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: ToEngine | FromEngine | EngineStatus) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine_decoder.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine_decoder.decode(data)
+
+
+def decode_status(data: bytes) -> EngineStatus:
+    return _status_decoder.decode(data)

@@ -1,0 +1,121 @@
+"""Start the engine process, and restart it (with backoff) whenever it dies.
+
+Runs in the process that owns the engine: the `steadyserve serve` parent, or a test's app.
+Death is seen at once through the process sentinel (readable when the child exits), whatever
+killed it: kill -9, a segfault, a fatal CUDA error, an exception at start-up. Front ends
+notice on their own (their socket closes) and answer what was in flight with 503s. Event
+loop thread of the owning process only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+from app.engine.process import run_engine_process
+from app.engine.zmq_client import EngineAddresses
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# An engine that ran this long without dying resets the backoff.
+STABLE_AFTER_S = 60.0
+
+
+async def wait_for_exit(process: BaseProcess) -> None:
+    """Return once `process` has exited (its sentinel turns readable), without a thread."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(process.sentinel, on_readable)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(process.sentinel)
+    process.join()
+
+
+def next_backoff(previous_s: float | None, first_s: float, longest_s: float) -> float:
+    """Doubling waits between consecutive restarts, from `first_s` up to `longest_s`."""
+    return first_s if previous_s is None else min(longest_s, previous_s * 2)
+
+
+class EngineSupervisor:
+    def __init__(
+        self,
+        settings: Settings,
+        addresses: EngineAddresses,
+        on_exit: Callable[[int], None] = lambda pid: None,
+    ) -> None:
+        self._settings = settings
+        self._addresses = addresses
+        self._on_exit = on_exit
+        self._context = multiprocessing.get_context("spawn")
+        self.process: BaseProcess | None = None
+        self.restarts = 0
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name="engine-supervisor")
+
+    def _spawn(self) -> BaseProcess:
+        process = self._context.Process(
+            target=run_engine_process,
+            args=(self._settings, self._addresses),
+            name="steadyserve-engine",
+            daemon=True,
+        )
+        process.start()
+        log.info("engine process started (pid %d)", process.pid)
+        return process
+
+    async def _supervise(self) -> None:
+        backoff: float | None = None
+        while not self._stopping:
+            self.process = process = self._spawn()
+            started = time.monotonic()
+            await wait_for_exit(process)
+            assert process.pid is not None
+            self._on_exit(process.pid)
+            if self._stopping:
+                return
+            if time.monotonic() - started >= STABLE_AFTER_S:
+                backoff = None
+            first, longest = self._settings.engine_restart_backoff_s
+            backoff = next_backoff(backoff, first, longest)
+            self.restarts += 1
+            log.error(
+                "engine process %d exited with %s; restarting in %.1f s",
+                process.pid,
+                process.exitcode,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine (SIGUSR1: it finishes what it runs), killing it after
+        `timeout_s`; no restart follows."""
+        self._stopping = True
+        process = self.process
+        if process is not None and process.is_alive():
+            assert process.pid is not None
+            os.kill(process.pid, signal.SIGUSR1)
+            await asyncio.to_thread(process.join, timeout_s)
+            if process.is_alive():
+                log.warning("engine did not stop in %.0f s; killing it", timeout_s)
+                process.kill()
+                await asyncio.to_thread(process.join, 5)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

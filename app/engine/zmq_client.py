@@ -1,0 +1,164 @@
+"""The front end's connection to an engine process, over ZeroMQ (as vLLM's API server talks
+to its engine core): a DEALER socket carries requests and their outputs, a SUB socket the
+engine's status every few milliseconds.
+
+The engine going away is noticed two ways: the DEALER's connection closes (the kernel closes
+it the moment the process dies) and the status goes stale. Either way every open stream is
+answered at once with a retryable 503, and nothing is sent until a fresh engine publishes
+`ready`. Front-end event loop thread only. Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from app.engine.client import EngineUnavailable, StreamingClient
+from app.engine.protocol import (
+    EngineStatus,
+    ToEngine,
+    decode_from_engine,
+    decode_status,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+# The engine publishes every STATUS_INTERVAL_S. A dead engine is noticed at once (its socket
+# closes); silence for STALE_AFTER_S means a hung one (its event loop stopped). That bound is
+# long on purpose: a front end whose own loop was held up (a slow test fixture, a GC pause)
+# must not take a live engine for a hung one and fail its requests.
+STATUS_INTERVAL_S = 0.005
+STALE_AFTER_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddresses:
+    requests: str
+    status: str
+
+    @classmethod
+    def in_directory(cls, directory: Path) -> EngineAddresses:
+        """IPC endpoints in a private run directory (one engine per directory)."""
+        return cls(
+            requests=f"ipc://{directory / 'engine-requests.sock'}",
+            status=f"ipc://{directory / 'engine-status.sock'}",
+        )
+
+
+class ZmqEngineClient(StreamingClient):
+    def __init__(
+        self, addresses: EngineAddresses, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__()
+        self._addresses = addresses
+        self._clock = clock
+        self._context = zmq.asyncio.Context()
+        self._identity = f"fe-{os.getpid()}-{id(self):x}".encode()
+        self._requests: zmq.asyncio.Socket | None = None
+        self._status_socket: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._status: EngineStatus | None = None
+        self._status_received_at = 0.0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        requests = self._context.socket(zmq.DEALER)
+        requests.setsockopt(zmq.IDENTITY, self._identity)
+        # Queue nothing for an engine that is not connected: a send then fails at once
+        # (503) instead of reaching a future engine after its client gave up.
+        requests.setsockopt(zmq.IMMEDIATE, 1)
+        requests.setsockopt(zmq.SNDHWM, 0)
+        requests.setsockopt(zmq.RCVHWM, 0)
+        requests.setsockopt(zmq.LINGER, 0)
+        requests.setsockopt(zmq.RECONNECT_IVL, 50)
+        self._monitor = requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        requests.connect(self._addresses.requests)
+        status = self._context.socket(zmq.SUB)
+        status.setsockopt(zmq.SUBSCRIBE, b"")
+        status.setsockopt(zmq.LINGER, 0)
+        status.setsockopt(zmq.RCVHWM, 16)
+        status.connect(self._addresses.status)
+        self._requests, self._status_socket = requests, status
+        self._tasks = [
+            asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
+            asyncio.create_task(self._receive_status(), name="engine-status"),
+            asyncio.create_task(self._watch_disconnects(), name="engine-monitor"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._context.destroy(linger=0)
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        # The engine is another process: its published status is observed until ready.
+        give_up_at = self._clock() + timeout_s
+        while (status := self.status()) is None or status.state != "ready":
+            if status is not None and status.state == "failed":
+                raise EngineUnavailable(status.problem or "the engine failed to start")
+            if self._clock() > give_up_at:
+                raise EngineUnavailable(f"the engine was not ready within {timeout_s:g} s")
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+    def refresh_metrics(self) -> None:
+        """The engine process refreshes its own gauges."""
+
+    def status(self) -> EngineStatus | None:
+        if self._status is None:
+            return None
+        if self._clock() - self._status_received_at > STALE_AFTER_S:
+            self._engine_gone("its status went stale")
+            return None
+        return self._status
+
+    def _send(self, message: ToEngine) -> None:
+        if self._requests is None or self.status() is None:
+            raise EngineUnavailable("no engine is connected")
+        try:
+            self._requests.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineUnavailable("no engine is connected") from None
+
+    def _engine_gone(self, why: str) -> None:
+        if self._status is not None or self.open_streams:
+            log.warning("engine lost (%s): failing %d open requests", why, self.open_streams)
+        self._status = None
+        self._fail_all()
+
+    async def _receive_outputs(self) -> None:
+        assert self._requests is not None
+        while True:
+            data = await self._requests.recv()
+            self._deliver(decode_from_engine(data))
+
+    async def _receive_status(self) -> None:
+        assert self._status_socket is not None
+        while True:
+            status = decode_status(await self._status_socket.recv())
+            previous = self._status
+            if previous is not None and previous.engine_id != status.engine_id:
+                # A new engine: whatever was sent to the old one will never be answered.
+                self._engine_gone("a new engine replaced it")
+            self._status = status
+            self._status_received_at = self._clock()
+
+    async def _watch_disconnects(self) -> None:
+        assert self._monitor is not None
+        while True:
+            frames = await self._monitor.recv_multipart()
+            with contextlib.suppress(Exception):
+                event = parse_monitor_message(frames)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._engine_gone("its connection closed")

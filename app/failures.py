@@ -1,0 +1,12 @@
+"""Failures a request can meet after admission, shared by the engine (where they happen) and
+the front end (which answers them). Torch-free."""
+
+from __future__ import annotations
+
+
+class DeadlineExceeded(Exception):
+    """The input's deadline passed (or could no longer be met) before it was computed."""
+
+
+class BatchFailed(Exception):
+    """The batch holding the input failed on the server's side (answered 500)."""

@@ -1,0 +1,129 @@
+"""Text to token ids with the Rust `tokenizers` library alone: no torch, no transformers.
+
+Front-end processes tokenize (the engine receives token ids), so this module must stay light:
+a front end holds a tokenizer, never the model. The limits an input is checked against are
+read from the model's JSON files, the same way for front end and engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+
+from app.models.source import local_directory
+
+log = logging.getLogger(__name__)
+
+# Tokenizers without a usable limit report a huge sentinel for model_max_length.
+_NO_LIMIT = 1_000_000
+
+
+class InputTooLong(Exception):
+    """An input has more tokens than the model accepts and truncation is off."""
+
+    def __init__(self, index: int, size: int, limit: int, unit: str = "tokens") -> None:
+        super().__init__(f"input {index} has {size} {unit}; the limit is {limit}")
+        self.index = index
+        self.size = size
+        self.limit = limit
+
+
+class TextTokenizer(Protocol):
+    """What a front end needs of a model to turn texts into engine inputs. `tokenize` must be
+    thread-safe (small requests are tokenized on the event loop, large ones on a thread)."""
+
+    max_input_tokens: int
+    pad_token_id: int
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        """Token ids per text, special tokens included; raises `InputTooLong` unless
+        `truncate`."""
+        ...
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    loaded: dict[str, Any] = json.loads(path.read_text())
+    return loaded
+
+
+def input_token_limit(directory: Path, largest_length_bucket: int, configured: int | None) -> int:
+    """The longest input the model takes: the smallest of the largest length bucket, the
+    model's positions, the tokenizer's limit, the length a sentence-transformers model was
+    trained for, and the configured `max_input_tokens`."""
+    limits = [largest_length_bucket]
+    positions = _json(directory / "config.json").get("max_position_embeddings")
+    if positions:
+        limits.append(int(positions))
+    tokenizer_limit = _json(directory / "tokenizer_config.json").get("model_max_length")
+    if tokenizer_limit and int(tokenizer_limit) < _NO_LIMIT:
+        limits.append(int(tokenizer_limit))
+    trained = _json(directory / "sentence_bert_config.json").get("max_seq_length")
+    if trained:
+        limits.append(int(trained))
+    if configured:
+        limits.append(configured)
+    return min(limits)
+
+
+class FastTokenizer:
+    """A `tokenizer.json` (every fast Hugging Face tokenizer has one), padding and
+    truncation off: inputs are padded by the engine and cut here."""
+
+    def __init__(self, directory: Path, max_input_tokens: int) -> None:
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: steadyserve needs a fast tokenizer (tokenizer.json)")
+        self._backend = Tokenizer.from_file(str(path))
+        # Fixed once: the Rust tokenizer keeps these on a shared object and releases the GIL
+        # while encoding, so changing them per call would race between threads.
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self.max_input_tokens = max_input_tokens
+        self.pad_token_id = self._pad_id(directory)
+        self._special_suffix = self._trailing_special_tokens()
+
+    def _pad_id(self, directory: Path) -> int:
+        config = _json(directory / "tokenizer_config.json")
+        pad_token = config.get("pad_token")
+        if isinstance(pad_token, dict):
+            pad_token = pad_token.get("content")
+        pad_id = self._backend.token_to_id(pad_token) if isinstance(pad_token, str) else None
+        return int(pad_id) if pad_id is not None else 0
+
+    def _trailing_special_tokens(self) -> list[int]:
+        """The special tokens appended after the text (BERT's [SEP]), kept when truncating."""
+        text_only = self._backend.encode("a", add_special_tokens=False).ids
+        full = self._backend.encode("a").ids
+        for start in range(len(full) - len(text_only) + 1):
+            if full[start : start + len(text_only)] == text_only:
+                return list(full[start + len(text_only) :])
+        return []
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        """Token ids per text; raises `InputTooLong` unless `truncate`, which cuts the text
+        and keeps the closing special tokens. Thread-safe."""
+        limit = self.max_input_tokens
+        ids = [encoding.ids for encoding in self._backend.encode_batch(list(texts))]
+        for index, sequence in enumerate(ids):
+            if len(sequence) <= limit:
+                continue
+            if not truncate:
+                raise InputTooLong(index, len(sequence), limit)
+            suffix = self._special_suffix
+            ids[index] = sequence[: limit - len(suffix)] + suffix
+        return ids
+
+
+def load_tokenizer(
+    source: str, largest_length_bucket: int, configured: int | None
+) -> FastTokenizer:
+    """A model's tokenizer, with the input limit the engine enforces too."""
+    directory = local_directory(source)
+    return FastTokenizer(directory, input_token_limit(directory, largest_length_bucket, configured))

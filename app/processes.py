@@ -1,0 +1,210 @@
+"""`steadyserve serve` in engine-process mode: the process tree and its signals.
+
+```
+steadyserve serve (this module: supervises, no torch, no traffic)
+├── engine          the model, buffer pools, scheduler, dispatcher threads (restarted on death)
+└── front end x N   uvicorn + FastAPI on one port (SO_REUSEPORT), niced below the engine
+```
+
+The parent sets prometheus_client's multiprocess directory before any child starts, so
+every process's metrics appear on any front end's /metrics. On SIGTERM/SIGINT it asks the
+front ends to drain (each answers what it admitted, then exits), then stops the engine; a
+second signal stops everything at once. Front ends that die are restarted too.
+
+Runs on the parent's event loop thread, except `run_frontend_process`, the entry point of
+each front-end process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from app.engine.supervisor import EngineSupervisor, next_backoff, wait_for_exit
+from app.engine.zmq_client import EngineAddresses
+from app.metrics import MULTIPROCESS_DIR_ENV
+from app.settings import Settings
+from app.telemetry.cgroup import available_cpus
+
+log = logging.getLogger(__name__)
+
+
+def configure_logging(level: str, role: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket that other front ends bind too: the kernel spreads connections
+    among them (SO_REUSEPORT), so no single accept loop is the bottleneck."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.setblocking(False)
+    return sock
+
+
+# How the parent talks to its children: drain (front ends) or stop (the engine). Children
+# ignore SIGTERM and SIGINT, which may reach the whole process group at once.
+DRAIN_OR_STOP = signal.SIGUSR1
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel kill this child if the parent dies (even by kill -9), so that no
+    engine or front end is left running without its supervisor."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        log.warning("cannot ask to die with the parent on this platform")
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def run_frontend_process(settings: Settings, addresses: EngineAddresses, processes: int) -> None:
+    """Entry point of one front-end process."""
+    die_with_parent()
+    # Imported here: the parent never needs uvicorn's app stack.
+    from app.cli import run_uvicorn
+    from app.main import create_app
+
+    configure_logging(settings.log_level, f"frontend[{os.getpid()}]")
+    # Below the engine: a flood of connections must not take CPU from admitted work.
+    os.nice(settings.frontend_nice)
+    sock = listening_socket(settings.host, settings.port, settings.listen_backlog)
+    app = create_app(settings, engine_addresses=addresses, frontend_processes=processes)
+    sys.exit(run_uvicorn(app, settings, sockets=[sock], in_process_tree=True))
+
+
+class ProcessTree:
+    """The engine and the front ends of one server. Parent's event loop thread only."""
+
+    def __init__(self, settings: Settings, run_dir: Path) -> None:
+        self.settings = settings
+        self.run_dir = run_dir
+        self.addresses = EngineAddresses.in_directory(run_dir)
+        self.frontend_count = settings.frontend_processes(available_cpus())
+        self._context = multiprocessing.get_context("spawn")
+        self.engine = EngineSupervisor(settings, self.addresses, on_exit=_forget_metrics_of)
+        self.frontends: list[BaseProcess] = []
+        self._stopping = False
+        self._stop_requested = asyncio.Event()
+
+    def _spawn_frontend(self) -> BaseProcess:
+        process = self._context.Process(
+            target=run_frontend_process,
+            args=(self.settings, self.addresses, self.frontend_count),
+            name="steadyserve-frontend",
+        )
+        process.start()
+        return process
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        self.engine.start()
+        self.frontends = [self._spawn_frontend() for _ in range(self.frontend_count)]
+        log.info(
+            "serving on %s:%d: engine + %d front ends (niceness +%d)",
+            self.settings.host,
+            self.settings.port,
+            self.frontend_count,
+            self.settings.frontend_nice,
+        )
+        watchers = [
+            asyncio.create_task(self._keep_frontend(index)) for index in range(self.frontend_count)
+        ]
+        await self._stop_requested.wait()
+        await self._drain_frontends()
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        await self.engine.stop()
+        clean = all(p.exitcode == 0 for p in self.frontends)
+        return 0 if clean else 1
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stopping:
+            log.warning("second %s: stopping at once", signal.Signals(sig).name)
+            for process in [*self.frontends, self.engine.process]:
+                if process is not None and process.is_alive():
+                    process.kill()
+            return
+        self._stopping = True
+        log.info("received %s: draining the front ends", signal.Signals(sig).name)
+        self._stop_requested.set()
+
+    async def _drain_frontends(self) -> None:
+        for process in self.frontends:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, DRAIN_OR_STOP)
+        # The front ends bound their own waits (drain timeout, then uvicorn's shutdown).
+        limit = self.settings.drain_timeout_s + 10
+        for process in self.frontends:
+            await asyncio.to_thread(process.join, limit)
+            if process.is_alive():
+                process.kill()
+                await asyncio.to_thread(process.join, 5)
+
+    async def _keep_frontend(self, index: int) -> None:
+        """Restart a front end that dies (with backoff), until the server stops."""
+        backoff: float | None = None
+        while True:
+            process = self.frontends[index]
+            await wait_for_exit(process)
+            if self._stopping:
+                return
+            assert process.pid is not None
+            _forget_metrics_of(process.pid)
+            first, longest = self.settings.engine_restart_backoff_s
+            backoff = next_backoff(backoff, first, longest)
+            log.error(
+                "front end %d exited with %s; restarting in %.1f s",
+                process.pid,
+                process.exitcode,
+                backoff,
+            )
+            await asyncio.sleep(backoff)
+            if self._stopping:
+                return
+            self.frontends[index] = self._spawn_frontend()
+
+
+def _forget_metrics_of(pid: int) -> None:
+    """Drop a dead process's live gauges (its counters and histograms stay counted)."""
+    if os.environ.get(MULTIPROCESS_DIR_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def serve_processes(settings: Settings) -> int:
+    """Run the engine and the front ends until a signal; returns the exit status."""
+    configure_logging(settings.log_level, "supervisor")
+    run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-"))
+    metrics_dir = run_dir / "metrics"
+    metrics_dir.mkdir()
+    # Before any child starts: each reads it when it first imports prometheus_client.
+    os.environ[MULTIPROCESS_DIR_ENV] = str(metrics_dir)
+    try:
+        return asyncio.run(ProcessTree(settings, run_dir).run())
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,75 @@
+"""The engine's pure parts: backlog prediction, run-time health, restart backoff, and the
+protocol's encoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.health import BatchHealth
+from app.engine.protocol import (
+    EmbedOutput,
+    EmbedPayload,
+    Failure,
+    FailureKind,
+    Output,
+    Submit,
+    decode_from_engine,
+    decode_to_engine,
+    encode,
+)
+from app.engine.supervisor import next_backoff
+from app.scheduler import BatchPolicy, BatchShape, Scheduler, WorkItem
+
+POLICY = BatchPolicy(length_buckets=(16, 64), max_batch_size=8, max_batch_tokens=256, max_wait_s=0)
+
+
+def _queue(scheduler: Scheduler, bucket: int, count: int) -> None:
+    for _ in range(count):
+        item_id = scheduler.depth + 1000 * bucket
+        scheduler.enqueue(WorkItem(item_id, bucket, bucket, enqueued_at=0.0, deadline=10.0))
+
+
+def test_backlog_is_queued_inputs_at_the_measured_full_batch_cost_per_bucket() -> None:
+    scheduler = Scheduler(POLICY)
+    # Full batches: 8 rows of 16 tokens take 40 ms; 4 rows of 64 (256 tokens) take 80 ms.
+    scheduler.record_compute(BatchShape(8, 16), 0.040)
+    scheduler.record_compute(BatchShape(4, 64), 0.080)
+    assert scheduler.backlog_seconds() == 0.0
+    _queue(scheduler, 16, 12)
+    _queue(scheduler, 64, 2)
+    assert scheduler.seconds_per_input(16) == pytest.approx(0.005)
+    assert scheduler.seconds_per_input(64) == pytest.approx(0.020)
+    assert scheduler.backlog_seconds() == pytest.approx(12 * 0.005 + 2 * 0.020)
+
+
+def test_health_turns_bad_after_consecutive_failures_and_one_success_clears_it() -> None:
+    health = BatchHealth(threshold=3)
+    for _ in range(2):
+        health.record(RuntimeError("device lost"))
+    health.record(None)
+    health.record(RuntimeError("device lost"))
+    health.record(RuntimeError("device lost"))
+    assert health.healthy  # the success in between reset the count
+    health.record(RuntimeError("device lost"))
+    assert not health.healthy
+    assert health.problem == "3 consecutive batches failed (RuntimeError)"
+    health.record(None)
+    assert health.healthy and health.problem is None
+
+
+def test_restart_backoff_doubles_up_to_its_cap() -> None:
+    waits = []
+    previous = None
+    for _ in range(7):
+        previous = next_backoff(previous, first_s=1.0, longest_s=30.0)
+        waits.append(previous)
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_protocol_messages_round_trip() -> None:
+    submit = Submit(7, "m", 123.5, EmbedPayload([[101, 7592, 102], [101, 102]]))
+    assert decode_to_engine(encode(submit)) == submit
+    output = Output(7, True, EmbedOutput(b"\x00" * 8, 1, 2, 5), queue_s=0.01, compute_s=0.02)
+    assert decode_from_engine(encode(output)) == output
+    failure = Failure(7, FailureKind.REJECTED, "busy", "queue", 0.25)
+    assert decode_from_engine(encode(failure)) == failure

@@ -105,6 +105,7 @@ class ProcessTree:
         self.engine = EngineSupervisor(settings, self.addresses, on_exit=_forget_metrics_of)
         self.frontends: list[BaseProcess] = []
         self._stopping = False
+        self._forced = False
         self._stop_requested = asyncio.Event()
 
     def _spawn_frontend(self) -> BaseProcess:
@@ -138,12 +139,15 @@ class ProcessTree:
             watcher.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         await self.engine.stop()
-        clean = all(p.exitcode == 0 for p in self.frontends)
+        # Non-zero when a front end ended badly on its own (unhealthy, failed start-up);
+        # being stopped at once on a second signal is what the operator asked for.
+        clean = self._forced or all(p.exitcode == 0 for p in self.frontends)
         return 0 if clean else 1
 
     def _on_signal(self, sig: int) -> None:
         if self._stopping:
             log.warning("second %s: stopping at once", signal.Signals(sig).name)
+            self._forced = True
             for process in [*self.frontends, self.engine.process]:
                 if process is not None and process.is_alive():
                     process.kill()

@@ -37,11 +37,13 @@ from tests.support.server import (
 pytestmark = pytest.mark.e2e
 
 INFER_BODY = json.dumps({"inputs": "steady tails through envoy"}).encode()
-# One replica answers 429 to nearly everything: one input per second, no waiting for a token,
-# so Retry-After is 1 s (whole seconds, at least 1).
+# One replica answers 429 to nearly everything: a 16-token bucket (the largest request of its
+# one 16-token length bucket) refilled at 16 tokens/s, about one request a second, no
+# waiting for a token, so Retry-After is 1 s (whole seconds, at least 1).
 SATURATED_ENV = {
-    "STEADY_RATE_LIMIT_PER_S": "1",
-    "STEADY_RATE_LIMIT_BURST": "1",
+    "STEADY_LENGTH_BUCKETS": "[16]",
+    "STEADY_RATE_LIMIT_PER_S": "16",
+    "STEADY_RATE_LIMIT_BURST": "16",
     "STEADY_MAX_INPUTS_PER_REQUEST": "1",
     "STEADY_MAX_ADMISSION_WAIT_MS": "0",
 }

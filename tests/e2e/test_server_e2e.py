@@ -50,7 +50,9 @@ def test_200_concurrent_requests_are_all_answered_correctly(tmp_path: Path) -> N
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60) as client:
             return await asyncio.gather(*(client.post("/infer", json={"inputs": t}) for t in texts))
 
-    with running_server(tmp_path) as server:
+    # All 200 at once are more than a 100 ms queue holds on 2 cores: the point here is that
+    # every answer is right, so the delay budget is lifted (shedding has its own tests).
+    with running_server(tmp_path, {"STEADY_MAX_QUEUE_DELAY_MS": "60000"}) as server:
         responses = asyncio.run(fire(server.base_url))
     assert [r.status_code for r in responses] == [200] * 200
     for index, response in enumerate(responses):

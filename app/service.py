@@ -73,6 +73,7 @@ class Readiness:
     warmup_done: int
     warmup_total: int
     problem: str | None = None
+    engine_pid: int | None = None
 
 
 def _normalize_rows(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
@@ -166,6 +167,7 @@ class Service:
             warmup_done=status.warmup_done if status else 0,
             warmup_total=status.warmup_total if status else 0,
             problem=problem,
+            engine_pid=status.pid if status else None,
         )
 
     def liveness(self) -> str | None:

@@ -37,6 +37,8 @@ async def readyz(request: Request) -> Response:
     }
     if state.problem:
         body["problem"] = state.problem
+    if state.engine_pid is not None:
+        body["engine"] = {"pid": state.engine_pid}
     return json_response(body, 200 if state.ready else 503)
 
 

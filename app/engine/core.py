@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -200,6 +201,7 @@ class EngineCore:
         healthy = self._startup_error is None and self.health.healthy
         return EngineStatus(
             engine_id=self.engine_id,
+            pid=os.getpid(),
             state=state,
             warmup_done=self._warmup_done,
             warmup_total=self._warmup_total,

@@ -107,6 +107,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     """
 
     engine_id: str
+    pid: int
     state: str  # loading | warming_up | ready | failed
     warmup_done: int
     warmup_total: int

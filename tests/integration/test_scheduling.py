@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -38,6 +39,11 @@ class Harness:
     client: httpx.AsyncClient
     service: Service
     runner: GatedRunner
+
+    def runner_of(self, model: str) -> GatedRunner:
+        runner = self.engine.batchers[model].runner
+        assert isinstance(runner, GatedRunner)
+        return runner
 
     @property
     def engine(self) -> EngineCore:
@@ -106,7 +112,11 @@ async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
     async with serving(app, wait_ready=False) as client:
         waiting = await client.get("/readyz")
         assert waiting.status_code == 503
-        assert waiting.json() == {"status": "loading", "warmup": {"done": 0, "total": 0}}
+        assert waiting.json() == {
+            "status": "loading",
+            "warmup": {"done": 0, "total": 0},
+            "engine": {"pid": os.getpid()},  # in-process
+        }
         early = await client.post("/infer", json={"inputs": "too early"})
         assert early.status_code == 503
         assert early.json()["error"]["type"] == "not_ready"

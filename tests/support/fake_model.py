@@ -29,12 +29,15 @@ class GatedRunner:
         self.started = threading.Semaphore(0)
         self.batches: list[list[list[int]]] = []
         self.out_of_memory_above_rows: int | None = None
+        self.failure: Exception | None = None  # raised by every batch while set
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = [
             [int(t) for t, m in zip(ids, mask, strict=True) if m]
             for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
         ]
+        if self.failure is not None:
+            raise self.failure
         real_rows = [r for r in rows if r != [self.pad_token_id]]
         if self.out_of_memory_above_rows and len(real_rows) > self.out_of_memory_above_rows:
             raise torch.OutOfMemoryError("fake: batch too large for the device")

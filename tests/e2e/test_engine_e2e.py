@@ -1,0 +1,116 @@
+"""The engine process under real failure: killed with SIGKILL under load, it is restarted
+and warmed up while the front end keeps answering; nothing waits past its deadline, nothing
+is lost or answered twice. Real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.server import ServerProcess, running_server
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_MS = 3000
+
+
+def readyz(server: ServerProcess) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"{server.base_url}/readyz", timeout=2) as response:
+            return int(response.status), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return int(error.code), json.loads(error.read())
+
+
+def engine_pid(server: ServerProcess) -> int:
+    status, body = readyz(server)
+    assert status == 200, body
+    engine = body["engine"]
+    assert isinstance(engine, dict)
+    return int(engine["pid"])
+
+
+class ClosedLoop:
+    """Threads that each send one request after another until stopped, recording (status,
+    error type, seconds, request number) per request."""
+
+    def __init__(self, server: ServerProcess, threads: int) -> None:
+        self._server = server
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.results: list[tuple[int | str, str | None, float]] = []
+        self._threads = [threading.Thread(target=self._run, args=(n,)) for n in range(threads)]
+
+    def _run(self, worker: int) -> None:
+        with httpx.Client(base_url=self._server.base_url, timeout=30) as client:
+            sent = 0
+            while not self._stop.is_set():
+                sent += 1
+                body = {"inputs": f"worker {worker} request {sent}", "timeout_ms": TIMEOUT_MS}
+                started = time.monotonic()
+                try:
+                    response = client.post("/infer", json=body)
+                    outcome: int | str = response.status_code
+                    kind = response.json().get("error", {}).get("type") if outcome != 200 else None
+                except httpx.HTTPError as error:
+                    outcome, kind = type(error).__name__, None
+                with self._lock:
+                    self.results.append((outcome, kind, time.monotonic() - started))
+
+    def count(self, outcome: int | str) -> int:
+        with self._lock:
+            return sum(1 for r in self.results if r[0] == outcome)
+
+    def __enter__(self) -> ClosedLoop:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+
+def wait_for(condition: object, timeout: float, what: str) -> None:
+    give_up_at = time.monotonic() + timeout
+    while time.monotonic() < give_up_at:
+        if callable(condition) and condition():
+            return
+        time.sleep(0.05)  # polling interval: the loop checks the state
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path: Path) -> None:
+    env = {"STEADY_ENGINE_RESTART_BACKOFF_S": "[0.5, 5]", "STEADY_MAX_QUEUE_DELAY_MS": "2000"}
+    with running_server(tmp_path, env) as server:
+        first_engine = engine_pid(server)
+        with ClosedLoop(server, threads=8) as load:
+            wait_for(lambda: load.count(200) >= 40, 60, "40 answers before the kill")
+            os.kill(first_engine, signal.SIGKILL)
+            wait_for(lambda: readyz(server)[0] == 503, 10, "/readyz to report the engine gone")
+            wait_for(lambda: readyz(server)[0] == 200, 120, "a new engine to be ready")
+            answered_before = load.count(200)
+            wait_for(lambda: load.count(200) >= answered_before + 40, 60, "answers again")
+        second_engine = engine_pid(server)
+        log = server.log()
+    assert second_engine != first_engine
+    assert server.process.poll() is None or server.process.returncode is not None
+    outcomes = Counter((status, kind) for status, kind, _ in load.results)
+    # Every request got an answer: 200, or a retryable 503 (engine lost or not ready yet);
+    # no connection error, no 500, nothing hanging.
+    allowed = {(200, None), (503, "engine_lost"), (503, "not_ready")}
+    assert set(outcomes) <= allowed, outcomes
+    assert outcomes[(503, "engine_lost")] + outcomes[(503, "not_ready")] >= 1, outcomes
+    slowest = max(seconds for _, _, seconds in load.results)
+    assert slowest < TIMEOUT_MS / 1000 + 1.0, slowest
+    assert "restarting in" in log

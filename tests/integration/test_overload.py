@@ -1,0 +1,157 @@
+"""Overload behaviour through the ASGI app with an in-process engine and the gated fake
+model: shedding before the body is read, stalled bodies, compute slots shared by models,
+and run-time health."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from app.settings import ModelSpec
+from tests.integration.test_scheduling import start
+
+ONE_MIB = 1 << 20
+
+
+async def call_without_body(app: Any, path: str, receive: Any) -> tuple[int, dict[str, str]]:
+    """Drive the ASGI app directly with a POST declaring a 1 MiB body; `receive` decides
+    what (if anything) of the body arrives."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(ONE_MIB - 1).encode()),
+        ],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    start_message = next(m for m in sent if m["type"] == "http.response.start")
+    headers = {k.decode(): v.decode() for k, v in start_message["headers"]}
+    return start_message["status"], headers
+
+
+async def test_an_overloaded_server_answers_429_without_reading_the_body() -> None:
+    # A budget of 1 us: one input queued behind a busy worker is already too much.
+    async with start(max_queue_delay_ms=0.001, max_body_bytes=ONE_MIB) as harness:
+        holder = await harness.hold_the_worker()
+        queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
+        scheduler = harness.engine.batchers["fake"].scheduler
+        await harness.until(lambda: scheduler.depth == 1, "one input queued")
+        body_reads = 0
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_reads
+            body_reads += 1
+            raise AssertionError("the body was read")
+
+        app = harness.client._transport.app  # type: ignore[attr-defined]
+        status, headers = await call_without_body(app, "/infer", receive)
+        assert status == 429
+        assert int(headers["retry-after"]) >= 1
+        assert body_reads == 0
+        metrics = (await harness.client.get("/metrics")).text
+        assert 'steadyserve_rejected_total{model="",reason="queue"} 1.0' in metrics
+        harness.release()
+        assert (await holder).status_code == 200
+        assert (await queued).status_code == 200
+
+
+async def test_a_body_that_stalls_midway_is_cut_off_with_408() -> None:
+    async with start(body_read_timeout_s=0.2, max_body_bytes=ONE_MIB) as harness:
+        chunks = [b'{"inputs": "the start of a body that never ends']
+        stalled = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if chunks:
+                return {"type": "http.request", "body": chunks.pop(), "more_body": True}
+            stalled.set()
+            await asyncio.Event().wait()  # the client sends nothing more, ever
+            raise AssertionError("unreachable")
+
+        app = harness.client._transport.app  # type: ignore[attr-defined]
+        status, headers = await asyncio.wait_for(call_without_body(app, "/infer", receive), 10)
+        assert stalled.is_set()
+        assert status == 408
+        assert headers["connection"] == "close"
+        assert harness.service.admission.inflight == 0
+
+
+async def test_two_models_sharing_the_dispatcher_never_oversubscribe_it() -> None:
+    models = (ModelSpec(name="fake"), ModelSpec(name="other"))
+    async with start(models=models) as harness:
+        other = harness.runner_of("other")
+        warmed_up = len(other.batches)
+        holder = await harness.hold_the_worker()  # the one compute thread, on "fake"
+        waiting = asyncio.create_task(
+            harness.client.post("/infer", json={"model": "other", "inputs": "second model"})
+        )
+        scheduler = harness.engine.batchers["other"].scheduler
+        await harness.until(lambda: scheduler.depth == 1, "queued on the other model")
+        # Its batcher sees no free slot: however often the loop turns, the input stays
+        # queued (a batcher counting the whole dispatcher as its own would take it).
+        for _ in range(200):
+            await asyncio.sleep(0)
+        assert scheduler.depth == 1
+        assert harness.engine.slots.free == 0
+        harness.release()
+        assert (await holder).status_code == 200
+        assert (await waiting).status_code == 200
+        assert len(other.batches) == warmed_up + 1
+        assert harness.engine.slots.free == 1
+
+
+async def test_batches_that_keep_failing_turn_healthz_unhealthy_until_one_succeeds() -> None:
+    async with start(unhealthy_after_failed_batches=2) as harness:
+        assert (await harness.client.get("/healthz")).status_code == 200
+        harness.runner.failure = RuntimeError("device lost")
+        for _ in range(2):
+            failed = await harness.client.post("/infer", json={"inputs": "doomed"})
+            assert failed.status_code == 500
+        unhealthy = await harness.client.get("/healthz")
+        assert unhealthy.status_code == 503
+        assert unhealthy.json()["problem"] == "2 consecutive batches failed (RuntimeError)"
+        harness.runner.failure = None
+        assert (await harness.client.post("/infer", json={"inputs": "fine"})).status_code == 200
+        assert (await harness.client.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+async def test_probes_do_not_show_exception_text(path: str) -> None:
+    """A failed start-up is reported by kind, never with its message (paths, secrets)."""
+    from tests.support.fake_model import GatedLoader
+
+    class BrokenLoader(GatedLoader):
+        def __call__(self, *args: Any) -> Any:
+            raise OSError("/secret/path/to/weights: permission denied")
+
+    from app.main import create_app
+    from app.settings import Settings
+    from tests.integration.test_scheduling import BASE
+    from tests.support.asgi import serving
+
+    loader = BrokenLoader()
+    app = create_app(Settings(**BASE), loader=loader, tokenizer_loader=loader.tokenizer)  # type: ignore[arg-type]
+    async with serving(app, wait_ready=False) as client:
+        await app.state.startup_task
+        with pytest.raises(Exception, match="start-up failed"):
+            await app.state.service.engine.wait_ready()
+        response = await client.get(path)
+        assert response.status_code == 503
+        assert "secret" not in response.text
+        assert "OSError" in response.text

@@ -97,10 +97,16 @@ class BufferSlot:
 
     def data_pointers(self) -> tuple[int, ...]:
         """Addresses of every buffer: unchanged for a slot's life (tests check no re-allocation)."""
-        return tuple(
-            t.data_ptr()
-            for t in (self.host_input_ids, self.input_ids, self.output, self.host_output)
+        tensors = (
+            self.host_input_ids,
+            self.host_attention_mask,
+            self.input_ids,
+            self.attention_mask,
+            self.output,
+            self.host_output,
+            *([self.host_output_staging] if self.host_output_staging is not None else []),
         )
+        return tuple(t.data_ptr() for t in tensors)
 
     def write_inputs(self, token_ids: Iterable[list[int]], pad_token_id: int) -> int:
         """Copy tokenized inputs into the host staging buffers, padding rows and columns.

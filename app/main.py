@@ -19,6 +19,7 @@ from app import __version__
 from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyLimitMiddleware, ServerTimingMiddleware
+from app.api.openapi import install_openapi
 from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.service import Service
 from app.settings import Settings
@@ -47,6 +48,7 @@ def create_app(settings: Settings, loader: RunnerLoader = load_runner) -> FastAP
     app.state.service = service
     app.state.settings = settings
     install_error_handlers(app)
+    install_openapi(app, service)
     app.include_router(embed.router)
     app.include_router(health.router)
     app.include_router(debug.router)

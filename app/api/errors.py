@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
+from app.api.embed import NonFiniteOutput
 from app.api.responses import error_response
 from app.batcher import DeadlineExceeded
 from app.models.base import InputTooLong
@@ -85,6 +86,10 @@ async def _client_gone(request: Request, error: Exception) -> Response:
     return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", "client disconnected")
 
 
+async def _non_finite(request: Request, error: Exception) -> Response:
+    return error_response(500, "non_finite_output", str(error))
+
+
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, StarletteHTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
@@ -98,4 +103,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InputTooLong, _too_long)
     app.add_exception_handler(UnknownModel, _unknown_model)
     app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(NonFiniteOutput, _non_finite)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -24,7 +24,7 @@ def require_tool(name: str) -> str:
         return str(beside_python)
     found = shutil.which(name)
     if found is None:
-        pytest.fail(f"{name} is not installed (see tools/ensure-tools.sh and the dev extra in pyproject.toml)")
+        pytest.fail(f"{name} is not installed (see tools/ensure-tools.sh and the dev extra)")
     return found
 
 

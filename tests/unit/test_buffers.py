@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ class SumRunner:
 
 
 def make_pool(slots_per_shape: int = 1) -> BufferPool:
-    return BufferPool(POLICY.shapes(), 2, torch.device("cpu"), torch.bfloat16, slots_per_shape)
+    return BufferPool(POLICY.shapes(), 2, torch.device("cpu"), slots_per_shape)
 
 
 @pytest.fixture
@@ -58,14 +59,14 @@ def slot_constructions(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BatchSh
     yield built
 
 
-def test_every_shape_is_preallocated_with_half_precision_outputs() -> None:
+def test_every_shape_is_preallocated_with_fp32_outputs() -> None:
     pool = make_pool(slots_per_shape=2)
     stats = pool.stats()
     assert set(stats.slots) == set(POLICY.shapes())
     assert all(count == 2 for count in stats.slots.values())
     assert stats.bytes_preallocated > 0
     slot, _ = pool.acquire(BatchShape(4, 16))
-    assert slot.output.dtype == torch.bfloat16
+    assert slot.output.dtype == torch.float32
     assert slot.input_ids.shape == (4, 16)
 
 
@@ -136,3 +137,12 @@ def test_acquire_waits_for_a_busy_slot_and_counts_the_wait() -> None:
     assert slot is held  # the one slot came back to the waiter, none was made for it
     assert after_release  # it was handed over only once released
     assert waited > 0.0  # and the wait it reports is the time it spent blocked
+
+
+def test_the_slot_device_not_the_stream_decides_the_path() -> None:
+    # A stream handed to a CPU slot (a CUDA build, a thread set up for the GPU) must not send
+    # the batch down the CUDA path.
+    pool = make_pool()
+    not_a_cpu_stream: Any = object()
+    output = execute_batch(pool, SumRunner(), BatchShape(2, 8), [[2, 3]], not_a_cpu_stream)
+    assert output.rows.tolist() == [[5.0, 2.0]]

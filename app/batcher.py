@@ -1,5 +1,5 @@
 """The asyncio side of batching: per-model queues, futures, cancellation, and hand-off of
-closed batches to the dispatcher.
+closed batches to the dispatcher (the request path: docs/ARCHITECTURE.md §4).
 
 Everything here runs on the event loop thread; the batch itself runs on a dispatcher
 compute thread (`execute.run_batch`). Each input's future is resolved exactly once (by its

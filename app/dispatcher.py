@@ -1,4 +1,5 @@
-"""The dedicated thread pools that alone run blocking work: model compute and tokenizing.
+"""The dedicated thread pools that alone run blocking work: model compute and tokenizing
+(threads and who may call what: docs/ARCHITECTURE.md §3).
 
 The event loop never runs model code: it hands work over with `run_compute` / `run_tokenize`
 (`loop.run_in_executor` on a named pool) and awaits the result. torch's own intra-op and

@@ -1,4 +1,5 @@
-"""Every Prometheus instrument of steadyserve, defined once (DESIGN.md section 5).
+"""Every Prometheus instrument of steadyserve, defined once (docs/ARCHITECTURE.md §5:
+the names are a contract).
 
 One `Metrics` per app, on its own registry, so that several apps (tests) can coexist in one
 process. Values are recorded where the decision is made (admission, batcher, pool, warm-up).

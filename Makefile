@@ -7,7 +7,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-dev serve test lint typecheck pytest bench check-config clean
+.PHONY: setup setup-dev tools serve test lint typecheck pytest bench check-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ $(VENV)/.dev-installed: $(VENV)/.runtime-installed
 setup: $(VENV)/.runtime-installed
 setup-dev: $(VENV)/.dev-installed
 
+# System tools the tests drive (promtool, hey, ...): installed when missing, see the script.
+tools:
+	bash tools/ensure-tools.sh
+
 serve: setup
 	HF_HUB_OFFLINE=1 $(BIN)/steadyserve serve --host $(HOST) --port $(PORT)
 
@@ -34,7 +38,7 @@ lint: setup-dev
 typecheck: setup-dev
 	$(BIN)/mypy --strict app
 
-pytest: setup-dev
+pytest: setup-dev tools
 	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -ra
 
 test: lint typecheck pytest

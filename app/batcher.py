@@ -1,5 +1,5 @@
 """The asyncio side of batching: per-model queues, futures, cancellation, and hand-off of
-closed batches to the dispatcher.
+closed batches to the dispatcher (the request path: docs/ARCHITECTURE.md §4).
 
 Everything here runs on the engine's event loop thread; the batch itself runs on a
 dispatcher compute thread (`execute.run_batch`). Every model's batcher draws on one shared
@@ -272,11 +272,14 @@ class ModelBatcher:
     async def warm_up(
         self, filler_token_id: int, on_shape_done: Callable[[int, int], None]
     ) -> None:
-        """Run every shape once (on the dispatcher), feeding the scheduler's compute
+        """Run every shape once on every compute thread, feeding the scheduler's compute
         estimates; `on_shape_done(done, total)` reports progress."""
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
             rows = warmup_token_ids(shape, filler_token_id)
-            output = await self._dispatcher.run_compute(self._run_batch, shape, rows)
-            self.scheduler.record_compute(shape, output.compute_s)
+            outputs = await self._dispatcher.run_on_every_compute_thread(
+                self._run_batch, shape, rows
+            )
+            for output in outputs:
+                self.scheduler.record_compute(shape, output.compute_s)
             on_shape_done(done, len(shapes))

@@ -2,11 +2,14 @@
 
 Variable-length inputs allocating fresh tensors per request fragment the CUDA caching
 allocator (one of the field incidents). Here every (batch bucket x length bucket) shape gets
-its slots at start-up: device input buffers (token ids, attention mask), a half-precision
-device output buffer, and host staging buffers (pinned on CUDA) that the tokenized inputs
-are written into and the outputs are read back from. A batch acquires a slot, is copied into
-it, runs, is copied out, and releases the slot: no per-request tensor allocation for inputs
-and outputs. A shape without a slot is served by a temporary, counted slot (a *miss*).
+its slots at start-up: device input buffers (token ids, attention mask), an fp32 device
+output buffer, and host staging buffers (pinned on CUDA) that the tokenized inputs are
+written into and the outputs are read back from. Outputs stay fp32 whatever the model's
+dtype: pooling accumulates in fp32, and one pooled row per input is cheap to keep whole
+(rounding it to fp16/bf16 would cost 3-4 significant digits for no gain). A batch acquires
+a slot, is copied into it, runs, is copied out, and releases the slot: no per-request
+tensor allocation for inputs and outputs. A shape without a slot is served by a temporary,
+counted slot (a *miss*).
 
 `acquire` and `release` are thread-safe and are called from dispatcher threads only
 (`acquire` may block while every slot of a shape is busy).
@@ -43,7 +46,6 @@ class BufferSlot:
         shape: BatchShape,
         output_width: int,
         device: torch.device,
-        output_dtype: torch.dtype,
         is_fallback: bool = False,
     ) -> None:
         self.shape = shape
@@ -66,14 +68,11 @@ class BufferSlot:
             # On the CPU the staging buffers are the model's inputs: no copy at all.
             self.input_ids = self.host_input_ids
             self.attention_mask = self.host_attention_mask
-        self.output = torch.zeros((rows, output_width), dtype=output_dtype, device=device)
-        # On CUDA the half-precision output comes back into pinned memory of its own dtype
-        # (a same-dtype, non-blocking copy), and is widened to fp32 on the host in place; a
-        # cross-dtype device-to-host copy would allocate a temporary on the GPU per batch.
-        self.host_output_staging: torch.Tensor | None = (
-            torch.zeros((rows, output_width), dtype=output_dtype, pin_memory=True)
+        # fp32 (see the module docstring); on the CPU the host buffer is the output itself.
+        self.output = (
+            torch.zeros((rows, output_width), dtype=torch.float32, device=device)
             if on_cuda
-            else None
+            else self.host_output
         )
         self.ids_view: npt.NDArray[np.int64] = self.host_input_ids.numpy()
         self.mask_view: npt.NDArray[np.int64] = self.host_attention_mask.numpy()
@@ -90,17 +89,21 @@ class BufferSlot:
                 self.input_ids,
                 self.attention_mask,
                 self.output,
-                *([self.host_output_staging] if self.host_output_staging is not None else []),
             )
         }
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def data_pointers(self) -> tuple[int, ...]:
         """Addresses of every buffer: unchanged for a slot's life (tests check no re-allocation)."""
-        return tuple(
-            t.data_ptr()
-            for t in (self.host_input_ids, self.input_ids, self.output, self.host_output)
+        tensors = (
+            self.host_input_ids,
+            self.host_attention_mask,
+            self.input_ids,
+            self.attention_mask,
+            self.output,
+            self.host_output,
         )
+        return tuple(t.data_ptr() for t in tensors)
 
     def write_inputs(self, token_ids: Iterable[list[int]], pad_token_id: int) -> int:
         """Copy tokenized inputs into the host staging buffers, padding rows and columns.
@@ -128,21 +131,22 @@ class BufferPool:
         shapes: Iterable[BatchShape],
         output_width: int,
         device: torch.device,
-        output_dtype: torch.dtype,
         slots_per_shape: int,
     ) -> None:
         self.device = device
         self.output_width = output_width
-        self.output_dtype = output_dtype
         self._free: dict[BatchShape, list[BufferSlot]] = {}
         self._total: dict[BatchShape, int] = {}
         for shape in shapes:
             self._free[shape] = [
-                BufferSlot(shape, output_width, device, output_dtype)
-                for _ in range(slots_per_shape)
+                BufferSlot(shape, output_width, device) for _ in range(slots_per_shape)
             ]
             self._total[shape] = slots_per_shape
         self.bytes_preallocated = sum(s.nbytes for slots in self._free.values() for s in slots)
+        if device.type == "cuda":
+            # The zero-fills above ran on this thread's current stream; batches run on the
+            # compute threads' own streams, which do not wait for it: finish them now.
+            torch.cuda.synchronize(device)
         self._condition = threading.Condition()
         self._misses = 0
         self._acquire_waits = 0
@@ -153,9 +157,7 @@ class BufferPool:
             free = self._free.get(shape)
             if free is None:
                 self._misses += 1
-                slot = BufferSlot(
-                    shape, self.output_width, self.device, self.output_dtype, is_fallback=True
-                )
+                slot = BufferSlot(shape, self.output_width, self.device, is_fallback=True)
                 return slot, 0.0
             if free:
                 return free.pop(), 0.0

@@ -1,4 +1,5 @@
-"""The dedicated thread pools that alone run blocking work: model compute and tokenizing.
+"""The dedicated thread pools that alone run blocking work: model compute and tokenizing
+(threads and who may call what: docs/ARCHITECTURE.md §3).
 
 The event loop never runs model code: it hands work over with `run_compute` / `run_tokenize`
 (`loop.run_in_executor` on a named pool) and awaits the result. torch's own intra-op and
@@ -25,6 +26,9 @@ from app.telemetry.cgroup import available_cpus
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long a job of `run_on_every_compute_thread` waits for every compute thread to be free.
+EVERY_THREAD_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,20 @@ class Dispatcher:
     async def run_compute(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._compute, fn, *args)
+
+    async def run_on_every_compute_thread(self, fn: Callable[..., T], *args: object) -> list[T]:
+        """`fn(*args)` once on each compute thread, all at once: warm-up, so that every
+        thread (its stream, its first kernels) is set up before traffic reaches it."""
+        # Each job holds its thread at the barrier until every thread has taken one, so no
+        # thread can take two; the timeout turns a stuck thread into an error, not a hang.
+        barrier = threading.Barrier(self.capacity)
+
+        def together() -> T:
+            barrier.wait(timeout=EVERY_THREAD_TIMEOUT_S)
+            return fn(*args)
+
+        jobs = [self.run_compute(together) for _ in range(self.capacity)]
+        return list(await asyncio.gather(*jobs))
 
     async def run_tokenize(self, fn: Callable[..., T], *args: object) -> T:
         loop = asyncio.get_running_loop()

@@ -1,7 +1,8 @@
 """The blocking body of one batch: acquire a slot, copy in, run, copy out, release.
 
 Runs on a dispatcher compute thread only. On CUDA the copies are non-blocking on the
-thread's own stream (inputs from pinned staging) and the thread waits for its stream alone.
+thread's own stream (to and from pinned host buffers) and the thread waits for its stream
+alone.
 """
 
 from __future__ import annotations
@@ -31,23 +32,23 @@ class BatchOutput:
 
 
 def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Stream | None) -> None:
-    if stream is None:
+    # The slot's device decides the path (a stream handed to a CPU slot is ignored; a CUDA
+    # slot without one runs on the device's current stream).
+    if slot.output.device.type != "cuda":
         slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
-        slot.host_output.copy_(slot.output)
         return
-    staging = slot.host_output_staging
-    assert staging is not None, "CUDA slots have pinned output staging"
+    if stream is None:
+        stream = torch.cuda.current_stream(slot.output.device)
     try:
         with torch.cuda.stream(stream):
             slot.input_ids.copy_(slot.host_input_ids, non_blocking=True)
             slot.attention_mask.copy_(slot.host_attention_mask, non_blocking=True)
             slot.output.copy_(runner.forward(slot.input_ids, slot.attention_mask))
-            staging.copy_(slot.output, non_blocking=True)
+            slot.host_output.copy_(slot.output, non_blocking=True)
     finally:
         # Wait for this thread's stream only (other threads' batches keep running), and
         # always, so that no copy into the slot is still in flight once it is released.
         stream.synchronize()
-    slot.host_output.copy_(staging)
 
 
 def execute_batch(

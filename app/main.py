@@ -29,6 +29,7 @@ from app import __version__
 from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
+from app.api.openapi import install_openapi
 from app.engine.client import EngineClient
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.metrics import LATENCY_BUCKETS_S, Metrics
@@ -105,6 +106,7 @@ def create_app(
     app.state.settings = settings
     app.state.supervisor = supervisor
     install_error_handlers(app)
+    install_openapi(app, service)
     app.include_router(embed.router)
     app.include_router(health.router)
     app.include_router(debug.router)

@@ -1,4 +1,5 @@
-"""Every Prometheus instrument of steadyserve, defined once (DESIGN.md section 5).
+"""Every Prometheus instrument of steadyserve, defined once (docs/ARCHITECTURE.md §5:
+the names are a contract).
 
 One `Metrics` per process (per app in tests, on its own registry, so several coexist).
 Values are recorded where the decision is made: admission and request outcomes in the front

@@ -244,6 +244,7 @@ class Settings(BaseSettings):
     # --- debug -------------------------------------------------------------------------
     debug_token: str | None = Field(
         default=None,
+        min_length=1,  # an empty token would let a request without credentials match it
         description="Enables /debug/* when set; requests must send "
         "`Authorization: Bearer <token>`.",
     )

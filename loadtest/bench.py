@@ -1,19 +1,25 @@
 """The comparison bench behind ``make bench``: raw model limit vs naive server vs steadyserve.
 
-Three phases, back to back in one invocation, all with the bundled all-MiniLM-L6-v2, the
-same dtype and the same number of torch threads, on ~12-word sentences, one per request:
+Three phases, back to back in one invocation, all with the bundled all-MiniLM-L6-v2 and the
+same dtype, on ~12-word sentences, one per request, each using the same CPUs (``--threads``,
+default: the CPUs this process may use):
 
-1. **raw**: the model in this process, no HTTP. A short sweep finds the batch size with
-   the most sentences per second; that batch size then runs for the full duration. This
-   is the ceiling any server on this machine could approach.
-2. **naive**: `loadtest.naive_server` (FastAPI, model run per request) in a child process,
-   driven by the generator in closed loop with N connections for the duration.
-3. **steadyserve**: ``python -m app.cli serve`` in a child process, driven the same way.
+1. **raw**: the model in this process, no HTTP, ``--threads`` torch threads, tokenized by the
+   Rust tokenizer directly (as steadyserve does). A short sweep finds the batch size with
+   the most sentences per second; that batch size then runs for the full duration: its
+   throughput is the ceiling any server on this machine could approach. Its latencies are
+   of single requests (batch 1) timed one by one, each its own record.
+2. **naive**: `loadtest.naive_server` in a child process: one worker computing one request
+   at a time with ``--threads`` torch threads (the server a user writes first), driven by
+   the generator in closed loop with N connections for the duration.
+3. **steadyserve**: ``python -m app.cli serve`` in a child process with its own default
+   thread layout (dispatcher threads x torch threads per dispatcher thread = the CPUs; on
+   2 CPUs 2 x 1), driven the same way. ``--steady-env`` overrides settings.
 
 It prints req/s, p50/p95/p99 and the ratios (steadyserve/raw, steadyserve/naive, p99/p50
 for each), and writes each phase's report.json and plots plus bench.json under --out.
 
-``python -m loadtest.bench [--duration 20s] [--connections 64] [--threads 2]``
+``python -m loadtest.bench [--duration 20s] [--connections 64] [--threads N]``
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.dispatcher import plan_threads
+from app.telemetry.cgroup import available_cpus
 from loadtest.bodies import LengthDistribution, sentence
 from loadtest.cli import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
@@ -43,6 +51,8 @@ from loadtest.runner import Mode, Recorder, RunConfig, RunResult
 from loadtest.stages import Stage, parse_duration
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# How long the raw phase times single requests for its latency figures (at most).
+RAW_SINGLE_REQUEST_S = 10.0
 PHASES = ("raw", "naive", "steadyserve")
 
 
@@ -134,7 +144,8 @@ def _log(message: str) -> None:
 def _time_batches(
     model: MiniLM, sentences: Sequence[str], batch_size: int, seconds: float
 ) -> tuple[array[float], array[float]]:
-    """Run batches back to back for ``seconds``; start and end time of each batch."""
+    """Run batches back to back for ``seconds`` (Rust tokenizer, as steadyserve); start and
+    end time of each batch."""
     starts, ends = array("d"), array("d")
     position = 0
     give_up_at = time.monotonic() + seconds
@@ -142,7 +153,7 @@ def _time_batches(
         batch = [sentences[(position + i) % len(sentences)] for i in range(batch_size)]
         position += batch_size
         started = time.monotonic()
-        model.embed(batch)
+        model.embed_fast(batch)
         starts.append(started)
         ends.append(time.monotonic())
     return starts, ends
@@ -163,34 +174,42 @@ def measure_raw(
     _log(f"raw: best batch size {best}; measuring it for {options.duration_s:g} s")
     foreign = ForeignLoad([os.getpid()])
     starts, ends = _time_batches(model, sentences, best, options.duration_s)
+    throughput = best * len(ends) / (ends[-1] - starts[0])
+    # Latency: single requests timed one by one. Giving every input of a batch the batch's
+    # time would describe no request anyone sent.
+    single_s = min(options.duration_s, RAW_SINGLE_REQUEST_S)
+    _log(f"raw: {throughput:.1f} sentences/s at batch {best}; timing single requests")
+    single_starts, single_ends = _time_batches(model, sentences, 1, single_s)
     foreign_cores = foreign.cores()
-    # Each batch counts as `best` requests whose latency is the batch's time.
     recorder = Recorder()
-    for started, ended in zip(starts, ends, strict=True):
-        for _ in range(best):
-            recorder.record(started, started, ended, 200, "", 0)
+    for started, ended in zip(single_starts, single_ends, strict=True):
+        recorder.record(started, started, ended, 200, "", 0)
     result = RunResult(
-        config=RunConfig(mode=Mode.CLOSED, stages=(Stage(options.duration_s, best, best),)),
+        config=RunConfig(mode=Mode.CLOSED, stages=(Stage(single_s, 1, 1),)),
         recorder=recorder,
-        started_at=starts[0],
-        finished_at=ends[-1],
+        started_at=single_starts[0],
+        finished_at=single_ends[-1],
         scheduled_total=len(recorder),
         dispatch_lags=array("d"),
     )
     label = f"raw in-process, batch {best}"
-    summary = summarize(result, "in-process", label)
+    summary = summarize(result, "in-process, batch 1", label)
     phase_dir = out_dir / "raw"
     write_json(summary, result, phase_dir / "report.json")
     write_plots(summary, result, phase_dir)
     print(format_table(summary), flush=True)
-    return PhaseOutcome.of(
+    outcome = PhaseOutcome.of(
         "raw",
         label,
         summary,
         best_batch_size=best,
+        latency_from="single requests (batch 1), timed one by one",
+        single_request_rps=round(summary.throughput_rps, 1),
         foreign_cores=foreign_cores,
         sweep_sentences_per_s={str(k): round(v, 1) for k, v in sweep.items()},
     )
+    outcome.throughput_rps = throughput  # the ceiling: the best batch size
+    return outcome
 
 
 # -- phases 2 and 3: servers --------------------------------------------------------------
@@ -233,7 +252,10 @@ def measure_server(
     payloads: Sequence[bytes],
     target: Target,
     out_dir: Path,
+    layout: str = "",
 ) -> PhaseOutcome:
+    """Start `command`, wait for it to be ready, drive it, stop it; `layout` (its thread
+    layout) goes into the phase's description."""
     phase_dir = out_dir / name
     phase_dir.mkdir(parents=True, exist_ok=True)
     log_path = phase_dir / "server.log"
@@ -278,7 +300,7 @@ def measure_server(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
-    description = f"{name}, {options.connections} connections"
+    description = f"{name}{layout}, {options.connections} connections"
     summary = summarize(result, target.path, description)
     write_json(summary, result, phase_dir / "report.json")
     write_plots(summary, result, phase_dir)
@@ -311,8 +333,9 @@ def measure_naive(options: argparse.Namespace, payloads_for: Any, out_dir: Path)
         options.dtype,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    layout = f" 1x{options.threads} threads"
     return measure_server(
-        "naive", command, env, port, options, payloads_for(target), target, out_dir
+        "naive", command, env, port, options, payloads_for(target), target, out_dir, layout
     )
 
 
@@ -322,19 +345,23 @@ def measure_steadyserve(
     port = _free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/infer")
     command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    plan = plan_threads(None, 1, None, None, cpus=options.threads)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "STEADY_TORCH_THREADS": str(options.threads),
+        # Its default layout for --threads CPUs, from the server's own rule.
+        "STEADY_DISPATCHER_THREADS": str(plan.compute_threads),
+        "STEADY_TORCH_THREADS": str(plan.torch_intra_op),
         "STEADY_MODELS": json.dumps([{"name": "all-MiniLM-L6-v2", "dtype": options.dtype}]),
         "STEADY_LOG_LEVEL": "warning",
     }
     for assignment in options.steady_env:
         key, _, value = assignment.partition("=")
         env[key] = value
+    layout = f" {env['STEADY_DISPATCHER_THREADS']}x{env['STEADY_TORCH_THREADS']} threads"
     return measure_server(
-        "steadyserve", command, env, port, options, payloads_for(target), target, out_dir
+        "steadyserve", command, env, port, options, payloads_for(target), target, out_dir, layout
     )
 
 
@@ -420,7 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--duration", default="20s", help="Measured time of each phase.")
     parser.add_argument("--warmup", default="3s", help="Unmeasured load before each server phase.")
     parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads.")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=available_cpus(),
+        help="torch threads of the raw phase and of the naive server's one worker (default: "
+        "the CPUs available, which steadyserve divides among its dispatcher threads).",
+    )
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--words", type=int, default=12, help="Words per sentence.")
     parser.add_argument("--phases", default=",".join(PHASES), help="Subset, comma-separated.")

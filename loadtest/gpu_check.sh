@@ -1,57 +1,209 @@
 #!/usr/bin/env bash
-# One-shot CUDA check (under 8 minutes) for a machine with an NVIDIA GPU and torch installed.
+# The CUDA check (under 10 minutes) for a machine with an NVIDIA GPU, with a PASS/FAIL
+# verdict per step; it stops at the first FAIL and exits 1 (0 only when every step passed).
 #
 #   loadtest/gpu_check.sh OUT_DIR
 #
-# Installs steadyserve against the torch already present, then writes to OUT_DIR:
-#   env.txt          nvidia-smi, torch/CUDA versions, clocks and throttle reasons
-#   pytest.txt       the integration tests run on CUDA (fp16 buffers, pinned staging, streams)
-#   server.log       a steadyserve started on CUDA: eager init, alloc conf, warm-up
-#   bench.txt, bench/ a 20 s closed-loop run at 64 connections (table and JSON)
-#   metrics.txt      /metrics after the run (allocator, pool, batch sizes)
-#   debug_pool.json  per-shape slots and measured compute
-set -uo pipefail
+# Needs the project installed against the machine's own CUDA torch (e.g. `make setup-dev
+# TORCH_CONSTRAINTS=...`, or `pip install -e '.[dev]'`); it installs nothing and reaches no
+# network. PYTHON picks the interpreter (default: .venv/bin/python, else python3).
+#
+# Steps, and what each writes to OUT_DIR (copy the folder's verdicts.txt and the figures
+# into docs/BENCHMARKS.md):
+#   1 gpu        env.txt           nvidia-smi, clocks, torch and CUDA versions
+#   2 tests      pytest.txt        unit + integration tests with STEADY_DEVICE=cuda
+#   3 streams    streams.txt       two compute threads at once: distinct non-default streams,
+#                                  pinned staging, results equal to one thread's
+#   4 cosine     cosine.txt        the served vectors vs a CPU fp32 reference (>= 0.999)
+#   5 load       load.txt, load/   20 s closed loop at 64 connections: p99 <= 150 ms, no errors
+#   also         server.log, metrics.txt, debug_pool.json, verdicts.txt
+set -euo pipefail
 OUT=${1:?usage: gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 PORT=${PORT:-8077}
+SLO_P99_MS=${SLO_P99_MS:-150}
+MIN_COSINE=${MIN_COSINE:-0.999}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+VERDICTS="$OUT/verdicts.txt"
+: >"$VERDICTS"
+SERVER_PID=
 
-{
-  date -u
-  nvidia-smi || true
-  nvidia-smi -q -d CLOCK,PERFORMANCE,TEMPERATURE,POWER 2>/dev/null | head -80 || true
-  $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda,
-          "available", torch.cuda.is_available(), torch.cuda.get_device_name(0))'
-} >"$OUT/env.txt" 2>&1
+verdict() {  # verdict PASS|FAIL STEP DETAIL
+    echo "$1 $2: $3" | tee -a "$VERDICTS"
+    if [[ $1 == FAIL ]]; then
+        echo "gpu_check: FAILED at step '$2' (details in $OUT)" | tee -a "$VERDICTS"
+        exit 1
+    fi
+}
 
-# Keep the GPU machine's own torch: pin the install to exactly that version.
-$PY -c 'import torch; print(f"torch=={torch.__version__}")' >"$OUT/torch-constraint.txt"
-$PY -m pip install -q -c "$OUT/torch-constraint.txt" -e '.[dev]' >"$OUT/pip.txt" 2>&1 \
-  || { echo "install failed"; tail -20 "$OUT/pip.txt"; exit 1; }
+stop_server() {
+    if [[ -n $SERVER_PID ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+        kill -TERM "$SERVER_PID"
+        wait "$SERVER_PID" || true
+    fi
+    SERVER_PID=
+}
+trap stop_server EXIT
 
-STEADY_DEVICE=cuda timeout 240 $PY -m pytest -q -ra tests/integration tests/unit \
-  -p no:cacheprovider >"$OUT/pytest.txt" 2>&1
-echo "pytest exit $?" >>"$OUT/pytest.txt"
+# 1. A GPU that torch can use.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    verdict FAIL gpu "nvidia-smi not found: no NVIDIA driver on this machine"
+fi
+date -u >"$OUT/env.txt"
+nvidia-smi >>"$OUT/env.txt" 2>&1 || verdict FAIL gpu "nvidia-smi failed (see env.txt)"
+{ nvidia-smi -q -d CLOCK,PERFORMANCE,TEMPERATURE,POWER | head -80; } >>"$OUT/env.txt" 2>&1 || true
+if ! "$PYTHON" -c 'import sys, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+sys.exit(0 if torch.cuda.is_available() else 1)' >>"$OUT/env.txt" 2>&1; then
+    verdict FAIL gpu "torch cannot use CUDA here (see env.txt: a CPU build of torch?)"
+fi
+verdict PASS gpu "$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0))')"
 
-STEADY_DEVICE=cuda STEADY_DEBUG_TOKEN=gpucheck $PY -m app.cli serve --port "$PORT" \
-  >"$OUT/server.log" 2>&1 &
+# 2. The tests on CUDA.
+if STEADY_DEVICE=cuda timeout 300 "$PYTHON" -m pytest -q -ra -p no:cacheprovider \
+    tests/unit tests/integration >"$OUT/pytest.txt" 2>&1; then
+    verdict PASS tests "$(tail -1 "$OUT/pytest.txt")"
+else
+    verdict FAIL tests "$(tail -1 "$OUT/pytest.txt") (see pytest.txt)"
+fi
+
+# 3. Two compute threads at once: each its own stream, pinned host staging, same results.
+if timeout 300 "$PYTHON" - >"$OUT/streams.txt" 2>&1 <<'PYTHON'
+import asyncio
+import threading
+
+import numpy as np
+import torch
+
+from app.buffers import BufferPool
+from app.dispatcher import Dispatcher, plan_threads
+from app.execute import execute_batch
+from app.settings import ModelSpec, Settings
+from app.startup import load_runner, policy_for
+
+
+async def main() -> None:
+    device = torch.device("cuda", 0)
+    dispatcher = Dispatcher(plan_threads(2, 1, None, None, cpus=2), device)
+    runner = await dispatcher.run_compute(load_runner, ModelSpec(), device, 64)
+    policy = policy_for(Settings(length_buckets=(16, 32, 64), max_batch_size=8), 64)
+    pool = await dispatcher.run_compute(
+        BufferPool, policy.shapes(), runner.output_width, device, 2
+    )
+    shape = policy.shapes()[-1]
+    texts = [f"sentence number {i} about streams and pinned memory" for i in range(shape.batch)]
+    ids = runner.tokenize(texts, False)
+
+    def one_batch() -> tuple[str, int, bool, np.ndarray]:
+        stream = dispatcher.stream()
+        assert stream is not None, "a CUDA compute thread has a stream"
+        slot, _ = pool.acquire(shape)
+        pinned = slot.host_input_ids.is_pinned() and slot.host_output.is_pinned()
+        pool.release(slot)
+        out = execute_batch(pool, runner, shape, ids, stream)
+        return threading.current_thread().name, stream.cuda_stream, pinned, out.rows
+
+    sequential = (await dispatcher.run_compute(one_batch))[3]
+    for _ in range(20):
+        together = await dispatcher.run_on_every_compute_thread(one_batch)
+    threads = {t for t, _, _, _ in together}
+    streams = {s for _, s, _, _ in together}
+    default = torch.cuda.default_stream(device).cuda_stream
+    print("threads", sorted(threads), "streams", sorted(streams), "default", default)
+    assert len(threads) == 2, threads
+    assert len(streams) == 2 and default not in streams, (streams, default)
+    assert all(p for _, _, p, _ in together), "host staging is pinned"
+    for _, _, _, rows in together:
+        np.testing.assert_allclose(rows, sequential, atol=1e-3)
+    print("ok: 2 threads, 2 streams, pinned staging, results equal to one thread's")
+    dispatcher.shutdown()
+
+
+asyncio.run(main())
+PYTHON
+then
+    verdict PASS streams "$(tail -1 "$OUT/streams.txt")"
+else
+    verdict FAIL streams "$(tail -1 "$OUT/streams.txt") (see streams.txt)"
+fi
+
+# A server on CUDA for steps 4 and 5.
+STEADY_DEVICE=cuda STEADY_DISPATCHER_THREADS=2 STEADY_DEBUG_TOKEN=gpucheck \
+    "$PYTHON" -m app.cli serve --host 127.0.0.1 --port "$PORT" >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
-for _ in $(seq 180); do
-  curl -sf "http://127.0.0.1:$PORT/readyz" >/dev/null && break
-  kill -0 "$SERVER_PID" 2>/dev/null || break
-  sleep 1
+ready=0
+for _ in $(seq 300); do
+    if curl -sf "http://127.0.0.1:$PORT/readyz" >"$OUT/readyz.json" 2>/dev/null; then
+        ready=1
+        break
+    fi
+    kill -0 "$SERVER_PID" 2>/dev/null || break
+    sleep 1
 done
-curl -s "http://127.0.0.1:$PORT/readyz" >"$OUT/readyz.json"
-timeout 60 $PY -m loadtest run --url "http://127.0.0.1:$PORT/infer" --mode closed \
-  --concurrency 64 --duration 20s --words fixed:12 --out "$OUT/bench" --no-plots \
-  >"$OUT/bench.txt" 2>&1
-curl -s "http://127.0.0.1:$PORT/metrics" >"$OUT/metrics.txt"
-curl -s -H 'Authorization: Bearer gpucheck' "http://127.0.0.1:$PORT/debug/pool" \
-  >"$OUT/debug_pool.json"
-kill -TERM "$SERVER_PID"
-wait "$SERVER_PID"
-echo "server exit $?" >>"$OUT/server.log"
+if [[ $ready != 1 ]]; then
+    verdict FAIL cosine "the server did not become ready (see server.log)"
+fi
+
+# 4. Served vectors against a CPU fp32 reference.
+if timeout 300 "$PYTHON" - "http://127.0.0.1:$PORT" "$MIN_COSINE" >"$OUT/cosine.txt" 2>&1 <<'PYTHON'
+import json
+import sys
+import urllib.request
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from app.models.base import resolve_source
+from app.models.embedding import mean_pool
+from app.settings import BUNDLED_DEFAULT_SOURCE
+
+base_url, min_cosine = sys.argv[1], float(sys.argv[2])
+texts = [f"The GPU check sentence {i}: " + "word " * (i % 40) for i in range(64)]
+served = []
+for start in range(0, len(texts), 16):
+    body = json.dumps({"inputs": texts[start : start + 16]}).encode()
+    request = urllib.request.Request(
+        f"{base_url}/infer", body, {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        served.extend(json.load(response)["outputs"])
+location = resolve_source(BUNDLED_DEFAULT_SOURCE)
+tokenizer = AutoTokenizer.from_pretrained(location)
+model = AutoModel.from_pretrained(location, dtype=torch.float32)
+with torch.inference_mode():
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    reference = mean_pool(model(**encoded).last_hidden_state, encoded["attention_mask"]).numpy()
+reference /= np.linalg.norm(reference, axis=1, keepdims=True)
+got = np.asarray(served, dtype=np.float32)
+cosines = (got * reference).sum(axis=1) / np.linalg.norm(got, axis=1)
+print(f"cosine vs CPU fp32: min {cosines.min():.6f} mean {cosines.mean():.6f} over {len(texts)}")
+sys.exit(0 if cosines.min() >= min_cosine else 1)
+PYTHON
+then
+    verdict PASS cosine "$(tail -1 "$OUT/cosine.txt")"
+else
+    verdict FAIL cosine "$(tail -1 "$OUT/cosine.txt") (need >= $MIN_COSINE; see cosine.txt)"
+fi
+
+# 5. A short load with an SLO.
+if timeout 120 "$PYTHON" -m loadtest run --url "http://127.0.0.1:$PORT/infer" --mode closed \
+    --concurrency 64 --duration 20s --words fixed:12 --out "$OUT/load" --no-plots \
+    --slo-p99-ms "$SLO_P99_MS" --max-error-rate 0 >"$OUT/load.txt" 2>&1; then
+    verdict PASS load "$(grep -E '^latency ms' "$OUT/load.txt")"
+else
+    verdict FAIL load "$(grep -E '^latency ms|SLA' "$OUT/load.txt" | tr '\n' ' ') (see load.txt)"
+fi
+
+curl -sf "http://127.0.0.1:$PORT/metrics" >"$OUT/metrics.txt" \
+    || verdict FAIL artefacts "GET /metrics failed"
+curl -sf -H 'Authorization: Bearer gpucheck' "http://127.0.0.1:$PORT/debug/pool" \
+    >"$OUT/debug_pool.json" || verdict FAIL artefacts "GET /debug/pool failed"
+stop_server
 nvidia-smi -q -d CLOCK,PERFORMANCE 2>/dev/null | head -40 >>"$OUT/env.txt" || true
-echo "done: $(ls "$OUT")"
+echo "ALL PASS ($(ls "$OUT" | tr '\n' ' '))" | tee -a "$VERDICTS"

@@ -1,10 +1,10 @@
 """The usual first attempt at serving a model, kept as the bench's baseline.
 
-A FastAPI app whose ``/infer`` handler runs the model on each request as it comes: a plain
-``def`` endpoint, so FastAPI runs it in its thread pool (its default of 40 threads), and
-concurrent requests run concurrently through torch's shared intra-op pool, one input at a
-time. No batching, no admission control, no buffer reuse. Same request and response
-shapes as steadyserve's ``/infer`` so the same generator drives both.
+The server a user writes first: one uvicorn worker whose ``async def /infer`` handler runs
+the model on the request in hand, so requests are computed one at a time, in arrival order,
+each with all of the process's torch threads (``--threads``); the rest wait on the event
+loop. No batching, no admission control, no buffer reuse. Same request and response shapes
+as steadyserve's ``/infer`` so the same generator drives both.
 
 ``python -m loadtest.naive_server --port 8100 [--threads 2] [--dtype bfloat16]``
 """
@@ -40,7 +40,8 @@ def create_naive_app(model: MiniLM) -> FastAPI:
         return {"status": "ready"}
 
     @app.post("/infer")
-    def infer(request: InferRequest) -> InferResponse:
+    async def infer(request: InferRequest) -> InferResponse:
+        # Blocking on purpose: the naive baseline computes one request at a time.
         texts = [request.inputs] if isinstance(request.inputs, str) else request.inputs
         vectors = model.embed(texts)
         return InferResponse(
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="naive per-request FastAPI model server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (all)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
@@ -64,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    uvicorn.run(create_naive_app(model), host=options.host, port=options.port, log_level="warning")
+    uvicorn.run(
+        create_naive_app(model),
+        host=options.host,
+        port=options.port,
+        workers=1,
+        log_level="warning",
+    )
     return 0
 
 

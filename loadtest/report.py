@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -349,6 +350,12 @@ def write_json(summary: Summary, result: RunResult, path: Path) -> Path:
 # -- plots --------------------------------------------------------------------------------
 
 
+PLOTS_MISSING_NOTE = (
+    "plots skipped: matplotlib is not installed (pip install 'steadyserve[plots]'); "
+    "the table and report.json are written"
+)
+
+
 def _rolling_window_s(duration_s: float) -> float:
     # About a hundred windows over the run, but never under a second (too few samples).
     return max(1.0, duration_s / 100.0)
@@ -361,8 +368,16 @@ def write_plots(
     slo_p99_ms: float | None = None,
     max_points: int = 200_000,
 ) -> list[Path]:
-    """Three PNGs: latency over time, latency histogram, throughput and errors over time."""
-    import matplotlib
+    """Three PNGs: latency over time, latency histogram, throughput and errors over time.
+
+    Plots are an optional extra: without matplotlib this writes nothing, says on stderr how
+    to get them, and returns no paths (the table and report.json do not depend on it).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        sys.stderr.write(PLOTS_MISSING_NOTE + "\n")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

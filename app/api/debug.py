@@ -18,8 +18,11 @@ def _denied(request: Request) -> Response | None:
     token = service.settings.debug_token
     if token is None:
         return error_response(404, "not_found", "debug endpoints are disabled")
-    presented = request.headers.get("authorization", "").removeprefix("Bearer ")
-    if not hmac.compare_digest(presented.encode(), token.encode()):
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    # Settings refuse an empty token; checked again here because an empty one would match
+    # a request that presents nothing.
+    valid = scheme.lower() == "bearer" and bool(token)
+    if not (hmac.compare_digest(presented.encode(), token.encode()) and valid):
         return error_response(
             401, "unauthorized", "bad or missing bearer token",
             headers={"WWW-Authenticate": "Bearer"},

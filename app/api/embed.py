@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 
+import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -25,9 +26,31 @@ router = APIRouter()
 
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
 
-_ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 404, 413, 422, 429, 503, 504)
+# Every status these routes answer besides 200, as the OpenAPI document states it.
+_ERROR_WHEN = {
+    400: "Malformed JSON (`invalid_json`); `dimensions` other than the model's width.",
+    404: "Unknown model (`model_not_found`).",
+    413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
+    "(`too_many_inputs`), or an input over the model's token limit (`input_too_long`).",
+    422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
+    429: "Over the rate, the in-flight cap or the queue cap (`rate`, `inflight`, `queue`); "
+    "`Retry-After` says when to retry.",
+    500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
+    503: "Warming up, start-up failed (`not_ready`) or draining (`draining`).",
+    504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
+    "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",
 }
+_ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody, "description": when} for code, when in _ERROR_WHEN.items()
+}
+
+
+class NonFiniteOutput(Exception):
+    """The model gave a NaN or infinite value: a fault of the server's (answered 500), never
+    rendered, since JSON has no NaN (orjson would write `null`)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"{model} produced a non-finite value (NaN or infinity)")
 
 
 def _envoy_timeout_ms(request: Request) -> float | None:
@@ -66,7 +89,10 @@ async def _embed(
         envoy_timeout_ms=_envoy_timeout_ms(request),
         timer=timer,
     )
-    return await run_until_disconnect(request, work)
+    result = await run_until_disconnect(request, work)
+    if not np.isfinite(result.vectors).all():
+        raise NonFiniteOutput(result.model)
+    return result
 
 
 @router.post("/infer", response_model=InferResponse, responses=_ERRORS)

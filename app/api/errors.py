@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
+from app.api.embed import NonFiniteOutput
 from app.api.responses import error_response
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
@@ -97,6 +98,10 @@ async def _client_gone(request: Request, error: Exception) -> Response:
     return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", "client disconnected")
 
 
+async def _non_finite(request: Request, error: Exception) -> Response:
+    return error_response(500, "non_finite_output", str(error))
+
+
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, StarletteHTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
@@ -112,4 +117,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineRefused, _engine_refused)
     app.add_exception_handler(EngineUnavailable, _engine_unavailable)
     app.add_exception_handler(ClientDisconnected, _client_gone)
+    app.add_exception_handler(NonFiniteOutput, _non_finite)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from app.api.responses import json_response, service_of
 
@@ -42,7 +42,7 @@ async def readyz(request: Request) -> Response:
     return json_response(body, 200 if state.ready else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     service = service_of(request)
     service.engine.refresh_metrics()

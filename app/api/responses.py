@@ -1,4 +1,5 @@
-"""JSON rendering (orjson, numpy arrays included) and the error envelope of DESIGN.md §4."""
+"""JSON rendering (orjson, numpy arrays included) and the error envelope of
+docs/ARCHITECTURE.md §6."""
 
 from __future__ import annotations
 

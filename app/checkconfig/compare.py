@@ -18,11 +18,13 @@ from app.checkconfig.kustomize import render_kustomization
 from app.checkconfig.sources import (
     ENVOY_FIELDS,
     K8S_FIELDS,
+    cpu_count,
     pod_environment,
     read_envoy,
     read_k8s,
     settings_from_environment,
 )
+from app.dispatcher import plan_threads
 from app.settings import Settings
 
 
@@ -155,6 +157,7 @@ def check_overlay(
         differences.append(f"{where}: the Envoy ConfigMap differs from deploy/envoy/envoy.yaml")
 
     # Invariants between sources, which no single baseline value can express.
+    differences += _check_thread_budget(where, settings, k8s_actual["cpu_limit"])
     grace = k8s_actual["termination_grace_period_s"] or 0
     pre_stop = k8s_actual["pre_stop_sleep_s"] or 0
     if grace <= pre_stop + settings.drain_timeout_s:
@@ -163,6 +166,30 @@ def check_overlay(
             f"({pre_stop}) + drain_timeout_s ({settings.drain_timeout_s})"
         )
     return differences
+
+
+def _check_thread_budget(where: str, settings: Settings, cpu_limit: Any) -> list[str]:
+    """Dispatcher threads x torch threads each must fit in the CPU limit: more is the
+    thread-starvation pattern of the incidents (CFS throttling as tail latency). Counts
+    are the server's own: `plan_threads` on the CPUs the limit gives the pod."""
+    if cpu_limit is None:
+        return [f"{where}.cpu_limit: none set; thread counts cannot be derived from it"]
+    cpus = cpu_count(cpu_limit)
+    plan = plan_threads(
+        compute_threads=settings.dispatcher_threads,
+        tokenizer_threads=settings.tokenizer_threads,
+        torch_threads=settings.torch_threads,
+        torch_interop_threads=settings.torch_interop_threads,
+        cpus=cpus,
+    )
+    used = plan.compute_threads * plan.torch_intra_op
+    if used <= cpus:
+        return []
+    return [
+        f"{where}.threads: {plan.compute_threads} dispatcher threads x {plan.torch_intra_op} "
+        f"torch threads = {used} exceed the CPU limit ({cpus}); leave STEADY_TORCH_THREADS "
+        "unset (the server divides the limit among dispatcher threads) or lower it"
+    ]
 
 
 def _default(setting: str) -> Any:

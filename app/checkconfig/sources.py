@@ -172,7 +172,7 @@ def read_envoy(config: Any) -> dict[str, Any]:
     return values
 
 
-def _cpu_count(quantity: Any) -> int:
+def cpu_count(quantity: Any) -> int:
     """A CPU quantity ("4", "500m") rounded up to whole CPUs, as a divisor-1 resourceFieldRef."""
     match = _CPU_QUANTITY.match(str(quantity))
     if match is None:
@@ -273,7 +273,7 @@ def pod_environment(manifests: list[Manifest]) -> dict[str, str]:
             if str(_dig(variable, "valueFrom.resourceFieldRef.divisor") or "1") != "1":
                 raise ConfigError(f"{variable['name']}: only divisor 1 is understood")
             cpu_limit = _dig(container, "resources.limits.cpu")
-            environment[variable["name"]] = str(_cpu_count(cpu_limit))
+            environment[variable["name"]] = str(cpu_count(cpu_limit))
     return {key: value for key, value in environment.items() if key.startswith(ENV_PREFIX)}
 
 

@@ -116,7 +116,6 @@ class EngineCore:
                 policy.shapes(),
                 runner.output_width,
                 runner.device,
-                runner.dtype,
                 self.settings.pool_slots_per_shape or self.dispatcher.capacity,
             )
             self._record_pool(name, pool)

@@ -38,10 +38,17 @@ def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
     return None
 
 
-def available_cpus(root: Path = CGROUP_ROOT) -> int:
-    """Whole CPUs this process may use: the quota rounded up, bounded by its CPU affinity."""
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    allowed = affinity or 1
+def _affinity() -> int:
+    """CPUs this process may be scheduled on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def available_cpus(root: Path = CGROUP_ROOT, affinity: int | None = None) -> int:
+    """Whole CPUs this process may use: the quota rounded up, bounded by its CPU affinity
+    (this process's, unless `affinity` is given)."""
+    allowed = affinity if affinity is not None else _affinity()
     quota = cgroup_cpu_quota(root)
     if quota is None:
         return allowed

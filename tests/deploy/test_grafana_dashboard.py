@@ -1,5 +1,5 @@
 """deploy/grafana/steadyserve.json: every query is valid PromQL (promtool) and uses only the
-metric names of the contract (DESIGN.md section 5) and the Envoy stats the alerts use."""
+metric names of the contract (docs/ARCHITECTURE.md §5) and the Envoy stats the alerts use."""
 
 from __future__ import annotations
 

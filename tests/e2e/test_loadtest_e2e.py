@@ -112,8 +112,8 @@ def test_locustfile_runs_headless_without_failures(server: ServerProcess, tmp_pa
 
 
 def test_hey_script_runs_and_prints_the_summary(server: ServerProcess, tmp_path: Path) -> None:
-    # CI installs hey (.ci/run); a machine without it must fail this test, not skip it.
-    assert shutil.which("hey"), "hey is not installed: apt-get install hey"
+    # `make test` installs hey (tools/ensure-tools.sh); without it this test fails, not skips.
+    assert shutil.which("hey"), "hey is not installed: run tools/ensure-tools.sh"
     out = tmp_path / "hey"
     stdout = _run(
         [

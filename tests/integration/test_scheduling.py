@@ -55,7 +55,8 @@ class Harness:
         """Start a request whose batch blocks in the model until `release()`."""
         self.runner.gate.clear()
         task = asyncio.create_task(self.client.post("/infer", json={"inputs": "hold"}))
-        await asyncio.to_thread(self.runner.started.acquire, True, 30)
+        started = await asyncio.to_thread(self.runner.started.acquire, True, 30)
+        assert started, "the held request's batch never reached the model"
         return task
 
     def release(self) -> None:
@@ -136,9 +137,21 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
     harness: Harness,
 ) -> None:
     holder = await harness.hold_the_worker()
-    late = await harness.client.post("/infer", json={"inputs": "never run", "timeout_ms": 30})
+    sending = asyncio.create_task(
+        harness.client.post("/infer", json={"inputs": "never run", "timeout_ms": 30})
+    )
+    # Admitted and queued first: this 504 is queue expiry, not a refusal at admission.
+    scheduler = harness.engine.batchers["fake"].scheduler
+    await harness.until(lambda: scheduler.depth == 1 or sending.done(), "the request is queued")
+    assert scheduler.depth == 1, (await sending).json()
+    late = await sending
     assert late.status_code == 504
-    assert late.json()["error"]["type"] == "deadline"
+    assert late.json()["error"] == {
+        "type": "deadline",
+        "message": "deadline passed before the request was computed",
+        "param": None,
+    }
+    assert "tokenize;" in late.headers["server-timing"]
     # Answered at its deadline, while the worker is still busy, not when it frees up.
     pool = harness.engine.batchers["fake"].pool
     assert sum(pool.stats().in_use.values()) == 1

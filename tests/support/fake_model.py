@@ -28,6 +28,7 @@ class GatedRunner:
         self.gate.set()
         self.started = threading.Semaphore(0)
         self.batches: list[list[list[int]]] = []
+        self.batch_threads: list[str] = []  # the compute thread of each recorded batch
         self.out_of_memory_above_rows: int | None = None
         self.failure: Exception | None = None  # raised by every batch while set
 
@@ -42,6 +43,7 @@ class GatedRunner:
         if self.out_of_memory_above_rows and len(real_rows) > self.out_of_memory_above_rows:
             raise torch.OutOfMemoryError("fake: batch too large for the device")
         self.batches.append(rows)
+        self.batch_threads.append(threading.current_thread().name)
         self.started.release()
         self.gate.wait(timeout=30)
         kept = (input_ids * attention_mask).float()

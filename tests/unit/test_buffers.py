@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -30,13 +31,17 @@ class SumRunner:
     def tokenize(self, texts: list[str], truncate: bool) -> list[list[int]]:
         return [[len(t)] for t in texts]
 
+    def __init__(self) -> None:
+        self.input_addresses: list[tuple[int, int]] = []
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        self.input_addresses.append((input_ids.data_ptr(), attention_mask.data_ptr()))
         kept = input_ids * attention_mask
         return torch.stack([kept.sum(dim=1), attention_mask.sum(dim=1)], dim=1).float()
 
 
 def make_pool(slots_per_shape: int = 1) -> BufferPool:
-    return BufferPool(POLICY.shapes(), 2, torch.device("cpu"), torch.bfloat16, slots_per_shape)
+    return BufferPool(POLICY.shapes(), 2, torch.device("cpu"), slots_per_shape)
 
 
 @pytest.fixture
@@ -54,14 +59,14 @@ def slot_constructions(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BatchSh
     yield built
 
 
-def test_every_shape_is_preallocated_with_half_precision_outputs() -> None:
+def test_every_shape_is_preallocated_with_fp32_outputs() -> None:
     pool = make_pool(slots_per_shape=2)
     stats = pool.stats()
     assert set(stats.slots) == set(POLICY.shapes())
     assert all(count == 2 for count in stats.slots.values())
     assert stats.bytes_preallocated > 0
     slot, _ = pool.acquire(BatchShape(4, 16))
-    assert slot.output.dtype == torch.bfloat16
+    assert slot.output.dtype == torch.float32
     assert slot.input_ids.shape == (4, 16)
 
 
@@ -72,10 +77,15 @@ def test_the_hot_path_reuses_slots_and_allocates_none(slot_constructions: list[B
     first, _ = pool.acquire(shape)
     addresses = first.data_pointers()
     pool.release(first)
+    runner = SumRunner()
     for _ in range(50):
-        output = execute_batch(pool, SumRunner(), shape, [[1, 2, 3], [4]], stream=None)
+        output = execute_batch(pool, runner, shape, [[1, 2, 3], [4]], stream=None)
         assert output.rows.tolist() == [[6.0, 3.0], [4.0, 1.0]]
         assert not output.pool_miss
+    # The model read every batch from the slot's own preallocated input tensors (not from
+    # tensors built per batch), and no buffer of the slot was replaced.
+    preallocated_inputs = (first.input_ids.data_ptr(), first.attention_mask.data_ptr())
+    assert set(runner.input_addresses) == {preallocated_inputs}
     again, _ = pool.acquire(shape)
     assert again is first and again.data_pointers() == addresses
     assert len(slot_constructions) == built_at_start
@@ -106,13 +116,33 @@ def test_acquire_waits_for_a_busy_slot_and_counts_the_wait() -> None:
     pool = make_pool()
     shape = BatchShape(2, 8)
     held, _ = pool.acquire(shape)
-    got: list[float] = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(shape)[1]))
+    released = threading.Event()
+    got: list[tuple[object, float, bool]] = []
+
+    def wait_for_a_slot() -> None:
+        slot, waited = pool.acquire(shape)
+        got.append((slot, waited, released.is_set()))
+
+    waiter = threading.Thread(target=wait_for_a_slot)
     waiter.start()
     # The waiter is blocked until the slot comes back; the wait counter proves it queued.
     while pool.stats().acquire_waits == 0:
         threading.Event().wait(0.001)
     assert pool.stats().in_use[shape] == 1
+    released.set()
     pool.release(held)
     waiter.join(timeout=10)
-    assert len(got) == 1 and got[0] >= 0.0
+    assert len(got) == 1
+    slot, waited, after_release = got[0]
+    assert slot is held  # the one slot came back to the waiter, none was made for it
+    assert after_release  # it was handed over only once released
+    assert waited > 0.0  # and the wait it reports is the time it spent blocked
+
+
+def test_the_slot_device_not_the_stream_decides_the_path() -> None:
+    # A stream handed to a CPU slot (a CUDA build, a thread set up for the GPU) must not send
+    # the batch down the CUDA path.
+    pool = make_pool()
+    not_a_cpu_stream: Any = object()
+    output = execute_batch(pool, SumRunner(), BatchShape(2, 8), [[2, 3]], not_a_cpu_stream)
+    assert output.rows.tolist() == [[5.0, 2.0]]

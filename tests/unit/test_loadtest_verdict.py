@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -264,3 +265,23 @@ async def test_client_times_out_and_drops_the_connection() -> None:
         assert caught.value.kind == RequestError.TIMEOUT
         assert not connection.usable
         never_answers.set()
+
+
+def test_without_matplotlib_the_run_still_writes_table_and_json_and_names_the_extra(
+    fast_ok_stub: StubInThread,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The README's plain install (`make serve`) has no matplotlib: `import matplotlib`
+    # raises ImportError there, as it does with the module set to None here.
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code = run_cli(fast_ok_stub.url, tmp_path, "--slo-p99-ms", "60000")
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "PASS" in captured.out and "200: 200" in captured.out
+    assert json.loads((tmp_path / "report.json").read_text())["summary"]["ok"] == 200
+    assert "steadyserve[plots]" in captured.err
+    assert not list(tmp_path.glob("*.png"))

@@ -11,7 +11,8 @@ from app.telemetry.cgroup import available_cpus, cgroup_cpu_quota
 def test_cgroup_v2_quota(tmp_path: Path) -> None:
     (tmp_path / "cpu.max").write_text("250000 100000\n")
     assert cgroup_cpu_quota(tmp_path) == 2.5
-    assert available_cpus(tmp_path) in (1, 2, 3)  # bounded by this host's affinity too
+    assert available_cpus(tmp_path, affinity=8) == 3  # a part CPU counts as a whole one
+    assert available_cpus(tmp_path, affinity=2) == 2  # bounded by the affinity too
 
 
 def test_cgroup_v2_unlimited(tmp_path: Path) -> None:
@@ -25,14 +26,14 @@ def test_cgroup_v1_quota_and_unlimited(tmp_path: Path) -> None:
     (v1 / "cpu.cfs_quota_us").write_text("50000\n")
     (v1 / "cpu.cfs_period_us").write_text("100000\n")
     assert cgroup_cpu_quota(tmp_path) == 0.5
-    assert available_cpus(tmp_path) == 1
+    assert available_cpus(tmp_path, affinity=4) == 1
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert cgroup_cpu_quota(tmp_path) is None
 
 
 def test_no_cgroup_files_means_no_quota(tmp_path: Path) -> None:
     assert cgroup_cpu_quota(tmp_path) is None
-    assert available_cpus(tmp_path) >= 1
+    assert available_cpus(tmp_path, affinity=6) == 6
 
 
 def test_threads_default_to_the_quota_not_the_host() -> None:

@@ -1,0 +1,105 @@
+"""Regression tests for defects found in review (issue 11, item 6), each through the app
+with the gated fake model, whose outputs are exact integers (the point is what the server
+does with them, not the model)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import torch
+from pydantic import ValidationError
+
+from app.engine.inprocess import InProcessEngine
+from app.main import create_app
+from app.service import Service
+from app.settings import ModelSpec, Settings
+from tests.support.asgi import serving
+from tests.support.fake_model import GatedLoader, GatedRunner
+
+BASE = {
+    "engine": "inprocess",
+    "models": (ModelSpec(name="fake"),),
+    "length_buckets": (8, 16),
+    "max_batch_size": 2,
+    "max_wait_ms": 0.0,
+}
+
+
+class HalfPrecisionLoader(GatedLoader):
+    """Runners that say their weights are bf16 (as `auto` picks on a CPU with native bf16)."""
+
+    def __call__(self, spec: ModelSpec, device: torch.device, largest: int) -> GatedRunner:
+        runner = super().__call__(spec, device, largest)
+        runner.dtype = torch.bfloat16
+        return runner
+
+
+@contextlib.asynccontextmanager
+async def app_with(
+    loader: GatedLoader | None = None, **overrides: object
+) -> AsyncIterator[tuple[httpx.AsyncClient, Service, GatedRunner]]:
+    loader = loader or GatedLoader()
+    app = create_app(
+        Settings(**{**BASE, **overrides}),  # type: ignore[arg-type]
+        loader=loader,
+        tokenizer_loader=loader.tokenizer,
+    )
+    async with serving(app) as client:
+        yield client, app.state.service, loader.runners["fake"]
+
+
+def test_an_empty_debug_token_is_refused_rather_than_opening_debug(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STEADY_DEBUG_TOKEN", "")
+    with pytest.raises(ValidationError, match="debug_token"):
+        Settings()
+
+
+async def test_debug_endpoints_need_the_bearer_scheme_and_the_token() -> None:
+    async with app_with(debug_token="s3cret") as (client, _, _):
+        for presented in (None, "s3cret", "Basic s3cret", "Bearer", "Bearer wrong"):
+            headers = {"Authorization": presented} if presented is not None else {}
+            refused = await client.get("/debug/config", headers=headers)
+            assert refused.status_code == 401, presented
+        accepted = await client.get("/debug/config", headers={"Authorization": "Bearer s3cret"})
+        assert accepted.status_code == 200
+        assert accepted.json()["settings"]["debug_token"] == "***"
+
+
+async def test_a_non_finite_vector_is_a_500_not_a_null() -> None:
+    async with app_with() as (client, _, runner):
+
+        def nan_forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return torch.full((input_ids.shape[0], runner.output_width), float("nan"))
+
+        runner.forward = nan_forward  # type: ignore[method-assign]
+        response = await client.post("/infer", json={"inputs": "anything"})
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "non_finite_output"
+        assert "outputs" not in response.json()
+
+
+async def test_outputs_keep_fp32_precision_whatever_the_weights_dtype() -> None:
+    async with app_with(HalfPrecisionLoader()) as (client, _, _):
+        # One 300-letter word: the fake model's first output is 1 + 300 + 2 = 303, which
+        # bf16 (8 significant bits) would round to 304.
+        body = {"inputs": "x" * 300, "parameters": {"normalize": False}}
+        response = await client.post("/infer", json=body)
+        assert response.status_code == 200
+        assert response.json()["outputs"][0][0] == 303.0
+
+
+async def test_warm_up_runs_every_shape_on_every_compute_thread() -> None:
+    async with app_with(dispatcher_threads=2) as (_, service, runner):
+        engine = service.engine
+        assert isinstance(engine, InProcessEngine)
+        shapes = engine.core.batchers["fake"].scheduler.policy.shapes()
+        threads_by_shape: dict[tuple[int, int], set[str]] = {}
+        for rows, thread in zip(runner.batches, runner.batch_threads, strict=True):
+            threads_by_shape.setdefault((len(rows), len(rows[0])), set()).add(thread)
+        assert {(s.batch, s.length) for s in shapes} == set(threads_by_shape)
+        assert all(len(threads) == 2 for threads in threads_by_shape.values()), threads_by_shape

@@ -1,0 +1,77 @@
+"""docs/ARCHITECTURE.md stays true: every repository path it names exists, every
+`steadyserve_*` metric it names is in the server's registry, every section the code cites
+exists, and nothing cites the design file outside the repository any more."""
+
+from __future__ import annotations
+
+import re
+
+from app.metrics import Metrics
+from tests.support.server import REPO_ROOT
+
+DOC = REPO_ROOT / "docs" / "ARCHITECTURE.md"
+PATH_PATTERN = re.compile(r"\b((?:app|tests|loadtest|deploy|docs|tools)/[\w./-]*\w/?)")
+CITATION_PATTERN = re.compile(r"docs/ARCHITECTURE\.md §(\d+)")
+# The design notes live outside the repository: nothing shipped may send readers there.
+OUTSIDE_DESIGN = "DESIGN" + ".md"
+SOURCES = ("app", "tests", "loadtest")
+
+
+def registry_names() -> set[str]:
+    names: set[str] = set()
+    for family in Metrics().registry.collect():
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(f"{family.name}_total")
+    return names
+
+
+def test_every_path_the_doc_names_exists() -> None:
+    paths = set(PATH_PATTERN.findall(DOC.read_text()))
+    assert "app/dispatcher.py" in paths and "app/checkconfig/" in paths
+    missing = sorted(p for p in paths if not (REPO_ROOT / p).exists())
+    assert not missing, missing
+
+
+def test_every_module_in_the_module_list_exists() -> None:
+    block = DOC.read_text().split("## 2. Modules", 1)[1].split("```", 2)[1]
+    folders = {0: REPO_ROOT}  # indentation -> the folder its names are in
+    named = 0
+    for line in block.splitlines():
+        match = re.match(r"^( *)([\w.]+/?)(\s|$)", line)
+        if not match:
+            continue
+        depth, name = len(match.group(1)), match.group(2)
+        path = folders[depth] / name
+        assert path.exists(), f"{path.relative_to(REPO_ROOT)} (ARCHITECTURE.md §2)"
+        if name.endswith("/"):
+            folders[depth + 2] = path
+        named += 1
+    assert named > 20
+
+
+def test_every_metric_the_doc_names_is_in_the_registry() -> None:
+    named = set(re.findall(r"\bsteadyserve_[a-z0-9_]+\b", DOC.read_text()))
+    assert "steadyserve_request_duration_seconds" in named
+    assert not named - registry_names(), sorted(named - registry_names())
+
+
+def test_every_metric_in_the_registry_is_in_the_doc() -> None:
+    named = set(re.findall(r"\bsteadyserve_[a-z0-9_]+\b", DOC.read_text()))
+    ours = {n for n in registry_names() if n.startswith("steadyserve_")}
+    counters_base = {n.removesuffix("_total") for n in ours if n.endswith("_total")}
+    assert not (ours - counters_base) - named, sorted((ours - counters_base) - named)
+
+
+def test_section_citations_in_the_code_point_at_sections_that_exist() -> None:
+    sections = set(re.findall(r"^## (\d+)\. ", DOC.read_text(), flags=re.MULTILINE))
+    cited: set[str] = set()
+    shipped = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")]
+    shipped += [p for root in SOURCES for p in (REPO_ROOT / root).rglob("*") if p.is_file()]
+    for path in shipped:
+        if path.suffix in (".py", ".md", ".sh", ".yaml"):
+            text = path.read_text()
+            assert OUTSIDE_DESIGN not in text, f"{path} cites {OUTSIDE_DESIGN} (not in the repo)"
+            cited |= set(CITATION_PATTERN.findall(text))
+    assert cited, "module docstrings cite docs/ARCHITECTURE.md sections"
+    assert cited <= sections, sorted(cited - sections)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Make sure every system tool the tests drive is on the PATH; `make test` runs this first.
+#
+# Each entry is "COMMAND DEBIAN_PACKAGE". To add a tool, add a line here: nothing else
+# needs to change. Python tools (Envoy, kubectl, hadolint, kubernetes-validate, schemathesis)
+# come from the dev extra in pyproject.toml instead.
+#
+# With everything present this does nothing (no package-index update). Otherwise, as root
+# with apt-get, it installs the missing packages (one `apt-get update` first); elsewhere it
+# names each missing tool and its package, and exits 1.
+set -euo pipefail
+
+TOOLS=(
+    "promtool prometheus"  # tests/deploy: promtool check/test rules
+    "hey hey"              # tests/e2e: the hey load scenario
+)
+
+missing_commands=()
+missing_packages=()
+for entry in "${TOOLS[@]}"; do
+    read -r tool package <<<"$entry"
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        missing_commands+=("$tool")
+        missing_packages+=("$package")
+    fi
+done
+
+if ((${#missing_commands[@]} == 0)); then
+    exit 0
+fi
+
+describe() {
+    local i
+    for i in "${!missing_commands[@]}"; do
+        printf '  %s (Debian package %s)\n' "${missing_commands[$i]}" "${missing_packages[$i]}"
+    done
+}
+
+if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+    {
+        echo "ensure-tools: the tests need these tools, which are not on the PATH:"
+        describe
+        if [[ $EUID -ne 0 ]]; then
+            echo "Install them (e.g. sudo apt-get install ${missing_packages[*]}) and re-run."
+        else
+            echo "No apt-get here: install them with your system's package manager and re-run."
+        fi
+    } >&2
+    exit 1
+fi
+
+echo "ensure-tools: installing ${missing_packages[*]} (for ${missing_commands[*]})" >&2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing_packages[@]}" >/dev/null
+
+still_missing=0
+for tool in "${missing_commands[@]}"; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+        echo "ensure-tools: $tool is still not on the PATH after installing its package" >&2
+        still_missing=1
+    fi
+done
+exit "$still_missing"

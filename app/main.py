@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -31,10 +32,14 @@ from app.api.errors import install_error_handlers
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
 from app.api.openapi import install_openapi
 from app.engine.client import EngineClient
+from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.service import Service, TokenizerLoader, load_model_tokenizer
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.startup import RunnerLoader  # torch: only for the type
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,8 @@ def _engine_client(
     settings: Settings,
     metrics: Metrics,
     engine_addresses: EngineAddresses | None,
-    runner_loader: object | None,
-) -> tuple[EngineClient, object | None]:
+    runner_loader: RunnerLoader | None,
+) -> tuple[EngineClient, EngineSupervisor | None]:
     """The engine connection, and the supervisor when this app owns an engine process."""
     if settings.engine == "inprocess":
         # Imported here: torch and the model are loaded only where the engine runs.
@@ -56,19 +61,17 @@ def _engine_client(
         from app.startup import load_runner
 
         loader = runner_loader if runner_loader is not None else load_runner
-        return InProcessEngine(EngineCore(settings, metrics, loader)), None  # type: ignore[arg-type]
+        return InProcessEngine(EngineCore(settings, metrics, loader)), None
     if engine_addresses is not None:
         return ZmqEngineClient(engine_addresses), None
-    from app.engine.supervisor import EngineSupervisor
-
     run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-engine-"))
     addresses = EngineAddresses.in_directory(run_dir)
-    return ZmqEngineClient(addresses), EngineSupervisor(settings, addresses)
+    return ZmqEngineClient(addresses), EngineSupervisor(settings, addresses, run_dir=run_dir)
 
 
 def create_app(
     settings: Settings,
-    loader: object | None = None,
+    loader: RunnerLoader | None = None,
     tokenizer_loader: TokenizerLoader = load_model_tokenizer,
     engine_addresses: EngineAddresses | None = None,
     frontend_processes: int = 1,
@@ -88,7 +91,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if supervisor is not None:
-            supervisor.start()  # type: ignore[attr-defined]
+            supervisor.start()
         startup = asyncio.create_task(service.start(), name="startup")
         app.state.startup_task = startup
         try:
@@ -99,7 +102,7 @@ def create_app(
             await asyncio.gather(startup, return_exceptions=True)
             await service.stop()
             if supervisor is not None:
-                await supervisor.stop()  # type: ignore[attr-defined]
+                await supervisor.stop()
 
     app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)
     app.state.service = service

@@ -13,10 +13,12 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 from app.engine.process import run_engine_process
 from app.engine.zmq_client import EngineAddresses
@@ -56,8 +58,11 @@ class EngineSupervisor:
         settings: Settings,
         addresses: EngineAddresses,
         on_exit: Callable[[int], None] = lambda pid: None,
+        run_dir: Path | None = None,
     ) -> None:
+        """`run_dir`, if given, holds the engine's sockets and is removed on `stop`."""
         self._settings = settings
+        self._run_dir = run_dir
         self._addresses = addresses
         self._on_exit = on_exit
         self._context = multiprocessing.get_context("spawn")
@@ -119,3 +124,5 @@ class EngineSupervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)

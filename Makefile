@@ -45,6 +45,9 @@ test: lint typecheck pytest
 
 bench: setup-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.bench
+	tools/ensure-tools.sh
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overload_bench
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost
 
 check-config: setup
 	$(BIN)/steadyserve check-config

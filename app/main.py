@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from prometheus_fastapi_instrumentator import Instrumentator
+from prometheus_fastapi_instrumentator import metrics as instrumentator_metrics
 
 from app import __version__
 from app.api import debug, embed, health
@@ -75,11 +76,15 @@ def create_app(
     tokenizer_loader: TokenizerLoader = load_model_tokenizer,
     engine_addresses: EngineAddresses | None = None,
     frontend_processes: int = 1,
+    engine: EngineClient | None = None,
 ) -> FastAPI:
     """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
-    `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling)."""
+    `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling); `engine`
+    replaces the engine connection altogether (the null engine of the front-end bench)."""
     metrics = Metrics()
-    engine, supervisor = _engine_client(settings, metrics, engine_addresses, loader)
+    supervisor: EngineSupervisor | None = None
+    if engine is None:
+        engine, supervisor = _engine_client(settings, metrics, engine_addresses, loader)
     service = Service(
         settings,
         metrics,
@@ -116,7 +121,10 @@ def create_app(
     Instrumentator(
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],
-    ).instrument(app, latency_highr_buckets=LATENCY_BUCKETS_S)
+    ).add(
+        instrumentator_metrics.requests(registry=metrics.registry),
+        instrumentator_metrics.latency(buckets=LATENCY_BUCKETS_S, registry=metrics.registry),
+    ).instrument(app)
     # Added last = outermost. The body guard bounds a body's size and the time it takes to
     # arrive; Server-Timing wraps it so its answers carry the header too; shedding, outermost,
     # refuses from headers alone before anything else runs (its answers are prebuilt, with

@@ -13,6 +13,7 @@ set -euo pipefail
 TOOLS=(
     "promtool prometheus"  # tests/deploy: promtool check/test rules
     "hey hey"              # tests/e2e: the hey load scenario
+    "wrk wrk"              # tests/e2e and make bench: the connection-flood benches
 )
 
 missing_commands=()

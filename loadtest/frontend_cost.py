@@ -1,0 +1,71 @@
+"""Front-end CPU per request, measured with the null engine (`loadtest/null_engine.py`):
+one front end, wrk at 64 connections, CPU seconds of the front-end process divided by the
+answers it gave. Once with every request admitted (a null engine with no backlog), once with
+every request refused before its body is read (a backlog over the delay budget).
+
+    python -m loadtest.frontend_cost --duration 10s
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loadtest.bench import REPO_ROOT, _free_port
+from loadtest.overload_bench import _get, lift_open_file_limit, run_wrk
+from loadtest.proctree import cpu_seconds
+from loadtest.stages import parse_duration
+
+CASES = (("admitted", 0.0), ("refused before the body", 10_000.0))
+
+
+def measure(backlog_ms: float, duration_s: float, log_path: Path) -> tuple[float, int]:
+    """(microseconds of front-end CPU per answer, answers)."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "loadtest.null_engine", "--port", str(port),
+        "--backlog-ms", str(backlog_ms),
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        give_up_at = time.monotonic() + 60
+        while _get(f"{url}/readyz", timeout=1)[0] != 200:
+            if time.monotonic() > give_up_at or server.poll() is not None:
+                raise RuntimeError(f"null-engine front end did not start; see {log_path}")
+            time.sleep(0.1)  # polling the readiness endpoint
+        run_wrk(url, 64, 2)  # warm up
+        before = cpu_seconds(server.pid)
+        result = run_wrk(url, 64, duration_s)
+        spent = cpu_seconds(server.pid) - before
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    answers = sum(result[k] for k in ("ok", "throttled", "unavailable", "server_error", "other"))
+    return 1e6 * spent / max(answers, 1), answers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.frontend_cost")
+    parser.add_argument("--duration", default="10s")
+    parser.add_argument("--out", default=str(REPO_ROOT / "loadtest" / "results"))
+    options = parser.parse_args(argv)
+    lift_open_file_limit()
+    out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = ["| requests | front-end CPU per answer | answers |", "|---|---:|---:|"]
+    for name, backlog_ms in CASES:
+        cost_us, answers = measure(
+            backlog_ms, parse_duration(options.duration), out / "null-engine.log"
+        )
+        rows.append(f"| {name} | {cost_us:.0f} us | {answers} |")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,7 @@
-"""The dedicated thread pools that alone run blocking work: model compute and tokenizing
+"""The engine's dedicated compute thread pool, which alone runs blocking model work
 (threads and who may call what: docs/ARCHITECTURE.md §3).
 
-The event loop never runs model code: it hands work over with `run_compute` / `run_tokenize`
+The event loop never runs model code: it hands work over with `run_compute`
 (`loop.run_in_executor` on a named pool) and awaits the result. torch's own intra-op and
 inter-op pools are sized explicitly, from settings or else from the cgroup CPU quota, because
 torch's default (all host cores) oversubscribes a CPU-limited container. On CUDA each compute
@@ -34,14 +34,12 @@ EVERY_THREAD_TIMEOUT_S = 120.0
 @dataclass(frozen=True, slots=True)
 class ThreadPlan:
     compute_threads: int
-    tokenizer_threads: int
     torch_intra_op: int
     torch_inter_op: int
 
 
 def plan_threads(
     compute_threads: int | None,
-    tokenizer_threads: int,
     torch_threads: int | None,
     torch_interop_threads: int | None,
     cpus: int,
@@ -53,7 +51,6 @@ def plan_threads(
     compute = compute_threads or min(2, cpus)
     return ThreadPlan(
         compute_threads=compute,
-        tokenizer_threads=tokenizer_threads,
         torch_intra_op=torch_threads or max(1, cpus // compute),
         torch_inter_op=torch_interop_threads or 1,
     )
@@ -85,7 +82,7 @@ def configure_torch_threads(plan: ThreadPlan) -> None:
 
 
 class Dispatcher:
-    """Owns the compute and tokenizer pools. Construct and call from the event loop thread;
+    """Owns the compute pool. Construct and call from the engine's event loop thread;
     the functions it runs execute on its pool threads."""
 
     def __init__(self, plan: ThreadPlan, device: torch.device) -> None:
@@ -97,9 +94,6 @@ class Dispatcher:
             max_workers=plan.compute_threads,
             thread_name_prefix="steadyserve-compute",
             initializer=self._init_compute_thread,
-        )
-        self._tokenize = ThreadPoolExecutor(
-            max_workers=plan.tokenizer_threads, thread_name_prefix="steadyserve-tokenize"
         )
 
     @property
@@ -135,10 +129,5 @@ class Dispatcher:
         jobs = [self.run_compute(together) for _ in range(self.capacity)]
         return list(await asyncio.gather(*jobs))
 
-    async def run_tokenize(self, fn: Callable[..., T], *args: object) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize, fn, *args)
-
     def shutdown(self) -> None:
-        self._tokenize.shutdown(wait=True, cancel_futures=True)
         self._compute.shutdown(wait=True, cancel_futures=True)

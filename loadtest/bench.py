@@ -345,7 +345,7 @@ def measure_steadyserve(
     port = _free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/infer")
     command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    plan = plan_threads(None, 1, None, None, cpus=options.threads)
+    plan = plan_threads(None, None, None, cpus=options.threads)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

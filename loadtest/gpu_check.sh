@@ -89,7 +89,7 @@ from app.startup import load_runner, policy_for
 
 async def main() -> None:
     device = torch.device("cuda", 0)
-    dispatcher = Dispatcher(plan_threads(2, 1, None, None, cpus=2), device)
+    dispatcher = Dispatcher(plan_threads(2, None, None, cpus=2), device)
     runner = await dispatcher.run_compute(load_runner, ModelSpec(), device, 64)
     policy = policy_for(Settings(length_buckets=(16, 32, 64), max_batch_size=8), 64)
     pool = await dispatcher.run_compute(

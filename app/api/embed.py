@@ -33,10 +33,13 @@ _ERROR_WHEN = {
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
     "(`too_many_inputs`), or an input over the model's token limit (`input_too_long`).",
     422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
-    429: "Over the rate, the in-flight cap or the queue cap (`rate`, `inflight`, `queue`); "
-    "`Retry-After` says when to retry.",
+    408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`).",
+    429: "Over the token rate (`rate`), the in-flight cap (`inflight`), or a predicted wait "
+    "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; `Retry-After` "
+    "says when to retry.",
     500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
-    503: "Warming up, start-up failed (`not_ready`) or draining (`draining`).",
+    503: "Warming up or start-up failed (`not_ready`), the engine restarted with the request "
+    "in it (`engine_lost`, retry), or draining (`draining`).",
     504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
     "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",
 }

@@ -177,7 +177,6 @@ def _check_thread_budget(where: str, settings: Settings, cpu_limit: Any) -> list
     cpus = cpu_count(cpu_limit)
     plan = plan_threads(
         compute_threads=settings.dispatcher_threads,
-        tokenizer_threads=settings.tokenizer_threads,
         torch_threads=settings.torch_threads,
         torch_interop_threads=settings.torch_interop_threads,
         cpus=cpus,

@@ -71,7 +71,6 @@ class EngineCore:
         self.dispatcher = Dispatcher(
             plan_threads(
                 compute_threads=settings.dispatcher_threads,
-                tokenizer_threads=settings.tokenizer_threads,
                 torch_threads=settings.torch_threads,
                 torch_interop_threads=settings.torch_interop_threads,
                 cpus=available_cpus(),
@@ -345,7 +344,6 @@ class EngineCore:
                 "device": str(self.device),
                 "threads": {
                     "compute": plan.compute_threads,
-                    "tokenizer": plan.tokenizer_threads,
                     "torch_intra_op": plan.torch_intra_op,
                     "torch_inter_op": plan.torch_inter_op,
                 },

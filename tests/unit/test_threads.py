@@ -37,12 +37,13 @@ def test_no_cgroup_files_means_no_quota(tmp_path: Path) -> None:
 
 
 def test_threads_default_to_the_quota_not_the_host() -> None:
-    plan = plan_threads(compute_threads=None, tokenizer_threads=1, torch_threads=None,
-                        torch_interop_threads=None, cpus=2)  # fmt: skip
+    plan = plan_threads(
+        compute_threads=None, torch_threads=None, torch_interop_threads=None, cpus=2
+    )
     assert (plan.compute_threads, plan.torch_intra_op, plan.torch_inter_op) == (2, 1, 1)
-    eight = plan_threads(None, 1, None, None, cpus=8)
+    eight = plan_threads(None, None, None, cpus=8)
     assert (eight.compute_threads, eight.torch_intra_op) == (2, 4)
-    single = plan_threads(None, 1, None, None, cpus=1)
+    single = plan_threads(None, None, None, cpus=1)
     assert (single.compute_threads, single.torch_intra_op) == (1, 1)
-    explicit = plan_threads(1, 1, torch_threads=3, torch_interop_threads=2, cpus=2)
+    explicit = plan_threads(1, torch_threads=3, torch_interop_threads=2, cpus=2)
     assert (explicit.compute_threads, explicit.torch_intra_op, explicit.torch_inter_op) == (1, 3, 2)

@@ -30,9 +30,13 @@ import tempfile
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+import zmq
+import zmq.asyncio
+
 from app.engine.supervisor import EngineSupervisor, next_backoff, wait_for_exit
-from app.engine.zmq_client import EngineAddresses
+from app.engine.zmq_client import EngineAddresses, StatusSubscriber
 from app.metrics import MULTIPROCESS_DIR_ENV
+from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.settings import Settings
 from app.telemetry.cgroup import available_cpus
 
@@ -107,6 +111,23 @@ class ProcessTree:
         self._stopping = False
         self._forced = False
         self._stop_requested = asyncio.Event()
+        self._zmq = zmq.asyncio.Context()
+        self._engine_status = StatusSubscriber(self._zmq, self.addresses.status)
+        self._probes = (
+            ProbeListener(settings.host, settings.health_port, self._answer_probe)
+            if settings.health_port is not None
+            else None
+        )
+
+    def _answer_probe(self, path: str) -> tuple[int, bytes]:
+        """The verdicts a front end would give, from the supervisor's view: the engine's
+        published status, whether any front end is running, whether it is stopping."""
+        engine_process = self.engine.process
+        alive = engine_process is not None and engine_process.is_alive()
+        engine = self._engine_status.status() if alive else None
+        can_serve = any(process.is_alive() for process in self.frontends)
+        ready = readiness(engine, None, self._stopping, can_serve)
+        return probe_response(path, ready, liveness(engine, None))
 
     def _spawn_frontend(self) -> BaseProcess:
         process = self._context.Process(
@@ -123,6 +144,9 @@ class ProcessTree:
             loop.add_signal_handler(sig, self._on_signal, sig)
         self.engine.start()
         self.frontends = [self._spawn_frontend() for _ in range(self.frontend_count)]
+        self._engine_status.start()
+        if self._probes is not None:
+            await self._probes.start()
         log.info(
             "serving on %s:%d: engine + %d front ends (niceness +%d)",
             self.settings.host,
@@ -139,6 +163,10 @@ class ProcessTree:
             watcher.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         await self.engine.stop()
+        if self._probes is not None:
+            await self._probes.close()
+        await self._engine_status.close()
+        self._zmq.destroy(linger=0)
         # Non-zero when a front end ended badly on its own (unhealthy, failed start-up);
         # being stopped at once on a second signal is what the operator asked for.
         clean = self._forced or all(p.exitcode == 0 for p in self.frontends)

@@ -34,6 +34,7 @@ from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
 from app.metrics import Metrics
 from app.models.tokenizer import InputTooLong, TextTokenizer, load_tokenizer
+from app.probes import Readiness, liveness, readiness
 from app.settings import ModelSpec, Settings
 from app.timing import PhaseTimer
 
@@ -64,16 +65,6 @@ class EmbedResult:
     model: str
     vectors: npt.NDArray[np.float32]
     input_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Readiness:
-    ready: bool
-    status: str
-    warmup_done: int
-    warmup_total: int
-    problem: str | None = None
-    engine_pid: int | None = None
 
 
 def _normalize_rows(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
@@ -152,33 +143,16 @@ class Service:
         return status
 
     def readiness(self) -> Readiness:
-        status = self.engine_status()
-        if self._startup_error is not None:
-            state, problem = "failed", self._startup_error
-        elif self.admission.draining:
-            state, problem = "draining", None
-        elif status is None:
-            state, problem = "engine_unavailable", "no engine is connected (restarting?)"
-        else:
-            state, problem = status.state, status.problem
-        return Readiness(
-            ready=state == "ready" and bool(self.tokenizers),
-            status=state,
-            warmup_done=status.warmup_done if status else 0,
-            warmup_total=status.warmup_total if status else 0,
-            problem=problem,
-            engine_pid=status.pid if status else None,
+        return readiness(
+            self.engine_status(),
+            self._startup_error,
+            self.admission.draining,
+            can_serve=bool(self.tokenizers),
         )
 
     def liveness(self) -> str | None:
-        """None while this server should be left running; else why it should be restarted
-        (start-up failed, or the engine's batches keep failing)."""
-        if self._startup_error is not None:
-            return self._startup_error
-        status = self.engine_status()
-        if status is not None and (status.state == "failed" or not status.healthy):
-            return status.problem or "engine unhealthy"
-        return None
+        """None while this server should be left running; else why it should be restarted."""
+        return liveness(self.engine_status(), self._startup_error)
 
     def model_names(self) -> list[str]:
         return [spec.name for spec in self.settings.models]

@@ -90,6 +90,13 @@ class Settings(BaseSettings):
         "tokenizing and answering; defaults to half the CPUs (at least 1, at most 8). "
         "Always 1 with `engine=inprocess`.",
     )
+    health_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Engine-process mode: the supervisor also answers /healthz and /readyz "
+        "on this port, which carries no traffic, so no flood delays a kubelet's probe.",
+    )
     frontend_nice: int = Field(
         default=5,
         ge=0,

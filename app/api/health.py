@@ -10,7 +10,9 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
-from app.api.responses import json_response, service_of
+from app.api.responses import service_of
+from app.probes import probe_response
+from app.service import Service
 
 router = APIRouter()
 
@@ -20,26 +22,20 @@ async def healthz(request: Request) -> Response:
     """200 while the server should be left running; 503 once start-up failed or the
     engine's batches keep failing (so it gets restarted). An engine that is restarting is
     not a reason to restart the pod: readiness covers it."""
-    problem = service_of(request).liveness()
-    if problem is not None:
-        return json_response({"status": "unhealthy", "problem": problem}, 503)
-    return json_response({"status": "ok"})
+    service = service_of(request)
+    return _probe("/healthz", service)
 
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
     """200 when the engine has warmed up every shape and the server is not draining; 503
     otherwise, saying why."""
-    state = service_of(request).readiness()
-    body: dict[str, object] = {
-        "status": state.status,
-        "warmup": {"done": state.warmup_done, "total": state.warmup_total},
-    }
-    if state.problem:
-        body["problem"] = state.problem
-    if state.engine_pid is not None:
-        body["engine"] = {"pid": state.engine_pid}
-    return json_response(body, 200 if state.ready else 503)
+    return _probe("/readyz", service_of(request))
+
+
+def _probe(path: str, service: Service) -> Response:
+    status, body = probe_response(path, service.readiness(), service.liveness())
+    return Response(body, status, media_type="application/json")
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -56,6 +56,61 @@ class EngineAddresses:
         )
 
 
+class StatusSubscriber:
+    """The engine's published status, from its PUB socket. Event loop thread of the process
+    that holds it (a front end, or the supervisor for its probe listener)."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        address: str,
+        clock: Callable[[], float] = time.monotonic,
+        on_lost: Callable[[str], None] = lambda why: None,
+    ) -> None:
+        """`on_lost(why)` is called when the status goes stale or a new engine appears."""
+        self._context = context
+        self._address = address
+        self._clock = clock
+        self._on_lost = on_lost
+        self._status: EngineStatus | None = None
+        self._received_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 16)
+        socket.connect(self._address)
+        self._task = asyncio.create_task(self._receive(socket), name="engine-status")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def status(self) -> EngineStatus | None:
+        if self._status is None:
+            return None
+        if self._clock() - self._received_at > STALE_AFTER_S:
+            self._status = None
+            self._on_lost("its status went stale")
+        return self._status
+
+    def forget(self) -> None:
+        """The engine is gone: no status until a new one publishes."""
+        self._status = None
+
+    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            status = decode_status(await socket.recv())
+            previous = self._status
+            if previous is not None and previous.engine_id != status.engine_id:
+                self._on_lost("a new engine replaced it")
+            self._status = status
+            self._received_at = self._clock()
+
+
 class ZmqEngineClient(StreamingClient):
     def __init__(
         self, addresses: EngineAddresses, clock: Callable[[], float] = time.monotonic
@@ -66,10 +121,10 @@ class ZmqEngineClient(StreamingClient):
         self._context = zmq.asyncio.Context()
         self._identity = f"fe-{os.getpid()}-{id(self):x}".encode()
         self._requests: zmq.asyncio.Socket | None = None
-        self._status_socket: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
-        self._status: EngineStatus | None = None
-        self._status_received_at = 0.0
+        self._subscriber = StatusSubscriber(
+            self._context, addresses.status, clock, on_lost=self._engine_gone
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -84,15 +139,10 @@ class ZmqEngineClient(StreamingClient):
         requests.setsockopt(zmq.RECONNECT_IVL, 50)
         self._monitor = requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         requests.connect(self._addresses.requests)
-        status = self._context.socket(zmq.SUB)
-        status.setsockopt(zmq.SUBSCRIBE, b"")
-        status.setsockopt(zmq.LINGER, 0)
-        status.setsockopt(zmq.RCVHWM, 16)
-        status.connect(self._addresses.status)
-        self._requests, self._status_socket = requests, status
+        self._requests = requests
+        self._subscriber.start()
         self._tasks = [
             asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
-            asyncio.create_task(self._receive_status(), name="engine-status"),
             asyncio.create_task(self._watch_disconnects(), name="engine-monitor"),
         ]
 
@@ -100,6 +150,7 @@ class ZmqEngineClient(StreamingClient):
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._subscriber.close()
         self._context.destroy(linger=0)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -116,12 +167,7 @@ class ZmqEngineClient(StreamingClient):
         """The engine process refreshes its own gauges."""
 
     def status(self) -> EngineStatus | None:
-        if self._status is None:
-            return None
-        if self._clock() - self._status_received_at > STALE_AFTER_S:
-            self._engine_gone("its status went stale")
-            return None
-        return self._status
+        return self._subscriber.status()
 
     def _send(self, message: ToEngine) -> None:
         if self._requests is None or self.status() is None:
@@ -132,9 +178,10 @@ class ZmqEngineClient(StreamingClient):
             raise EngineUnavailable("no engine is connected") from None
 
     def _engine_gone(self, why: str) -> None:
-        if self._status is not None or self.open_streams:
+        """Whatever was sent to the engine that went away will never be answered."""
+        if self.open_streams:
             log.warning("engine lost (%s): failing %d open requests", why, self.open_streams)
-        self._status = None
+        self._subscriber.forget()
         self._fail_all()
 
     async def _receive_outputs(self) -> None:
@@ -142,17 +189,6 @@ class ZmqEngineClient(StreamingClient):
         while True:
             data = await self._requests.recv()
             self._deliver(decode_from_engine(data))
-
-    async def _receive_status(self) -> None:
-        assert self._status_socket is not None
-        while True:
-            status = decode_status(await self._status_socket.recv())
-            previous = self._status
-            if previous is not None and previous.engine_id != status.engine_id:
-                # A new engine: whatever was sent to the old one will never be answered.
-                self._engine_gone("a new engine replaced it")
-            self._status = status
-            self._status_received_at = self._clock()
 
     async def _watch_disconnects(self) -> None:
         assert self._monitor is not None

@@ -16,16 +16,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import ServerProcess, free_port, running_server
 
 pytestmark = pytest.mark.e2e
 
 TIMEOUT_MS = 3000
 
 
-def readyz(server: ServerProcess) -> tuple[int, dict[str, object]]:
+def readyz(server: ServerProcess, port: int | None = None) -> tuple[int, dict[str, object]]:
+    base_url = server.base_url if port is None else f"http://127.0.0.1:{port}"
     try:
-        with urllib.request.urlopen(f"{server.base_url}/readyz", timeout=2) as response:
+        with urllib.request.urlopen(f"{base_url}/readyz", timeout=2) as response:
             return int(response.status), json.loads(response.read())
     except urllib.error.HTTPError as error:
         return int(error.code), json.loads(error.read())
@@ -91,14 +92,27 @@ def wait_for(condition: object, timeout: float, what: str) -> None:
 
 
 def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path: Path) -> None:
-    env = {"STEADY_ENGINE_RESTART_BACKOFF_S": "[0.5, 5]", "STEADY_MAX_QUEUE_DELAY_MS": "2000"}
+    probes = free_port()
+    env = {
+        "STEADY_ENGINE_RESTART_BACKOFF_S": "[0.5, 5]",
+        "STEADY_MAX_QUEUE_DELAY_MS": "2000",
+        "STEADY_HEALTH_PORT": str(probes),
+    }
     with running_server(tmp_path, env) as server:
         first_engine = engine_pid(server)
+        # The supervisor's probe port says what the traffic port says.
+        assert readyz(server, probes) == readyz(server)
         with ClosedLoop(server, threads=8) as load:
             wait_for(lambda: load.count(200) >= 40, 60, "40 answers before the kill")
             os.kill(first_engine, signal.SIGKILL)
             wait_for(lambda: readyz(server)[0] == 503, 10, "/readyz to report the engine gone")
+            wait_for(
+                lambda: readyz(server, probes)[1].get("status") == "engine_unavailable",
+                10,
+                "the probe port to report the engine gone",
+            )
             wait_for(lambda: readyz(server)[0] == 200, 120, "a new engine to be ready")
+            wait_for(lambda: readyz(server, probes)[0] == 200, 10, "the probe port to agree")
             answered_before = load.count(200)
             wait_for(lambda: load.count(200) >= answered_before + 40, 60, "answers again")
         second_engine = engine_pid(server)

@@ -35,6 +35,7 @@ def test_the_overload_bench_floods_and_kills_the_engine(tmp_path: Path) -> None:
         assert flood["ok"] > 0
         assert flood["server_error"] == 0
         assert flood["frontend_cpu_us_per_answer"] > 0
+        assert flood["probe_port_failures"] == 0
     kill = report["engine_kill"]
     assert kill["new_engine_pid"] != kill["killed_engine_pid"]
     assert kill["server_error"] == 0

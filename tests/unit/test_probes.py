@@ -1,0 +1,47 @@
+"""The probe verdicts a front end and the supervisor both give, from the same facts."""
+
+from __future__ import annotations
+
+import json
+
+from app.engine.protocol import EngineStatus
+from app.probes import liveness, probe_response, readiness
+
+
+def engine(state: str = "ready", healthy: bool = True, problem: str | None = None) -> EngineStatus:
+    return EngineStatus(
+        engine_id="e1", pid=42, state=state, warmup_done=3, warmup_total=3, healthy=healthy,
+        backlog_s=0.0, seconds_per_input=0.001, queued_inputs=0, published_at=1.0,
+        problem=problem,
+    )  # fmt: skip
+
+
+def test_ready_only_with_a_ready_engine_a_front_end_and_no_drain() -> None:
+    assert readiness(engine(), None, draining=False, can_serve=True).ready
+    assert readiness(engine("warming_up"), None, False, True).status == "warming_up"
+    assert readiness(None, None, False, True).status == "engine_unavailable"
+    assert readiness(engine(), None, draining=True, can_serve=True).status == "draining"
+    assert readiness(engine(), None, False, can_serve=False).status == "frontend_unavailable"
+    failed = readiness(engine(), "front-end start-up failed: OSError", False, True)
+    assert (failed.status, failed.problem) == ("failed", "front-end start-up failed: OSError")
+
+
+def test_alive_unless_start_up_failed_or_batches_keep_failing() -> None:
+    assert liveness(engine(), None) is None
+    assert liveness(None, None) is None  # restarting: readiness's business, not liveness's
+    broken = engine(healthy=False, problem="5 consecutive batches failed (RuntimeError)")
+    assert liveness(broken, None) == "5 consecutive batches failed (RuntimeError)"
+    assert liveness(engine("failed", problem="start-up failed: OSError"), None) is not None
+    assert liveness(engine(), "front-end start-up failed: OSError") is not None
+
+
+def test_probe_responses() -> None:
+    ready = readiness(engine(), None, False, True)
+    status, body = probe_response("/readyz", ready, None)
+    assert status == 200
+    assert json.loads(body) == {
+        "status": "ready", "warmup": {"done": 3, "total": 3}, "engine": {"pid": 42},
+    }  # fmt: skip
+    assert probe_response("/healthz", ready, "engine unhealthy")[0] == 503
+    assert probe_response("/healthz", ready, None) == (200, b'{"status":"ok"}')
+    assert probe_response("/other", ready, None)[0] == 404

@@ -78,10 +78,11 @@ class DelayEstimate:
 def delay_verdict(
     estimate: DelayEstimate, deadline: float, now: float, max_queue_delay_s: float
 ) -> Rejected | None:
-    """None to admit; else why not. A deadline shorter than the request's own compute can
-    never be met (504); a wait over the budget is retryable (429, retry once the excess has
-    drained). With nothing queued ahead, a request is admitted whatever its own estimate:
-    refusing it could not get it served sooner."""
+    """None to admit; else why not. A deadline shorter than the request's own compute, or
+    than the wait ahead of it when that deadline is tighter than the budget, cannot be met
+    (504 `deadline`); a wait over the server's budget is retryable (429 `queue`, retry once
+    the excess has drained). With nothing queued ahead, a request is admitted whatever its
+    own estimate: refusing it could not get it served sooner."""
     time_left = deadline - now
     if time_left <= estimate.own_compute_s:
         return Rejected(
@@ -92,6 +93,13 @@ def delay_verdict(
     budget = min(max_queue_delay_s, time_left)
     if estimate.wait_s <= budget or estimate.backlog_s <= 0:
         return None
+    if time_left < max_queue_delay_s:
+        # The request's own deadline, not the server's budget, is what the wait exceeds.
+        return Rejected(
+            RejectReason.DEADLINE,
+            f"predicted wait {estimate.wait_s * 1000:.0f} ms exceeds the request's deadline "
+            f"({time_left * 1000:.0f} ms away)",
+        )
     return Rejected(
         RejectReason.QUEUE,
         f"predicted wait {estimate.wait_s * 1000:.0f} ms exceeds the {budget * 1000:.0f} ms budget",

@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench import REPO_ROOT, _free_port, _system_busy_s
+from loadtest.bench import REPO_ROOT, _free_port, _system_busy_s, bench_sentences
+from loadtest.cli import execute, run_event_loop
+from loadtest.httpclient import Target
 from loadtest.proctree import command_line, cpu_seconds, descendants, tree_resident_mb
-from loadtest.stages import parse_duration
+from loadtest.runner import Mode, RunConfig
+from loadtest.stages import Stage, parse_duration
 
 SCRIPT = Path(__file__).with_name("overload.lua")
 
@@ -200,6 +203,47 @@ def measure_engine_kill(server: Server, duration_s: float) -> dict[str, Any]:
     }
 
 
+def _percentile(values: list[float], share: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def measure_open_loop(server: Server, rate: float, duration_s: float) -> dict[str, Any]:
+    """Requests at a fixed rate whatever the answers (open loop, latency from the scheduled
+    time, so a stalled server cannot hide it): what admitted requests' tail does at this
+    load, and what share is refused."""
+    target = Target.parse(f"{server.base_url}/infer")
+    payloads = [
+        target.post_bytes(json.dumps({"inputs": text}).encode())
+        for text in bench_sentences(500, 12, seed=1)
+    ]
+    config = RunConfig(
+        mode=Mode.OPEN,
+        stages=(Stage(duration_s, rate, rate),),
+        connections=1024,
+        timeout_s=30.0,
+    )
+    result = run_event_loop(lambda: execute(config, target, payloads))
+    recorder = result.recorder
+    admitted = [
+        (recorder.done[i] - recorder.scheduled[i]) * 1000
+        for i in range(len(recorder))
+        if recorder.status[i] == 200
+    ]
+    statuses = [int(status) for status in recorder.status]
+    return {
+        "rate": round(rate, 1),
+        "sent": len(statuses),
+        "ok": statuses.count(200),
+        "throttled": statuses.count(429),
+        "other": len(statuses) - statuses.count(200) - statuses.count(429),
+        "admitted_p50_ms": _percentile(admitted, 0.50),
+        "admitted_p99_ms": _percentile(admitted, 0.99),
+    }
+
+
 def start_server(port: int, env: dict[str, str], log_path: Path) -> Server:
     probe_port = _free_port()
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "STEADY_HEALTH_PORT": str(probe_port), **env}
@@ -233,6 +277,20 @@ def markdown(report: dict[str, Any]) -> str:
             f"{f['frontend_cpu_us_per_answer'] or 0:.0f} | {f['engine_cores']:.2f} | "
             f"{f['foreign_cores']:.2f} |"
         )
+    opened = report.get("open_loop", [])
+    if opened:
+        lines_open = [
+            "",
+            "| open loop | req/s sent | 2xx | 429 | other | admitted p50 / p99 ms |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for run in opened:
+            lines_open.append(
+                f"| {run['share']:g}x goodput | {run['rate']:.0f} | {run['ok']} | "
+                f"{run['throttled']} | {run['other']} | {run['admitted_p50_ms'] or 0:.1f} / "
+                f"{run['admitted_p99_ms'] or 0:.1f} |"
+            )
+        rows += lines_open
     kill = report.get("engine_kill")
     lines = [
         f"Server: `steadyserve serve`, {report['frontends']} front end(s), ready in "
@@ -257,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", default="64,1500,5000")
     parser.add_argument("--duration", default="15s", help="Each flood.")
     parser.add_argument("--kill-duration", default="30s", help="The engine-kill run; 0 skips.")
+    parser.add_argument(
+        "--open-duration", default="15s", help="Each open-loop run (0.7x and 3x); 0 skips."
+    )
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server.")
     parser.add_argument("--out", help="Folder for results (default loadtest/results/...).")
     options = parser.parse_args(argv)
@@ -284,6 +345,15 @@ def main(argv: list[str] | None = None) -> int:
             report["floods"].append(flood)
             _log(json.dumps(flood))
             server.wait_ready(60)
+        capacity = report["floods"][0]["ok_per_s"]
+        open_s = parse_duration(options.open_duration)
+        if open_s > 0:
+            for share in (0.7, 3.0):
+                _log(f"open loop at {share:g}x the first flood's goodput ({capacity:.0f}/s)")
+                report.setdefault("open_loop", []).append(
+                    {"share": share, **measure_open_loop(server, share * capacity, open_s)}
+                )
+                server.wait_ready(60)
         report["resident_mb_after"] = tree_resident_mb(server.process.pid)
         kill_s = parse_duration(options.kill_duration)
         if kill_s > 0:

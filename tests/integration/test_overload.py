@@ -5,6 +5,7 @@ and run-time health."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -47,11 +48,14 @@ async def call_without_body(app: Any, path: str, receive: Any) -> tuple[int, dic
 
 
 async def test_an_overloaded_server_answers_429_without_reading_the_body() -> None:
-    # A budget of 1 us: one input queued behind a busy worker is already too much.
-    async with start(max_queue_delay_ms=0.001, max_body_bytes=ONE_MIB) as harness:
+    async with start(max_queue_delay_ms=50, max_body_bytes=ONE_MIB) as harness:
         holder = await harness.hold_the_worker()
-        queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
+        # The engine has measured a second per batch (fed to its estimates as warm-up
+        # would): one queued input is then 250 ms of work, five times the budget.
         scheduler = harness.engine.batchers["fake"].scheduler
+        for shape in scheduler.policy.shapes():
+            scheduler.record_compute(shape, 1.0)
+        queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
         await harness.until(lambda: scheduler.depth == 1, "one input queued")
         body_reads = 0
 
@@ -90,6 +94,21 @@ async def test_a_body_that_stalls_midway_is_cut_off_with_408() -> None:
         assert status == 408
         assert headers["connection"] == "close"
         assert harness.service.admission.inflight == 0
+
+
+async def test_a_lagging_event_loop_counts_as_waiting() -> None:
+    """Requests wait for the front end's own loop before the engine's queue: a loop held up
+    past the budget sheds load even with the engine idle."""
+    async with start(max_queue_delay_ms=20) as harness:
+        assert harness.service.shed(None) is None
+        time.sleep(0.05)  # noqa: ASYNC251 - blocking this loop is the lag under test
+        for _ in range(100):
+            if harness.service.loop_lag.seconds > 0:
+                break
+            await asyncio.sleep(0.005)  # let the lag timer fire late and record it
+        rejection = harness.service.shed(None)
+        assert rejection is not None
+        assert rejection.reason.value == "queue"
 
 
 async def test_two_models_sharing_the_dispatcher_never_oversubscribe_it() -> None:

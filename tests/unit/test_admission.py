@@ -81,10 +81,12 @@ def test_a_predicted_wait_over_the_budget_is_refused_with_the_excess_as_retry_af
 
 
 def test_a_deadline_tighter_than_the_budget_bounds_the_wait() -> None:
-    # 70 ms fits the 100 ms budget but not a deadline 50 ms away.
+    # 70 ms fits the 100 ms budget but not a deadline 50 ms away: the request's own
+    # deadline cannot be met (504), which no Retry-After would change.
     estimate = DelayEstimate(backlog_s=0.060, own_compute_s=0.010)
     rejection = delay_verdict(estimate, deadline=1.050, now=1.0, max_queue_delay_s=0.100)
-    assert rejection is not None and rejection.reason is RejectReason.QUEUE
+    assert rejection is not None and rejection.reason is RejectReason.DEADLINE
+    assert rejection.retry_after_s is None
     assert delay_verdict(estimate, deadline=1.080, now=1.0, max_queue_delay_s=0.100) is None
 
 

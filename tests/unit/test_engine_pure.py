@@ -18,6 +18,7 @@ from app.engine.protocol import (
     encode,
 )
 from app.engine.supervisor import next_backoff
+from app.loop_lag import LagTracker
 from app.scheduler import BatchPolicy, BatchShape, Scheduler, WorkItem
 
 POLICY = BatchPolicy(length_buckets=(16, 64), max_batch_size=8, max_batch_tokens=256, max_wait_s=0)
@@ -73,3 +74,14 @@ def test_protocol_messages_round_trip() -> None:
     assert decode_from_engine(encode(output)) == output
     failure = Failure(7, FailureKind.REJECTED, "busy", "queue", 0.25)
     assert decode_from_engine(encode(failure)) == failure
+
+
+def test_loop_lag_holds_its_peak_then_fades_to_zero() -> None:
+    tracker = LagTracker(window_s=0.2)
+    assert tracker.current(0.0) == 0.0
+    tracker.record(0.080, now=1.0)
+    tracker.record(0.010, now=1.05)  # smaller than the faded peak (60 ms): the peak holds
+    assert tracker.current(1.1) == pytest.approx(0.040)
+    assert tracker.current(1.25) == 0.0  # a calm loop reads exactly zero
+    tracker.record(0.050, now=1.3)
+    assert tracker.current(1.3) == pytest.approx(0.050)

@@ -165,9 +165,9 @@ def test_unknown_setting_in_the_config_map_is_named(
 def test_process_environment_drift_is_named(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("STEADY_MAX_QUEUE", "4096")
+    monkeypatch.setenv("STEADY_MAX_QUEUE", "8192")
     assert check(DEPLOY) == 1
-    assert "settings.max_queue: baseline 1024, actual 4096" in capsys.readouterr().out
+    assert "settings.max_queue: baseline 4096, actual 8192" in capsys.readouterr().out
 
 
 def test_baseline_key_that_nothing_reads_is_an_error(

@@ -66,6 +66,8 @@ class Baseline:
     envoy: Mapping[str, Any]
     k8s: Mapping[str, Any]
     overlays: Mapping[str, Mapping[str, Mapping[str, Any]]]
+    # Measured capacity that other limits derive from (no file sets it directly).
+    capacity: Mapping[str, Any]
 
     @classmethod
     def load(cls, path: Path) -> Baseline:
@@ -80,6 +82,7 @@ class Baseline:
             envoy=loaded.get("envoy") or {},
             k8s=loaded.get("k8s") or {},
             overlays=loaded.get("overlays") or {},
+            capacity=loaded.get("capacity") or {},
         )
         baseline._check_keys(path)
         return baseline
@@ -101,6 +104,16 @@ class Baseline:
             for key in ENVOY_FIELDS
             if key not in self.envoy
         ]
+        problems += [
+            f"capacity.{key} is not read by check-config"
+            for key in self.capacity
+            if key not in CAPACITY_FIELDS
+        ]
+        problems += [
+            f"capacity.{key} is read by check-config but missing from the baseline"
+            for key in CAPACITY_FIELDS
+            if key not in self.capacity
+        ]
         for name, overlay in self.overlays.items():
             problems += [
                 f"overlays.{name}.settings.{key} is not a Settings field"
@@ -120,6 +133,10 @@ class Baseline:
             ]
         if problems:
             raise ConfigError(f"{path}: " + "; ".join(problems))
+
+
+# Baseline keys under `capacity:`.
+CAPACITY_FIELDS = ("replica_inflight",)
 
 
 def check_envoy(baseline: Baseline, envoy_config: Any, where: str) -> list[str]:
@@ -214,13 +231,34 @@ def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
             f"keep_alive_timeout_s ({keep_alive_s:g}), or the server closes connections Envoy "
             "is about to reuse"
         )
-    fleet_inflight = int(settings.get("max_inflight", 0)) * int(
-        baseline.k8s.get("hpa_max_replicas", 0)
-    )
-    if envoy["circuit_breaker_max_requests"] != fleet_inflight:
+    differences += _check_circuit_breakers(baseline, envoy)
+    return differences
+
+
+def _check_circuit_breakers(baseline: Baseline, envoy: Mapping[str, Any]) -> list[str]:
+    """Envoy holds no more than the fleet can serve within its delay budget, and answers the
+    rest itself: the breaker is what one replica holds x the most replicas there can be."""
+    replica_inflight = int(baseline.capacity["replica_inflight"])
+    max_inflight = int(baseline.settings.get("max_inflight", _default("max_inflight")))
+    fleet_inflight = replica_inflight * int(baseline.k8s.get("hpa_max_replicas", 0))
+    differences = []
+    if replica_inflight > max_inflight:
         differences.append(
-            f"envoy.circuit_breaker_max_requests: {envoy['circuit_breaker_max_requests']} is not "
-            f"max_inflight x hpa_max_replicas ({fleet_inflight})"
+            f"capacity.replica_inflight: {replica_inflight} exceeds the replica's own "
+            f"max_inflight ({max_inflight})"
+        )
+    for key in ("circuit_breaker_max_requests", "circuit_breaker_max_connections"):
+        if envoy[key] != fleet_inflight:
+            differences.append(
+                f"envoy.{key}: {envoy[key]} is not capacity.replica_inflight x "
+                f"hpa_max_replicas ({fleet_inflight})"
+            )
+    pending = envoy["circuit_breaker_max_pending_requests"]
+    if not isinstance(pending, int) or pending > replica_inflight:
+        differences.append(
+            f"envoy.circuit_breaker_max_pending_requests: {pending} exceeds "
+            f"capacity.replica_inflight ({replica_inflight}): Envoy would queue more than a "
+            "replica holds instead of answering the overflow"
         )
     return differences
 

@@ -206,9 +206,9 @@ def test_unknown_setting_in_the_config_map_is_named(
 def test_process_environment_drift_is_named(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("STEADY_MAX_QUEUE", "4096")
+    monkeypatch.setenv("STEADY_MAX_QUEUE", "8192")
     assert check(DEPLOY) == 1
-    assert "settings.max_queue: baseline 1024, actual 4096" in capsys.readouterr().out
+    assert "settings.max_queue: baseline 4096, actual 8192" in capsys.readouterr().out
 
 
 def test_baseline_key_that_nothing_reads_is_an_error(
@@ -236,3 +236,60 @@ def test_upstream_idle_timeout_at_or_above_server_keep_alive_is_refused(
         "envoy.upstream_idle_timeout_s: 90.0 must be below the server's keep_alive_timeout_s (75)"
         in capsys.readouterr().out
     )
+
+
+def test_circuit_breaker_sized_by_admission_caps_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The old sizing (max_inflight 512 x 8 replicas = 4096) let Envoy pile seconds of work
+    onto the replicas; changed in both places, so only the sizing rule catches it."""
+    for path in (deploy_copy / "envoy" / "envoy.yaml", deploy_copy / "baseline.yaml"):
+        text = path.read_text()
+        assert text.count("max_requests: 1024") == 1
+        path.write_text(text.replace("max_requests: 1024", "max_requests: 4096"))
+    assert check(deploy_copy) == 1
+    assert (
+        "envoy.circuit_breaker_max_requests: 4096 is not capacity.replica_inflight x "
+        "hpa_max_replicas (1024)" in capsys.readouterr().out
+    )
+
+
+def test_replica_capacity_above_the_replica_admission_cap_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(deploy_copy / "baseline.yaml", "replica_inflight: 128", "replica_inflight: 600")
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "capacity.replica_inflight: 600 exceeds the replica's own max_inflight (512)" in out
+    # The breakers no longer match the product either.
+    assert "envoy.circuit_breaker_max_connections: 1024 is not" in out
+
+
+def test_pending_queue_larger_than_a_replica_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "envoy" / "envoy.yaml",
+        "max_pending_requests: 32",
+        "max_pending_requests: 512",
+    )
+    replace_once(
+        deploy_copy / "baseline.yaml",
+        "circuit_breaker_max_pending_requests: 32",
+        "circuit_breaker_max_pending_requests: 512",
+    )
+    assert check(deploy_copy) == 1
+    assert (
+        "envoy.circuit_breaker_max_pending_requests: 512 exceeds capacity.replica_inflight (128)"
+        in capsys.readouterr().out
+    )
+
+
+def test_capacity_key_that_nothing_reads_is_an_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(deploy_copy / "baseline.yaml", "replica_inflight: 128", "replica_inflights: 128")
+    assert check(deploy_copy) == 2
+    err = capsys.readouterr().err
+    assert "capacity.replica_inflights is not read" in err
+    assert "capacity.replica_inflight is read by check-config but missing" in err

@@ -1,4 +1,4 @@
-"""`steadyserve serve | check-config | bench`.
+"""`steadyserve serve | check-config | bench | batch`.
 
 `serve` builds the one `Settings` of the process (from the environment, then flags), and
 runs uvicorn with a drain-aware shutdown: the first SIGTERM/SIGINT turns /readyz to 503,
@@ -17,12 +17,16 @@ import signal
 import socket
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
-from app.main import create_app
-from app.service import Service
 from app.settings import Settings, settings_table
+
+if TYPE_CHECKING:
+    # Imported by `serve` at call time: `steadyserve batch` runs on orchestrator machines
+    # and must not pay for torch and the model.
+    from app.service import Service
 
 log = logging.getLogger("app.cli")
 
@@ -80,6 +84,8 @@ def _configure_logging(level: str) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    from app.main import create_app
+
     settings = Settings(**overrides)
     _configure_logging(settings.log_level)
     app = create_app(settings)
@@ -118,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         help="load generator (loadtest); `bench compare` runs the comparison",
         add_help=False,
     )
+    commands.add_parser(
+        "batch", help="push a JSONL file through /infer at the server's pace", add_help=False
+    )
     commands.add_parser("settings", help="print every setting as a Markdown table")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
@@ -131,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         # Imported by name at call time: these tools are not needed to serve.
         checkconfig = importlib.import_module("app.checkconfig")
         return int(checkconfig.main(rest))
+    if args.command == "batch":
+        batch_cli = importlib.import_module("app.batchclient.cli")
+        return int(batch_cli.main(rest))
     loadtest_cli = importlib.import_module("loadtest.cli")
     return int(loadtest_cli.main(rest))
 

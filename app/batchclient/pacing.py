@@ -52,7 +52,7 @@ class AimdController:
         start = max_limit if not adaptive else min(max(initial, min_limit), max_limit)
         self._limit = start
         self._slow_start = adaptive
-        self._growth_credit = 0.0
+        self._successes_since_growth = 0
         self._epoch = 0
         self._lowest = start
         self._highest = start
@@ -74,9 +74,9 @@ class AimdController:
         if self._slow_start:
             self._set(self._limit + 1)
             return
-        self._growth_credit += 1.0 / self._limit
-        if self._growth_credit >= 1.0:
-            self._growth_credit -= 1.0
+        self._successes_since_growth += 1
+        if self._successes_since_growth >= self._limit:
+            self._successes_since_growth = 0
             self._set(self._limit + 1)
 
     def on_congestion(self, ticket: int) -> bool:
@@ -85,7 +85,7 @@ class AimdController:
             return False
         self._epoch += 1
         self._slow_start = False
-        self._growth_credit = 0.0
+        self._successes_since_growth = 0
         self._decreases += 1
         self._set(max(self.min_limit, math.floor(self._limit * self.decrease_factor)))
         return True

@@ -87,13 +87,18 @@ def progress_line(progress: JobProgress) -> str:
 def summary(progress: JobProgress, stopped_by: str | None) -> dict[str, Any]:
     """The ``--summary-json`` document; the table shows the same keys."""
     stats = progress.stats
+    # Lines not yet in OUTPUT or errors: those read and abandoned on a stop, and those
+    # never read.
+    unfinished = (
+        progress.total - progress.done if progress.total is not None else stats.lines_unfinished
+    )
     statuses = {str(status): count for status, count in sorted(stats.statuses.items())}
     return {
         "lines_total": progress.total,
         "lines_ok": stats.lines_ok,
         "lines_failed": stats.lines_failed + progress.invalid,
         "lines_skipped": progress.already_done,
-        "lines_unfinished": stats.lines_unfinished,
+        "lines_unfinished": unfinished,
         "requests": stats.requests,
         "statuses": statuses,
         "throttled_429": stats.throttled,
@@ -109,7 +114,7 @@ def summary(progress: JobProgress, stopped_by: str | None) -> dict[str, Any]:
         "concurrency_highest": stats.highest_concurrency,
         "concurrency_cuts": stats.concurrency_cuts,
         "stopped_by": stopped_by,
-        "complete": stopped_by is None and stats.lines_unfinished == 0,
+        "complete": stopped_by is None and unfinished == 0,
     }
 
 

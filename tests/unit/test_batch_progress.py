@@ -51,10 +51,14 @@ def test_lines_mode_writes_only_when_due() -> None:
 
 
 def test_summary_counts_invalid_lines_as_failed_and_marks_a_stopped_run() -> None:
-    progress = JobProgress(100, 0, invalid=2, elapsed_s=5.0, stats=_stats(lines_failed=3))
+    progress = JobProgress(100, 45, invalid=2, elapsed_s=5.0, stats=_stats(lines_failed=3))
     document = summary(progress, stopped_by="SIGTERM")
     assert document["lines_failed"] == 5
+    assert document["lines_unfinished"] == 0
     assert document["throttled_429"] == 10
     assert document["latency_p99_ms"] == 100.0
     assert document["complete"] is False
     assert summary(progress, None)["complete"] is True
+    unread = JobProgress(200, 45, invalid=2, elapsed_s=5.0, stats=_stats(lines_failed=3))
+    assert summary(unread, None)["lines_unfinished"] == 100
+    assert summary(unread, None)["complete"] is False

@@ -17,7 +17,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from app.batchclient import BatchClient, ClientOptions, Item, RetryPolicy, Success
+from app.batchclient import (
+    BatchClient,
+    ClientOptions,
+    Failure,
+    Item,
+    RetryPolicy,
+    Success,
+    SyncBatchClient,
+)
 from tests.support.batch import (
     assert_each_id_exactly_once,
     batch_command,
@@ -248,3 +256,16 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_non_zero(tmp_path: Path) -
     assert document["stopped_by"] == "SIGTERM" and document["complete"] is False
     assert document["lines_ok"] == len(written)
     assert document["lines_ok"] + document["lines_unfinished"] == len(lines)
+
+
+def test_sync_client_yields_answers_and_failures() -> None:
+    items = [Item(i, {"inputs": f"text {i}"}) for i in range(20)]
+    items.append(Item("bad", {"inputs": f"text {MARKER_INVALID}"}))
+    with running_flaky_server(Misbehaviour(seed=3, throttle=0.2, retry_after="0")) as server:
+        client = SyncBatchClient(f"http://127.0.0.1:{server.port}", ClientOptions(seed=1))
+        results = list(client.infer_many(items))
+    answered = {r.id for r in results if isinstance(r, Success)}
+    failed = [r for r in results if isinstance(r, Failure)]
+    assert answered == set(range(20))
+    assert [(f.id, f.status, f.retryable) for f in failed] == [("bad", 422, False)]
+    assert client.last_stats is not None and client.last_stats.throttled > 0

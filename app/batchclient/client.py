@@ -229,22 +229,23 @@ class BatchClient:
         """
         if self._http is None:
             raise RuntimeError("use the client as `async with BatchClient(...) as client`")
-        results: asyncio.Queue[list[Result] | BaseException | None] = asyncio.Queue(
-            maxsize=self._max_active
-        )
+        results: asyncio.Queue[list[Result] | None] = asyncio.Queue(maxsize=self._max_active)
+        crashes: list[BaseException] = []
         active = asyncio.Semaphore(self._max_active)
         tasks: set[asyncio.Task[None]] = set()
 
         async def finish(request: Request) -> None:
             try:
                 done = await self._complete(request)
-            except asyncio.CancelledError:
-                self._counters.lines_unfinished += len(request.items)
-                active.release()
-                return  # cancelled by stop/abort, which counted on this: nothing to yield
-            try:
                 if done:
                     await results.put(done)
+            except asyncio.CancelledError:
+                # Cancelled by stop/abort, which count on this: the items stay unfinished.
+                self._counters.lines_unfinished += len(request.items)
+            except Exception as error:  # a bug, not an answer: the consumer raises it
+                self._counters.lines_unfinished += len(request.items)
+                crashes.append(error)
+                self.abort()
             finally:
                 active.release()
 
@@ -270,24 +271,20 @@ class BatchClient:
                 if not self._stopping:
                     for request in packer.flush():
                         await start(request)
-                while tasks:
-                    await asyncio.wait(set(tasks))
-                await results.put(None)
-            except BaseException as error:  # handed to the consumer, which raises it
-                await results.put(error)
-                if isinstance(error, asyncio.CancelledError):
-                    raise
+            except Exception as error:  # the items' iterator failed: stop, then raise it
+                crashes.append(error)
+                self.stop()
+            while tasks:
+                await asyncio.wait(set(tasks))
+            await results.put(None)
 
         producer = asyncio.create_task(produce())
         try:
-            while True:
-                got = await results.get()
-                if got is None:
-                    break
-                if isinstance(got, BaseException):
-                    raise got
+            while (got := await results.get()) is not None:
                 for result in got:
                     yield result
+            if crashes:
+                raise crashes[0]
         finally:
             if not producer.done():
                 self.abort()

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-import httpx
 import orjson
 from aiolimiter import AsyncLimiter
 
 from app.batchclient.items import Failure, Item, Packer, Request, Result
 from app.batchclient.pacing import AimdController
-from app.batchclient.retry import RetryPolicy, Verdict, classify_status, parse_retry_after
+from app.batchclient.retry import RetryPolicy, Verdict, classify_status
+from app.batchclient.transport import ConnectionPool, RequestError
 from app.batchclient.window import Window
 from loadtest.stats import LogHistogram
 
@@ -134,17 +134,10 @@ def _error_of(attempt: _Attempt) -> dict[str, Any]:
 class BatchClient:
     """Async client for ``POST {url}/infer``; use as ``async with BatchClient(url) as c``."""
 
-    def __init__(
-        self,
-        url: str,
-        options: ClientOptions | None = None,
-        *,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
         self.options = options or ClientOptions()
         self.infer_url = url.rstrip("/") + "/infer"
-        self._transport = transport
-        self._http: httpx.AsyncClient | None = None
+        self._http: ConnectionPool | None = None
         self.controller = AimdController(self.options.concurrency, adaptive=self.options.adaptive)
         self._window = Window(self.controller)
         # Capacity 1 and one token per 1/rate s: requests are spaced, never bunched, so in
@@ -158,15 +151,9 @@ class BatchClient:
         self._stopping = False
         self._waiting: set[asyncio.Task[Any]] = set()  # cancellable: nothing sent yet
         self._sending: set[asyncio.Task[Any]] = set()
-        self._headers = {"content-type": "application/json", **self.options.headers}
 
     async def __aenter__(self) -> BatchClient:
-        limit = self.options.concurrency
-        self._http = httpx.AsyncClient(
-            transport=self._transport,
-            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-            timeout=httpx.Timeout(self.options.timeout_s, pool=None),
-        )
+        self._http = ConnectionPool(self.infer_url, self.options.headers)
         return self
 
     async def __aexit__(
@@ -176,7 +163,7 @@ class BatchClient:
         traceback: TracebackType | None,
     ) -> None:
         if self._http is not None:
-            await self._http.aclose()
+            self._http.close()
             self._http = None
 
     # -- control -------------------------------------------------------------------------
@@ -368,20 +355,17 @@ class BatchClient:
         ticket = self.controller.on_send()
         started = time.perf_counter()
         try:
-            response = await self._http.post(
-                self.infer_url, content=request.body, headers=self._headers
-            )
-        except httpx.TimeoutException:
-            self._counters.timeouts += 1
-            return _Attempt(None, b"", None, time.perf_counter() - started, ticket, "timeout")
-        except httpx.TransportError as error:
-            self._counters.resets += 1
-            kind = type(error).__name__
+            response = await self._http.post(request.body, self.options.timeout_s)
+        except RequestError as error:
+            kind = "timeout" if error.kind == RequestError.TIMEOUT else error.kind
+            if kind == "timeout":
+                self._counters.timeouts += 1
+            else:
+                self._counters.resets += 1
             return _Attempt(None, b"", None, time.perf_counter() - started, ticket, kind)
         latency = time.perf_counter() - started
-        self._counters.statuses[response.status_code] += 1
-        retry_after = parse_retry_after(response.headers.get("retry-after"))
-        return _Attempt(response.status_code, response.content, retry_after, latency, ticket)
+        self._counters.statuses[response.status] += 1
+        return _Attempt(response.status, response.body, response.retry_after_s, latency, ticket)
 
     def _pace(self, attempt: _Attempt, in_flight: int) -> None:
         """Tell the AIMD controller how the attempt went; a grown limit wakes waiters."""

@@ -5,11 +5,8 @@ Pure: no I/O; randomness comes from the caller's ``random.Random`` so tests seed
 
 from __future__ import annotations
 
-import email.utils
 import enum
-import math
 import random
-import time
 from dataclasses import dataclass
 
 
@@ -35,24 +32,6 @@ def classify_status(status: int) -> Outcome:
     if status >= 500 or status == 408:
         return Outcome(Verdict.RETRY, congestion=False)
     return Outcome(Verdict.FAIL, congestion=False)
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a Retry-After header (delta-seconds or an HTTP date), or None."""
-    if value is None:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if math.isnan(seconds):
-        return None
-    return max(0.0, seconds)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import itertools
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -269,3 +270,25 @@ def test_sync_client_yields_answers_and_failures() -> None:
     assert answered == set(range(20))
     assert [(f.id, f.status, f.retryable) for f in failed] == [("bad", 422, False)]
     assert client.last_stats is not None and client.last_stats.throttled > 0
+
+
+def test_a_failing_item_source_stops_the_run_and_is_raised() -> None:
+    def items() -> Iterator[Item]:
+        yield Item(1, {"inputs": "a"})
+        yield Item(2, {"inputs": "b"})
+        raise OSError("input vanished")
+
+    async def run() -> tuple[list[object], int]:
+        seen: list[object] = []
+        async with BatchClient(url) as client:
+            with pytest.raises(OSError, match="input vanished"):
+                async for result in client.infer_many(items()):
+                    assert isinstance(result, Success)
+                    seen.append(result.id)
+            return seen, client.stats().lines_unfinished
+
+    with running_flaky_server(Misbehaviour()) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        seen, unfinished = asyncio.run(run())
+    # As on SIGTERM: what was sent is answered, the rest is left unfinished, none lost.
+    assert len(seen) + unfinished == 2

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from app.batchclient.pacing import AimdController
-from app.batchclient.retry import RetryPolicy, Verdict, classify_status, parse_retry_after
+from app.batchclient.retry import RetryPolicy, Verdict, classify_status
 
 
 def _succeed_full_windows(controller: AimdController, rounds: int) -> None:
@@ -107,11 +107,3 @@ def test_backoff_grows_exponentially_up_to_its_cap() -> None:
     for attempt, ceiling in ((1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (9, 1.0)):
         delays = [policy.delay_s(attempt, None, rng) for _ in range(100)]
         assert ceiling / 2 <= min(delays) and max(delays) <= ceiling
-
-
-def test_parse_retry_after() -> None:
-    assert parse_retry_after("3") == 3.0
-    assert parse_retry_after(None) is None
-    assert parse_retry_after("soon") is None
-    # An HTTP date 10 s after "now".
-    assert parse_retry_after("Thu, 01 Jan 1970 00:00:10 GMT", now=0.0) == 10.0

@@ -1,14 +1,9 @@
-"""The concurrency window and the client's handling of a failing item source."""
+"""The concurrency window the AIMD controller sizes."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
-import httpx
-import pytest
-
-from app.batchclient import BatchClient, Item, Success
 from app.batchclient.pacing import AimdController
 from app.batchclient.window import Window
 
@@ -47,23 +42,3 @@ async def test_a_cut_limit_applies_as_holders_leave() -> None:
     await asyncio.sleep(0)
     assert waiter.done()
     assert window.in_flight == 2
-
-
-async def test_a_failing_item_source_stops_the_run_and_is_raised() -> None:
-    def answer(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"model": "m", "outputs": [[1.0]], "usage": {}})
-
-    def items() -> Iterator[Item]:
-        yield Item(1, {"inputs": "a"})
-        yield Item(2, {"inputs": "b"})
-        raise OSError("input vanished")
-
-    seen: list[object] = []
-    async with BatchClient("http://test", transport=httpx.MockTransport(answer)) as client:
-        with pytest.raises(OSError, match="input vanished"):
-            async for result in client.infer_many(items()):
-                assert isinstance(result, Success)
-                seen.append(result.id)
-        stats = client.stats()
-    # As on SIGTERM: what was sent is answered, the rest is left unfinished, none lost.
-    assert len(seen) + stats.lines_unfinished == 2

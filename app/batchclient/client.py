@@ -274,8 +274,12 @@ class BatchClient:
                 raise crashes[0]
         finally:
             if not producer.done():
+                # The consumer left early: nothing more can be yielded, so every task goes,
+                # including those holding an answer for a queue no one reads.
                 self.abort()
                 producer.cancel()
+                for task in tasks:
+                    task.cancel()
                 await asyncio.gather(producer, *tasks, return_exceptions=True)
 
     async def _complete(self, request: Request) -> list[Result] | None:

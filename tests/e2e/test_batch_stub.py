@@ -8,6 +8,7 @@ connections and stalls at random; the point here is the client's behaviour, not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import signal
 import subprocess
@@ -292,3 +293,22 @@ def test_a_failing_item_source_stops_the_run_and_is_raised() -> None:
         seen, unfinished = asyncio.run(run())
     # As on SIGTERM: what was sent is answered, the rest is left unfinished, none lost.
     assert len(seen) + unfinished == 2
+
+
+def test_leaving_the_loop_early_ends_every_request() -> None:
+    items = [Item(i, {"inputs": f"text {i}"}) for i in range(500)]
+
+    async def run() -> int:
+        before = asyncio.all_tasks()
+        async with BatchClient(url, ClientOptions(concurrency=16)) as client:
+            taken = 0
+            async with contextlib.aclosing(client.infer_many(items)) as results:
+                async for _ in results:
+                    taken += 1
+                    if taken == 20:
+                        break  # closed on leaving the block: nothing may be left running
+            return len(asyncio.all_tasks() - before)
+
+    with running_flaky_server(Misbehaviour(delay_s=0.01)) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        assert asyncio.run(asyncio.wait_for(run(), 30)) == 0

@@ -125,7 +125,9 @@ def run_phase(
         p99_ms=summary["latency_p99_ms"],
         concurrency_final=int(summary["concurrency_final"]),
         concurrency_highest=int(summary["concurrency_highest"]),
-        client_peak_mb=round(usage.ru_maxrss / 1024.0, 1),
+        # The client's own VmHWM: wait4's ru_maxrss would include this process's memory,
+        # which Linux carries over into a child across fork and exec.
+        client_peak_mb=summary["peak_resident_mb"] or 0.0,
         foreign_cores=round(foreign, 2),
         exit_code=os.waitstatus_to_exitcode(status),
     )

@@ -103,6 +103,19 @@ def parse_headers(values: list[str]) -> dict[str, str]:
     return headers
 
 
+def peak_resident_mb() -> float | None:
+    """This process's peak resident memory, from VmHWM: counted since its exec, unlike
+    getrusage's ru_maxrss, which Linux carries over from the parent across fork and exec.
+    None where /proc is not Linux's."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024.0, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def count_lines(path: Path) -> int:
     """Non-blank lines (the total for the bar and the ETA), read as a stream."""
     count = 0
@@ -225,6 +238,7 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         final = progress()
     display.close(final)
     document = summary(final, stopped_by[0] if stopped_by else None)
+    document["peak_resident_mb"] = peak_resident_mb()
     stream.write("batch summary:\n" + summary_table(document) + "\n")
     if args.summary_json is not None:
         args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))

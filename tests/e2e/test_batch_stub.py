@@ -306,9 +306,12 @@ def test_leaving_the_loop_early_ends_every_request() -> None:
                 async for _ in results:
                     taken += 1
                     if taken == 20:
-                        break  # closed on leaving the block: nothing may be left running
+                        # Let answers fill the queue, so that some tasks wait to hand theirs
+                        # over; leaving the block closes the generator: nothing may be left.
+                        await asyncio.sleep(0.5)
+                        break
             return len(asyncio.all_tasks() - before)
 
     with running_flaky_server(Misbehaviour(delay_s=0.01)) as server:
         url = f"http://127.0.0.1:{server.port}"
-        assert asyncio.run(asyncio.wait_for(run(), 30)) == 0
+        assert asyncio.run(asyncio.wait_for(run(), 10)) == 0

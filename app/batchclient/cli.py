@@ -97,8 +97,8 @@ def parse_headers(values: list[str]) -> dict[str, str]:
     headers: dict[str, str] = {}
     for value in values:
         name, sep, content = value.partition(":")
-        if not sep or not name.strip():
-            raise ValueError(f"--header {value!r} is not 'NAME: VALUE'")
+        if not sep or not name.strip() or "\r" in value or "\n" in value:
+            raise ValueError(f"--header {value!r} is not 'NAME: VALUE' on one line")
         headers[name.strip()] = content.strip()
     return headers
 

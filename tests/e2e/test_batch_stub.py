@@ -315,3 +315,22 @@ def test_leaving_the_loop_early_ends_every_request() -> None:
     with running_flaky_server(Misbehaviour(delay_s=0.01)) as server:
         url = f"http://127.0.0.1:{server.port}"
         assert asyncio.run(asyncio.wait_for(run(), 10)) == 0
+
+
+def test_header_option_is_sent_with_every_request(tmp_path: Path) -> None:
+    lines = _lines(30)
+    source = tmp_path / "in.jsonl"
+    write_input(source, lines)
+    behaviour = Misbehaviour(required_header=b"authorization: Bearer s3cret")
+    with running_flaky_server(behaviour) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        with_token = run_batch(
+            source, url, tmp_path / "a.jsonl", "--header", "Authorization: Bearer s3cret"
+        )
+        without = run_batch(source, url, tmp_path / "b.jsonl")
+    assert with_token.returncode == 0, with_token.stderr
+    assert len(read_lines(tmp_path / "a.jsonl")) == 30
+    assert without.returncode == 3  # 401 is a 4xx: every line in errors, none retried
+    failed = read_lines(tmp_path / "b.errors.jsonl")
+    assert len(failed) == 30 and {f["status"] for f in failed} == {401}
+    assert all(f["attempts"] == 1 for f in failed)

@@ -51,6 +51,7 @@ class Misbehaviour:
     capacity: int | None = None
     capacity_after: int | None = None  # requests after which ``capacity`` no longer holds
     record_inputs: bool = True  # keep every text's arrival times (off for huge runs)
+    required_header: bytes | None = None  # e.g. b"authorization: bearer t"; else 401
 
 
 @dataclass
@@ -88,6 +89,10 @@ class FlakyServer:
                     if name.strip().lower() == b"content-length":
                         length = int(value)
                 body = await reader.readexactly(length)
+                required = self.behaviour.required_header
+                if required is not None and required.lower() not in head.lower():
+                    writer.write(self._answer(401, _error("unauthorized", "no token")))
+                    continue
                 response = await self._respond(body)
                 if response is None:
                     self.resets += 1

@@ -6,6 +6,8 @@ TORCH_CONSTRAINTS ?= constraints-cpu.txt
 HOST ?= 127.0.0.1
 PORT ?= 8000
 BIN := $(VENV)/bin
+# Lines the batch client's bench pushes through one server (make bench BATCH_BENCH_LINES=20000)
+BATCH_BENCH_LINES ?= 100000
 
 .PHONY: setup setup-dev tools serve test lint typecheck pytest bench check-config clean
 
@@ -48,6 +50,7 @@ bench: setup-dev
 	tools/ensure-tools.sh
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overload_bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.batch_bench --lines $(BATCH_BENCH_LINES)
 
 check-config: setup
 	$(BIN)/steadyserve check-config

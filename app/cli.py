@@ -1,4 +1,4 @@
-"""`steadyserve serve | check-config | bench | settings`.
+"""`steadyserve serve | check-config | bench | batch | settings`.
 
 `serve` builds the one `Settings` of the server (from the environment, then flags). In
 engine-process mode (the default) it runs the process tree of `processes.py`; with
@@ -20,14 +20,18 @@ import socket
 import sys
 from collections.abc import Iterator
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI
 
-from app.main import create_app
-from app.processes import serve_processes
-from app.service import Service
 from app.settings import Settings, settings_table
+
+if TYPE_CHECKING:
+    # Imported by `serve` at call time: `steadyserve batch` runs on orchestrator machines
+    # and loads none of the server.
+    from fastapi import FastAPI
+
+    from app.service import Service
 
 log = logging.getLogger("app.cli")
 
@@ -149,7 +153,11 @@ def serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = Settings(**overrides)
     if settings.engine == "process":
+        from app.processes import serve_processes
+
         return serve_processes(settings)
+    from app.main import create_app
+
     _configure_logging(settings.log_level)
     return run_uvicorn(create_app(settings), settings)
 
@@ -170,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         help="load generator (loadtest); `bench compare` runs the comparison",
         add_help=False,
     )
+    commands.add_parser(
+        "batch", help="push a JSONL file through /infer at the server's pace", add_help=False
+    )
     commands.add_parser("settings", help="print every setting as a Markdown table")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
@@ -183,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         # Imported by name at call time: these tools are not needed to serve.
         checkconfig = importlib.import_module("app.checkconfig")
         return int(checkconfig.main(rest))
+    if args.command == "batch":
+        batch_cli = importlib.import_module("app.batchclient.cli")
+        return int(batch_cli.main(rest))
     loadtest_cli = importlib.import_module("loadtest.cli")
     return int(loadtest_cli.main(rest))
 

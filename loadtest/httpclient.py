@@ -24,6 +24,7 @@ class Response(NamedTuple):
     status: int
     retry_after_s: float | None
     body_bytes: int  # on the wire, chunk framing included
+    body: bytes = b""  # only from connections opened with keep_body=True; chunks joined
 
 
 class RequestError(Exception):
@@ -92,8 +93,9 @@ def _header_value(lowered_head: bytes, name: bytes) -> bytes | None:
 class _ResponseReader(asyncio.Protocol):
     """Accumulates bytes and resolves the waiting request's future when a response is whole."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, keep_body: bool = False) -> None:
         self._loop = loop
+        self._keep_body = keep_body
         self._buffer = bytearray()
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -223,12 +225,31 @@ class _ResponseReader(asyncio.Protocol):
     def _finish(self, end: int) -> None:
         waiter = self._waiter
         self._waiter = None
-        response = Response(self._status, self._retry_after, end - self._head_length)
+        body = b""
+        if self._keep_body:
+            body = bytes(self._buffer[self._head_length : end])
+            if self._chunked:
+                body = _join_chunks(body)
+        response = Response(self._status, self._retry_after, end - self._head_length, body)
         del self._buffer[:end]
         if self._close_after:
             self.abort()
         if waiter is not None and not waiter.done():
             waiter.set_result(response)
+
+
+def _join_chunks(framed: bytes) -> bytes:
+    """The payload of a complete chunked body (size lines, chunks, trailers)."""
+    parts: list[bytes] = []
+    position = 0
+    while True:
+        line_end = framed.find(b"\r\n", position)
+        size = int(framed[position:line_end].split(b";")[0], 16)
+        if size == 0:
+            return b"".join(parts)
+        start = line_end + 2
+        parts.append(framed[start : start + size])
+        position = start + size + 2
 
 
 class HttpConnection:
@@ -239,13 +260,18 @@ class HttpConnection:
         self._loop = loop
 
     @classmethod
-    async def open(cls, target: Target, timeout_s: float = 10.0) -> HttpConnection:
+    async def open(
+        cls, target: Target, timeout_s: float = 10.0, keep_body: bool = False
+    ) -> HttpConnection:
         loop = asyncio.get_running_loop()
         context = ssl.create_default_context() if target.scheme == "https" else None
         try:
             async with asyncio.timeout(timeout_s):
                 _, reader = await loop.create_connection(
-                    lambda: _ResponseReader(loop), target.host, target.port, ssl=context
+                    lambda: _ResponseReader(loop, keep_body),
+                    target.host,
+                    target.port,
+                    ssl=context,
                 )
         except TimeoutError as error:
             raise RequestError(RequestError.CONNECT, "connect timed out") from error

@@ -1,0 +1,22 @@
+"""A client that pushes items through steadyserve's /infer at the pace the server can take.
+
+Runs on orchestrator machines: imports neither torch nor the model. ``steadyserve batch``
+is its command line (``app.batchclient.cli``); ``BatchClient`` and ``SyncBatchClient`` are
+its Python API.
+"""
+
+from app.batchclient.client import BatchClient, BatchStats, ClientOptions, SyncBatchClient
+from app.batchclient.items import Failure, Item, Result, Success
+from app.batchclient.retry import RetryPolicy
+
+__all__ = [
+    "BatchClient",
+    "BatchStats",
+    "ClientOptions",
+    "Failure",
+    "Item",
+    "Result",
+    "RetryPolicy",
+    "Success",
+    "SyncBatchClient",
+]

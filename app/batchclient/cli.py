@@ -1,0 +1,267 @@
+"""``steadyserve batch INPUT.jsonl --url http://HOST:PORT --out OUTPUT.jsonl``.
+
+Every input line ends up exactly once in OUTPUT (answered) or OUTPUT.errors.jsonl
+(refused by the server with a 4xx other than 429, out of retries, or not a request at
+all). Restarted with the same arguments it skips the ids already in either file, so a
+killed job resumes where it stopped. SIGINT/SIGTERM: stop sending, write what is in
+flight, print the summary, exit 128 + signal (a second signal drops what is in flight).
+
+Exit status: 0 every line answered; 3 done, but some lines are in the errors file;
+128 + N stopped by signal N (run again to resume); 1 the job could not run; 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import orjson
+
+from app.batchclient.client import BatchClient, ClientOptions
+from app.batchclient.items import Failure, InvalidLine, Item, Success
+from app.batchclient.journal import (
+    CorruptJournal,
+    IdSet,
+    Journal,
+    errors_path_for,
+    read_ids,
+    repair_torn_tail,
+)
+from app.batchclient.progress import JobProgress, ProgressDisplay, summary, summary_table
+from app.batchclient.retry import RetryPolicy
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_SOME_ERRORS = 3
+TICK_S = 0.5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="steadyserve batch",
+        description="Push a JSONL file through /infer at the server's pace; resumable.",
+    )
+    parser.add_argument("input", type=Path, help="JSONL: one /infer body (+ optional id) a line")
+    parser.add_argument("--url", required=True, help="server or Envoy base URL, e.g. http://h:8000")
+    parser.add_argument("--out", required=True, type=Path, help="OUTPUT.jsonl (appended to)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=128,
+        help="most requests in flight; the client adapts between 1 and this (default 128)",
+    )
+    parser.add_argument(
+        "--fixed-concurrency",
+        action="store_true",
+        help="keep --concurrency in flight instead of adapting (for comparisons)",
+    )
+    parser.add_argument("--rate", type=float, help="most requests per second, retries included")
+    parser.add_argument(
+        "--inputs-per-request", type=int, default=1, help="pack up to N inputs per request"
+    )
+    parser.add_argument(
+        "--timeout-ms", type=float, default=30000.0, help="per attempt (default 30000)"
+    )
+    parser.add_argument(
+        "--max-retries", type=int, default=8, help="retries of one request (default 8)"
+    )
+    parser.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="extra request header, e.g. 'Authorization: Bearer T' (repeatable)",
+    )
+    parser.add_argument("--summary-json", type=Path, help="write the final summary here")
+    parser.add_argument(
+        "--progress",
+        choices=("auto", "bar", "lines", "off"),
+        default="auto",
+        help="bar on a terminal, periodic lines otherwise (auto)",
+    )
+    parser.add_argument(
+        "--progress-interval", type=float, default=10.0, help="seconds between progress lines"
+    )
+    parser.add_argument("--seed", type=int, help="seed of the retry jitter")
+    return parser
+
+
+def parse_headers(values: list[str]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for value in values:
+        name, sep, content = value.partition(":")
+        if not sep or not name.strip() or "\r" in value or "\n" in value:
+            raise ValueError(f"--header {value!r} is not 'NAME: VALUE' on one line")
+        headers[name.strip()] = content.strip()
+    return headers
+
+
+def peak_resident_mb() -> float | None:
+    """This process's peak resident memory, from VmHWM: counted since its exec, unlike
+    getrusage's ru_maxrss, which Linux carries over from the parent across fork and exec.
+    None where /proc is not Linux's."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024.0, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def count_lines(path: Path) -> int:
+    """Non-blank lines (the total for the bar and the ETA), read as a stream."""
+    count = 0
+    with path.open("rb") as file:
+        for line in file:
+            if line.strip():
+                count += 1
+    return count
+
+
+@dataclass
+class _Source:
+    """Reads INPUT lazily, skipping ids already done; invalid lines go to errors at once."""
+
+    path: Path
+    done: IdSet
+    errors: Journal
+    skipped: int = 0
+    invalid: int = 0
+
+    def items(self) -> Iterator[Item]:
+        with self.path.open("rb") as file:
+            for line_number, line in enumerate(file, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    item = Item.from_line(line, line_number)
+                except InvalidLine as error:
+                    if line_number in self.done:
+                        self.skipped += 1
+                        continue
+                    self.done.add(line_number)
+                    self.invalid += 1
+                    failure = Failure(
+                        line_number,
+                        None,
+                        {"type": "invalid_line", "message": str(error)},
+                        attempts=0,
+                        retryable=False,
+                        line=line_number,
+                    )
+                    self.errors.append([failure.json_line()])
+                    continue
+                if item.id in self.done:
+                    self.skipped += 1
+                    continue
+                self.done.add(item.id)
+                yield item
+
+
+async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
+    output: Path = args.out
+    errors_path = errors_path_for(output)
+    for path in (output, errors_path):
+        torn = repair_torn_tail(path)
+        if torn:
+            stream.write(f"batch: {path}: cut a torn last line ({torn} bytes); it is redone\n")
+    done = IdSet()
+    resumed = read_ids(output, done) + read_ids(errors_path, done)
+    if resumed:
+        stream.write(f"batch: resuming: {resumed:,} ids already in {output} or its errors\n")
+    total = count_lines(args.input)
+    options = ClientOptions(
+        concurrency=args.concurrency,
+        adaptive=not args.fixed_concurrency,
+        rate=args.rate,
+        inputs_per_request=args.inputs_per_request,
+        timeout_s=args.timeout_ms / 1000.0,
+        retry=RetryPolicy(max_retries=args.max_retries),
+        headers=parse_headers(args.header),
+        seed=args.seed,
+    )
+    mode = args.progress
+    if mode == "auto":
+        mode = "bar" if stream.isatty() else "lines"
+    display = ProgressDisplay(stream, mode, args.progress_interval)
+    results_journal = Journal(output)
+    errors_journal = Journal(errors_path)
+    source = _Source(args.input, done, errors_journal)
+    started = time.monotonic()
+    stopped_by: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    async with BatchClient(args.url, options) as client:
+
+        def progress() -> JobProgress:
+            return JobProgress(
+                total, source.skipped, source.invalid, time.monotonic() - started, client.stats()
+            )
+
+        def on_signal(signum: signal.Signals) -> None:
+            stopped_by.append(signum.name)
+            if len(stopped_by) == 1:
+                stream.write(f"\nbatch: {signum.name}: finishing requests in flight\n")
+                client.stop()
+            else:
+                client.abort()
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, on_signal, signum)
+
+        async def show() -> None:
+            while True:
+                display.tick(progress())
+                await asyncio.sleep(TICK_S)
+
+        ticker = asyncio.create_task(show())
+        try:
+            async for result in client.infer_many(source.items()):
+                if isinstance(result, Success):
+                    results_journal.append([result.json_line()])
+                else:
+                    errors_journal.append([result.json_line()])
+        finally:
+            ticker.cancel()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+            results_journal.close()
+            errors_journal.close()
+        final = progress()
+    display.close(final)
+    document = summary(final, stopped_by[0] if stopped_by else None)
+    document["peak_resident_mb"] = peak_resident_mb()
+    stream.write("batch summary:\n" + summary_table(document) + "\n")
+    if args.summary_json is not None:
+        args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    if stopped_by:
+        return 128 + int(signal.Signals[stopped_by[0]])
+    if document["lines_failed"] or document["lines_unfinished"]:
+        return EXIT_SOME_ERRORS
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = stream or sys.stderr
+    try:
+        parse_headers(args.header)
+        if not args.input.is_file():
+            raise ValueError(f"{args.input} is not a file")
+        return asyncio.run(run_job(args, out))
+    except (ValueError, CorruptJournal, OSError) as error:
+        out.write(f"batch: {error}\n")
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

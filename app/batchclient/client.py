@@ -1,0 +1,447 @@
+"""The batch client: items in, one result per item out, at the pace the server can take.
+
+``BatchClient.infer_many`` sends each request when the AIMD window (``pacing``) and the
+optional rate limit (aiolimiter) allow, retries what ``retry`` says to retry, and yields a
+``Success`` or ``Failure`` for every item exactly once (or nothing for items left
+unfinished by ``stop``). Memory is bounded: at most ``2 x concurrency`` requests are read
+ahead of their answers. One event loop; ``stop`` and ``abort`` from that loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import time
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterable,
+    Iterator,
+    Mapping,
+)
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import orjson
+from aiolimiter import AsyncLimiter
+
+from app.batchclient.items import Failure, Item, Packer, Request, Result
+from app.batchclient.pacing import AimdController
+from app.batchclient.retry import RetryPolicy, Verdict, classify_status
+from app.batchclient.transport import ConnectionPool, RequestError
+from app.batchclient.window import Window
+from loadtest.stats import LogHistogram
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a ``BatchClient`` sends. ``concurrency`` is the most requests in flight; with
+    ``adaptive`` the client moves between 1 and it (AIMD), else it stays at it.
+    ``rate`` caps requests per second, retries included."""
+
+    concurrency: int = 128
+    adaptive: bool = True
+    rate: float | None = None
+    inputs_per_request: int = 1
+    timeout_s: float = 30.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    headers: Mapping[str, str] = field(default_factory=dict)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate must be positive")
+        if self.inputs_per_request < 1:
+            raise ValueError("inputs_per_request must be at least 1")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """Counts so far. Requests count every attempt; lines count items."""
+
+    requests: int
+    statuses: Mapping[int, int]
+    resets: int
+    timeouts: int
+    retries: int
+    lines_ok: int
+    lines_failed: int
+    lines_unfinished: int
+    in_flight: int
+    concurrency: int
+    lowest_concurrency: int
+    highest_concurrency: int
+    concurrency_cuts: int
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+
+    @property
+    def throttled(self) -> int:
+        return self.statuses.get(429, 0)
+
+    @property
+    def successes(self) -> int:
+        return sum(n for status, n in self.statuses.items() if 200 <= status < 300)
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.requests = 0
+        self.statuses: collections.Counter[int] = collections.Counter()
+        self.resets = 0
+        self.timeouts = 0
+        self.retries = 0
+        self.lines_ok = 0
+        self.lines_failed = 0
+        self.lines_unfinished = 0
+        self.latency = LogHistogram()  # 2xx attempts, seconds; bounded memory
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """One request's answer: ``status`` None when no HTTP response came (``transport``)."""
+
+    status: int | None
+    body: bytes
+    retry_after_s: float | None
+    latency_s: float
+    ticket: int  # the AIMD controller's, from when it was sent
+    transport: str | None = None  # "timeout" or the transport error's name
+
+
+def _error_of(attempt: _Attempt) -> dict[str, Any]:
+    """The server's ``error`` object when it sent one, else one describing what happened."""
+    if attempt.status is None:
+        return {"type": attempt.transport or "transport", "message": "no HTTP response"}
+    try:
+        parsed = orjson.loads(attempt.body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        error: dict[str, Any] = parsed["error"]
+        return error
+    text = attempt.body[:1000].decode("utf-8", "replace")
+    return {"type": "http_error", "message": text}
+
+
+class BatchClient:
+    """Async client for ``POST {url}/infer``; use as ``async with BatchClient(url) as c``."""
+
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self.options = options or ClientOptions()
+        self.infer_url = url.rstrip("/") + "/infer"
+        self._http: ConnectionPool | None = None
+        self.controller = AimdController(self.options.concurrency, adaptive=self.options.adaptive)
+        self._window = Window(self.controller)
+        # Capacity 1 and one token per 1/rate s: requests are spaced, never bunched, so in
+        # any second there are at most rate + 1 of them.
+        self._limiter = (
+            AsyncLimiter(1, 1.0 / self.options.rate) if self.options.rate is not None else None
+        )
+        self._rng = random.Random(self.options.seed)
+        self._counters = _Counters()
+        self._max_active = 2 * self.options.concurrency
+        self._stopping = False
+        self._waiting: set[asyncio.Task[Any]] = set()  # cancellable: nothing sent yet
+        self._sending: set[asyncio.Task[Any]] = set()
+
+    async def __aenter__(self) -> BatchClient:
+        self._http = ConnectionPool(self.infer_url, self.options.headers)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    # -- control -------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def stop(self) -> None:
+        """Send nothing more: requests in flight are answered and yielded, nothing else."""
+        self._stopping = True
+        for task in list(self._waiting):
+            task.cancel()
+
+    def abort(self) -> None:
+        """Stop at once: requests in flight are dropped too (their items stay unfinished)."""
+        self.stop()
+        for task in list(self._sending):
+            task.cancel()
+
+    def stats(self) -> BatchStats:
+        counters = self._counters
+        pacing = self.controller.snapshot()
+        latency = counters.latency
+        return BatchStats(
+            requests=counters.requests,
+            statuses=dict(counters.statuses),
+            resets=counters.resets,
+            timeouts=counters.timeouts,
+            retries=counters.retries,
+            lines_ok=counters.lines_ok,
+            lines_failed=counters.lines_failed,
+            lines_unfinished=counters.lines_unfinished,
+            in_flight=self._window.in_flight,
+            concurrency=pacing.limit,
+            lowest_concurrency=pacing.lowest_limit,
+            highest_concurrency=pacing.highest_limit,
+            concurrency_cuts=pacing.decreases,
+            latency_p50_s=latency.quantile(50.0) if latency.total else None,
+            latency_p99_s=latency.quantile(99.0) if latency.total else None,
+        )
+
+    # -- the run -------------------------------------------------------------------------
+    async def infer_many(
+        self, items: Iterable[Item] | AsyncIterable[Item]
+    ) -> AsyncGenerator[Result, None]:
+        """Yield one result per item as answers arrive (not in input order).
+
+        Items are read lazily, at most ``2 x concurrency`` requests ahead. After ``stop``
+        the items not yet answered are neither sent nor yielded (``lines_unfinished``).
+        """
+        if self._http is None:
+            raise RuntimeError("use the client as `async with BatchClient(...) as client`")
+        results: asyncio.Queue[list[Result] | None] = asyncio.Queue(maxsize=self._max_active)
+        crashes: list[BaseException] = []
+        active = asyncio.Semaphore(self._max_active)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def finish(request: Request) -> None:
+            try:
+                done = await self._complete(request)
+                if done:
+                    await results.put(done)
+            except asyncio.CancelledError:
+                # Cancelled by stop/abort, which count on this: the items stay unfinished.
+                self._counters.lines_unfinished += len(request.items)
+            except Exception as error:  # a bug, not an answer: the consumer raises it
+                self._counters.lines_unfinished += len(request.items)
+                crashes.append(error)
+                self.abort()
+            finally:
+                active.release()
+
+        async def start(request: Request) -> bool:
+            await active.acquire()
+            if self._stopping:
+                active.release()
+                self._counters.lines_unfinished += len(request.items)
+                return False
+            task = asyncio.create_task(finish(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            return True
+
+        async def produce() -> None:
+            try:
+                packer = Packer(self.options.inputs_per_request)
+                async for item in _each(items):
+                    if self._stopping:
+                        break
+                    for request in packer.add(item):
+                        await start(request)
+                if not self._stopping:
+                    for request in packer.flush():
+                        await start(request)
+            except Exception as error:  # the items' iterator failed: stop, then raise it
+                crashes.append(error)
+                self.stop()
+            while tasks:
+                await asyncio.wait(set(tasks))
+            await results.put(None)
+
+        producer = asyncio.create_task(produce())
+        try:
+            while (got := await results.get()) is not None:
+                for result in got:
+                    yield result
+            if crashes:
+                raise crashes[0]
+        finally:
+            if not producer.done():
+                # The consumer left early: nothing more can be yielded, so every task goes,
+                # including those holding an answer for a queue no one reads.
+                self.abort()
+                producer.cancel()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(producer, *tasks, return_exceptions=True)
+
+    async def _complete(self, request: Request) -> list[Result] | None:
+        """Send until answered or given up; None when stopped before an answer."""
+        policy = self.options.retry
+        attempt_number = 0
+        while True:
+            attempt_number += 1
+            attempt = await self._attempt(request)
+            outcome = (
+                classify_status(attempt.status)
+                if attempt.status is not None
+                else classify_status(599)  # no response: a transient fault, backoff
+            )
+            if outcome.verdict is Verdict.SUCCESS:
+                results = self._unpack(request, attempt, attempt_number)
+                if results is not None:
+                    return results
+                outcome_retry = True
+            else:
+                outcome_retry = outcome.verdict is Verdict.RETRY
+            if not outcome_retry:
+                if len(request.items) > 1:
+                    # Which item did the server refuse? Ask for each alone.
+                    split: list[Result] = []
+                    singles = request.split()
+                    for index, single in enumerate(singles):
+                        answered = await self._complete(single)
+                        if answered is None:  # stopped: the rest stay unfinished too
+                            self._counters.lines_unfinished += len(singles) - index - 1
+                            return split or None
+                        split.extend(answered)
+                    return split
+                return self._fail(request, attempt, attempt_number, retryable=False)
+            if attempt_number > policy.max_retries:
+                return self._fail(request, attempt, attempt_number, retryable=True)
+            if self._stopping:
+                self._counters.lines_unfinished += len(request.items)
+                return None
+            self._counters.retries += 1
+            delay = policy.delay_s(attempt_number, attempt.retry_after_s, self._rng)
+            await self._wait(asyncio.sleep(delay))
+
+    async def _wait(self, awaitable: Any) -> None:
+        """Await something before a request is sent: ``stop`` may cancel it."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
+        try:
+            await awaitable
+        finally:
+            self._waiting.discard(task)
+
+    async def _attempt(self, request: Request) -> _Attempt:
+        """One POST once the window and the rate limit allow it."""
+        await self._wait(self._window.acquire())
+        try:
+            if self._limiter is not None:
+                await self._wait(self._limiter.acquire())
+            if self._stopping:
+                raise asyncio.CancelledError  # stopped while waiting for a token
+            task = asyncio.current_task()
+            assert task is not None
+            self._sending.add(task)
+            try:
+                attempt = await self._post(request)
+            finally:
+                self._sending.discard(task)
+            self._pace(attempt, in_flight=self._window.in_flight)
+        finally:
+            self._window.release()
+        return attempt
+
+    async def _post(self, request: Request) -> _Attempt:
+        assert self._http is not None
+        self._counters.requests += 1
+        ticket = self.controller.on_send()
+        started = time.perf_counter()
+        try:
+            response = await self._http.post(request.body, self.options.timeout_s)
+        except RequestError as error:
+            kind = "timeout" if error.kind == RequestError.TIMEOUT else error.kind
+            if kind == "timeout":
+                self._counters.timeouts += 1
+            else:
+                self._counters.resets += 1
+            return _Attempt(None, b"", None, time.perf_counter() - started, ticket, kind)
+        latency = time.perf_counter() - started
+        self._counters.statuses[response.status] += 1
+        return _Attempt(response.status, response.body, response.retry_after_s, latency, ticket)
+
+    def _pace(self, attempt: _Attempt, in_flight: int) -> None:
+        """Tell the AIMD controller how the attempt went; a grown limit wakes waiters."""
+        if attempt.status is not None and 200 <= attempt.status < 300:
+            self.controller.on_success(attempt.ticket, in_flight)
+            self._window.wake()
+        elif attempt.transport == "timeout" or (
+            attempt.status is not None and classify_status(attempt.status).congestion
+        ):
+            self.controller.on_congestion(attempt.ticket)
+
+    def _unpack(self, request: Request, attempt: _Attempt, attempts: int) -> list[Result] | None:
+        """Each item's result from a 2xx, or None if the body is not the JSON expected."""
+        try:
+            response = orjson.loads(attempt.body)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(response, dict):
+            return None
+        results = request.unpack(response, attempts, attempt.latency_s)
+        if any(isinstance(result, Failure) for result in results):
+            return None
+        self._counters.latency.add(attempt.latency_s)
+        self._counters.lines_ok += len(results)
+        return results
+
+    def _fail(
+        self, request: Request, attempt: _Attempt, attempts: int, *, retryable: bool
+    ) -> list[Result]:
+        error = _error_of(attempt)
+        self._counters.lines_failed += len(request.items)
+        return [
+            Failure(item.id, attempt.status, error, attempts, retryable=retryable)
+            for item in request.items
+        ]
+
+
+async def _each(items: Iterable[Item] | AsyncIterable[Item]) -> AsyncIterator[Item]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+class SyncBatchClient:
+    """The same client for programs without an event loop (Airflow or Ray tasks).
+
+    ``infer_many`` runs an event loop of its own while you iterate it: requests progress
+    between the results you take, not while your code handles one. Not for use inside a
+    running event loop (use ``BatchClient`` there).
+    """
+
+    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
+        self.url = url
+        self.options = options or ClientOptions()
+        self.last_stats: BatchStats | None = None
+
+    def infer_many(self, items: Iterable[Item]) -> Iterator[Result]:
+        loop = asyncio.new_event_loop()
+        client = BatchClient(self.url, self.options)
+        loop.run_until_complete(client.__aenter__())
+        results = client.infer_many(items)
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(anext(results))
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(results.aclose())
+            self.last_stats = client.stats()
+            loop.run_until_complete(client.__aexit__(None, None, None))
+            loop.close()

@@ -4,8 +4,8 @@ of its code runs.
 A request's wait is not only the engine's queue: under a flood it first waits for the front
 end's event loop to get to it (reading, parsing, every other connection's turn). That wait
 is invisible to the engine's backlog, so admission adds it: a timer that should fire every
-`interval_s` measures how late it fires. `LagTracker` (pure, injected clock) keeps a peak
-that fades, so one late tick counts for a while and a calm loop soon reads zero.
+`interval_s` measures how late it fires. `LagTracker` (pure, injected clock) averages the
+lateness of the recent ticks.
 
 `LoopLagMonitor` runs on the event loop it measures; read `seconds` from that thread only.
 """
@@ -14,25 +14,37 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
 
 class LagTracker:
-    """A fading peak of observed lateness: the largest recent value, falling linearly to
-    zero over `window_s` unless a larger one replaces it (a calm loop reads exactly 0)."""
+    """The mean lateness of the ticks of the last `window_s`: what a request arriving now
+    can expect to wait for the loop. A lone stall (a collection, a descheduled moment) is
+    one late tick among many and barely moves it; a loop kept busy by a flood is late on
+    every tick. Reads exactly 0 once no late tick is left in the window."""
 
     def __init__(self, window_s: float = 0.25) -> None:
         self._window_s = window_s
-        self._peak = 0.0
-        self._at = 0.0
+        self._ticks: deque[tuple[float, float]] = deque()  # (when, lateness)
+        self._total = 0.0
 
     def record(self, lateness_s: float, now: float) -> None:
-        if lateness_s >= self.current(now):
-            self._peak, self._at = lateness_s, now
+        self._ticks.append((now, lateness_s))
+        self._total += lateness_s
+        self._forget_before(now - self._window_s)
 
     def current(self, now: float) -> float:
-        faded = 1.0 - max(0.0, now - self._at) / self._window_s
-        return self._peak * faded if faded > 0 else 0.0
+        self._forget_before(now - self._window_s)
+        if not self._ticks or self._total <= 0:
+            return 0.0
+        return self._total / len(self._ticks)
+
+    def _forget_before(self, start: float) -> None:
+        while self._ticks and self._ticks[0][0] < start:
+            self._total -= self._ticks.popleft()[1]
+        if not self._ticks:
+            self._total = 0.0  # no float residue once the window is empty
 
 
 # Timers fire up to about a millisecond late on a calm loop (uvloop's clock has millisecond

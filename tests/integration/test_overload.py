@@ -101,11 +101,12 @@ async def test_a_lagging_event_loop_counts_as_waiting() -> None:
     past the budget sheds load even with the engine idle."""
     async with start(max_queue_delay_ms=20) as harness:
         assert harness.service.shed(None) is None
-        time.sleep(0.05)  # noqa: ASYNC251 - blocking this loop is the lag under test
-        for _ in range(100):
-            if harness.service.loop_lag.seconds > 0:
-                break
-            await asyncio.sleep(0.005)  # let the lag timer fire late and record it
+        # A loop kept busy, as by a flood: every turn holds it 50 ms, so the lag timer fires
+        # late each time. (A single stall would barely move the mean.)
+        for _ in range(8):
+            time.sleep(0.05)  # noqa: ASYNC251 - holding this loop is the lag under test
+            await asyncio.sleep(0.006)  # one lag tick falls due during each hold
+        assert harness.service.loop_lag.seconds > 0.020
         rejection = harness.service.shed(None)
         assert rejection is not None
         assert rejection.reason.value == "queue"

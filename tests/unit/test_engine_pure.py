@@ -76,12 +76,16 @@ def test_protocol_messages_round_trip() -> None:
     assert decode_from_engine(encode(failure)) == failure
 
 
-def test_loop_lag_holds_its_peak_then_fades_to_zero() -> None:
-    tracker = LagTracker(window_s=0.2)
+def test_loop_lag_is_the_mean_lateness_of_the_recent_ticks() -> None:
+    tracker = LagTracker(window_s=0.25)
     assert tracker.current(0.0) == 0.0
-    tracker.record(0.080, now=1.0)
-    tracker.record(0.010, now=1.05)  # smaller than the faded peak (60 ms): the peak holds
-    assert tracker.current(1.1) == pytest.approx(0.040)
-    assert tracker.current(1.25) == 0.0  # a calm loop reads exactly zero
-    tracker.record(0.050, now=1.3)
-    assert tracker.current(1.3) == pytest.approx(0.050)
+    # A calm loop with one 120 ms stall: one late tick among fifty.
+    for tick in range(50):
+        tracker.record(0.120 if tick == 10 else 0.0, now=1.0 + tick * 0.005)
+    assert tracker.current(1.25) == pytest.approx(0.120 / 50)
+    # A loop kept busy: every tick 40 ms late.
+    for tick in range(1, 7):
+        tracker.record(0.040, now=1.25 + tick * 0.045)
+    assert tracker.current(1.52) == pytest.approx(0.040)
+    # Calm again: once the late ticks have left the window it reads exactly zero.
+    assert tracker.current(2.0) == 0.0

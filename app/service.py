@@ -32,7 +32,6 @@ from app.engine.client import EngineClient, EngineUnavailable
 from app.engine.protocol import EmbedOutput, EmbedPayload, EngineStatus, Submit
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
-from app.loop_lag import LoopLagMonitor
 from app.metrics import Metrics
 from app.models.tokenizer import InputTooLong, TextTokenizer, load_tokenizer
 from app.probes import Readiness, liveness, readiness
@@ -120,7 +119,6 @@ class Service:
         # when shedding, so a burst between two status messages is not all let through.
         self._sent_since_status = 0
         self._status_seen_at = -1.0
-        self.loop_lag = LoopLagMonitor(clock=clock)
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,7 +131,6 @@ class Service:
                     self._tokenizer_loader, spec, largest
                 )
             await self.engine.start()
-            self.loop_lag.start()
         except Exception as error:
             log.exception("front-end start-up failed")
             self._startup_error = f"front-end start-up failed: {type(error).__name__}"
@@ -188,13 +185,11 @@ class Service:
             return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
-        # Ahead of this request: the engine's queue (as last published, plus what this front
-        # end sent since) and this front end's own event loop, late by its current lag.
-        backlog = (
-            status.backlog_s
-            + self._sent_since_status * status.seconds_per_input
-            + self.loop_lag.seconds
-        )
+        # The engine's queue as last published, plus what this front end sent since. Not
+        # this front end's own event-loop lag: under a closed-loop flood the cheap refusals
+        # themselves keep the loop busy, and counting that lag refused nearly everything,
+        # collapsing goodput (measured: docs/BENCHMARKS.md).
+        backlog = status.backlog_s + self._sent_since_status * status.seconds_per_input
         verdict = delay_verdict(
             DelayEstimate(backlog_s=backlog, own_compute_s=0.0),
             deadline,
@@ -333,6 +328,5 @@ class Service:
         return True
 
     async def stop(self) -> None:
-        await self.loop_lag.stop()
         await self.engine.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

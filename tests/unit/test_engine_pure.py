@@ -18,7 +18,6 @@ from app.engine.protocol import (
     encode,
 )
 from app.engine.supervisor import next_backoff
-from app.loop_lag import LagTracker
 from app.scheduler import BatchPolicy, BatchShape, Scheduler, WorkItem
 
 POLICY = BatchPolicy(length_buckets=(16, 64), max_batch_size=8, max_batch_tokens=256, max_wait_s=0)
@@ -74,18 +73,3 @@ def test_protocol_messages_round_trip() -> None:
     assert decode_from_engine(encode(output)) == output
     failure = Failure(7, FailureKind.REJECTED, "busy", "queue", 0.25)
     assert decode_from_engine(encode(failure)) == failure
-
-
-def test_loop_lag_is_the_mean_lateness_of_the_recent_ticks() -> None:
-    tracker = LagTracker(window_s=0.25)
-    assert tracker.current(0.0) == 0.0
-    # A calm loop with one 120 ms stall: one late tick among fifty.
-    for tick in range(50):
-        tracker.record(0.120 if tick == 10 else 0.0, now=1.0 + tick * 0.005)
-    assert tracker.current(1.25) == pytest.approx(0.120 / 50)
-    # A loop kept busy: every tick 40 ms late.
-    for tick in range(1, 7):
-        tracker.record(0.040, now=1.25 + tick * 0.045)
-    assert tracker.current(1.52) == pytest.approx(0.040)
-    # Calm again: once the late ticks have left the window it reads exactly zero.
-    assert tracker.current(2.0) == 0.0

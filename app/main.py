@@ -30,11 +30,14 @@ from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
 from app.api.openapi import install_openapi
+from app.api.slow import SlowRequestMiddleware
 from app.engine.client import EngineClient
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.service import Service, TokenizerLoader, load_model_tokenizer
 from app.settings import Settings
+from app.spikes.recorder import SlowRequestRecorder
+from app.telemetry.sampler import ProcessTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +88,16 @@ def create_app(
         frontend_processes=frontend_processes,
     )
 
+    # This front end's probes (with the engine in-process, they watch the engine's process
+    # and loop too, and count the container's figures).
+    telemetry = ProcessTelemetry.for_process(
+        "frontend", metrics, publishes_container=settings.engine == "inprocess"
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.spike_reports:
+            telemetry.start()
         if supervisor is not None:
             supervisor.start()  # type: ignore[attr-defined]
         startup = asyncio.create_task(service.start(), name="startup")
@@ -100,11 +111,14 @@ def create_app(
             await service.stop()
             if supervisor is not None:
                 await supervisor.stop()  # type: ignore[attr-defined]
+            await telemetry.stop()
 
     app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)
     app.state.service = service
     app.state.settings = settings
     app.state.supervisor = supervisor
+    app.state.telemetry = telemetry
+    app.state.recorder = None
     install_error_handlers(app)
     install_openapi(app, service)
     app.include_router(embed.router)
@@ -114,6 +128,21 @@ def create_app(
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],
     ).instrument(app, latency_highr_buckets=LATENCY_BUCKETS_S)
+    if settings.spike_reports:
+        recorder = SlowRequestRecorder(
+            metrics,
+            settings.slow_request_ms / 1000,
+            settings.slow_request_p99_multiple,
+            settings.slow_request_reports,
+        )
+        app.state.recorder = recorder
+        app.add_middleware(
+            SlowRequestMiddleware,
+            recorder=recorder,
+            telemetry=telemetry,
+            paths=INFERENCE_PATHS,
+            batching_window_s=settings.max_wait_ms / 1000,
+        )
     # Added last = outermost. The body guard bounds a body's size and the time it takes to
     # arrive; Server-Timing wraps it so its answers carry the header too; shedding, outermost,
     # refuses from headers alone before anything else runs (its answers are prebuilt, with

@@ -312,6 +312,6 @@ def _trace(batch: Batch, output: BatchOutput, expected_s: float, first_seen: boo
         run_s=output.run_s,
         copy_out_s=output.copy_out_s,
         expected_compute_s=expected_s,
-        thread_cpu_s=output.thread_cpu_s,
+        runqueue_wait_s=output.runqueue_wait_s,
         first_seen_shape=first_seen,
     )

@@ -19,6 +19,7 @@ import torch
 from app.buffers import BufferPool, BufferSlot
 from app.models.base import ModelRunner
 from app.scheduler import BatchShape
+from app.telemetry.schedstat import thread_runqueue_wait_s
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +31,12 @@ class BatchOutput:
     acquire_wait_s: float
     pool_miss: bool
     # The split of compute_s (on CUDA the device copies are inside run_s: they are queued
-    # on the thread's stream with the forward pass), and the CPU time this thread got.
+    # on the thread's stream with the forward pass), and how long this thread waited,
+    # runnable, for a CPU meanwhile (taken by other threads or processes).
     copy_in_s: float = 0.0
     run_s: float = 0.0
     copy_out_s: float = 0.0
-    thread_cpu_s: float = 0.0
+    runqueue_wait_s: float = 0.0
 
 
 def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Stream | None) -> None:
@@ -67,7 +69,7 @@ def execute_batch(
     """Run `token_ids` (at most `shape.batch` rows, each at most `shape.length` tokens)."""
     slot, waited = pool.acquire(shape)
     try:
-        started, cpu_started = time.perf_counter(), time.thread_time()
+        started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
         rows = slot.write_inputs(token_ids, runner.pad_token_id)
         copied_in = time.perf_counter()
         _run_on_slot(runner, slot, stream)
@@ -82,7 +84,7 @@ def execute_batch(
             copy_in_s=copied_in - started,
             run_s=ran - copied_in,
             copy_out_s=finished - ran,
-            thread_cpu_s=time.thread_time() - cpu_started,
+            runqueue_wait_s=thread_runqueue_wait_s() - waited_before,
         )
     finally:
         pool.release(slot)
@@ -119,7 +121,7 @@ def run_batch(
         copy_in_s=sum(p.copy_in_s for p in parts),
         run_s=sum(p.run_s for p in parts),
         copy_out_s=sum(p.copy_out_s for p in parts),
-        thread_cpu_s=sum(p.thread_cpu_s for p in parts),
+        runqueue_wait_s=sum(p.runqueue_wait_s for p in parts),
     )
 
 

@@ -64,7 +64,8 @@ class BatchTrace(msgspec.Struct, frozen=True):
     """The batch that finished a request last (its slowest input's), for slow-request
     reports: its rows, padded shape and the token lengths batched with it; the wait for a
     buffer slot; copy in, run and copy out; the compute the scheduler expected for the shape;
-    the CPU time its compute thread got; whether warm-up had covered the shape."""
+    how long its compute thread waited, runnable, for a CPU; whether warm-up had covered
+    the shape."""
 
     rows: int
     padded_rows: int
@@ -75,7 +76,7 @@ class BatchTrace(msgspec.Struct, frozen=True):
     run_s: float
     copy_out_s: float
     expected_compute_s: float
-    thread_cpu_s: float
+    runqueue_wait_s: float
     first_seen_shape: bool
 
 

@@ -32,6 +32,10 @@ CAUSES = (
     "serialise",
     "unaccounted",
 )
+# Root causes: something happened to the request. The others say in which phase its time
+# went, and a root cause's time is spent inside some phase: so phases are ranked by what
+# is left of them once the root causes' time is taken off (`rank`).
+ROOT_CAUSES = frozenset(CAUSES[: CAUSES.index("buffer_wait")])
 # Causes explaining less than this are left out of a report.
 MIN_CAUSE_S = 0.0005
 
@@ -115,12 +119,12 @@ def attribute(facts: RequestFacts) -> list[Cause]:
 
     batch = facts.engine.batch if facts.engine is not None else None
     batch_wall = batch.copy_in_s + batch.run_s + batch.copy_out_s if batch else 0.0
-    starved_batch = max(0.0, batch_wall - batch.thread_cpu_s) if batch else 0.0
+    starved_batch = min(batch.runqueue_wait_s, batch_wall) if batch else 0.0
     contention = max(starved_batch, starved_loop)
     evidence = []
     if batch is not None and starved_batch > 0:
         evidence.append(
-            f"its compute thread was on a CPU {_ms(batch.thread_cpu_s)} of its "
+            f"its compute thread waited {_ms(starved_batch)} for a CPU during its "
             f"{_ms(batch_wall)} batch"
         )
     if starved_loop > 0:
@@ -245,6 +249,15 @@ def attribute(facts: RequestFacts) -> list[Cause]:
 
 
 def rank(causes: list[Cause]) -> list[Cause]:
-    """Causes worth naming, most time first; ties go to the more specific cause."""
+    """Causes worth naming, most time first; a phase counts only what the root causes
+    leave of it (a 200 ms GC pause during a 205 ms compute phase is the GC's); ties go to
+    the more specific cause."""
     kept = [c for c in causes if c.seconds >= MIN_CAUSE_S]
-    return sorted(kept, key=lambda c: (-round(c.seconds, 4), CAUSES.index(c.name)))
+    root_s = max((c.seconds for c in kept if c.name in ROOT_CAUSES), default=0.0)
+
+    def weight(cause: Cause) -> float:
+        if cause.name in ROOT_CAUSES:
+            return cause.seconds
+        return max(0.0, cause.seconds - root_s)
+
+    return sorted(kept, key=lambda c: (-round(weight(c), 4), CAUSES.index(c.name)))

@@ -1,6 +1,7 @@
 """Event-loop lag: how late a ticker on the loop wakes up, split into the part where the
-loop's thread was running code (the loop was *blocked*) and the part where it was not even
-on a CPU (it was *starved* by other threads or processes).
+loop's thread was runnable but waiting for a CPU (it was *starved* by other threads or
+processes: `schedstat.py`) and the rest, where code on the loop held it up (it was
+*blocked*).
 
 One `LoopLagMonitor` per event loop; start and stop it on that loop's thread.
 """
@@ -12,6 +13,8 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping
 
+from app.telemetry.schedstat import thread_runqueue_wait_s
+
 TICK_S = 0.01
 
 
@@ -20,13 +23,13 @@ class LoopLagMonitor:
         self,
         tick_s: float = TICK_S,
         clock: Callable[[], float] = time.monotonic,
-        thread_clock: Callable[[], float] = time.thread_time,
+        thread_wait: Callable[[], float] = thread_runqueue_wait_s,
     ) -> None:
         self.tick_s = tick_s
         self._clock = clock
-        self._thread_clock = thread_clock
+        self._thread_wait = thread_wait
         self.lag_s_total = 0.0
-        self.busy_lag_s_total = 0.0  # lag while the loop's thread was on a CPU
+        self.busy_lag_s_total = 0.0  # lag not explained by waiting for a CPU
         self._high_water_s = 0.0
         self._due_at: float | None = None
         self._task: asyncio.Task[None] | None = None
@@ -47,17 +50,16 @@ class LoopLagMonitor:
 
     async def _run(self) -> None:
         while True:
-            started, cpu_started = self._clock(), self._thread_clock()
+            started, waited_before = self._clock(), self._thread_wait()
             self._due_at = started + self.tick_s
             await asyncio.sleep(self.tick_s)
-            self.record(started, cpu_started, self._clock(), self._thread_clock())
+            self.record(started, self._clock(), self._thread_wait() - waited_before)
 
-    def record(self, started: float, cpu_started: float, woke: float, cpu_woke: float) -> None:
-        """One tick: slept from `started` to `woke` (thread CPU `cpu_started`..`cpu_woke`)."""
+    def record(self, started: float, woke: float, runqueue_wait_s: float) -> None:
+        """One tick: slept from `started` to `woke`, of which the loop's thread spent
+        `runqueue_wait_s` runnable but off a CPU."""
         lag = max(0.0, woke - started - self.tick_s)
-        # CPU time the loop's thread used during the tick: what delayed the ticker while on
-        # a CPU (a callback that ran too long). The rest of the lag it spent off-CPU.
-        busy = min(lag, max(0.0, cpu_woke - cpu_started))
+        busy = lag - min(lag, max(0.0, runqueue_wait_s))
         self.lag_s_total += lag
         self.busy_lag_s_total += busy
         self._high_water_s = max(self._high_water_s, lag)

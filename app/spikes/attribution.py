@@ -109,9 +109,11 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     for where, probes in processes:
         busy = probes.get("loop_busy_lag_seconds_total", 0.0)
         lag = probes.get("loop_lag_seconds_total", 0.0)
-        # A collection on the loop's thread shows up as lag too: it is the GC's.
-        blocked = max(0.0, busy - gc_by_process.get(where, 0.0))
-        starved_loop = max(starved_loop, lag - busy)
+        # A collection on the loop's thread shows up as lag too, and a CPU taken from it
+        # while it collects as starvation: both are the GC's pause (timed by the clock).
+        gc_here = gc_by_process.get(where, 0.0)
+        blocked = max(0.0, busy - gc_here)
+        starved_loop = max(starved_loop, lag - busy - max(0.0, gc_here - busy))
         if blocked > 0:
             blocked_total += blocked
             blocked_evidence.append(f"the {where}'s event loop was blocked {_ms(blocked)}")

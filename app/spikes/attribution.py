@@ -154,7 +154,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     excess = max(0.0, compute - expected) if expected > 0 else 0.0
     shape = f"({batch.padded_rows}, {batch.length_bucket})" if batch else "?"
     device = _device_probes(facts)
-    explained = starved_batch
+    explained = max(starved_batch, min(throttled, compute))
 
     bits = int(device.get("gpu_throttle_reasons", 0.0))
     if bits & SLOWDOWN_BITS:

@@ -117,7 +117,7 @@ def test_cgroup_throttling() -> None:
             engine_probes={
                 "cgroup_throttled_seconds_total": 0.042,
                 "cgroup_throttled_periods_total": 3,
-            }
+            },
         )
     )
     assert (name, ms) == ("cgroup_throttled", 42)

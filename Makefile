@@ -45,6 +45,7 @@ test: lint typecheck pytest
 
 bench: setup-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.bench
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overhead
 
 check-config: setup
 	$(BIN)/steadyserve check-config

@@ -340,8 +340,14 @@ def measure_naive(options: argparse.Namespace, payloads_for: Any, out_dir: Path)
 
 
 def measure_steadyserve(
-    options: argparse.Namespace, payloads_for: Any, out_dir: Path
+    options: argparse.Namespace,
+    payloads_for: Any,
+    out_dir: Path,
+    name: str = "steadyserve",
+    extra_env: dict[str, str] | None = None,
 ) -> PhaseOutcome:
+    """steadyserve in its default layout for --threads CPUs, with --steady-env and then
+    `extra_env` applied; its results go under `out_dir/name`."""
     port = _free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/infer")
     command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -359,9 +365,10 @@ def measure_steadyserve(
     for assignment in options.steady_env:
         key, _, value = assignment.partition("=")
         env[key] = value
+    env.update(extra_env or {})
     layout = f" {env['STEADY_DISPATCHER_THREADS']}x{env['STEADY_TORCH_THREADS']} threads"
     return measure_server(
-        "steadyserve", command, env, port, options, payloads_for(target), target, out_dir, layout
+        name, command, env, port, options, payloads_for(target), target, out_dir, layout
     )
 
 

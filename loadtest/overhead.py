@@ -31,6 +31,7 @@ from loadtest.httpclient import Target
 from loadtest.stages import parse_duration
 
 ORDER = ("off", "on", "on", "off")
+# `--order on,off,off,on` swaps the roles (a bump in the machine's load mid-run shows up).
 TARGET_RATIO = 0.98
 
 
@@ -54,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     parser.prog = "python -m loadtest.overhead"
     parser.set_defaults(duration="15s")
+    parser.add_argument("--order", default=",".join(ORDER), help="Runs, comma-separated.")
     options = parser.parse_args(argv)
+    order = [setting.strip() for setting in options.order.split(",")]
+    if set(order) != {"on", "off"}:
+        parser.error("--order needs both on and off")
     options.duration_s = parse_duration(options.duration)
     options.warmup_s = parse_duration(options.warmup)
     options.ready_timeout_s = parse_duration(options.ready_timeout)
@@ -71,31 +76,44 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
     rates: dict[str, list[float]] = {"on": [], "off": []}
+    # CPU the server's processes spent per request: what the recorder costs, much less
+    # disturbed than throughput by other work on a shared machine.
+    cpu_per_request: dict[str, list[float]] = {"on": [], "off": []}
     runs = []
-    for index, setting in enumerate(ORDER):
-        _log(f"run {index + 1}/{len(ORDER)}: spike reports {setting}")
+    for index, setting in enumerate(order):
+        _log(f"run {index + 1}/{len(order)}: spike reports {setting}")
         env = {"STEADY_SPIKE_REPORTS": "true" if setting == "on" else "false"}
         outcome = measure_steadyserve(
             options, payloads_for, out_dir, name=f"{index + 1}-{setting}", extra_env=env
         )
         rates[setting].append(_rate(outcome))
+        server_cores = float(outcome.details.get("server_cores") or 0.0)
+        cpu_ms = server_cores / _rate(outcome) * 1000 if _rate(outcome) else 0.0
+        cpu_per_request[setting].append(cpu_ms)
+        foreign = outcome.details.get("foreign_cores")
         runs.append(
             {
                 "setting": setting,
                 "rps": round(_rate(outcome), 1),
                 "p99_ms": round(_p99_ms(outcome), 1),
-                "foreign_cores": outcome.details.get("foreign_cores"),
+                "server_cpu_ms_per_request": round(cpu_ms, 3),
+                "foreign_cores": None if foreign is None else round(float(foreign), 2),
             }
         )
     ratio, spread = verdict(rates)
+    cpu_ratio, cpu_spread = verdict(cpu_per_request)
     lines = [
-        "| run | spike reports | req/s | p99 ms | other processes (cores) |",
-        "|---|---|---:|---:|---:|",
+        "| run | spike reports | req/s | p99 ms | server CPU ms per request | other processes "
+        "(cores) |",
+        "|---|---|---:|---:|---:|---:|",
         *(
-            f"| {i + 1} | {r['setting']} | {r['rps']} | {r['p99_ms']} | {r['foreign_cores']} |"
+            f"| {i + 1} | {r['setting']} | {r['rps']} | {r['p99_ms']} | "
+            f"{r['server_cpu_ms_per_request']} | {r['foreign_cores']} |"
             for i, r in enumerate(runs)
         ),
         "",
+        f"server CPU per request, on/off: {cpu_ratio:.3f} (largest spread between two runs "
+        f"of one setting: {cpu_spread:.1%})",
         f"on/off throughput: {ratio:.3f} (target >= {TARGET_RATIO}); largest spread between "
         f"two runs of one setting: {spread:.1%}"
         + (" -- the machine's noise is larger than the effect measured" if spread > 0.02 else ""),
@@ -108,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "ratio_on_off": ratio,
         "spread": spread,
+        "cpu_per_request_on_off": cpu_ratio,
+        "cpu_spread": cpu_spread,
     }
     (out_dir / "overhead.json").write_text(json.dumps(document, indent=2) + "\n")
     (out_dir / "overhead.md").write_text(table + "\n")

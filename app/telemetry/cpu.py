@@ -42,21 +42,26 @@ def resident_bytes(proc: Path = PROC) -> float | None:
 
 
 class CpuProbe:
-    """`process_cpu_seconds_total`, `host_cpu_busy_seconds_total`, `process_resident_bytes`."""
+    """`process_cpu_seconds_total` (read each time: a clock call),
+    `host_cpu_busy_seconds_total` (cached `max_age_s`: the kernel counts it in 10 ms ticks
+    anyway) and `process_resident_bytes` (cached a second: for the metric only)."""
 
-    def __init__(self, proc: Path = PROC, max_age_s: float = 0.005) -> None:
+    def __init__(self, proc: Path = PROC, max_age_s: float = 0.01) -> None:
         self._proc = proc
-        self._cached = Cached(self._read_now, max_age_s)
+        self._host = Cached(self._read_host, max_age_s)
+        self._rss = Cached(self._read_rss, 1.0)
 
-    def _read_now(self) -> Mapping[str, float]:
-        readings = {"process_cpu_seconds_total": time.process_time()}
+    def _read_host(self) -> Mapping[str, float]:
         host = host_busy_cpu_seconds(self._proc)
-        if host is not None:
-            readings["host_cpu_busy_seconds_total"] = host
+        return {} if host is None else {"host_cpu_busy_seconds_total": host}
+
+    def _read_rss(self) -> Mapping[str, float]:
         rss = resident_bytes(self._proc)
-        if rss is not None:
-            readings["process_resident_bytes"] = rss
-        return readings
+        return {} if rss is None else {"process_resident_bytes": rss}
 
     def read(self) -> Mapping[str, float]:
-        return self._cached.read()
+        return {
+            "process_cpu_seconds_total": time.process_time(),
+            **self._host.read(),
+            **self._rss.read(),
+        }

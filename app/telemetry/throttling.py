@@ -49,7 +49,7 @@ def read_throttling(root: Path = CGROUP_ROOT) -> dict[str, float]:
 
 
 class CgroupThrottleProbe:
-    def __init__(self, root: Path = CGROUP_ROOT, max_age_s: float = 0.005) -> None:
+    def __init__(self, root: Path = CGROUP_ROOT, max_age_s: float = 0.01) -> None:
         self._cached = Cached(lambda: read_throttling(root), max_age_s)
 
     def read(self) -> Mapping[str, float]:

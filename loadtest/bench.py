@@ -133,7 +133,8 @@ class ForeignLoad:
     """
 
     def __init__(self, pids: Sequence[int]) -> None:
-        self._pids = [p for pid in pids for p in (pid, *_descendants(pid))]
+        # Once each: the server is also a descendant of the bench's own process.
+        self._pids = list(dict.fromkeys(p for pid in pids for p in (pid, *_descendants(pid))))
         self._started = time.monotonic()
         self._busy = _system_busy_s()
         self._cpu = {pid: self._cpu_s(pid) for pid in self._pids}

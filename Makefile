@@ -47,6 +47,7 @@ test: lint typecheck pytest
 
 bench: setup-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.bench
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overhead
 	tools/ensure-tools.sh
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overload_bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost

@@ -25,11 +25,13 @@ import numpy.typing as npt
 
 from app.buffers import BufferPool
 from app.dispatcher import Dispatcher
+from app.engine.protocol import BatchTrace
 from app.execute import BatchOutput, run_batch, warmup_token_ids
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.models.base import ModelRunner
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
+from app.telemetry.shapes import ShapeTracker
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class ItemResult:
     vector: npt.NDArray[np.float32]
     queue_wait_s: float
     compute_s: float
+    batch: BatchTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +100,12 @@ class ModelBatcher:
         metrics: Metrics,
         clock: Callable[[], float],
         on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
+        before_batch: Callable[[], None] = lambda: None,
     ) -> None:
+        """`before_batch` runs on the compute thread before each batch (a probe's check)."""
         self.runner = runner
+        self.shapes = ShapeTracker()
+        self._before_batch = before_batch
         self.scheduler = Scheduler(policy)
         self.pool = pool
         self._dispatcher = dispatcher
@@ -222,10 +229,13 @@ class ModelBatcher:
                 self._metrics.queue_wait.labels(self.runner.name, bucket).observe(
                     started - pending.item.enqueued_at
                 )
+            expected_s = self.scheduler.estimated_compute(batch.shape)
+            first_seen = self.shapes.first_seen(batch.shape)
             output = await self._dispatcher.run_compute(
                 self._run_batch, batch.shape, [p.token_ids for p in pendings]
             )
-            self._record(batch, output)
+            self._record(batch, output, first_seen)
+            trace = _trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
                 _set_result_if_not_done(
                     pending.future,
@@ -233,6 +243,7 @@ class ModelBatcher:
                         vector=output.rows[row],
                         queue_wait_s=started - pending.item.enqueued_at,
                         compute_s=output.compute_s,
+                        batch=trace,
                     ),
                 )
         except BaseException as error:
@@ -249,6 +260,7 @@ class ModelBatcher:
 
     def _run_batch(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
         """Compute threads only."""
+        self._before_batch()
         policy = self.scheduler.policy
         return run_batch(
             self.pool,
@@ -259,9 +271,12 @@ class ModelBatcher:
             lambda rows: BatchShape(policy.padded_batch(shape.length, rows), shape.length),
         )
 
-    def _record(self, batch: Batch, output: BatchOutput) -> None:
+    def _record(self, batch: Batch, output: BatchOutput, first_seen: bool) -> None:
         name, bucket = self.runner.name, str(batch.shape.length)
         self.scheduler.record_compute(batch.shape, output.compute_s)
+        self._metrics.dispatcher_busy.labels(name).inc(output.compute_s)
+        if first_seen:
+            self._metrics.unwarmed_shapes.labels(name).inc()
         self._metrics.batch_size.labels(name, bucket).observe(len(batch.items))
         self._metrics.batch_compute.labels(name, bucket).observe(output.compute_s)
         self._metrics.pool_acquire_wait.labels(name).observe(output.acquire_wait_s)
@@ -282,4 +297,21 @@ class ModelBatcher:
             )
             for output in outputs:
                 self.scheduler.record_compute(shape, output.compute_s)
+            self.shapes.mark_warm(shape)
             on_shape_done(done, len(shapes))
+
+
+def _trace(batch: Batch, output: BatchOutput, expected_s: float, first_seen: bool) -> BatchTrace:
+    return BatchTrace(
+        rows=len(batch.items),
+        padded_rows=batch.shape.batch,
+        length_bucket=batch.shape.length,
+        co_batched_lengths=[item.n_tokens for item in batch.items],
+        acquire_wait_s=output.acquire_wait_s,
+        copy_in_s=output.copy_in_s,
+        run_s=output.run_s,
+        copy_out_s=output.copy_out_s,
+        expected_compute_s=expected_s,
+        runqueue_wait_s=output.runqueue_wait_s,
+        first_seen_shape=first_seen,
+    )

@@ -1,4 +1,4 @@
-"""`steadyserve serve | check-config | bench | batch | settings`.
+"""`steadyserve serve | check-config | bench | batch | settings | spikes`.
 
 `serve` builds the one `Settings` of the server (from the environment, then flags). In
 engine-process mode (the default) it runs the process tree of `processes.py`; with
@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         "batch", help="push a JSONL file through /infer at the server's pace", add_help=False
     )
     commands.add_parser("settings", help="print every setting as a Markdown table")
+    commands.add_parser(
+        "spikes", help="a server's recent slow-request reports as a table", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         if rest:
@@ -190,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         print(settings_table())
         return 0
+    if args.command == "spikes":
+        from app.spikes.table import main as spikes_main
+
+        return spikes_main(rest)
     if args.command == "check-config":
         # Imported by name at call time: these tools are not needed to serve.
         checkconfig = importlib.import_module("app.checkconfig")

@@ -19,6 +19,7 @@ import torch
 from app.buffers import BufferPool, BufferSlot
 from app.models.base import ModelRunner
 from app.scheduler import BatchShape
+from app.telemetry.schedstat import thread_runqueue_wait_s
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class BatchOutput:
     rows: npt.NDArray[np.float32]  # (inputs, output_width), owned by the caller
-    compute_s: float
+    compute_s: float  # copy in + run + copy out
     acquire_wait_s: float
     pool_miss: bool
+    # The split of compute_s (on CUDA the device copies are inside run_s: they are queued
+    # on the thread's stream with the forward pass), and how long this thread waited,
+    # runnable, for a CPU meanwhile (taken by other threads or processes).
+    copy_in_s: float = 0.0
+    run_s: float = 0.0
+    copy_out_s: float = 0.0
+    runqueue_wait_s: float = 0.0
 
 
 def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Stream | None) -> None:
@@ -61,11 +69,23 @@ def execute_batch(
     """Run `token_ids` (at most `shape.batch` rows, each at most `shape.length` tokens)."""
     slot, waited = pool.acquire(shape)
     try:
-        started = time.perf_counter()
+        started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
         rows = slot.write_inputs(token_ids, runner.pad_token_id)
+        copied_in = time.perf_counter()
         _run_on_slot(runner, slot, stream)
+        ran = time.perf_counter()
         result = slot.output_view[:rows].copy()
-        return BatchOutput(result, time.perf_counter() - started, waited, slot.is_fallback)
+        finished = time.perf_counter()
+        return BatchOutput(
+            result,
+            finished - started,
+            waited,
+            slot.is_fallback,
+            copy_in_s=copied_in - started,
+            run_s=ran - copied_in,
+            copy_out_s=finished - ran,
+            runqueue_wait_s=thread_runqueue_wait_s() - waited_before,
+        )
     finally:
         pool.release(slot)
 
@@ -98,6 +118,10 @@ def run_batch(
         compute_s=sum(p.compute_s for p in parts),
         acquire_wait_s=sum(p.acquire_wait_s for p in parts),
         pool_miss=any(p.pool_miss for p in parts),
+        copy_in_s=sum(p.copy_in_s for p in parts),
+        run_s=sum(p.run_s for p in parts),
+        copy_out_s=sum(p.copy_out_s for p in parts),
+        runqueue_wait_s=sum(p.runqueue_wait_s for p in parts),
     )
 
 

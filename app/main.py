@@ -32,12 +32,15 @@ from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
 from app.api.openapi import install_openapi
+from app.api.slow import SlowRequestMiddleware
 from app.engine.client import EngineClient
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.service import Service, TokenizerLoader, load_model_tokenizer
 from app.settings import Settings
+from app.spikes.recorder import SlowRequestRecorder
+from app.telemetry.sampler import ProcessTelemetry
 
 if TYPE_CHECKING:
     from app.startup import RunnerLoader  # torch: only for the type
@@ -93,8 +96,16 @@ def create_app(
         frontend_processes=frontend_processes,
     )
 
+    # This front end's probes (with the engine in-process, they watch the engine's process
+    # and loop too, and count the container's figures).
+    telemetry = ProcessTelemetry.for_process(
+        "frontend", metrics, publishes_container=settings.engine == "inprocess"
+    )
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.spike_reports:
+            telemetry.start()
         if supervisor is not None:
             supervisor.start()
         startup = asyncio.create_task(service.start(), name="startup")
@@ -108,11 +119,14 @@ def create_app(
             await service.stop()
             if supervisor is not None:
                 await supervisor.stop()
+            await telemetry.stop()
 
     app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)
     app.state.service = service
     app.state.settings = settings
     app.state.supervisor = supervisor
+    app.state.telemetry = telemetry
+    app.state.recorder = None
     install_error_handlers(app)
     install_openapi(app, service)
     app.include_router(embed.router)
@@ -125,6 +139,21 @@ def create_app(
         instrumentator_metrics.requests(registry=metrics.registry),
         instrumentator_metrics.latency(buckets=LATENCY_BUCKETS_S, registry=metrics.registry),
     ).instrument(app)
+    if settings.spike_reports:
+        recorder = SlowRequestRecorder(
+            metrics,
+            settings.slow_request_ms / 1000,
+            settings.slow_request_p99_multiple,
+            settings.slow_request_reports,
+        )
+        app.state.recorder = recorder
+        app.add_middleware(
+            SlowRequestMiddleware,
+            recorder=recorder,
+            telemetry=telemetry,
+            paths=INFERENCE_PATHS,
+            batching_window_s=settings.max_wait_ms / 1000,
+        )
     # Added last = outermost. The body guard bounds a body's size and the time it takes to
     # arrive; Server-Timing wraps it so its answers carry the header too; shedding, outermost,
     # refuses from headers alone before anything else runs (its answers are prebuilt, with

@@ -145,6 +145,139 @@ class Metrics:
             multiprocess_mode="livesum",
         )
 
+        # --- telemetry and slow-request reports (docs/SPIKES.md) -------------------------
+        self.slow_requests = Counter(
+            "steadyserve_slow_requests",
+            "Slow requests reported, by their top cause.",
+            ["cause"],
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "steadyserve_event_loop_lag_seconds",
+            "How late the event loop's 10 ms ticker woke, per tick, by process role.",
+            ["process"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.loop_lag_max = Gauge(
+            "steadyserve_event_loop_lag_seconds_max",
+            "Longest event-loop lag over the last refresh period (0.25 s), by process role.",
+            ["process"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.gc_pause = Counter(
+            "steadyserve_gc_pause_seconds",
+            "Time spent in garbage collections, by process role and generation.",
+            ["process", "generation"],
+            registry=r,
+        )
+        self.gc_collections = Counter(
+            "steadyserve_gc_collections",
+            "Garbage collections, by process role and generation.",
+            ["process", "generation"],
+            registry=r,
+        )
+        self.process_cpu = Counter(
+            "steadyserve_process_cpu_seconds",
+            "CPU time used by steadyserve processes, by role.",
+            ["process"],
+            registry=r,
+        )
+        self.process_resident = Gauge(
+            "steadyserve_process_resident_bytes",
+            "Resident memory of steadyserve processes, by role (summed over live ones).",
+            ["process"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.cgroup_throttled = Counter(
+            "steadyserve_cgroup_throttled_seconds",
+            "Time the container's cgroup was throttled by its CPU quota (as the engine saw it).",
+            registry=r,
+        )
+        self.cgroup_throttled_periods = Counter(
+            "steadyserve_cgroup_throttled_periods",
+            "CFS periods in which the container's cgroup was throttled.",
+            registry=r,
+        )
+        self.dispatcher_busy = Counter(
+            "steadyserve_dispatcher_busy_seconds",
+            "Wall time compute threads spent running batches (divide by threads for use).",
+            ["model"],
+            registry=r,
+        )
+        self.unwarmed_shapes = Counter(
+            "steadyserve_unwarmed_shapes",
+            "Batches run at a shape warm-up had not covered (first time each).",
+            ["model"],
+            registry=r,
+        )
+        self.gpu_sm_clock = Gauge(
+            "steadyserve_gpu_sm_clock_hertz",
+            "GPU SM clock (NVML).",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.gpu_temperature = Gauge(
+            "steadyserve_gpu_temperature_celsius",
+            "GPU temperature (NVML).",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.gpu_power = Gauge(
+            "steadyserve_gpu_power_watts",
+            "GPU power draw (NVML).",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.gpu_throttle_reasons = Gauge(
+            "steadyserve_gpu_throttle_reasons",
+            "NVML clock-throttle reason bits (0 = running at full clocks; docs/SPIKES.md).",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.gpu_memory_used = Gauge(
+            "steadyserve_gpu_memory_used_bytes",
+            "GPU memory in use, all processes (NVML).",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.gpu_memory_free = Gauge(
+            "steadyserve_gpu_memory_free_bytes",
+            "GPU memory free (NVML).",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.cuda_reserved = Gauge(
+            "steadyserve_cuda_allocator_reserved_bytes",
+            "Bytes the CUDA caching allocator holds from the device.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.cuda_allocated = Gauge(
+            "steadyserve_cuda_allocator_allocated_bytes",
+            "Bytes of tensors allocated through the CUDA caching allocator.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.cuda_largest_free_block = Gauge(
+            "steadyserve_cuda_allocator_largest_free_block_bytes",
+            "Largest free block inside the allocator's reserved segments (sampled each second).",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
+        self.cuda_alloc_retries = Counter(
+            "steadyserve_cuda_alloc_retries",
+            "cudaMalloc retries after the allocator flushed its cache (a device-wide stall).",
+            registry=r,
+        )
+        self.cuda_context_changes = Counter(
+            "steadyserve_cuda_context_changes",
+            "Batches whose compute thread found a different CUDA context current.",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         """The Prometheus text of this process, or of every process in multiprocess mode."""
         if multiprocess_mode():

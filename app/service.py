@@ -255,6 +255,7 @@ class Service:
                 payload = output.payload
                 timer.add("queue", output.queue_s)
                 timer.add("compute", output.compute_s)
+                timer.engine_trace = output.trace
                 vectors = _vectors(payload)
                 outcome = "ok"
                 return EmbedResult(

@@ -248,6 +248,30 @@ class Settings(BaseSettings):
         "and move on before the socket closes; bounded by drain_timeout_s.",
     )
 
+    # --- slow-request reports (docs/SPIKES.md) ------------------------------------------
+    spike_reports: bool = Field(
+        default=True,
+        description="Sample the probes (event loop, GC, CPU, cgroup, CUDA, GPU) and keep a "
+        "report, with its causes, of every slow request (GET /debug/slow).",
+    )
+    slow_request_ms: float = Field(
+        default=150.0,
+        gt=0,
+        description="An inference request slower than this (ms, arrival to the last byte "
+        "of its answer) is reported; with slow_request_p99_multiple, the floor of that rule.",
+    )
+    slow_request_p99_multiple: float | None = Field(
+        default=None,
+        gt=1,
+        description="When set, a request is slow past this multiple of the running p99 of "
+        "this front end's last 1000 requests (and past slow_request_ms).",
+    )
+    slow_request_reports: int = Field(
+        default=256,
+        ge=1,
+        description="Reports each front end keeps for GET /debug/slow (the newest ones).",
+    )
+
     # --- debug -------------------------------------------------------------------------
     debug_token: str | None = Field(
         default=None,

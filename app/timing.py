@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from app.engine.protocol import EngineTrace
+
 
 @dataclass(slots=True)
 class PhaseTimer:
@@ -15,6 +17,8 @@ class PhaseTimer:
 
     started: float = field(default_factory=time.perf_counter)
     phases: dict[str, float] = field(default_factory=dict)
+    # The engine's side of the request (batch, probes), for a slow-request report.
+    engine_trace: EngineTrace | None = None
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

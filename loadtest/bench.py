@@ -110,27 +110,58 @@ def _process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
+def _descendants(pid: int) -> list[int]:
+    """`pid`'s children, theirs, and so on (Linux /proc/PID/task/*/children)."""
+    found: list[int] = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = [int(kid) for kid in children.read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for kid in kids:
+            found += [kid, *_descendants(kid)]
+    return found
+
+
 class ForeignLoad:
-    """Cores used by processes other than the bench and its server during a phase.
+    """Cores used by processes other than the bench and its server (with the server's
+    children: `steadyserve serve` runs an engine and front ends) during a phase, and the
+    cores the server itself used.
 
     On a shared 2-core machine other work slows every phase, torch most of all (its
     threads wait for each other when one is descheduled), so each phase reports it.
     """
 
     def __init__(self, pids: Sequence[int]) -> None:
-        self._pids = list(pids)
+        # Once each: the server is also a descendant of the bench's own process.
+        self._pids = list(dict.fromkeys(p for pid in pids for p in (pid, *_descendants(pid))))
         self._started = time.monotonic()
         self._busy = _system_busy_s()
-        self._own = sum(_process_cpu_s(pid) for pid in self._pids)
+        self._cpu = {pid: self._cpu_s(pid) for pid in self._pids}
+
+    @staticmethod
+    def _cpu_s(pid: int) -> float:
+        try:
+            return _process_cpu_s(pid)
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def _own_s(self, pids: Sequence[int]) -> float:
+        return sum(self._cpu_s(pid) - self._cpu[pid] for pid in pids)
 
     def cores(self) -> float | None:
         try:
-            own = sum(_process_cpu_s(pid) for pid in self._pids) - self._own
             busy = _system_busy_s() - self._busy
         except (OSError, ValueError, IndexError):
             return None
         wall = max(time.monotonic() - self._started, 1e-9)
-        return max(busy - own, 0.0) / wall
+        return max(busy - self._own_s(self._pids), 0.0) / wall
+
+    def cores_of(self, pid: int) -> float:
+        """Cores `pid` and its descendants (as found at the start) used."""
+        tree = [p for p in self._pids if p == pid or p in _descendants(pid)]
+        wall = max(time.monotonic() - self._started, 1e-9)
+        return self._own_s(tree) / wall
 
 
 def _log(message: str) -> None:
@@ -291,6 +322,7 @@ def measure_server(
         foreign = ForeignLoad([os.getpid(), process.pid])
         result = run_event_loop(lambda: execute(config, target, payloads, progress))
         foreign_cores = foreign.cores()
+        server_cores = foreign.cores_of(process.pid)
         rss_after = _resident_mb(process.pid)
     finally:
         if process.poll() is None:
@@ -314,6 +346,7 @@ def measure_server(
         resident_mb_after=rss_after,
         generator_cpu_mean=round(summary.generator_cpu_mean, 3),
         foreign_cores=foreign_cores,
+        server_cores=round(server_cores, 3),
         warnings=summary.warnings,
     )
 
@@ -340,8 +373,14 @@ def measure_naive(options: argparse.Namespace, payloads_for: Any, out_dir: Path)
 
 
 def measure_steadyserve(
-    options: argparse.Namespace, payloads_for: Any, out_dir: Path
+    options: argparse.Namespace,
+    payloads_for: Any,
+    out_dir: Path,
+    name: str = "steadyserve",
+    extra_env: dict[str, str] | None = None,
 ) -> PhaseOutcome:
+    """steadyserve in its default layout for --threads CPUs, with --steady-env and then
+    `extra_env` applied; its results go under `out_dir/name`."""
     port = _free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/infer")
     command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
@@ -359,9 +398,10 @@ def measure_steadyserve(
     for assignment in options.steady_env:
         key, _, value = assignment.partition("=")
         env[key] = value
+    env.update(extra_env or {})
     layout = f" {env['STEADY_DISPATCHER_THREADS']}x{env['STEADY_TORCH_THREADS']} threads"
     return measure_server(
-        "steadyserve", command, env, port, options, payloads_for(target), target, out_dir, layout
+        name, command, env, port, options, payloads_for(target), target, out_dir, layout
     )
 
 

@@ -16,6 +16,10 @@
 #                                  pinned staging, results equal to one thread's
 #   4 cosine     cosine.txt        the served vectors vs a CPU fp32 reference (>= 0.999)
 #   5 load       load.txt, load/   20 s closed loop at 64 connections: p99 <= 150 ms, no errors
+#   6 telemetry  telemetry.txt     NVML (SM clock, temperature, power, memory) and CUDA
+#                slow.json         allocator metrics carry real values after the load; the
+#                spikes.txt        slow-request reports it left (slow past 2 x p99, at least
+#                                  5 ms), as JSON and as `steadyserve spikes` prints them
 #   also         server.log, metrics.txt, debug_pool.json, verdicts.txt
 set -euo pipefail
 OUT=${1:?usage: gpu_check.sh OUT_DIR}
@@ -134,6 +138,7 @@ fi
 
 # A server on CUDA for steps 4 and 5.
 STEADY_DEVICE=cuda STEADY_DISPATCHER_THREADS=2 STEADY_DEBUG_TOKEN=gpucheck \
+    STEADY_SLOW_REQUEST_MS=5 STEADY_SLOW_REQUEST_P99_MULTIPLE=2 \
     "$PYTHON" -m app.cli serve --host 127.0.0.1 --port "$PORT" >"$OUT/server.log" 2>&1 &
 SERVER_PID=$!
 ready=0
@@ -204,6 +209,50 @@ curl -sf "http://127.0.0.1:$PORT/metrics" >"$OUT/metrics.txt" \
     || verdict FAIL artefacts "GET /metrics failed"
 curl -sf -H 'Authorization: Bearer gpucheck' "http://127.0.0.1:$PORT/debug/pool" \
     >"$OUT/debug_pool.json" || verdict FAIL artefacts "GET /debug/pool failed"
+
+# 6. GPU and allocator telemetry with real values; the slow-request reports of the load.
+curl -sf -H 'Authorization: Bearer gpucheck' "http://127.0.0.1:$PORT/debug/slow?limit=256" \
+    >"$OUT/slow.json" || verdict FAIL telemetry "GET /debug/slow failed"
+"$PYTHON" -m app.cli spikes --url "http://127.0.0.1:$PORT" --token gpucheck --limit 30 \
+    >"$OUT/spikes.txt" 2>&1 || verdict FAIL telemetry "steadyserve spikes failed (see spikes.txt)"
+if "$PYTHON" - "$OUT/metrics.txt" >"$OUT/telemetry.txt" 2>&1 <<'PYTHON'
+import sys
+
+from prometheus_client.parser import text_string_to_metric_families
+
+values = {}
+for family in text_string_to_metric_families(open(sys.argv[1]).read()):
+    for sample in family.samples:
+        values.setdefault(sample.name, sample.value)
+# name -> (lowest plausible, highest plausible) for a GPU that just served a load
+expected = {
+    "steadyserve_gpu_sm_clock_hertz": (100e6, 5e9),
+    "steadyserve_gpu_temperature_celsius": (5, 110),
+    "steadyserve_gpu_power_watts": (1, 2000),
+    "steadyserve_gpu_memory_used_bytes": (1, None),
+    "steadyserve_gpu_memory_free_bytes": (1, None),
+    "steadyserve_cuda_allocator_reserved_bytes": (1, None),
+    "steadyserve_cuda_allocator_allocated_bytes": (1, None),
+    "steadyserve_cuda_allocator_largest_free_block_bytes": (0, None),
+    "steadyserve_gpu_throttle_reasons": (0, None),
+}
+bad = []
+for name, (low, high) in expected.items():
+    value = values.get(name)
+    print(f"{name} = {value}")
+    if value is None or value < low or (high is not None and value > high):
+        bad.append(name)
+for name in ("steadyserve_cuda_alloc_retries_total", "steadyserve_cuda_context_changes_total",
+             "steadyserve_unwarmed_shapes_total"):
+    print(f"{name} = {values.get(name, 0.0)}")
+print("missing or implausible: " + ", ".join(bad) if bad else "ok: NVML and allocator values")
+sys.exit(1 if bad else 0)
+PYTHON
+then
+    verdict PASS telemetry "$(tail -1 "$OUT/telemetry.txt"); $(head -1 "$OUT/spikes.txt")"
+else
+    verdict FAIL telemetry "$(tail -1 "$OUT/telemetry.txt") (see telemetry.txt)"
+fi
 stop_server
 nvidia-smi -q -d CLOCK,PERFORMANCE 2>/dev/null | head -40 >>"$OUT/env.txt" || true
 echo "ALL PASS ($(ls "$OUT" | tr '\n' ' '))" | tee -a "$VERDICTS"

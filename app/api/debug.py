@@ -1,9 +1,10 @@
-"""GET /debug/pool and /debug/config: off unless STEADY_DEBUG_TOKEN is set, and then only
-for requests that present it as a bearer token (constant-time compare)."""
+"""GET /debug/pool, /debug/config and /debug/slow: off unless STEADY_DEBUG_TOKEN is set,
+and then only for requests that present it as a bearer token (constant-time compare)."""
 
 from __future__ import annotations
 
 import hmac
+import os
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -48,3 +49,24 @@ async def config(request: Request) -> Response:
     settings = service.settings.model_dump(mode="json")
     settings["debug_token"] = "***"
     return json_response({"settings": settings, **await service.engine.debug("config")})
+
+
+@router.get("/slow")
+async def slow(request: Request, limit: int = 50) -> Response:
+    """This front end's recent slow-request reports, newest first, with their causes
+    (docs/SPIKES.md). With several front ends, each answers with its own reports: the
+    `frontend_pid` says whose."""
+    if (denied := _denied(request)) is not None:
+        return denied
+    recorder = getattr(request.app.state, "recorder", None)
+    if recorder is None:
+        return error_response(404, "not_found", "slow-request reports are off")
+    if limit < 1:
+        return error_response(400, "invalid_request", "limit must be at least 1", "limit")
+    return json_response(
+        {
+            "frontend_pid": os.getpid(),
+            "threshold_ms": round(recorder.threshold_s() * 1000, 2),
+            "reports": [report.as_dict() for report in recorder.recent(limit)],
+        }
+    )

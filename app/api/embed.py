@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import time
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -98,6 +100,15 @@ async def _embed(
     return result
 
 
+def _render(request: Request, content: Any) -> Response:
+    """The JSON answer, its rendering timed as the `serialise` phase."""
+    started = time.perf_counter()
+    response = json_response(content)
+    timer: PhaseTimer = request.state.server_timing
+    timer.add("serialise", time.perf_counter() - started)
+    return response
+
+
 @router.post("/infer", response_model=InferResponse, responses=_ERRORS)
 async def infer(request: Request, body: InferRequest) -> Response:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
@@ -111,12 +122,13 @@ async def infer(request: Request, body: InferRequest) -> Response:
         body.parameters.truncate,
         body.timeout_ms,
     )
-    return json_response(
+    return _render(
+        request,
         {
             "model": result.model,
             "outputs": result.vectors,
             "usage": {"input_tokens": result.input_tokens, "inputs": len(texts)},
-        }
+        },
     )
 
 
@@ -146,13 +158,14 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
         }
         for index, vector in enumerate(result.vectors)
     ]
-    return json_response(
+    return _render(
+        request,
         {
             "object": "list",
             "data": data,
             "model": result.model,
             "usage": {"prompt_tokens": result.input_tokens, "total_tokens": result.input_tokens},
-        }
+        },
     )
 
 

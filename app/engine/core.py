@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,8 +27,10 @@ from app.buffers import BufferPool
 from app.dispatcher import Dispatcher, plan_threads
 from app.engine.health import BatchHealth
 from app.engine.protocol import (
+    BatchTrace,
     EmbedOutput,
     EngineStatus,
+    EngineTrace,
     Failure,
     FailureKind,
     FromEngine,
@@ -42,11 +45,20 @@ from app.scheduler import BatchShape
 from app.settings import Settings, export_cuda_alloc_conf
 from app.startup import RunnerLoader, freeze_startup_heap, init_cuda, load_runner, policy_for
 from app.telemetry.cgroup import available_cpus
+from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe
+from app.telemetry.gpu import NvmlProbe
+from app.telemetry.probe import Probe, Readings, changes
+from app.telemetry.sampler import ProcessTelemetry
 
 log = logging.getLogger(__name__)
 
 Emit = Callable[[FromEngine], None]
 RequestKey = tuple[bytes, int]  # (front end, its request id): ids are unique per front end
+
+
+class _Arrival(NamedTuple):
+    queue_depth: int  # inputs queued ahead of the request when it arrived
+    readings: Readings
 
 
 class EngineCore:
@@ -86,11 +98,28 @@ class EngineCore:
         self._ready = False
         self._startup_error: str | None = None
         self._queue_high_water = 0
+        self.cuda_context = CudaContextProbe(enabled=self.device.type == "cuda")
+        self.telemetry = self._telemetry()
+
+    def _telemetry(self) -> ProcessTelemetry:
+        """The engine's probes (docs/SPIKES.md). In-process, the front end's telemetry
+        already watches this process and its loop: only the device's probes are added."""
+        index = (self.device.index or 0) if self.device.type == "cuda" else None
+        device_probes: list[Probe] = [
+            CudaAllocatorProbe(index),
+            self.cuda_context,
+            NvmlProbe(index),
+        ]
+        if self.settings.engine == "inprocess":
+            return ProcessTelemetry("engine", self.metrics, device_probes)
+        return ProcessTelemetry.for_process("engine", self.metrics, device_probes)
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:
         """Load every model, preallocate its buffers, warm up every shape, then be ready.
         A failure is kept for the status (and so /readyz and /healthz), not raised."""
+        if self.settings.spike_reports:
+            self.telemetry.start()
         try:
             await self._start()
         except Exception as error:
@@ -127,6 +156,7 @@ class EngineCore:
                 self.metrics,
                 self._clock,
                 self.health.record,
+                before_batch=self.cuda_context.check_thread,
             )
             self._warmup_total += warmup_shapes
             self.metrics.warmup_shapes.labels(name).set(warmup_shapes)
@@ -224,6 +254,8 @@ class EngineCore:
         m = self.metrics
         depth = self.queued_inputs()
         m.queue_depth.set(depth)
+        if self.settings.spike_reports:
+            self.telemetry.publish()
         for name, batcher in self.batchers.items():
             stats = batcher.pool.stats()
             for shape, total in stats.slots.items():
@@ -262,7 +294,8 @@ class EngineCore:
         depth = self.queued_inputs()
         self._queue_high_water = max(self._queue_high_water, depth)
         key = (origin, request.request_id)
-        task = asyncio.create_task(self._answer(request, futures, emit))
+        arrival = _Arrival(depth - len(futures), self.telemetry.read()) if self._reports else None
+        task = asyncio.create_task(self._answer(request, futures, emit, arrival))
         self._requests[key] = task
         task.add_done_callback(lambda _: self._requests.pop(key, None))
 
@@ -291,8 +324,16 @@ class EngineCore:
             estimate, request.deadline, self._clock(), self.settings.max_queue_delay_ms / 1000
         )
 
+    @property
+    def _reports(self) -> bool:
+        return self.settings.spike_reports
+
     async def _answer(
-        self, request: Submit, futures: list[asyncio.Future[ItemResult]], emit: Emit
+        self,
+        request: Submit,
+        futures: list[asyncio.Future[ItemResult]],
+        emit: Emit,
+        arrival: _Arrival | None = None,
     ) -> None:
         request_id = request.request_id
         try:
@@ -321,7 +362,20 @@ class EngineCore:
                 ),
                 queue_s=max(r.queue_wait_s for r in results),
                 compute_s=max(r.compute_s for r in results),
+                trace=None if arrival is None else self._trace(results, arrival),
             )
+        )
+
+    def _trace(self, results: list[ItemResult], arrival: _Arrival) -> EngineTrace:
+        """The request's engine trace: its last-finishing input's batch and the probes'
+        changes since it arrived."""
+        slowest = max(results, key=lambda r: r.queue_wait_s + r.compute_s)
+        batch: BatchTrace | None = slowest.batch
+        return EngineTrace(
+            pid=os.getpid(),
+            queue_depth_at_arrival=arrival.queue_depth,
+            batch=batch,
+            probes=changes(arrival.readings, self.telemetry.read()),
         )
 
     def cancel(self, origin: bytes, request_id: int) -> None:
@@ -378,4 +432,5 @@ class EngineCore:
         """Finish what is queued and running, then stop the threads."""
         for batcher in self.batchers.values():
             await batcher.close()
+        await self.telemetry.stop()
         self.dispatcher.shutdown()

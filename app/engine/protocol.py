@@ -60,12 +60,44 @@ class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):
 OutputPayload = EmbedOutput
 
 
+class BatchTrace(msgspec.Struct, frozen=True):
+    """The batch that finished a request last (its slowest input's), for slow-request
+    reports: its rows, padded shape and the token lengths batched with it; the wait for a
+    buffer slot; copy in, run and copy out; the compute the scheduler expected for the shape;
+    how long its compute thread waited, runnable, for a CPU; whether warm-up had covered
+    the shape."""
+
+    rows: int
+    padded_rows: int
+    length_bucket: int
+    co_batched_lengths: list[int]
+    acquire_wait_s: float
+    copy_in_s: float
+    run_s: float
+    copy_out_s: float
+    expected_compute_s: float
+    runqueue_wait_s: float
+    first_seen_shape: bool
+
+
+class EngineTrace(msgspec.Struct, frozen=True):
+    """The engine's side of a request, sent with its final output: the engine's pid, the
+    inputs queued when it arrived, its batch, and each engine probe's change over the
+    request's time in the engine (docs/SPIKES.md; keys ending in `_total` are increases)."""
+
+    pid: int
+    queue_depth_at_arrival: int
+    batch: BatchTrace | None
+    probes: dict[str, float]
+
+
 class Output(msgspec.Struct, frozen=True, tag="output"):
     request_id: int
     final: bool
     payload: OutputPayload
     queue_s: float
     compute_s: float
+    trace: EngineTrace | None = None  # with the final output, while reports are on
 
 
 class FailureKind(Enum):

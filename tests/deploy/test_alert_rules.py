@@ -8,7 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from tests.deploy.test_grafana_dashboard import ENVOY_METRICS, metric_names
 from tests.deploy.tools import DEPLOY, require_tool, run_tool
+from tests.support.registry import exported_names
 
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 ALERTS_TEST = DEPLOY / "prometheus" / "alerts_test.yaml"
@@ -79,3 +81,29 @@ def test_promtool_unit_tests_fail_when_a_threshold_moves(tmp_path: Path) -> None
     result = run_tool(require_tool("promtool"), "test", "rules", str(tmp_path / ALERTS_TEST.name))
     assert result.returncode != 0
     assert "SteadyserveGpuHot" in result.stdout + result.stderr
+
+
+def test_alerts_use_only_names_the_server_exports() -> None:
+    known = exported_names() | ENVOY_METRICS
+    rules = [
+        rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]
+    ]
+    used = {name for rule in rules for name in metric_names(rule["expr"])}
+    assert "steadyserve_gpu_sm_clock_hertz" in used
+    assert not used - known, sorted(used - known)
+
+
+async def test_the_runbook_endpoint_exists() -> None:
+    """The latency alert sends readers to GET /debug/slow: the app must answer there (401
+    without the token, where a missing route would be 404)."""
+    import httpx
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    assert "GET /debug/slow" in ALERTS.read_text()
+    app = create_app(Settings(debug_token="runbook"))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        assert (await client.get("/debug/slow")).status_code == 401
+        assert (await client.get("/debug/slower")).status_code == 404

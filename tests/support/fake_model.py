@@ -7,6 +7,7 @@ finishes instead of sleeping; it records every batch it ran.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,7 @@ class GatedRunner:
         self.batch_threads: list[str] = []  # the compute thread of each recorded batch
         self.out_of_memory_above_rows: int | None = None
         self.failure: Exception | None = None  # raised by every batch while set
+        self.busy_s = 0.0  # simulated compute time of every batch, after the gate opens
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = [
@@ -46,6 +48,8 @@ class GatedRunner:
         self.batch_threads.append(threading.current_thread().name)
         self.started.release()
         self.gate.wait(timeout=30)
+        if self.busy_s:
+            time.sleep(self.busy_s)
         kept = (input_ids * attention_mask).float()
         return torch.stack(
             [kept.sum(1), attention_mask.sum(1).float(), kept.max(1).values, kept[:, 1]], dim=1

@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,10 +85,21 @@ def wait_until_ready(server: ServerProcess, timeout: float = 120.0) -> None:
     raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
 
 
+def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` confining a child (and everything it starts) to `cpus`."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def start_server(
-    tmp_path: Path, env: Mapping[str, str] | None = None, port: int | None = None
+    tmp_path: Path,
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    cpus: set[int] | None = None,
 ) -> ServerProcess:
-    """Start `steadyserve serve` on 127.0.0.1 (fast test settings + `env`), not waiting."""
+    """Start `steadyserve serve` on 127.0.0.1 (fast test settings + `env`), not waiting;
+    `cpus` confines it (engine and front ends) to those CPUs."""
     port = port or free_port()
     log_path = tmp_path / f"steadyserve-{port}.log"
     full_env = {**os.environ, **FAST_TEST_ENV, **(env or {})}
@@ -99,16 +110,20 @@ def start_server(
             env=full_env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            preexec_fn=pin_to(cpus),
         )
     return ServerProcess(process=process, port=port, log_path=log_path)
 
 
 @contextlib.contextmanager
 def running_server(
-    tmp_path: Path, env: Mapping[str, str] | None = None, port: int | None = None
+    tmp_path: Path,
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    cpus: set[int] | None = None,
 ) -> Iterator[ServerProcess]:
     """A ready steadyserve on 127.0.0.1; killed by PID on exit if still running."""
-    server = start_server(tmp_path, env, port)
+    server = start_server(tmp_path, env, port, cpus)
     try:
         wait_until_ready(server)
         yield server

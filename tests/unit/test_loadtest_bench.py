@@ -44,3 +44,11 @@ def test_bench_sentences_have_the_requested_words_and_are_reproducible() -> None
     assert all(len(text.split()) == 12 for text in sentences)
     assert sentences == bench_sentences(50, 12, seed=1)
     assert len(set(sentences)) == 50
+
+
+def test_overhead_verdict_is_the_ratio_of_means_with_the_spread() -> None:
+    from loadtest.overhead import verdict
+
+    ratio, spread = verdict({"off": [100.0, 104.0], "on": [99.0, 101.0]})
+    assert ratio == pytest.approx(100.0 / 102.0)
+    assert spread == pytest.approx(4.0 / 102.0)

@@ -1,0 +1,78 @@
+"""`SlowRequestMiddleware`: times each inference request from its arrival at the app to the
+last byte of its answer, and hands a slow one to the recorder with its phases, the engine's
+trace and the front end's probe changes over its lifetime (docs/SPIKES.md).
+
+It sits inside `ServerTimingMiddleware` (whose `PhaseTimer` the routes and the service fill
+in) and outside the routes; requests shed before the body are answered further out and are
+never slow. Front-end event loop thread only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.spikes.attribution import RequestFacts
+from app.spikes.recorder import SlowRequestRecorder
+from app.telemetry.probe import changes
+from app.telemetry.sampler import ProcessTelemetry
+from app.timing import PhaseTimer
+
+
+class SlowRequestMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        recorder: SlowRequestRecorder,
+        telemetry: ProcessTelemetry,
+        paths: Collection[str],
+        batching_window_s: float,
+    ) -> None:
+        self.app = app
+        self.recorder = recorder
+        self.telemetry = telemetry
+        self.paths = frozenset(paths)
+        self.batching_window_s = batching_window_s
+        self.pid = os.getpid()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        readings = self.telemetry.read()
+        status = 0
+        finished: float | None = None
+
+        async def timed_send(message: Message) -> None:
+            nonlocal status, finished
+            await send(message)
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = time.perf_counter()
+
+        try:
+            await self.app(scope, receive, timed_send)
+        finally:
+            if finished is not None:
+                self._finished(scope, status, finished - started, readings)
+
+    def _finished(
+        self, scope: Scope, status: int, total_s: float, readings: dict[str, float]
+    ) -> None:
+        if not self.recorder.is_slow(total_s):
+            return
+        timer: PhaseTimer | None = scope.get("state", {}).get("server_timing")
+        facts = RequestFacts(
+            total_s=total_s,
+            phases=dict(timer.phases) if timer else {},
+            frontend_pid=self.pid,
+            frontend_probes=changes(readings, self.telemetry.read()),
+            engine=timer.engine_trace if timer else None,
+            batching_window_s=self.batching_window_s,
+        )
+        self.recorder.record(scope["method"], scope["path"], status, facts)

@@ -1,0 +1,265 @@
+"""Why a request was slow: its causes, each with the time it explains and its evidence,
+most time first. Pure: it reads a request's facts (phases, the engine's trace, each
+process's probe changes) and nothing else, so tests feed it values by hand.
+
+Causes and how each is detected are listed in docs/SPIKES.md (kept in step with `CAUSES`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from app.engine.protocol import EngineTrace
+from app.telemetry.gpu import SLOWDOWN_BITS, throttle_reason_names
+
+# Every cause, in the order ties are broken (the more specific first).
+CAUSES = (
+    "gc_pause",
+    "event_loop_blocked",
+    "cpu_contention",
+    "cgroup_throttled",
+    "gpu_throttled",
+    "allocator_retry",
+    "cuda_context_change",
+    "unwarmed_shape",
+    "buffer_wait",
+    "queueing",
+    "admission_wait",
+    "slow_compute",
+    "compute",
+    "tokenize",
+    "serialise",
+    "unaccounted",
+)
+# Root causes: something happened to the request. The others say in which phase its time
+# went, and a root cause's time is spent inside some phase: so phases are ranked by what
+# is left of them once the root causes' time is taken off (`rank`).
+ROOT_CAUSES = frozenset(CAUSES[: CAUSES.index("buffer_wait")])
+# Causes explaining less than this are left out of a report.
+MIN_CAUSE_S = 0.0005
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    name: str
+    seconds: float
+    evidence: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"cause": self.name, "ms": round(self.seconds * 1000, 2), "evidence": self.evidence}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """`phases`: the front end's phase seconds (tokenize, admission, queue, compute,
+    serialise); `frontend_probes`: the front end's probe changes over the request;
+    `batching_window_s`: queueing the batch policy intends (max wait), not counted as a
+    cause."""
+
+    total_s: float
+    phases: Mapping[str, float]
+    frontend_pid: int
+    frontend_probes: Mapping[str, float] = field(default_factory=dict)
+    engine: EngineTrace | None = None
+    batching_window_s: float = 0.0
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1000:.1f} ms"
+
+
+def _processes(facts: RequestFacts) -> list[tuple[str, Mapping[str, float]]]:
+    """Each process's probe changes, once: an in-process engine shares the front end's."""
+    listed: list[tuple[str, Mapping[str, float]]] = [("front end", facts.frontend_probes)]
+    if facts.engine is not None and facts.engine.pid != facts.frontend_pid:
+        listed.append(("engine", facts.engine.probes))
+    return listed
+
+
+def _device_probes(facts: RequestFacts) -> Mapping[str, float]:
+    return facts.engine.probes if facts.engine is not None else {}
+
+
+def attribute(facts: RequestFacts) -> list[Cause]:
+    """The causes of a request's time, most first (ties: the more specific first)."""
+    causes: list[Cause] = []
+    processes = _processes(facts)
+
+    # --- the processes: GC, the event loop, the CPU -------------------------------------
+    gc_by_process: dict[str, float] = {}
+    gc_evidence: list[str] = []
+    for where, probes in processes:
+        for generation in (2, 1, 0):
+            pause = probes.get(f"gc_gen{generation}_pause_seconds_total", 0.0)
+            count = int(probes.get(f"gc_gen{generation}_collections_total", 0.0))
+            if pause > 0:
+                gc_by_process[where] = gc_by_process.get(where, 0.0) + pause
+                plural = "s" if count != 1 else ""
+                gc_evidence.append(
+                    f"GC gen-{generation} pause {_ms(pause)} in the {where} "
+                    f"({count} collection{plural})"
+                )
+    gc_total = sum(gc_by_process.values())
+    causes.append(Cause("gc_pause", gc_total, "; ".join(gc_evidence)))
+
+    blocked_total = 0.0
+    starved_loop = 0.0
+    blocked_evidence: list[str] = []
+    for where, probes in processes:
+        busy = probes.get("loop_busy_lag_seconds_total", 0.0)
+        lag = probes.get("loop_lag_seconds_total", 0.0)
+        # A collection on the loop's thread shows up as lag too, and a CPU taken from it
+        # while it collects as starvation: both are the GC's pause (timed by the clock).
+        gc_here = gc_by_process.get(where, 0.0)
+        blocked = max(0.0, busy - gc_here)
+        starved_loop = max(starved_loop, lag - busy - max(0.0, gc_here - busy))
+        if blocked > 0:
+            blocked_total += blocked
+            blocked_evidence.append(f"the {where}'s event loop was blocked {_ms(blocked)}")
+    causes.append(Cause("event_loop_blocked", blocked_total, "; ".join(blocked_evidence)))
+
+    batch = facts.engine.batch if facts.engine is not None else None
+    batch_wall = batch.copy_in_s + batch.run_s + batch.copy_out_s if batch else 0.0
+    starved_batch = min(batch.runqueue_wait_s, batch_wall) if batch else 0.0
+    contention = max(starved_batch, starved_loop)
+    evidence = []
+    if batch is not None and starved_batch > 0:
+        evidence.append(
+            f"its compute thread waited {_ms(starved_batch)} for a CPU during its "
+            f"{_ms(batch_wall)} batch"
+        )
+    if starved_loop > 0:
+        evidence.append(f"an event loop waited {_ms(starved_loop)} for a CPU")
+    own_cpu = sum(p.get("process_cpu_seconds_total", 0.0) for _, p in processes)
+    host = facts.frontend_probes.get("host_cpu_busy_seconds_total")
+    if host is not None and facts.total_s > 0:
+        others = max(0.0, host - own_cpu) / facts.total_s
+        evidence.append(f"other processes took {others:.1f} cores")
+    causes.append(Cause("cpu_contention", contention, "; ".join(evidence)))
+
+    throttled = max((p.get("cgroup_throttled_seconds_total", 0.0) for _, p in processes), default=0)
+    periods = max((p.get("cgroup_throttled_periods_total", 0.0) for _, p in processes), default=0)
+    causes.append(
+        Cause(
+            "cgroup_throttled",
+            min(throttled, facts.total_s),
+            f"cgroup throttled {_ms(throttled)} in {int(periods)} CFS periods during this request",
+        )
+    )
+
+    # --- the batch and the device -----------------------------------------------------
+    compute = facts.phases.get("compute", 0.0)
+    expected = batch.expected_compute_s if batch else 0.0
+    excess = max(0.0, compute - expected) if expected > 0 else 0.0
+    shape = f"({batch.padded_rows}, {batch.length_bucket})" if batch else "?"
+    device = _device_probes(facts)
+    explained = max(starved_batch, min(throttled, compute))
+
+    bits = int(device.get("gpu_throttle_reasons", 0.0))
+    if bits & SLOWDOWN_BITS:
+        clock = device.get("gpu_sm_clock_hertz", 0.0)
+        top = device.get("gpu_sm_clock_max_hertz", 0.0)
+        slowed = compute * (1 - clock / top) if clock and top else 0.0
+        seconds = max(excess, slowed)
+        explained = max(explained, seconds)
+        names = ", ".join(throttle_reason_names(bits & SLOWDOWN_BITS))
+        clock_text = f"GPU SM clock {clock / 1e6:.0f} MHz" + (f" of {top / 1e6:.0f}" if top else "")
+        causes.append(Cause("gpu_throttled", seconds, f"{clock_text}, {names}"))
+
+    retries = device.get("cuda_alloc_retries_total", 0.0)
+    if retries > 0:
+        explained = max(explained, excess)
+        causes.append(
+            Cause(
+                "allocator_retry",
+                excess,
+                f"allocator retried {int(retries)} times (flushed its cache and called "
+                f"cudaMalloc again)",
+            )
+        )
+    context_changes = device.get("cuda_context_changes_total", 0.0)
+    if context_changes > 0:
+        explained = max(explained, excess)
+        causes.append(
+            Cause(
+                "cuda_context_change",
+                excess,
+                f"a compute thread found a new CUDA context current ({int(context_changes)}x)",
+            )
+        )
+    if batch is not None and batch.first_seen_shape:
+        # Nothing was measured at this shape before: all of its time above the estimate (or
+        # all of it, without one) is set-up.
+        unwarmed = excess if expected > 0 else compute
+        explained = max(explained, unwarmed)
+        causes.append(
+            Cause(
+                "unwarmed_shape",
+                unwarmed,
+                f"shape {shape} was not warmed up: its first batch took {_ms(compute)}",
+            )
+        )
+    if batch is not None:
+        causes.append(
+            Cause(
+                "buffer_wait",
+                batch.acquire_wait_s,
+                f"waited {_ms(batch.acquire_wait_s)} for a buffer slot of shape {shape}",
+            )
+        )
+        causes.append(
+            Cause(
+                "slow_compute",
+                max(0.0, excess - explained),
+                f"batch {shape} computed in {_ms(compute)}, {_ms(expected)} expected "
+                f"(copy in {_ms(batch.copy_in_s)}, run {_ms(batch.run_s)}, copy out "
+                f"{_ms(batch.copy_out_s)})",
+            )
+        )
+        if not batch.first_seen_shape or expected > 0:
+            causes.append(
+                Cause(
+                    "compute",
+                    min(compute, expected) if expected > 0 else compute,
+                    f"the model's own time for {batch.rows} inputs at {shape}, batched with "
+                    f"lengths {batch.co_batched_lengths}",
+                )
+            )
+
+    queue = max(0.0, facts.phases.get("queue", 0.0) - facts.batching_window_s)
+    depth = facts.engine.queue_depth_at_arrival if facts.engine else 0
+    causes.append(Cause("queueing", queue, f"queued {_ms(queue)} behind {depth} inputs"))
+    admission = facts.phases.get("admission", 0.0)
+    causes.append(Cause("admission_wait", admission, f"waited {_ms(admission)} for admission"))
+    tokenize = facts.phases.get("tokenize", 0.0)
+    causes.append(Cause("tokenize", tokenize, f"tokenizing took {_ms(tokenize)}"))
+    serialise = facts.phases.get("serialise", 0.0)
+    causes.append(Cause("serialise", serialise, f"rendering the answer took {_ms(serialise)}"))
+
+    gap = facts.total_s - sum(facts.phases.values())
+    unaccounted = max(0.0, gap - gc_total - blocked_total - starved_loop)
+    causes.append(
+        Cause(
+            "unaccounted",
+            unaccounted,
+            f"{_ms(unaccounted)} outside the measured phases (body, validation, routing, "
+            f"the hop to and from the engine)",
+        )
+    )
+    return rank(causes)
+
+
+def rank(causes: list[Cause]) -> list[Cause]:
+    """Causes worth naming, most time first; a phase counts only what the root causes
+    leave of it (a 200 ms GC pause during a 205 ms compute phase is the GC's); ties go to
+    the more specific cause."""
+    kept = [c for c in causes if c.seconds >= MIN_CAUSE_S]
+    root_s = max((c.seconds for c in kept if c.name in ROOT_CAUSES), default=0.0)
+
+    def weight(cause: Cause) -> float:
+        if cause.name in ROOT_CAUSES:
+            return cause.seconds
+        return max(0.0, cause.seconds - root_s)
+
+    return sorted(kept, key=lambda c: (-round(weight(c), 4), CAUSES.index(c.name)))

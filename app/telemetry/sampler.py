@@ -1,0 +1,140 @@
+"""One process's telemetry: its probes (read together for per-request reports), its
+event-loop lag monitor, and the metrics they feed (docs/ARCHITECTURE.md §5).
+
+A front end and the engine each have one (`role` "frontend" or "engine"). The loop monitor's
+ticker publishes the probes' metrics every `PUBLISH_EVERY_S`; with the engine in the front
+end's process (`STEADY_ENGINE=inprocess`) the engine's telemetry leaves the process-wide
+probes (GC, CPU, cgroup, the shared loop) to the front end's, so nothing counts twice.
+
+Create, start and stop on the process's event loop thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+from app.metrics import Metrics
+from app.telemetry.cpu import CpuProbe
+from app.telemetry.gc_pauses import GENERATIONS, GcPauseProbe
+from app.telemetry.loop_lag import LoopLagMonitor
+from app.telemetry.probe import Probe, ProbeSet, Readings, is_counter
+from app.telemetry.throttling import CgroupThrottleProbe
+
+PUBLISH_EVERY_S = 0.25
+
+
+def process_wide_probes() -> tuple[LoopLagMonitor, GcPauseProbe, list[Probe]]:
+    """The probes every process has: its loop, its GC, its CPU and its cgroup."""
+    return LoopLagMonitor(), GcPauseProbe(), [CpuProbe(), CgroupThrottleProbe()]
+
+
+class ProcessTelemetry:
+    def __init__(
+        self,
+        role: str,
+        metrics: Metrics,
+        probes: Iterable[Probe] = (),
+        loop: LoopLagMonitor | None = None,
+        gc: GcPauseProbe | None = None,
+        publishes_container: bool = True,
+    ) -> None:
+        """`publishes_container`: this process counts the container-wide figures (cgroup
+        throttling) in the metrics; exactly one process of a server should."""
+        self.role = role
+        self.publishes_container = publishes_container
+        self.metrics = metrics
+        self.loop = loop
+        self.gc = gc
+        listed: list[Probe] = [p for p in (loop, gc) if p is not None]
+        self.probes = ProbeSet([*listed, *probes])
+        self._published: Readings = {}
+        self._next_publish = 0.0
+        if loop is not None:
+            histogram = metrics.loop_lag.labels(role)
+            loop.on_tick = lambda lag: self._on_tick(histogram.observe, lag)
+
+    @classmethod
+    def for_process(
+        cls,
+        role: str,
+        metrics: Metrics,
+        extra: Iterable[Probe] = (),
+        publishes_container: bool = True,
+    ) -> ProcessTelemetry:
+        loop, gc, probes = process_wide_probes()
+        return cls(role, metrics, [*probes, *extra], loop, gc, publishes_container)
+
+    def start(self) -> None:
+        # Counters are published by their increase from here on (a restarted process does
+        # not count the cgroup's whole history again).
+        self._published = dict(self.probes.read())
+        if self.gc is not None:
+            self.gc.install()
+        if self.loop is not None:
+            self.loop.start()
+
+    async def stop(self) -> None:
+        if self.gc is not None:
+            self.gc.uninstall()
+        if self.loop is not None:
+            await self.loop.stop()
+
+    def read(self) -> Readings:
+        return self.probes.read()
+
+    def _on_tick(self, observe: object, lag: float) -> None:
+        observe(lag)  # type: ignore[operator]
+        now = time.monotonic()
+        if now >= self._next_publish:
+            self._next_publish = now + PUBLISH_EVERY_S
+            self.publish()
+
+    def publish(self) -> None:
+        """Bring this process's probe metrics up to date (counters by their increase since
+        the previous call, levels by their value)."""
+        m, role = self.metrics, self.role
+        readings = self.probes.read()
+        increases = {
+            key: value - self._published.get(key, 0.0)
+            for key, value in readings.items()
+            if is_counter(key)
+        }
+        self._published = dict(readings)
+
+        def bump(key: str, counter: object) -> None:
+            amount = increases.get(key, 0.0)
+            if amount > 0:
+                counter.inc(amount)  # type: ignore[attr-defined]
+
+        for generation in GENERATIONS:
+            g = str(generation)
+            bump(f"gc_gen{g}_pause_seconds_total", m.gc_pause.labels(role, g))
+            bump(f"gc_gen{g}_collections_total", m.gc_collections.labels(role, g))
+        bump("process_cpu_seconds_total", m.process_cpu.labels(role))
+        if self.publishes_container:
+            bump("cgroup_throttled_seconds_total", m.cgroup_throttled)
+            bump("cgroup_throttled_periods_total", m.cgroup_throttled_periods)
+        bump("cuda_alloc_retries_total", m.cuda_alloc_retries)
+        bump("cuda_context_changes_total", m.cuda_context_changes)
+        self._set_levels(readings)
+        if self.loop is not None:
+            m.loop_lag_max.labels(role).set(self.loop.take_high_water())
+
+    def _set_levels(self, readings: Mapping[str, float]) -> None:
+        m = self.metrics
+        gauges = {
+            "process_resident_bytes": m.process_resident.labels(self.role),
+            "gpu_sm_clock_hertz": m.gpu_sm_clock,
+            "gpu_temperature_celsius": m.gpu_temperature,
+            "gpu_power_watts": m.gpu_power,
+            "gpu_throttle_reasons": m.gpu_throttle_reasons,
+            "gpu_memory_used_bytes": m.gpu_memory_used,
+            "gpu_memory_free_bytes": m.gpu_memory_free,
+            "cuda_reserved_bytes": m.cuda_reserved,
+            "cuda_allocated_bytes": m.cuda_allocated,
+            "cuda_largest_free_block_bytes": m.cuda_largest_free_block,
+        }
+        for key, gauge in gauges.items():
+            if key in readings:
+                gauge.set(readings[key])

@@ -1,0 +1,263 @@
+"""Attribution and the recorder with injected values: each cause ranked first when its
+evidence is there (and with the evidence the report quotes), phases ranked after the root
+causes whose time they contain, thresholds (fixed and a multiple of the running p99), the
+ring buffer, the counter and the log line, and the `steadyserve spikes` table."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from app.engine.protocol import BatchTrace, EngineTrace
+from app.metrics import Metrics
+from app.spikes.attribution import CAUSES, RequestFacts, attribute
+from app.spikes.recorder import RunningP99, SlowRequestRecorder
+from app.spikes.table import render_table
+
+FRONT, ENGINE = 100, 200
+
+
+def batch(**overrides: object) -> BatchTrace:
+    values: dict[str, object] = {
+        "rows": 4,
+        "padded_rows": 4,
+        "length_bucket": 64,
+        "co_batched_lengths": [10, 20, 30, 64],
+        "acquire_wait_s": 0.0,
+        "copy_in_s": 0.001,
+        "run_s": 0.018,
+        "copy_out_s": 0.001,
+        "expected_compute_s": 0.02,
+        "runqueue_wait_s": 0.0,
+        "first_seen_shape": False,
+    }
+    return BatchTrace(**{**values, **overrides})  # type: ignore[arg-type]
+
+
+def facts(
+    total_s: float | None = None,
+    phases: dict[str, float] | None = None,
+    front: dict[str, float] | None = None,
+    engine_probes: dict[str, float] | None = None,
+    trace: BatchTrace | None = None,
+    depth: int = 0,
+) -> RequestFacts:
+    phases = phases or {"tokenize": 0.0002, "admission": 0.0, "queue": 0.001, "compute": 0.02}
+    return RequestFacts(
+        # Unless given: the phases and 1 ms outside them (HTTP, the hop to the engine).
+        total_s=total_s if total_s is not None else sum(phases.values()) + 0.001,
+        phases=phases,
+        frontend_pid=FRONT,
+        frontend_probes=front or {},
+        engine=EngineTrace(ENGINE, depth, trace or batch(), engine_probes or {}),
+        batching_window_s=0.002,
+    )
+
+
+def top(request: RequestFacts) -> tuple[str, float, str]:
+    cause = attribute(request)[0]
+    return cause.name, round(cause.seconds * 1000), cause.evidence
+
+
+def test_gc_pause_in_the_engine() -> None:
+    name, ms, evidence = top(
+        facts(
+            engine_probes={
+                "gc_gen2_pause_seconds_total": 0.08,
+                "gc_gen2_collections_total": 1,
+                "loop_lag_seconds_total": 0.08,
+                "loop_busy_lag_seconds_total": 0.08,
+            }
+        )
+    )
+    assert (name, ms) == ("gc_pause", 80)
+    assert evidence == "GC gen-2 pause 80 ms in the engine (1 collection)"
+
+
+def test_loop_lag_from_a_collection_is_not_also_a_blocked_loop() -> None:
+    causes = attribute(
+        facts(
+            front={
+                "gc_gen2_pause_seconds_total": 0.1,
+                "loop_lag_seconds_total": 0.1,
+                "loop_busy_lag_seconds_total": 0.1,
+            }
+        )
+    )
+    assert "event_loop_blocked" not in [c.name for c in causes]
+
+
+def test_blocked_loop() -> None:
+    name, ms, evidence = top(
+        facts(front={"loop_lag_seconds_total": 0.3, "loop_busy_lag_seconds_total": 0.29})
+    )
+    assert (name, ms) == ("event_loop_blocked", 290)
+    assert "front end's event loop was blocked 290 ms" in evidence
+
+
+def test_cpu_contention_with_other_processes_cores() -> None:
+    name, ms, evidence = top(
+        facts(
+            total_s=0.2,
+            phases={"queue": 0.0, "compute": 0.15},
+            trace=batch(run_s=0.148, runqueue_wait_s=0.1),
+            front={"host_cpu_busy_seconds_total": 0.25, "process_cpu_seconds_total": 0.05},
+        )
+    )
+    assert (name, ms) == ("cpu_contention", 100)
+    assert "compute thread waited 100 ms for a CPU" in evidence
+    assert "other processes took 1.0 cores" in evidence
+
+
+def test_cgroup_throttling() -> None:
+    name, ms, evidence = top(
+        facts(
+            phases={"compute": 0.06},
+            engine_probes={
+                "cgroup_throttled_seconds_total": 0.042,
+                "cgroup_throttled_periods_total": 3,
+            },
+        )
+    )
+    assert (name, ms) == ("cgroup_throttled", 42)
+    assert evidence == "cgroup throttled 42 ms in 3 CFS periods during this request"
+
+
+def test_queueing_behind_inputs() -> None:
+    name, ms, evidence = top(facts(phases={"queue": 0.302, "compute": 0.02}, depth=900))
+    assert (name, ms) == ("queueing", 300)
+    assert evidence == "queued 300 ms behind 900 inputs"
+
+
+def test_buffer_wait() -> None:
+    name, ms, evidence = top(facts(trace=batch(acquire_wait_s=0.03)))
+    assert (name, ms) == ("buffer_wait", 30)
+    assert evidence == "waited 30 ms for a buffer slot of shape (4, 64)"
+
+
+def test_unwarmed_shape_without_an_estimate_is_all_set_up() -> None:
+    name, ms, evidence = top(
+        facts(
+            phases={"compute": 0.12},
+            trace=batch(padded_rows=64, length_bucket=384, expected_compute_s=0.0,
+                        first_seen_shape=True),
+        )
+    )  # fmt: skip
+    assert (name, ms) == ("unwarmed_shape", 120)
+    assert evidence.startswith("shape (64, 384) was not warmed up")
+
+
+def test_gpu_throttling_names_the_clock_and_the_reason() -> None:
+    name, ms, evidence = top(
+        facts(
+            phases={"compute": 0.1},
+            engine_probes={
+                "gpu_sm_clock_hertz": 810e6,
+                "gpu_sm_clock_max_hertz": 1980e6,
+                "gpu_throttle_reasons": 0x20,
+            },
+        )
+    )
+    assert (name, ms) == ("gpu_throttled", 80)
+    assert evidence == "GPU SM clock 810 MHz of 1980, software thermal"
+
+
+def test_idle_bit_is_not_throttling() -> None:
+    causes = attribute(facts(engine_probes={"gpu_throttle_reasons": 0x1}))
+    assert "gpu_throttled" not in [c.name for c in causes]
+
+
+def test_allocator_retry_explains_the_excess_compute() -> None:
+    name, ms, evidence = top(
+        facts(phases={"compute": 0.07}, engine_probes={"cuda_alloc_retries_total": 3})
+    )
+    assert (name, ms) == ("allocator_retry", 50)
+    assert evidence.startswith("allocator retried 3 times")
+
+
+def test_slow_compute_without_an_explanation() -> None:
+    name, ms, evidence = top(facts(phases={"compute": 0.09}))
+    assert (name, ms) == ("slow_compute", 70)
+    assert evidence.startswith("batch (4, 64) computed in 90 ms, 20 ms expected")
+
+
+def test_a_root_cause_outranks_the_phase_its_time_was_spent_in() -> None:
+    # A 200 ms collection while the batch ran: the compute phase is 205 ms, the GC's 200.
+    causes = attribute(
+        facts(
+            phases={"compute": 0.205},
+            front={"gc_gen2_pause_seconds_total": 0.2, "gc_gen2_collections_total": 1},
+        )
+    )
+    assert causes[0].name == "gc_pause"
+
+
+def test_in_process_engine_probes_are_not_counted_twice() -> None:
+    shared = {"gc_gen0_pause_seconds_total": 0.05, "gc_gen0_collections_total": 2}
+    request = RequestFacts(
+        total_s=0.2,
+        phases={"compute": 0.02},
+        frontend_pid=FRONT,
+        frontend_probes=shared,
+        engine=EngineTrace(FRONT, 0, batch(), shared),
+    )
+    gc_cause = next(c for c in attribute(request) if c.name == "gc_pause")
+    assert round(gc_cause.seconds, 3) == 0.05
+
+
+def test_every_cause_is_documented() -> None:
+    from tests.support.server import REPO_ROOT
+
+    spikes = (REPO_ROOT / "docs" / "SPIKES.md").read_text()
+    missing = [name for name in CAUSES if f"`{name}`" not in spikes]
+    assert not missing, missing
+
+
+def test_running_p99() -> None:
+    p99 = RunningP99(window=100, refresh_every=100)
+    for index in range(100):
+        p99.add(0.01 if index else 1.0)
+    assert p99.value == 1.0 or p99.value == 0.01
+    assert p99.value == sorted([1.0] + [0.01] * 99)[99]
+
+
+def test_fixed_threshold_and_ring_buffer(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = Metrics()
+    recorder = SlowRequestRecorder(metrics, slow_after_s=0.15, p99_multiple=None, keep=2)
+    assert not recorder.is_slow(0.15)
+    assert recorder.is_slow(0.151)
+    with caplog.at_level(logging.WARNING, logger="app.spikes"):
+        for depth in (1, 2, 3):
+            recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=depth))
+    recent = recorder.recent()
+    assert [r.facts.engine.queue_depth_at_arrival for r in recent if r.facts.engine] == [3, 2]
+    assert (
+        metrics.registry.get_sample_value("steadyserve_slow_requests_total", {"cause": "queueing"})
+        == 3
+    )
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("slow request {") and '"top_cause":"queueing"' in line
+
+
+def test_p99_multiple_threshold_has_the_fixed_floor() -> None:
+    recorder = SlowRequestRecorder(Metrics(), slow_after_s=0.05, p99_multiple=3.0, keep=10)
+    for _ in range(100):
+        recorder.is_slow(0.001)  # an idle server: p99 1 ms, floor 50 ms
+    assert recorder.threshold_s() == 0.05
+    for _ in range(1000):
+        recorder.is_slow(0.1)
+    assert recorder.threshold_s() == pytest.approx(0.3)
+    assert not recorder.is_slow(0.29) and recorder.is_slow(0.31)
+
+
+def test_spikes_table_renders_reports() -> None:
+    recorder = SlowRequestRecorder(Metrics(), slow_after_s=0.1, p99_multiple=None, keep=5)
+    report = recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=900))
+    table = render_table({"frontend_pid": 7, "threshold_ms": 100.0,
+                          "reports": [report.as_dict()]})  # fmt: skip
+    lines = table.splitlines()
+    assert lines[0] == "front end pid 7, slow past 100.0 ms: 1 report(s), newest first"
+    assert "POST /infer" in lines[2] and "queueing 298" in lines[2]
+    assert lines[2].endswith("queued 298 ms behind 900 inputs")
+    assert render_table({"reports": []}).endswith("(no slow requests)")

@@ -1,0 +1,159 @@
+"""The probes, each with injected values: counters and levels, cgroup v1/v2 files, /proc
+files, the loop-lag split, GC pauses, caching, first-seen shapes, and the GPU and CUDA
+probes degrading to nothing without a GPU or driver (this machine has none)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+from app.metrics import Metrics
+from app.telemetry.cpu import CpuProbe, host_busy_cpu_seconds
+from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe, _largest_free_block
+from app.telemetry.gc_pauses import GcPauseProbe
+from app.telemetry.gpu import NvmlProbe, throttle_reason_names
+from app.telemetry.loop_lag import LoopLagMonitor
+from app.telemetry.probe import Cached, FakeProbe, ProbeSet, changes
+from app.telemetry.sampler import ProcessTelemetry
+from app.telemetry.shapes import ShapeTracker
+from app.telemetry.throttling import read_throttling
+
+
+def test_changes_keep_counter_increases_and_end_levels() -> None:
+    start = {"a_total": 1.0, "b_total": 5.0, "clock": 1.0}
+    end = {"a_total": 4.0, "b_total": 5.0, "clock": 0.5, "new_total": 2.0}
+    assert changes(start, end) == {"a_total": 3.0, "clock": 0.5}
+
+
+def test_cached_reader_rereads_only_after_max_age() -> None:
+    now = [0.0]
+    calls: list[float] = []
+
+    def reader() -> dict[str, float]:
+        calls.append(now[0])
+        return {"x_total": float(len(calls))}
+
+    cached = Cached(reader, max_age_s=0.005, clock=lambda: now[0])
+    assert cached.read() == {"x_total": 1.0}
+    now[0] = 0.004
+    assert cached.read() == {"x_total": 1.0}
+    now[0] = 0.006
+    assert cached.read() == {"x_total": 2.0}
+
+
+def test_cgroup_v2_throttling(tmp_path: Path) -> None:
+    (tmp_path / "cpu.stat").write_text(
+        "usage_usec 100\nnr_periods 50\nnr_throttled 7\nthrottled_usec 42000\n"
+    )
+    assert read_throttling(tmp_path) == {
+        "cgroup_periods_total": 50,
+        "cgroup_throttled_periods_total": 7,
+        "cgroup_throttled_seconds_total": 0.042,
+    }
+
+
+def test_cgroup_v1_throttling(tmp_path: Path) -> None:
+    (tmp_path / "cpu,cpuacct").mkdir()
+    (tmp_path / "cpu,cpuacct" / "cpu.stat").write_text(
+        "nr_periods 9\nnr_throttled 3\nthrottled_time 80000000\n"
+    )
+    readings = read_throttling(tmp_path)
+    assert readings["cgroup_throttled_periods_total"] == 3
+    assert readings["cgroup_throttled_seconds_total"] == 0.08
+
+
+def test_no_cgroup_files_read_nothing(tmp_path: Path) -> None:
+    assert read_throttling(tmp_path) == {}
+
+
+def test_host_busy_cpu_leaves_out_idle_and_iowait(tmp_path: Path) -> None:
+    # user nice system idle iowait irq softirq steal, in clock ticks (100 per second)
+    (tmp_path / "stat").write_text("cpu  100 0 50 900 30 0 10 0 0 0\ncpu0 1 2 3\n")
+    assert host_busy_cpu_seconds(tmp_path) == 1.6
+
+
+def test_cpu_probe_reads_this_process() -> None:
+    readings = CpuProbe().read()
+    assert readings["process_cpu_seconds_total"] > 0
+    assert readings["process_resident_bytes"] > 1_000_000
+
+
+def test_loop_lag_splits_blocked_from_starved() -> None:
+    monitor = LoopLagMonitor(tick_s=0.01, clock=lambda: 0.0, thread_wait=lambda: 0.0)
+    # Woke 310 ms after a 10 ms sleep, of which it waited 100 ms for a CPU.
+    monitor.record(started=0.0, woke=0.31, runqueue_wait_s=0.1)
+    readings = monitor.read()
+    assert round(readings["loop_lag_seconds_total"], 6) == 0.3
+    assert round(readings["loop_busy_lag_seconds_total"], 6) == 0.2
+    assert round(monitor.take_high_water(), 6) == 0.3
+    assert monitor.take_high_water() == 0.0
+
+
+def test_loop_lag_counts_an_overdue_tick_before_it_runs() -> None:
+    now = [0.0]
+    monitor = LoopLagMonitor(tick_s=0.01, clock=lambda: now[0], thread_wait=lambda: 0.0)
+    monitor._due_at = 0.01  # a tick is sleeping, due at 10 ms
+    now[0] = 0.26  # ... and the loop was held until 260 ms
+    assert round(monitor.read()["loop_lag_seconds_total"], 6) == 0.25
+
+
+def test_gc_probe_times_real_collections_by_generation() -> None:
+    probe = GcPauseProbe()
+    probe.install()
+    try:
+        gc.collect(2)
+    finally:
+        probe.uninstall()
+    readings = probe.read()
+    assert readings["gc_gen2_collections_total"] >= 1
+    assert readings["gc_gen2_pause_seconds_total"] > 0
+    assert probe._callback not in gc.callbacks
+
+
+def test_shape_tracker_flags_only_unwarmed_shapes_once() -> None:
+    shapes = ShapeTracker()
+    shapes.mark_warm((4, 16))
+    assert not shapes.first_seen((4, 16))
+    assert shapes.first_seen((8, 16))
+    assert not shapes.first_seen((8, 16))
+
+
+def test_gpu_and_cuda_probes_read_nothing_without_a_gpu() -> None:
+    nvml = NvmlProbe(0)  # no driver on this machine: must not raise
+    assert not nvml.available and nvml.read() == {}
+    assert NvmlProbe(None).read() == {}
+    assert CudaAllocatorProbe(None).read() == {}
+    context = CudaContextProbe(enabled=False)
+    context.check_thread()
+    assert context.read() == {}
+
+
+def test_largest_free_block_from_an_allocator_snapshot() -> None:
+    snapshot = [
+        {"blocks": [{"state": "active_allocated", "size": 10}, {"state": "inactive", "size": 4}]},
+        {"blocks": [{"state": "inactive", "size": 7}]},
+    ]
+    assert _largest_free_block(snapshot) == 7.0
+
+
+def test_throttle_reason_names() -> None:
+    assert throttle_reason_names(0x1 | 0x40) == ["idle", "hardware thermal"]
+
+
+def test_publishing_feeds_the_metrics_by_increase() -> None:
+    metrics = Metrics()
+    device = FakeProbe({"cuda_alloc_retries_total": 2.0, "gpu_sm_clock_hertz": 1.4e9})
+    telemetry = ProcessTelemetry("engine", metrics, [device])
+    telemetry.start()  # counters count from here
+    device.add(cuda_alloc_retries_total=3)
+    device.set(gpu_sm_clock_hertz=810e6)
+    telemetry.publish()
+    telemetry.publish()  # nothing new: nothing added
+    registry = metrics.registry
+    assert registry.get_sample_value("steadyserve_cuda_alloc_retries_total") == 3
+    assert registry.get_sample_value("steadyserve_gpu_sm_clock_hertz") == 810e6
+
+
+def test_probe_set_merges_readings() -> None:
+    probes = ProbeSet([FakeProbe({"a_total": 1}), FakeProbe({"b": 2})])
+    assert probes.read() == {"a_total": 1, "b": 2}

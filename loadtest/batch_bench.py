@@ -32,14 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench import (
-    REPO_ROOT,
-    _free_port,
-    _http_status,
-    _process_cpu_s,
-    _system_busy_s,
-    bench_sentences,
-)
+from loadtest.bench import REPO_ROOT, _free_port, _http_status, _system_busy_s, bench_sentences
+from loadtest.proctree import cpu_seconds
 
 # phase -> (--concurrency, adaptive); None: the CLI's default ceiling
 PHASES: dict[str, tuple[int | None, bool]] = {
@@ -99,12 +93,12 @@ def run_phase(
         command += ["--fixed-concurrency"]
     _log(f"{phase}: {' '.join(command[2:])}")
     busy_before = _system_busy_s()
-    own_before = _process_cpu_s(os.getpid()) + _process_cpu_s(server)
+    own_before = cpu_seconds(os.getpid()) + cpu_seconds(server)
     started = time.monotonic()
     client = subprocess.Popen(command, cwd=REPO_ROOT)
     _, status, usage = os.wait4(client.pid, 0)
     wall = time.monotonic() - started
-    own = _process_cpu_s(os.getpid()) + _process_cpu_s(server) - own_before
+    own = cpu_seconds(os.getpid()) + cpu_seconds(server) - own_before
     own += usage.ru_utime + usage.ru_stime
     foreign = max(0.0, _system_busy_s() - busy_before - own) / wall
     summary: dict[str, Any] = json.loads(summary_path.read_text())

@@ -46,6 +46,7 @@ from loadtest.bodies import LengthDistribution, sentence
 from loadtest.cli import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
 from loadtest.minilm import DTYPES, MiniLM, configure_torch
+from loadtest.proctree import cpu_seconds, descendants, tree_resident_mb
 from loadtest.report import Summary, format_table, summarize, write_json, write_plots
 from loadtest.runner import Mode, Recorder, RunConfig, RunResult
 from loadtest.stages import Stage, parse_duration
@@ -104,25 +105,6 @@ def _system_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / _TICKS_PER_S
 
 
-def _process_cpu_s(pid: int) -> float:
-    # Fields after the command name; utime and stime are the 14th and 15th of the line.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
-
-
-def _descendants(pid: int) -> list[int]:
-    """`pid`'s children, theirs, and so on (Linux /proc/PID/task/*/children)."""
-    found: list[int] = []
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
-        try:
-            kids = [int(kid) for kid in children.read_text().split()]
-        except (OSError, ValueError):
-            continue
-        for kid in kids:
-            found += [kid, *_descendants(kid)]
-    return found
-
-
 class ForeignLoad:
     """Cores used by processes other than the bench and its server (with the server's
     children: `steadyserve serve` runs an engine and front ends) during a phase, and the
@@ -134,7 +116,7 @@ class ForeignLoad:
 
     def __init__(self, pids: Sequence[int]) -> None:
         # Once each: the server is also a descendant of the bench's own process.
-        self._pids = list(dict.fromkeys(p for pid in pids for p in (pid, *_descendants(pid))))
+        self._pids = list(dict.fromkeys(p for pid in pids for p in descendants(pid)))
         self._started = time.monotonic()
         self._busy = _system_busy_s()
         self._cpu = {pid: self._cpu_s(pid) for pid in self._pids}
@@ -142,7 +124,7 @@ class ForeignLoad:
     @staticmethod
     def _cpu_s(pid: int) -> float:
         try:
-            return _process_cpu_s(pid)
+            return cpu_seconds(pid)
         except (OSError, ValueError, IndexError):
             return 0.0
 
@@ -159,7 +141,7 @@ class ForeignLoad:
 
     def cores_of(self, pid: int) -> float:
         """Cores `pid` and its descendants (as found at the start) used."""
-        tree = [p for p in self._pids if p == pid or p in _descendants(pid)]
+        tree = [p for p in self._pids if p in descendants(pid)]
         wall = max(time.monotonic() - self._started, 1e-9)
         return self._own_s(tree) / wall
 
@@ -256,16 +238,6 @@ def _http_status(url: str) -> int | None:
         return None
 
 
-def _resident_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
-
-
 def _free_port() -> int:
     import socket
 
@@ -305,7 +277,7 @@ def measure_server(
                 raise TimeoutError(f"{name} not ready in {options.ready_timeout_s:g} s")
             time.sleep(0.2)  # polling the readiness endpoint
         ready_s = time.monotonic() - started
-        rss_ready = _resident_mb(process.pid)
+        rss_ready = tree_resident_mb(process.pid)
         _log(f"{name}: ready in {ready_s:.1f} s, {rss_ready or 0:.0f} MB resident; warming up")
         warmup = RunConfig(
             mode=Mode.CLOSED,
@@ -323,7 +295,7 @@ def measure_server(
         result = run_event_loop(lambda: execute(config, target, payloads, progress))
         foreign_cores = foreign.cores()
         server_cores = foreign.cores_of(process.pid)
-        rss_after = _resident_mb(process.pid)
+        rss_after = tree_resident_mb(process.pid)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)

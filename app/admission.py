@@ -154,27 +154,36 @@ class Admission:
         self.draining = False
         self._requests_completed = RateMeter()
 
-    def admit(self, deadline: float, now: float) -> Ticket:
-        """Admit a request or raise `Rejected`; the caller has already passed the token
-        bucket and the delay check. On success the caller must later call `release`."""
+    def enter(self, now: float) -> Rejected | None:
+        """A request arrives (its headers, before its body is read): None if it may come
+        in, counted in flight until `leave`; else why not (draining, or the in-flight cap,
+        with a Retry-After from the measured completion rate). Counting from arrival, not
+        from admission, bounds the work a front end takes on wherever it waits."""
         if self.draining:
-            raise self.draining_rejection()
-        if deadline <= now:
-            raise Rejected(RejectReason.DEADLINE, "deadline passed before admission")
+            return self.draining_rejection()
         if self.inflight + 1 > self.limits.max_inflight:
             excess = self.inflight + 1 - self.limits.max_inflight
-            raise Rejected(
+            return Rejected(
                 RejectReason.INFLIGHT,
                 f"{self.inflight} requests in flight (cap {self.limits.max_inflight})",
                 self._time_to_drain(excess, self._requests_completed, now),
             )
         self.inflight += 1
-        return Ticket(admitted_at=now, deadline=deadline)
+        return None
 
-    def release(self, ticket: Ticket, now: float) -> None:
-        """The request was answered (whatever the outcome)."""
+    def leave(self, now: float) -> None:
+        """A request that entered was answered (whatever the outcome)."""
         self.inflight -= 1
         self._requests_completed.record(1, now)
+
+    def admit(self, deadline: float, now: float) -> Ticket:
+        """Admit a request after its body was read and tokenized, or raise `Rejected`; the
+        caller has already passed the token bucket."""
+        if self.draining:
+            raise self.draining_rejection()
+        if deadline <= now:
+            raise Rejected(RejectReason.DEADLINE, "deadline passed before admission")
+        return Ticket(admitted_at=now, deadline=deadline)
 
     @staticmethod
     def draining_rejection() -> Rejected:

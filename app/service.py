@@ -169,15 +169,26 @@ class Service:
     # --- shedding before the body is read ---------------------------------------------------
     def shed(self, envoy_timeout_ms: float | None) -> Rejected | None:
         """What can be refused from headers alone, at almost no cost: draining, no ready
-        engine, the engine's backlog over the delay budget, an empty token bucket. The
-        rejection is counted here; the caller answers it."""
+        engine, the engine's backlog over the delay budget, an empty token bucket, the
+        in-flight cap (counted from here on, so it bounds the requests this front end holds
+        wherever they wait). The rejection is counted here; the caller answers it. None:
+        the request is in, and the caller must call `leave` once it is answered."""
         self._arrival.set()
         rejection = self._shed_reason(envoy_timeout_ms)
         if rejection is not None:
             self.metrics.rejected.labels("", rejection.reason.value).inc()
         return rejection
 
+    def leave(self) -> None:
+        """A request that `shed` let in was answered (whatever the outcome)."""
+        self.admission.leave(self._clock())
+        self.metrics.inflight.dec()
+        if self.admission.draining and self.admission.inflight == 0:
+            self._idle.set()
+
     def _shed_reason(self, envoy_timeout_ms: float | None) -> Rejected | None:
+        """None once the request is let in and counted in flight (the caller must then
+        call `leave`); else why not."""
         if self.admission.draining:
             return self.admission.draining_rejection()
         status = self.engine_status()
@@ -202,7 +213,10 @@ class Service:
             return self.admission.rate_limited(
                 self.settings.length_buckets[0], self.gate.rate_per_s
             )
-        return None
+        refused = self.admission.enter(now)
+        if refused is None:
+            self.metrics.inflight.inc()
+        return refused
 
     # --- requests -----------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:
@@ -241,10 +255,9 @@ class Service:
         tokenized_at = self._clock()
         timer.add("tokenize", tokenized_at - now)
         n_tokens = sum(len(ids) for ids in token_ids)
-        ticket = await self.gate.admit(model, n_tokens, deadline)
+        await self.gate.admit(model, n_tokens, deadline)
         admitted_at = self._clock()
         timer.add("admission", admitted_at - tokenized_at)
-        self.metrics.inflight.inc()
         outcome = "error"
         try:
             request = Submit(
@@ -277,11 +290,7 @@ class Service:
             raise
         finally:
             finished = self._clock()
-            self.admission.release(ticket, finished)
-            self.metrics.inflight.dec()
             self.metrics.request_duration.labels(model, "embed", outcome).observe(finished - now)
-            if self.admission.draining and self.admission.inflight == 0:
-                self._idle.set()
 
     async def _tokenize(
         self, tokenizer: TextTokenizer, texts: Sequence[str], truncate: bool

@@ -182,7 +182,8 @@ class Settings(BaseSettings):
     max_inflight: int = Field(
         default=512,
         ge=1,
-        description="Requests admitted and not yet answered; beyond it, 429 (reason `inflight`).",
+        description="Inference requests a front end holds, from their headers to their "
+        "answer; beyond it, 429 (reason `inflight`) before the body is read.",
     )
     max_queue: int = Field(
         default=4096,

@@ -86,7 +86,10 @@ class SheddingMiddleware:
         started = time.perf_counter()
         rejection = self.service.shed(_envoy_timeout_ms(scope))
         if rejection is None:
-            await self.app(scope, receive, send)
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.service.leave()
             return
         await send_rejection(rejection, send, started, close=self.service.admission.draining)
 

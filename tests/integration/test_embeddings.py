@@ -301,7 +301,7 @@ async def test_caps_and_rate_give_429_with_retry_after() -> None:
         engine="inprocess",
         length_buckets=(16,),
         max_batch_size=4,
-        max_inflight=2,
+        max_inflight=8,  # 2 of the 10 refused at the door, then the bucket decides
         rate_limit_per_s=1.0,
         rate_limit_burst=16,  # model tokens: "burst N" is 4 ([CLS] burst N [SEP])
         max_inputs_per_request=1,

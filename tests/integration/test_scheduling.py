@@ -218,7 +218,8 @@ async def test_inflight_cap_answers_429_with_retry_after() -> None:
         harness.release()
         assert (await holder).status_code == 200
         metrics = (await harness.client.get("/metrics")).text
-        assert 'steadyserve_rejected_total{model="fake",reason="inflight"} 1.0' in metrics
+        # Refused from its headers, before its body (and so its model) was read.
+        assert 'steadyserve_rejected_total{model="",reason="inflight"} 1.0' in metrics
 
 
 async def test_queue_cap_answers_429_and_reports_depth() -> None:

@@ -25,14 +25,14 @@ from app.metrics import Metrics
 LIMITS = AdmissionLimits(max_inflight=3, default_timeout_s=5.0, max_timeout_s=30.0)
 
 
-def test_requests_are_admitted_until_the_inflight_cap() -> None:
+def test_requests_come_in_until_the_inflight_cap() -> None:
     admission = Admission(LIMITS)
-    tickets = [admission.admit(deadline=10.0, now=0.0) for _ in range(3)]
-    with pytest.raises(Rejected) as caught:
-        admission.admit(deadline=10.0, now=0.0)
-    assert caught.value.reason is RejectReason.INFLIGHT
-    admission.release(tickets[0], now=0.1)
-    admission.admit(deadline=10.0, now=0.1)
+    assert [admission.enter(now=0.0) for _ in range(3)] == [None, None, None]
+    refused = admission.enter(now=0.0)
+    assert refused is not None and refused.reason is RejectReason.INFLIGHT
+    admission.leave(now=0.1)
+    assert admission.enter(now=0.1) is None
+    assert admission.inflight == 3
 
 
 def _inflight_retry_after(step_s: float) -> float:
@@ -42,13 +42,13 @@ def _inflight_retry_after(step_s: float) -> float:
     now = 0.0
     while now < 30.0:
         now += step_s
-        admission.release(admission.admit(deadline=now + 5, now=now), now=now)
+        assert admission.enter(now) is None
+        admission.leave(now)
     for _ in range(3):
-        admission.admit(deadline=now + 5, now=now)
-    with pytest.raises(Rejected) as caught:
-        admission.admit(deadline=now + 5, now=now)
-    assert caught.value.retry_after_s is not None
-    return caught.value.retry_after_s
+        assert admission.enter(now) is None
+    refused = admission.enter(now)
+    assert refused is not None and refused.retry_after_s is not None
+    return refused.retry_after_s
 
 
 def test_inflight_retry_after_follows_the_measured_completion_rate() -> None:
@@ -59,10 +59,9 @@ def test_inflight_retry_after_follows_the_measured_completion_rate() -> None:
 
 def test_inflight_retry_after_without_any_measurement_is_bounded() -> None:
     admission = Admission(AdmissionLimits(1, 5.0, 30.0))
-    admission.admit(deadline=5.0, now=0.0)
-    with pytest.raises(Rejected) as caught:
-        admission.admit(deadline=5.0, now=0.0)
-    assert caught.value.retry_after_s == 1.0
+    assert admission.enter(now=0.0) is None
+    refused = admission.enter(now=0.0)
+    assert refused is not None and refused.retry_after_s == 1.0
 
 
 def test_a_request_is_admitted_while_its_predicted_wait_fits_the_budget() -> None:
@@ -139,6 +138,8 @@ def test_a_passed_deadline_and_draining_are_rejected() -> None:
     with pytest.raises(Rejected) as draining:
         admission.admit(deadline=10.0, now=1.0)
     assert draining.value.reason is RejectReason.DRAINING
+    refused = admission.enter(now=1.0)
+    assert refused is not None and refused.reason is RejectReason.DRAINING
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):

@@ -43,7 +43,9 @@ class SlowRequestMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        readings = self.telemetry.read()
+        # Where the probes stood as the request began (as of the last tick: the one before
+        # a slow request's 150 ms is close enough); read afresh only if it turns out slow.
+        readings = self.telemetry.snapshot()
         status = 0
         finished: float | None = None
 

@@ -22,6 +22,8 @@ from app.telemetry.probe import Probe, ProbeSet, Readings, is_counter
 from app.telemetry.throttling import CgroupThrottleProbe
 
 PUBLISH_EVERY_S = 0.25
+# A tick's readings stand for "now" for this long (two ticks of the 10 ms loop monitor).
+SNAPSHOT_FRESH_S = 0.02
 
 
 def process_wide_probes() -> tuple[LoopLagMonitor, GcPauseProbe, list[Probe]]:
@@ -49,6 +51,8 @@ class ProcessTelemetry:
         listed: list[Probe] = [p for p in (loop, gc) if p is not None]
         self.probes = ProbeSet([*listed, *probes])
         self._published: Readings = {}
+        self._latest: Readings = {}
+        self._latest_at = 0.0
         self._next_publish = 0.0
         if loop is not None:
             histogram = metrics.loop_lag.labels(role)
@@ -83,9 +87,20 @@ class ProcessTelemetry:
     def read(self) -> Readings:
         return self.probes.read()
 
+    def snapshot(self) -> Readings:
+        """The readings of the loop monitor's last tick while that is at most
+        `SNAPSHOT_FRESH_S` old, so a request can note where the probes stood without
+        reading them itself (reading every probe per request cost ~5 % of throughput);
+        read afresh otherwise (no tick yet, or the loop was held up since the last one,
+        when whatever held it must not be counted against the next request)."""
+        if self._latest and time.monotonic() - self._latest_at <= SNAPSHOT_FRESH_S:
+            return self._latest
+        return self.probes.read()
+
     def _on_tick(self, observe: object, lag: float) -> None:
         observe(lag)  # type: ignore[operator]
-        now = time.monotonic()
+        self._latest = self.probes.read()
+        now = self._latest_at = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + PUBLISH_EVERY_S
             self.publish()

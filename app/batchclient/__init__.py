@@ -5,9 +5,11 @@ is its command line (``app.batchclient.cli``); ``BatchClient`` and ``SyncBatchCl
 its Python API.
 """
 
-from app.batchclient.client import BatchClient, BatchStats, ClientOptions, SyncBatchClient
+from app.batchclient.client import BatchClient, SyncBatchClient
 from app.batchclient.items import Failure, Item, Result, Success
+from app.batchclient.options import ClientOptions
 from app.batchclient.retry import RetryPolicy
+from app.batchclient.stats import BatchStats
 
 __all__ = [
     "BatchClient",

@@ -24,7 +24,7 @@ from typing import TextIO
 
 import orjson
 
-from app.batchclient.client import BatchClient, ClientOptions
+from app.batchclient.client import BatchClient
 from app.batchclient.items import Failure, InvalidLine, Item, Success
 from app.batchclient.journal import (
     CorruptJournal,
@@ -34,6 +34,7 @@ from app.batchclient.journal import (
     read_ids,
     repair_torn_tail,
 )
+from app.batchclient.options import ClientOptions
 from app.batchclient.progress import JobProgress, ProgressDisplay, summary, summary_table
 from app.batchclient.retry import RetryPolicy
 

@@ -10,7 +10,6 @@ ahead of their answers. One event loop; ``stop`` and ``abort`` from that loop's 
 from __future__ import annotations
 
 import asyncio
-import collections
 import random
 import time
 from collections.abc import (
@@ -19,116 +18,21 @@ from collections.abc import (
     AsyncIterator,
     Iterable,
     Iterator,
-    Mapping,
 )
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import orjson
 from aiolimiter import AsyncLimiter
 
+from app.batchclient.attempt import Attempt, error_of
 from app.batchclient.items import Failure, Item, Packer, Request, Result
+from app.batchclient.options import ClientOptions
 from app.batchclient.pacing import AimdController
-from app.batchclient.retry import RetryPolicy, Verdict, classify_status
+from app.batchclient.retry import Verdict, classify_status
+from app.batchclient.stats import BatchStats, Counters
 from app.batchclient.transport import ConnectionPool, RequestError
 from app.batchclient.window import Window
-from loadtest.stats import LogHistogram
-
-
-@dataclass(frozen=True, slots=True)
-class ClientOptions:
-    """How a ``BatchClient`` sends. ``concurrency`` is the most requests in flight; with
-    ``adaptive`` the client moves between 1 and it (AIMD), else it stays at it.
-    ``rate`` caps requests per second, retries included."""
-
-    concurrency: int = 128
-    adaptive: bool = True
-    rate: float | None = None
-    inputs_per_request: int = 1
-    timeout_s: float = 30.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    headers: Mapping[str, str] = field(default_factory=dict)
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
-        if self.rate is not None and self.rate <= 0:
-            raise ValueError("rate must be positive")
-        if self.inputs_per_request < 1:
-            raise ValueError("inputs_per_request must be at least 1")
-        if self.timeout_s <= 0:
-            raise ValueError("timeout must be positive")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchStats:
-    """Counts so far. Requests count every attempt; lines count items."""
-
-    requests: int
-    statuses: Mapping[int, int]
-    resets: int
-    timeouts: int
-    retries: int
-    lines_ok: int
-    lines_failed: int
-    lines_unfinished: int
-    in_flight: int
-    concurrency: int
-    lowest_concurrency: int
-    highest_concurrency: int
-    concurrency_cuts: int
-    latency_p50_s: float | None
-    latency_p99_s: float | None
-
-    @property
-    def throttled(self) -> int:
-        return self.statuses.get(429, 0)
-
-    @property
-    def successes(self) -> int:
-        return sum(n for status, n in self.statuses.items() if 200 <= status < 300)
-
-
-class _Counters:
-    def __init__(self) -> None:
-        self.requests = 0
-        self.statuses: collections.Counter[int] = collections.Counter()
-        self.resets = 0
-        self.timeouts = 0
-        self.retries = 0
-        self.lines_ok = 0
-        self.lines_failed = 0
-        self.lines_unfinished = 0
-        self.latency = LogHistogram()  # 2xx attempts, seconds; bounded memory
-
-
-@dataclass(frozen=True, slots=True)
-class _Attempt:
-    """One request's answer: ``status`` None when no HTTP response came (``transport``)."""
-
-    status: int | None
-    body: bytes
-    retry_after_s: float | None
-    latency_s: float
-    ticket: int  # the AIMD controller's, from when it was sent
-    transport: str | None = None  # "timeout" or the transport error's name
-
-
-def _error_of(attempt: _Attempt) -> dict[str, Any]:
-    """The server's ``error`` object when it sent one, else one describing what happened."""
-    if attempt.status is None:
-        return {"type": attempt.transport or "transport", "message": "no HTTP response"}
-    try:
-        parsed = orjson.loads(attempt.body)
-    except orjson.JSONDecodeError:
-        parsed = None
-    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
-        error: dict[str, Any] = parsed["error"]
-        return error
-    text = attempt.body[:1000].decode("utf-8", "replace")
-    return {"type": "http_error", "message": text}
 
 
 class BatchClient:
@@ -146,7 +50,7 @@ class BatchClient:
             AsyncLimiter(1, 1.0 / self.options.rate) if self.options.rate is not None else None
         )
         self._rng = random.Random(self.options.seed)
-        self._counters = _Counters()
+        self._counters = Counters()
         self._max_active = 2 * self.options.concurrency
         self._stopping = False
         self._waiting: set[asyncio.Task[Any]] = set()  # cancellable: nothing sent yet
@@ -333,7 +237,7 @@ class BatchClient:
         finally:
             self._waiting.discard(task)
 
-    async def _attempt(self, request: Request) -> _Attempt:
+    async def _attempt(self, request: Request) -> Attempt:
         """One POST once the window and the rate limit allow it."""
         await self._wait(self._window.acquire())
         try:
@@ -353,7 +257,7 @@ class BatchClient:
             self._window.release()
         return attempt
 
-    async def _post(self, request: Request) -> _Attempt:
+    async def _post(self, request: Request) -> Attempt:
         assert self._http is not None
         self._counters.requests += 1
         ticket = self.controller.on_send()
@@ -366,12 +270,12 @@ class BatchClient:
                 self._counters.timeouts += 1
             else:
                 self._counters.resets += 1
-            return _Attempt(None, b"", None, time.perf_counter() - started, ticket, kind)
+            return Attempt(None, b"", None, time.perf_counter() - started, ticket, kind)
         latency = time.perf_counter() - started
         self._counters.statuses[response.status] += 1
-        return _Attempt(response.status, response.body, response.retry_after_s, latency, ticket)
+        return Attempt(response.status, response.body, response.retry_after_s, latency, ticket)
 
-    def _pace(self, attempt: _Attempt, in_flight: int) -> None:
+    def _pace(self, attempt: Attempt, in_flight: int) -> None:
         """Tell the AIMD controller how the attempt went; a grown limit wakes waiters."""
         if attempt.status is not None and 200 <= attempt.status < 300:
             self.controller.on_success(attempt.ticket, in_flight)
@@ -381,7 +285,7 @@ class BatchClient:
         ):
             self.controller.on_congestion(attempt.ticket)
 
-    def _unpack(self, request: Request, attempt: _Attempt, attempts: int) -> list[Result] | None:
+    def _unpack(self, request: Request, attempt: Attempt, attempts: int) -> list[Result] | None:
         """Each item's result from a 2xx, or None if the body is not the JSON expected."""
         try:
             response = orjson.loads(attempt.body)
@@ -397,9 +301,9 @@ class BatchClient:
         return results
 
     def _fail(
-        self, request: Request, attempt: _Attempt, attempts: int, *, retryable: bool
+        self, request: Request, attempt: Attempt, attempts: int, *, retryable: bool
     ) -> list[Result]:
-        error = _error_of(attempt)
+        error = error_of(attempt)
         self._counters.lines_failed += len(request.items)
         return [
             Failure(item.id, attempt.status, error, attempts, retryable=retryable)

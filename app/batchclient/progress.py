@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from app.batchclient.client import BatchStats
+from app.batchclient.stats import BatchStats
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,9 +23,9 @@ import numpy as np
 
 from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
 from app.batcher import ComputeSlots, ItemResult, ModelBatcher
-from app.buffers import BufferPool
 from app.dispatcher import Dispatcher, plan_threads
 from app.engine.health import BatchHealth
+from app.engine.loading import load_models
 from app.engine.protocol import (
     BatchTrace,
     EmbedOutput,
@@ -38,12 +38,13 @@ from app.engine.protocol import (
     Output,
     Submit,
 )
+from app.engine.reports import config_report, pool_report
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
-from app.models.base import ModelRunner, resolve_device
+from app.models.base import resolve_device
 from app.scheduler import BatchShape
 from app.settings import Settings, export_cuda_alloc_conf
-from app.startup import RunnerLoader, freeze_startup_heap, init_cuda, load_runner, policy_for
+from app.startup import RunnerLoader, freeze_startup_heap, load_runner
 from app.telemetry.cgroup import available_cpus
 from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe
 from app.telemetry.gpu import NvmlProbe
@@ -128,29 +129,20 @@ class EngineCore:
 
     async def _start(self) -> None:
         started = time.perf_counter()
-        if self.device.type == "cuda":
-            await self.dispatcher.run_compute(init_cuda, self.device, self._cuda_alloc_conf)
-        runners: dict[str, ModelRunner] = {}
-        for spec in self.settings.models:
-            runners[spec.name] = await self.dispatcher.run_compute(
-                self._loader, spec, self.device, self.settings.length_buckets[-1]
-            )
-        for name, runner in runners.items():
-            policy = policy_for(self.settings, runner.max_input_tokens)
-            warmup_shapes = len(policy.shapes()) if self.settings.warmup else 0
-            # Preallocation touches the device (and pins host memory): a compute-thread job.
-            pool = await self.dispatcher.run_compute(
-                BufferPool,
-                policy.shapes(),
-                runner.output_width,
-                runner.device,
-                self.settings.pool_slots_per_shape or self.dispatcher.capacity,
-            )
-            self._record_pool(name, pool)
+        loaded = await load_models(
+            self.settings,
+            self.dispatcher,
+            self.device,
+            self._loader,
+            self._cuda_alloc_conf,
+            self.metrics,
+        )
+        for name, model in loaded.items():
+            warmup_shapes = len(model.policy.shapes()) if self.settings.warmup else 0
             self.batchers[name] = ModelBatcher(
-                runner,
-                policy,
-                pool,
+                model.runner,
+                model.policy,
+                model.pool,
                 self.dispatcher,
                 self.slots,
                 self.metrics,
@@ -170,15 +162,6 @@ class EngineCore:
             "engine ready in %.1f s (%d shapes warmed up)",
             time.perf_counter() - started,
             self._warmup_done,
-        )
-
-    def _record_pool(self, name: str, pool: BufferPool) -> None:
-        self.metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)
-        log.info(
-            "%s: buffer pool %d shapes, %.1f MiB",
-            name,
-            len(pool.stats().slots),
-            pool.bytes_preallocated / 2**20,
         )
 
     async def _warm_up(self, name: str, batcher: ModelBatcher) -> None:
@@ -391,41 +374,10 @@ class EngineCore:
     # --- debug --------------------------------------------------------------------------
     def debug_report(self, what: str) -> dict[str, object]:
         if what == "pool":
-            return self._pool_report()
+            return pool_report(self.batchers)
         if what == "config":
-            plan = self.dispatcher.plan
-            return {
-                "device": str(self.device),
-                "threads": {
-                    "compute": plan.compute_threads,
-                    "torch_intra_op": plan.torch_intra_op,
-                    "torch_inter_op": plan.torch_inter_op,
-                },
-            }
+            return config_report(self.device, self.dispatcher.plan)
         raise ValueError(f"unknown debug report {what!r}")
-
-    def _pool_report(self) -> dict[str, object]:
-        report: dict[str, object] = {}
-        for name, batcher in self.batchers.items():
-            stats = batcher.pool.stats()
-            report[name] = {
-                "bytes_preallocated": stats.bytes_preallocated,
-                "misses": stats.misses,
-                "acquire_waits": stats.acquire_waits,
-                "shapes": [
-                    {
-                        "batch": shape.batch,
-                        "length": shape.length,
-                        "slots": total,
-                        "in_use": stats.in_use[shape],
-                        "estimated_compute_ms": round(
-                            batcher.scheduler.estimated_compute(shape) * 1000, 3
-                        ),
-                    }
-                    for shape, total in stats.slots.items()
-                ],
-            }
-        return report
 
     # --- shutdown -----------------------------------------------------------------------
     async def stop(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from app.batchclient.client import BatchStats
 from app.batchclient.progress import JobProgress, ProgressDisplay, progress_bar, summary
+from app.batchclient.stats import BatchStats
 
 
 def _stats(**changes: object) -> BatchStats:

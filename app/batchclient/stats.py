@@ -1,0 +1,53 @@
+"""What a batch run has done so far: the running counters and their frozen snapshot."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from loadtest.stats import LogHistogram
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """Counts so far. Requests count every attempt; lines count items."""
+
+    requests: int
+    statuses: Mapping[int, int]
+    resets: int
+    timeouts: int
+    retries: int
+    lines_ok: int
+    lines_failed: int
+    lines_unfinished: int
+    in_flight: int
+    concurrency: int
+    lowest_concurrency: int
+    highest_concurrency: int
+    concurrency_cuts: int
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+
+    @property
+    def throttled(self) -> int:
+        return self.statuses.get(429, 0)
+
+    @property
+    def successes(self) -> int:
+        return sum(n for status, n in self.statuses.items() if 200 <= status < 300)
+
+
+class Counters:
+    """The running counts behind ``BatchStats``; the client's event loop thread only."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.statuses: collections.Counter[int] = collections.Counter()
+        self.resets = 0
+        self.timeouts = 0
+        self.retries = 0
+        self.lines_ok = 0
+        self.lines_failed = 0
+        self.lines_unfinished = 0
+        self.latency = LogHistogram()  # 2xx attempts, seconds; bounded memory

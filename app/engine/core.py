@@ -233,10 +233,12 @@ class EngineCore:
         )
 
     def refresh_gauges(self) -> None:
-        """Engine-side gauges (queue, pool); called on the status tick."""
+        """Engine-side gauges (queue depth and its high-water mark since the previous call,
+        pool slots); called periodically, or before a scrape in-process."""
         m = self.metrics
-        depth = self.queued_inputs()
-        m.queue_depth.set(depth)
+        m.queue_depth.set(self.queued_inputs())
+        high, self._queue_high_water = self._queue_high_water, self.queued_inputs()
+        m.queue_depth_max.set(high)
         if self.settings.spike_reports:
             self.telemetry.publish()
         for name, batcher in self.batchers.items():
@@ -245,11 +247,6 @@ class EngineCore:
                 labels = (name, str(shape.length), str(shape.batch))
                 m.pool_slots.labels(*labels).set(total)
                 m.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
-
-    def take_queue_high_water(self) -> int:
-        """The deepest the queue has been since the previous call, then reset."""
-        high, self._queue_high_water = self._queue_high_water, self.queued_inputs()
-        return high
 
     # --- requests -----------------------------------------------------------------------
     def submit(self, origin: bytes, request: Submit, emit: Emit) -> None:
@@ -366,10 +363,6 @@ class EngineCore:
         task = self._requests.pop((origin, request_id), None)
         if task is not None:
             task.cancel()
-
-    def cancel_all_from(self, origin: bytes) -> None:
-        for key in [k for k in self._requests if k[0] == origin]:
-            self.cancel(*key)
 
     # --- debug --------------------------------------------------------------------------
     def debug_report(self, what: str) -> dict[str, object]:

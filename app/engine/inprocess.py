@@ -34,7 +34,6 @@ class InProcessEngine(StreamingClient):
 
     def refresh_metrics(self) -> None:
         self.core.refresh_gauges()
-        self.core.metrics.queue_depth_max.set(self.core.take_queue_high_water())
 
     async def close(self) -> None:
         if self._startup is not None and not self._startup.done():

@@ -103,7 +103,6 @@ class EngineServer:
             self._publisher.send(encode(self.core.status()), zmq.NOBLOCK)
             if loop.time() >= next_gauges:
                 self.core.refresh_gauges()
-                self.core.metrics.queue_depth_max.set(self.core.take_queue_high_water())
                 next_gauges = loop.time() + GAUGE_INTERVAL_S
             await asyncio.sleep(STATUS_INTERVAL_S)
 

@@ -1,5 +1,6 @@
-"""The engine's start-up loading: CUDA initialised eagerly, every model loaded, and its
-batch policy and preallocated buffer pool made (docs/ARCHITECTURE.md §7).
+"""The engine's start-up loading: CUDA initialised eagerly, then each model's host made by
+its task's factory (`tasks.py`), which loads the weights and preallocates its buffers
+(docs/ARCHITECTURE.md §7).
 
 Called from the engine's event loop thread; the blocking parts (CUDA, weights, pinned and
 device memory) run on the dispatcher's compute threads.
@@ -7,62 +8,16 @@ device memory) run on the dispatcher's compute threads.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
-import torch
-
-from app.buffers import BufferPool
-from app.dispatcher import Dispatcher
-from app.metrics import Metrics
-from app.models.base import ModelRunner
-from app.scheduler import BatchPolicy
-from app.settings import Settings
-from app.startup import RunnerLoader, init_cuda, policy_for
-
-log = logging.getLogger(__name__)
+from app.engine.host import EngineContext, ModelHost
+from app.engine.tasks import HOST_FACTORIES
+from app.startup import init_cuda
 
 
-@dataclass(frozen=True, slots=True)
-class LoadedModel:
-    runner: ModelRunner
-    policy: BatchPolicy
-    pool: BufferPool
-
-
-async def load_models(
-    settings: Settings,
-    dispatcher: Dispatcher,
-    device: torch.device,
-    loader: RunnerLoader,
-    cuda_alloc_conf: str | None,
-    metrics: Metrics,
-) -> dict[str, LoadedModel]:
-    """Every configured model, loaded, with its policy and buffer pool, by name."""
-    if device.type == "cuda":
-        await dispatcher.run_compute(init_cuda, device, cuda_alloc_conf)
-    runners: dict[str, ModelRunner] = {}
-    for spec in settings.models:
-        runners[spec.name] = await dispatcher.run_compute(
-            loader, spec, device, settings.length_buckets[-1]
-        )
-    loaded: dict[str, LoadedModel] = {}
-    for name, runner in runners.items():
-        policy = policy_for(settings, runner.max_input_tokens)
-        # Preallocation touches the device (and pins host memory): a compute-thread job.
-        pool = await dispatcher.run_compute(
-            BufferPool,
-            policy.shapes(),
-            runner.output_width,
-            runner.device,
-            settings.pool_slots_per_shape or dispatcher.capacity,
-        )
-        metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)
-        log.info(
-            "%s: buffer pool %d shapes, %.1f MiB",
-            name,
-            len(pool.stats().slots),
-            pool.bytes_preallocated / 2**20,
-        )
-        loaded[name] = LoadedModel(runner, policy, pool)
-    return loaded
+async def load_hosts(context: EngineContext, cuda_alloc_conf: str | None) -> dict[str, ModelHost]:
+    """Every configured model's host, by name."""
+    if context.device.type == "cuda":
+        await context.dispatcher.run_compute(init_cuda, context.device, cuda_alloc_conf)
+    hosts: dict[str, ModelHost] = {}
+    for spec in context.settings.models:
+        hosts[spec.name] = await HOST_FACTORIES[spec.task](spec, context)
+    return hosts

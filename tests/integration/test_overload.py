@@ -51,7 +51,7 @@ async def test_an_overloaded_server_answers_429_without_reading_the_body() -> No
         holder = await harness.hold_the_worker()
         # The engine has measured a second per batch (fed to its estimates as warm-up
         # would): one queued input is then 250 ms of work, five times the budget.
-        scheduler = harness.engine.batchers["fake"].scheduler
+        scheduler = harness.engine.hosts["fake"].batcher.scheduler
         for shape in scheduler.policy.shapes():
             scheduler.record_compute(shape, 1.0)
         queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
@@ -104,7 +104,7 @@ async def test_two_models_sharing_the_dispatcher_never_oversubscribe_it() -> Non
         waiting = asyncio.create_task(
             harness.client.post("/infer", json={"model": "other", "inputs": "second model"})
         )
-        scheduler = harness.engine.batchers["other"].scheduler
+        scheduler = harness.engine.hosts["other"].batcher.scheduler
         await harness.until(lambda: scheduler.depth == 1, "queued on the other model")
         # Its batcher sees no free slot: however often the loop turns, the input stays
         # queued (a batcher counting the whole dispatcher as its own would take it).

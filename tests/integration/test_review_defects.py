@@ -97,7 +97,7 @@ async def test_warm_up_runs_every_shape_on_every_compute_thread() -> None:
     async with app_with(dispatcher_threads=2) as (_, service, runner):
         engine = service.engine
         assert isinstance(engine, InProcessEngine)
-        shapes = engine.core.batchers["fake"].scheduler.policy.shapes()
+        shapes = engine.core.hosts["fake"].batcher.scheduler.policy.shapes()
         threads_by_shape: dict[tuple[int, int], set[str]] = {}
         for rows, thread in zip(runner.batches, runner.batch_threads, strict=True):
             threads_by_shape.setdefault((len(rows), len(rows[0])), set()).add(thread)

@@ -41,7 +41,7 @@ class Harness:
     runner: GatedRunner
 
     def runner_of(self, model: str) -> GatedRunner:
-        runner = self.engine.batchers[model].runner
+        runner = self.engine.hosts[model].batcher.runner
         assert isinstance(runner, GatedRunner)
         return runner
 
@@ -71,7 +71,7 @@ class Harness:
             )
             for t in texts
         ]
-        scheduler = self.engine.batchers["fake"].scheduler
+        scheduler = self.engine.hosts["fake"].batcher.scheduler
         await self.until(lambda: scheduler.depth == len(texts), "all queued")
         self.release()
         return [await task for task in waiting]
@@ -126,7 +126,7 @@ async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
         await app.state.startup_task
         await app.state.service.engine.wait_ready()
         ready = await client.get("/readyz")
-        total = len(app.state.service.engine.core.batchers["fake"].scheduler.policy.shapes())
+        total = len(app.state.service.engine.core.hosts["fake"].batcher.scheduler.policy.shapes())
         assert ready.status_code == 200
         assert ready.json()["warmup"] == {"done": total, "total": total}
         metrics = (await client.get("/metrics")).text
@@ -141,7 +141,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
         harness.client.post("/infer", json={"inputs": "never run", "timeout_ms": 30})
     )
     # Admitted and queued first: this 504 is queue expiry, not a refusal at admission.
-    scheduler = harness.engine.batchers["fake"].scheduler
+    scheduler = harness.engine.hosts["fake"].batcher.scheduler
     await harness.until(lambda: scheduler.depth == 1 or sending.done(), "the request is queued")
     assert scheduler.depth == 1, (await sending).json()
     late = await sending
@@ -153,7 +153,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
     }
     assert "tokenize;" in late.headers["server-timing"]
     # Answered at its deadline, while the worker is still busy, not when it frees up.
-    pool = harness.engine.batchers["fake"].pool
+    pool = harness.engine.hosts["fake"].batcher.pool
     assert sum(pool.stats().in_use.values()) == 1
     harness.release()
     assert (await holder).status_code == 200
@@ -174,7 +174,7 @@ async def test_a_cancelled_request_leaves_the_queue_before_it_is_computed(
             timeout_ms=None, envoy_timeout_ms=None, timer=timer,
         )
     )  # fmt: skip
-    batcher = harness.engine.batchers["fake"]
+    batcher = harness.engine.hosts["fake"].batcher
     await harness.until(lambda: batcher.scheduler.depth == 1, "the request is queued")
     abandoned.cancel()
     await harness.until(lambda: harness.engine.queued_inputs() == 0, "the queue drops it")
@@ -305,14 +305,14 @@ async def test_a_request_failing_at_submission_leaves_no_counts_behind(harness: 
     assert "total;dur=" in response.headers["server-timing"]
     assert harness.engine.queued_inputs() == 0
     assert harness.service.admission.inflight == 0
-    assert harness.engine.batchers["fake"].scheduler.depth == 0
+    assert harness.engine.hosts["fake"].batcher.scheduler.depth == 0
     assert (await harness.client.post("/infer", json={"inputs": "after"})).status_code == 200
 
 
 async def test_a_failing_batch_loop_fails_queued_requests_and_recovers(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    batcher = harness.engine.batchers["fake"]
+    batcher = harness.engine.hosts["fake"].batcher
     original_poll = batcher.scheduler.poll
     failures = iter([RuntimeError("a bug in the policy")])
 

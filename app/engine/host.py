@@ -1,0 +1,133 @@
+"""The seam a task plugs into: one served model inside the engine, whatever it computes.
+
+`EngineCore` keeps no task-specific logic. For each configured model it asks the task's
+`HostFactory` (registered in `tasks.py`) for a `ModelHost`, and from then on only routes
+protocol messages to it and sums what hosts report for the engine's status. A new task
+(generation, tensors) adds a payload and output type to `protocol.py`, a host module and
+one line in `tasks.py`; nothing else in the engine changes.
+
+Every method is called on the engine's event loop thread; hosts run their compute on the
+dispatcher's threads (`EngineContext.dispatcher`), inside the shared `ComputeSlots`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from app.admission import Rejected
+from app.batcher import ComputeSlots
+from app.dispatcher import Dispatcher
+from app.engine.protocol import BatchTrace, EngineTrace, FromEngine, ModelInfo, Submit
+from app.metrics import Metrics
+from app.settings import ModelSpec, Settings
+from app.startup import RunnerLoader
+
+Emit = Callable[[FromEngine], None]
+ShapeDone = Callable[[int, int], None]  # (shapes warmed up so far, total) after each shape
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """The whole engine's load when a request arrives, for a host's admission decision:
+    inputs queued across every model, predicted seconds before newly queued work starts
+    (shared compute divided among the threads), the time now, and the settings' caps."""
+
+    queued_inputs: int
+    backlog_s: float
+    now: float
+    max_queue: int
+    max_queue_delay_s: float
+
+
+class RequestTracer(Protocol):
+    """Builds a request's `EngineTrace` for slow-request reports (docs/SPIKES.md): `arrive`
+    when it is queued (None while reports are off), `finish` when its last output goes."""
+
+    def arrive(self, queue_depth: int) -> object | None: ...
+
+    def finish(self, arrival: object | None, batch: BatchTrace | None) -> EngineTrace | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineContext:
+    """What a host may use: the settings, the engine's device, dispatcher threads and the
+    compute slots every host shares, metrics, the injected clock, the health recorder (call
+    once per batch with its exception, or None), a check to run on the compute thread
+    before each batch, the embedding loader (tests inject fakes), and the request tracer."""
+
+    settings: Settings
+    device: torch.device
+    dispatcher: Dispatcher
+    slots: ComputeSlots
+    metrics: Metrics
+    clock: Callable[[], float]
+    record_batch: Callable[[BaseException | None], None]
+    before_batch: Callable[[], None]
+    loader: RunnerLoader
+    tracer: RequestTracer
+
+
+class ModelHost(Protocol):
+    """One served model in the engine (event loop thread only)."""
+
+    name: str
+
+    def info(self) -> ModelInfo:
+        """What front ends learn of the model from the engine's status."""
+        ...
+
+    @property
+    def warmup_total(self) -> int:
+        """Shapes `warm_up` will run (0 when warm-up is off)."""
+        ...
+
+    async def warm_up(self, shape_done: ShapeDone) -> None:
+        """Run every shape once before the engine reports ready."""
+        ...
+
+    def start(self) -> None:
+        """Begin serving (after warm-up)."""
+        ...
+
+    def backlog_seconds(self) -> float:
+        """Predicted compute seconds of this model's queued work (not yet divided among
+        compute threads)."""
+        ...
+
+    def seconds_per_input(self) -> float:
+        """What one more queued input of the smallest shape adds to `backlog_seconds`."""
+        ...
+
+    def queued_inputs(self) -> int: ...
+
+    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
+        """None to queue the request; else why it is refused (429/503/504). A request the
+        model cannot serve as sent is not refused here: `submit` answers it 400."""
+        ...
+
+    def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
+        """Queue an admitted request. Its answer goes to `emit`: a stream of `Output`, the
+        last `final`, or one `Failure`. Returns the task answering it (cancelling it drops
+        the request's queued work and sends nothing more), or None when it was answered at
+        once (e.g. a `BAD_REQUEST` failure)."""
+        ...
+
+    def refresh_gauges(self) -> None:
+        """Set this model's gauges (pool slots, cache usage, ...)."""
+        ...
+
+    def debug_report(self) -> dict[str, object]:
+        """This model's part of `/debug/pool`."""
+        ...
+
+    async def close(self) -> None:
+        """Finish queued and running work, then stop."""
+        ...
+
+
+HostFactory = Callable[[ModelSpec, EngineContext], Awaitable[ModelHost]]

@@ -1,0 +1,10 @@
+"""Which host serves each task (`ModelSpec.task`): the one table a new task is added to."""
+
+from __future__ import annotations
+
+from app.engine.embedding_host import load_embedding_host
+from app.engine.host import HostFactory
+
+HOST_FACTORIES: dict[str, HostFactory] = {
+    "embed": load_embedding_host,
+}

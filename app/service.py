@@ -269,6 +269,8 @@ class Service:
                 timer.add("queue", output.queue_s)
                 timer.add("compute", output.compute_s)
                 timer.engine_trace = output.trace
+                if not isinstance(payload, EmbedOutput):  # a server fault: answered 500
+                    raise TypeError(f"{model} answered an embedding with {type(payload)}")
                 vectors = _vectors(payload)
                 outcome = "ok"
                 return EmbedResult(

@@ -22,7 +22,29 @@ class EmbedPayload(msgspec.Struct, frozen=True, tag="embed"):
     token_ids: list[list[int]]
 
 
-Payload = EmbedPayload
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How one sequence picks its next tokens. `do_sample` false: greedy (argmax), the rest
+    ignored. `top_k` 0 and `top_p` 1.0 disable those filters. `seed` makes sampling
+    reproducible per request. Stop *strings* are the front end's: it detokenizes the stream,
+    and cancels the request once one appears; the engine stops at EOS or `max_new_tokens`."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
+    """One prompt's token ids (the front end tokenized it, chat template applied) and how
+    to continue it. A request with several prompts is several `Submit`s."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+Payload = EmbedPayload | GeneratePayload
 
 
 class Submit(msgspec.Struct, frozen=True, tag="submit"):
@@ -57,7 +79,21 @@ class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):
     input_tokens: int
 
 
-OutputPayload = EmbedOutput
+class FinishReason(Enum):
+    EOS = "eos"  # the model produced its end-of-sequence token (not included in token_ids)
+    LENGTH = "length"  # max_new_tokens reached
+
+
+class TokensOutput(msgspec.Struct, frozen=True, tag="tokens"):
+    """New token ids since the previous output of this request (possibly none in the final
+    one). The final output names why the sequence ended and counts its prompt tokens."""
+
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: FinishReason | None = None  # set on the final output only
+
+
+OutputPayload = EmbedOutput | TokensOutput
 
 
 class BatchTrace(msgspec.Struct, frozen=True):

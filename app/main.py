@@ -30,6 +30,7 @@ from prometheus_fastapi_instrumentator import metrics as instrumentator_metrics
 from app import __version__
 from app.api import debug, embed, health
 from app.api.errors import install_error_handlers
+from app.api.http_metrics import use_lean_instrumentator
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
 from app.api.openapi import install_openapi
 from app.api.slow import SlowRequestMiddleware
@@ -139,6 +140,7 @@ def create_app(
         instrumentator_metrics.requests(registry=metrics.registry),
         instrumentator_metrics.latency(buckets=LATENCY_BUCKETS_S, registry=metrics.registry),
     ).instrument(app)
+    use_lean_instrumentator(app)
     if settings.spike_reports:
         recorder = SlowRequestRecorder(
             metrics,

@@ -52,6 +52,7 @@ bench: setup-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overload_bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.batch_bench --lines $(BATCH_BENCH_LINES)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.generation_bench
 
 check-config: setup
 	$(BIN)/steadyserve check-config

@@ -15,10 +15,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -36,21 +36,50 @@ from app.telemetry.shapes import ShapeTracker
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+RowT = TypeVar("RowT")  # one queued input, as the batch's executor takes it
+OutT = TypeVar("OutT")  # one input's answer, as the batch's executor gives it
+OutT_co = TypeVar("OutT_co", covariant=True)
+
+
+class ComputedBatch(Protocol[OutT_co]):
+    """What a batch executor returns (`execute.BatchOutput` for token inputs): each input's
+    answer by row, and the timings of `execute.BatchOutput`."""
+
+    @property
+    def compute_s(self) -> float: ...
+    @property
+    def acquire_wait_s(self) -> float: ...
+    @property
+    def pool_miss(self) -> bool: ...
+    @property
+    def copy_in_s(self) -> float: ...
+    @property
+    def run_s(self) -> float: ...
+    @property
+    def copy_out_s(self) -> float: ...
+    @property
+    def runqueue_wait_s(self) -> float: ...
+
+    def row(self, index: int) -> OutT_co: ...
+
+
+BatchExecutor = Callable[[BatchShape, Sequence[RowT]], ComputedBatch[OutT]]
+"""Runs one closed batch (its padded shape, its inputs in order) on a compute thread."""
 
 
 @dataclass(frozen=True, slots=True)
-class ItemResult:
-    vector: npt.NDArray[np.float32]
+class ItemResult(Generic[OutT]):
+    value: OutT
     queue_wait_s: float
     compute_s: float
     batch: BatchTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)
-class _Pending:
+class _Pending(Generic[RowT, OutT]):
     item: WorkItem
-    token_ids: list[int]
-    future: asyncio.Future[ItemResult]
+    row: RowT
+    future: asyncio.Future[ItemResult[OutT]]
 
 
 def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
@@ -87,14 +116,18 @@ class ComputeSlots:
             wakeup.set()
 
 
-class ModelBatcher:
-    """One model's queue and batch loop. Call from the event loop thread only."""
+class Batcher(Generic[RowT, OutT]):
+    """One model's queue and batch loop, whatever its inputs are: each queued input (a
+    `RowT`) has a length (`length_of`: its tokens, or its longest dynamic dimension), which
+    picks its length bucket; `execute` runs a closed batch. Call from the event loop thread
+    only (`execute` runs on a compute thread)."""
 
     def __init__(
         self,
-        runner: ModelRunner,
+        name: str,
         policy: BatchPolicy,
-        pool: BufferPool,
+        execute: BatchExecutor[RowT, OutT],
+        length_of: Callable[[RowT], int],
         dispatcher: Dispatcher,
         slots: ComputeSlots,
         metrics: Metrics,
@@ -103,17 +136,18 @@ class ModelBatcher:
         before_batch: Callable[[], None] = lambda: None,
     ) -> None:
         """`before_batch` runs on the compute thread before each batch (a probe's check)."""
-        self.runner = runner
+        self.name = name
+        self._execute_rows = execute
+        self._length_of = length_of
         self.shapes = ShapeTracker()
         self._before_batch = before_batch
         self.scheduler = Scheduler(policy)
-        self.pool = pool
         self._dispatcher = dispatcher
         self._slots = slots
         self._metrics = metrics
         self._on_batch_done = on_batch_done
         self._clock = clock
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, _Pending[RowT, OutT]] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         slots.listen(self._wakeup)
@@ -125,24 +159,24 @@ class ModelBatcher:
 
     # --- requests -----------------------------------------------------------------------
     def submit(
-        self, token_ids: list[list[int]], deadline: float
-    ) -> list[asyncio.Future[ItemResult]]:
-        """Queue a request's tokenized inputs, all or none; raises `ValueError` before
-        queuing any if one fits no bucket."""
+        self, rows: Sequence[RowT], deadline: float, unit: str = "tokens"
+    ) -> list[asyncio.Future[ItemResult[OutT]]]:
+        """Queue a request's inputs, all or none; raises `ValueError` (naming the longest
+        input's length in `unit`) before queuing any if one fits no bucket."""
         policy = self.scheduler.policy
-        buckets = [policy.length_bucket_for(len(ids)) for ids in token_ids]
+        lengths = [self._length_of(row) for row in rows]
+        buckets = [policy.length_bucket_for(length) for length in lengths]
         if None in buckets:
-            longest = max(len(ids) for ids in token_ids)
-            raise ValueError(f"{longest} tokens exceed the largest length bucket")
+            raise ValueError(f"{max(lengths)} {unit} exceed the largest length bucket")
         now = self._clock()
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[ItemResult]] = []
-        for ids, bucket in zip(token_ids, buckets, strict=True):
+        futures: list[asyncio.Future[ItemResult[OutT]]] = []
+        for row, length, bucket in zip(rows, lengths, buckets, strict=True):
             assert bucket is not None
-            item = WorkItem(next(self._ids), len(ids), bucket, enqueued_at=now, deadline=deadline)
-            future: asyncio.Future[ItemResult] = loop.create_future()
+            item = WorkItem(next(self._ids), length, bucket, enqueued_at=now, deadline=deadline)
+            future: asyncio.Future[ItemResult[OutT]] = loop.create_future()
             future.add_done_callback(partial(self._on_done, item.item_id))
-            self._pending[item.item_id] = _Pending(item, ids, future)
+            self._pending[item.item_id] = _Pending(item, row, future)
             self.scheduler.enqueue(item)
             futures.append(future)
         # With every worker busy the loop only needs waking if these inputs expire before
@@ -154,7 +188,7 @@ class ModelBatcher:
             self._wakeup.set()
         return futures
 
-    def _on_done(self, item_id: int, future: asyncio.Future[ItemResult]) -> None:
+    def _on_done(self, item_id: int, future: asyncio.Future[ItemResult[OutT]]) -> None:
         if future.cancelled() and item_id in self._pending:
             # The client went away: drop the input before it takes a buffer slot.
             self.scheduler.cancel(item_id)
@@ -162,9 +196,7 @@ class ModelBatcher:
 
     # --- the batch loop ---------------------------------------------------------------
     def start(self) -> None:
-        self._loop_task = asyncio.create_task(
-            self._batch_loop(), name=f"batcher-{self.runner.name}"
-        )
+        self._loop_task = asyncio.create_task(self._batch_loop(), name=f"batcher-{self.name}")
         self._loop_task.add_done_callback(self._on_loop_exit)
 
     def _on_loop_exit(self, task: asyncio.Task[None]) -> None:
@@ -172,7 +204,7 @@ class ModelBatcher:
         what is queued (500) and start a fresh loop."""
         if task.cancelled() or task.exception() is None:
             return
-        log.error("batch loop of %s failed", self.runner.name, exc_info=task.exception())
+        log.error("batch loop of %s failed", self.name, exc_info=task.exception())
         for item_id, pending in list(self._pending.items()):
             self.scheduler.cancel(item_id)
             _set_exception_if_not_done(pending.future, BatchFailed("batch loop failed"))
@@ -226,13 +258,13 @@ class ModelBatcher:
             started = self._clock()
             bucket = str(batch.shape.length)
             for pending in pendings:
-                self._metrics.queue_wait.labels(self.runner.name, bucket).observe(
+                self._metrics.queue_wait.labels(self.name, bucket).observe(
                     started - pending.item.enqueued_at
                 )
             expected_s = self.scheduler.estimated_compute(batch.shape)
             first_seen = self.shapes.first_seen(batch.shape)
             output = await self._dispatcher.run_compute(
-                self._run_batch, batch.shape, [p.token_ids for p in pendings]
+                self._run_batch, batch.shape, [p.row for p in pendings]
             )
             self._record(batch, output, first_seen)
             trace = _trace(batch, output, expected_s, first_seen)
@@ -240,7 +272,7 @@ class ModelBatcher:
                 _set_result_if_not_done(
                     pending.future,
                     ItemResult(
-                        vector=output.rows[row],
+                        value=output.row(row),
                         queue_wait_s=started - pending.item.enqueued_at,
                         compute_s=output.compute_s,
                         batch=trace,
@@ -248,7 +280,7 @@ class ModelBatcher:
                 )
         except BaseException as error:
             failure = error
-            log.exception("batch %s of %s failed", batch.shape, self.runner.name)
+            log.exception("batch %s of %s failed", batch.shape, self.name)
             for pending in pendings:
                 _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
             if not isinstance(error, Exception):
@@ -258,21 +290,13 @@ class ModelBatcher:
             self._slots.give()
             self._on_batch_done(failure)
 
-    def _run_batch(self, shape: BatchShape, token_ids: list[list[int]]) -> BatchOutput:
+    def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""
         self._before_batch()
-        policy = self.scheduler.policy
-        return run_batch(
-            self.pool,
-            self.runner,
-            shape,
-            token_ids,
-            self._dispatcher.stream(),
-            lambda rows: BatchShape(policy.padded_batch(shape.length, rows), shape.length),
-        )
+        return self._execute_rows(shape, rows)
 
-    def _record(self, batch: Batch, output: BatchOutput, first_seen: bool) -> None:
-        name, bucket = self.runner.name, str(batch.shape.length)
+    def _record(self, batch: Batch, output: ComputedBatch[OutT], first_seen: bool) -> None:
+        name, bucket = self.name, str(batch.shape.length)
         self.scheduler.record_compute(batch.shape, output.compute_s)
         self._metrics.dispatcher_busy.labels(name).inc(output.compute_s)
         if first_seen:
@@ -284,14 +308,17 @@ class ModelBatcher:
             self._metrics.pool_misses.labels(name).inc()
 
     # --- warm-up ----------------------------------------------------------------------
-    async def warm_up(
-        self, filler_token_id: int, on_shape_done: Callable[[int, int], None]
+    async def warm_up_rows(
+        self,
+        rows_for_shape: Callable[[BatchShape], Sequence[RowT]],
+        on_shape_done: Callable[[int, int], None],
     ) -> None:
-        """Run every shape once on every compute thread, feeding the scheduler's compute
-        estimates; `on_shape_done(done, total)` reports progress."""
+        """Run every shape once on every compute thread (full rows from `rows_for_shape`),
+        feeding the scheduler's compute estimates; `on_shape_done(done, total)` reports
+        progress."""
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
-            rows = warmup_token_ids(shape, filler_token_id)
+            rows = rows_for_shape(shape)
             outputs = await self._dispatcher.run_on_every_compute_thread(
                 self._run_batch, shape, rows
             )
@@ -301,7 +328,62 @@ class ModelBatcher:
             on_shape_done(done, len(shapes))
 
 
-def _trace(batch: Batch, output: BatchOutput, expected_s: float, first_seen: bool) -> BatchTrace:
+class ModelBatcher(Batcher[list[int], npt.NDArray[np.float32]]):
+    """The batcher of a token-input model (`ModelRunner`): rows are token ids, batches run
+    through the model's `BufferPool` (`execute.run_batch`), each input's answer is its
+    output row. Event loop thread only."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        policy: BatchPolicy,
+        pool: BufferPool,
+        dispatcher: Dispatcher,
+        slots: ComputeSlots,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
+        before_batch: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        super().__init__(
+            runner.name,
+            policy,
+            self._run_tokens,
+            len,
+            dispatcher,
+            slots,
+            metrics,
+            clock,
+            on_batch_done,
+            before_batch,
+        )
+
+    def _run_tokens(self, shape: BatchShape, token_ids: Sequence[list[int]]) -> BatchOutput:
+        """Compute threads only."""
+        policy = self.scheduler.policy
+        return run_batch(
+            self.pool,
+            self.runner,
+            shape,
+            token_ids,
+            self._dispatcher.stream(),
+            lambda rows: BatchShape(policy.padded_batch(shape.length, rows), shape.length),
+        )
+
+    async def warm_up(
+        self, filler_token_id: int, on_shape_done: Callable[[int, int], None]
+    ) -> None:
+        """`warm_up_rows` with full rows of `filler_token_id`."""
+        await self.warm_up_rows(
+            lambda shape: warmup_token_ids(shape, filler_token_id), on_shape_done
+        )
+
+
+def _trace(
+    batch: Batch, output: ComputedBatch[Any], expected_s: float, first_seen: bool
+) -> BatchTrace:
     return BatchTrace(
         rows=len(batch.items),
         padded_rows=batch.shape.batch,

@@ -38,6 +38,11 @@ class BatchOutput:
     copy_out_s: float = 0.0
     runqueue_wait_s: float = 0.0
 
+    def row(self, index: int) -> npt.NDArray[np.float32]:
+        """One input's output vector (a view of `rows`)."""
+        row: npt.NDArray[np.float32] = self.rows[index]
+        return row
+
 
 def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Stream | None) -> None:
     # The slot's device decides the path (a stream handed to a CPU slot is ignored; a CUDA

@@ -10,6 +10,7 @@ import asyncio
 import logging
 
 import numpy as np
+import numpy.typing as npt
 
 from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
 from app.batcher import ItemResult, ModelBatcher
@@ -106,13 +107,13 @@ class EmbeddingHost:
         self,
         request: Submit,
         payload: EmbedPayload,
-        futures: list[asyncio.Future[ItemResult]],
+        futures: list[asyncio.Future[ItemResult[npt.NDArray[np.float32]]]],
         emit: Emit,
         arrival: object | None,
     ) -> None:
         request_id = request.request_id
         try:
-            results: list[ItemResult] = await asyncio.gather(*futures)
+            results: list[ItemResult[npt.NDArray[np.float32]]] = await asyncio.gather(*futures)
         except asyncio.CancelledError:
             for future in futures:
                 future.cancel()
@@ -124,7 +125,7 @@ class EmbeddingHost:
         except BatchFailed as error:
             emit(Failure(request_id, FailureKind.FAILED, f"batch failed: {error}"))
             return
-        vectors = np.ascontiguousarray(np.stack([r.vector for r in results]), dtype=np.float32)
+        vectors = np.ascontiguousarray(np.stack([r.value for r in results]), dtype=np.float32)
         # The request's batch in its trace is its last-finishing input's.
         slowest = max(results, key=lambda r: r.queue_wait_s + r.compute_s)
         emit(

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -123,24 +124,37 @@ class BufferSlot:
         return rows
 
 
-class BufferPool:
-    """Slots per shape, preallocated at construction; see the module docstring."""
+class Slot(Protocol):
+    """What a pool needs of its slots."""
+
+    @property
+    def shape(self) -> BatchShape: ...
+    @property
+    def is_fallback(self) -> bool: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+SlotT = TypeVar("SlotT", bound=Slot)
+
+
+class SlotPool(Generic[SlotT]):
+    """Slots per shape, made by `make_slot(shape, is_fallback)` at construction; see the
+    module docstring."""
 
     def __init__(
         self,
         shapes: Iterable[BatchShape],
-        output_width: int,
+        make_slot: Callable[[BatchShape, bool], SlotT],
         device: torch.device,
         slots_per_shape: int,
     ) -> None:
         self.device = device
-        self.output_width = output_width
-        self._free: dict[BatchShape, list[BufferSlot]] = {}
+        self._make_slot = make_slot
+        self._free: dict[BatchShape, list[SlotT]] = {}
         self._total: dict[BatchShape, int] = {}
         for shape in shapes:
-            self._free[shape] = [
-                BufferSlot(shape, output_width, device) for _ in range(slots_per_shape)
-            ]
+            self._free[shape] = [make_slot(shape, False) for _ in range(slots_per_shape)]
             self._total[shape] = slots_per_shape
         self.bytes_preallocated = sum(s.nbytes for slots in self._free.values() for s in slots)
         if device.type == "cuda":
@@ -151,14 +165,13 @@ class BufferPool:
         self._misses = 0
         self._acquire_waits = 0
 
-    def acquire(self, shape: BatchShape) -> tuple[BufferSlot, float]:
+    def acquire(self, shape: BatchShape) -> tuple[SlotT, float]:
         """A slot for `shape` and the seconds spent waiting for it (dispatcher threads only)."""
         with self._condition:
             free = self._free.get(shape)
             if free is None:
                 self._misses += 1
-                slot = BufferSlot(shape, self.output_width, self.device, is_fallback=True)
-                return slot, 0.0
+                return self._make_slot(shape, True), 0.0
             if free:
                 return free.pop(), 0.0
             self._acquire_waits += 1
@@ -166,7 +179,7 @@ class BufferPool:
             self._condition.wait_for(lambda: bool(free))
             return free.pop(), time.perf_counter() - started
 
-    def release(self, slot: BufferSlot) -> None:
+    def release(self, slot: SlotT) -> None:
         if slot.is_fallback:
             return
         with self._condition:
@@ -182,3 +195,22 @@ class BufferPool:
                 acquire_waits=self._acquire_waits,
                 bytes_preallocated=self.bytes_preallocated,
             )
+
+
+class BufferPool(SlotPool[BufferSlot]):
+    """The pool of a token-input model: `BufferSlot`s of `output_width` fp32 outputs."""
+
+    def __init__(
+        self,
+        shapes: Iterable[BatchShape],
+        output_width: int,
+        device: torch.device,
+        slots_per_shape: int,
+    ) -> None:
+        self.output_width = output_width
+        super().__init__(
+            shapes,
+            lambda shape, is_fallback: BufferSlot(shape, output_width, device, is_fallback),
+            device,
+            slots_per_shape,
+        )

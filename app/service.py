@@ -29,7 +29,14 @@ from app.admission import (
     resolve_deadline,
 )
 from app.engine.client import EngineClient, EngineUnavailable
-from app.engine.protocol import EmbedOutput, EmbedPayload, EngineStatus, Submit
+from app.engine.protocol import (
+    EmbedOutput,
+    EmbedPayload,
+    EngineStatus,
+    OutputPayload,
+    Payload,
+    Submit,
+)
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
 from app.metrics import Metrics
@@ -58,6 +65,13 @@ def load_model_tokenizer(spec: ModelSpec, largest_length_bucket: int) -> TextTok
 class UnknownModel(Exception):
     def __init__(self, name: str, known: Sequence[str]) -> None:
         super().__init__(f"model {name!r} is not served; available: {', '.join(known)}")
+
+
+class WrongTask(Exception):
+    """A request for a task the model does not do (a client's mistake: 400)."""
+
+    def __init__(self, model: str, task: str, wanted: str) -> None:
+        super().__init__(f"model {model!r} does {task!r}, not {wanted!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +127,7 @@ class Service:
             max_workers=settings.tokenizer_threads, thread_name_prefix="steadyserve-tokenize"
         )
         self._startup_error: str | None = None
+        self._started = False  # tokenizers loaded and the engine connected
         self._idle = asyncio.Event()
         self._arrival = asyncio.Event()
         # Inputs sent to the engine since its last published status: added to its backlog
@@ -127,10 +142,12 @@ class Service:
         try:
             largest = self.settings.length_buckets[-1]
             for spec in self.settings.models:
-                self.tokenizers[spec.name] = await asyncio.to_thread(
-                    self._tokenizer_loader, spec, largest
-                )
+                if spec.task == "embed":  # other tasks take no text
+                    self.tokenizers[spec.name] = await asyncio.to_thread(
+                        self._tokenizer_loader, spec, largest
+                    )
             await self.engine.start()
+            self._started = True
         except Exception as error:
             log.exception("front-end start-up failed")
             self._startup_error = f"front-end start-up failed: {type(error).__name__}"
@@ -147,7 +164,7 @@ class Service:
             self.engine_status(),
             self._startup_error,
             self.admission.draining,
-            can_serve=bool(self.tokenizers),
+            can_serve=self._started,
         )
 
     def liveness(self) -> str | None:
@@ -164,7 +181,10 @@ class Service:
         return info.output_width if info else None
 
     def model_task(self, name: str) -> str:
-        return next(spec.task for spec in self.settings.models if spec.name == name)
+        return self.model_spec(name).task
+
+    def model_spec(self, name: str) -> ModelSpec:
+        return next(spec for spec in self.settings.models if spec.name == name)
 
     # --- shedding before the body is read ---------------------------------------------------
     def shed(self, envoy_timeout_ms: float | None) -> Rejected | None:
@@ -192,7 +212,7 @@ class Service:
         if self.admission.draining:
             return self.admission.draining_rejection()
         status = self.engine_status()
-        if status is None or status.state != "ready" or not self.tokenizers:
+        if status is None or status.state != "ready" or not self._started:
             return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
@@ -242,6 +262,36 @@ class Service:
         or `BatchFailed`. Cancelling the caller's task (client gone) cancels the request in
         the engine, dropping its queued inputs.
         """
+        if model not in self.tokenizers:
+            raise WrongTask(model, self.model_task(model), "embed")
+        now, deadline = self.begin(model, timeout_ms, envoy_timeout_ms)
+        token_ids = await self._tokenize(self.tokenizers[model], texts, truncate)
+        tokenized_at = self._clock()
+        timer.add("tokenize", tokenized_at - now)
+        payload = await self.compute(
+            model,
+            "embed",
+            EmbedPayload(token_ids),
+            cost=sum(len(ids) for ids in token_ids),
+            inputs=len(token_ids),
+            deadline=deadline,
+            arrived_at=now,
+            timer=timer,
+        )
+        if not isinstance(payload, EmbedOutput):  # a server fault: answered 500
+            raise TypeError(f"{model} answered an embedding with {type(payload)}")
+        vectors = _vectors(payload)
+        return EmbedResult(
+            model=model,
+            vectors=_normalize_rows(vectors) if normalize else vectors.copy(),
+            input_tokens=payload.input_tokens,
+        )
+
+    def begin(
+        self, model: str, timeout_ms: float | None, envoy_timeout_ms: float | None
+    ) -> tuple[float, float]:
+        """A request's arrival time and deadline; raises `Rejected` (counted) while
+        draining or without a ready engine. Any task's first step."""
         self._arrival.set()
         now = self._clock()
         if self.admission.draining:
@@ -250,34 +300,40 @@ class Service:
         if status is None or status.state != "ready":
             rejection = Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
             raise self.gate.reject(rejection, model)
-        deadline = resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)
-        token_ids = await self._tokenize(self.tokenizers[model], texts, truncate)
-        tokenized_at = self._clock()
-        timer.add("tokenize", tokenized_at - now)
-        n_tokens = sum(len(ids) for ids in token_ids)
-        await self.gate.admit(model, n_tokens, deadline)
+        return now, resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)
+
+    async def compute(
+        self,
+        model: str,
+        task: str,
+        payload: Payload,
+        *,
+        cost: int,
+        inputs: int,
+        deadline: float,
+        arrived_at: float,
+        timer: PhaseTimer,
+    ) -> OutputPayload:
+        """Admit a checked request (`cost` bucket tokens: its model tokens, or elements),
+        send it to the engine and return its final output; counts its duration by model,
+        `task` and outcome. Raises `Rejected` (429/503/504), `DeadlineExceeded`,
+        `EngineRefused` or `BatchFailed`. Cancelling the caller's task (client gone)
+        cancels the request in the engine, dropping its queued inputs."""
+        started = self._clock()
+        await self.gate.admit(model, cost, deadline)
         admitted_at = self._clock()
-        timer.add("admission", admitted_at - tokenized_at)
+        timer.add("admission", admitted_at - started)
         outcome = "error"
         try:
-            request = Submit(
-                self.engine.next_request_id(), model, deadline, EmbedPayload(token_ids)
-            )
-            self._sent_since_status += len(token_ids)
+            request = Submit(self.engine.next_request_id(), model, deadline, payload)
+            self._sent_since_status += inputs
             async for output in self.engine.stream(request):
-                payload = output.payload
                 timer.add("queue", output.queue_s)
                 timer.add("compute", output.compute_s)
                 timer.engine_trace = output.trace
-                if not isinstance(payload, EmbedOutput):  # a server fault: answered 500
-                    raise TypeError(f"{model} answered an embedding with {type(payload)}")
-                vectors = _vectors(payload)
-                outcome = "ok"
-                return EmbedResult(
-                    model=model,
-                    vectors=_normalize_rows(vectors) if normalize else vectors.copy(),
-                    input_tokens=payload.input_tokens,
-                )
+                if output.final:
+                    outcome = "ok"
+                    return output.payload
             raise EngineUnavailable("the engine's stream ended without an output")
         except Rejected as rejection:
             outcome = "rejected"
@@ -292,7 +348,9 @@ class Service:
             raise
         finally:
             finished = self._clock()
-            self.metrics.request_duration.labels(model, "embed", outcome).observe(finished - now)
+            self.metrics.request_duration.labels(model, task, outcome).observe(
+                finished - arrived_at
+            )
 
     async def _tokenize(
         self, tokenizer: TextTokenizer, texts: Sequence[str], truncate: bool

@@ -20,7 +20,7 @@ from app.api.responses import error_response
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
 from app.models.tokenizer import InputTooLong
-from app.service import UnknownModel
+from app.service import UnknownModel, WrongTask
 
 REJECTION_STATUS = {
     RejectReason.RATE: 429,
@@ -94,6 +94,10 @@ async def _unknown_model(request: Request, error: Exception) -> Response:
     return error_response(404, "model_not_found", str(error), "model")
 
 
+async def _wrong_task(request: Request, error: Exception) -> Response:
+    return error_response(400, "invalid_request", str(error), "model")
+
+
 async def _client_gone(request: Request, error: Exception) -> Response:
     return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", "client disconnected")
 
@@ -114,6 +118,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(DeadlineExceeded, _deadline)
     app.add_exception_handler(InputTooLong, _too_long)
     app.add_exception_handler(UnknownModel, _unknown_model)
+    app.add_exception_handler(WrongTask, _wrong_task)
     app.add_exception_handler(EngineRefused, _engine_refused)
     app.add_exception_handler(EngineUnavailable, _engine_unavailable)
     app.add_exception_handler(ClientDisconnected, _client_gone)

@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import numpy.typing as npt
 
-from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
+from app.admission import Rejected
 from app.batcher import ItemResult, ModelBatcher
 from app.buffers import BufferPool
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
@@ -25,8 +25,7 @@ from app.engine.protocol import (
     Output,
     Submit,
 )
-from app.failures import BatchFailed, DeadlineExceeded
-from app.scheduler import BatchShape
+from app.engine.rows import admit_rows, gather_rows
 from app.settings import ModelSpec
 from app.startup import policy_for
 
@@ -71,21 +70,8 @@ class EmbeddingHost:
         if not isinstance(request.payload, EmbedPayload):
             return None  # refused as a bad request by `submit`
         token_ids = request.payload.token_ids
-        if load.queued_inputs + len(token_ids) > load.max_queue:
-            return Rejected(
-                RejectReason.QUEUE,
-                f"{load.queued_inputs} inputs queued (cap {load.max_queue})",
-                load.backlog_s,
-            )
-        scheduler = self.batcher.scheduler
-        policy = scheduler.policy
-        bucket = policy.length_bucket_for(max(len(ids) for ids in token_ids))
-        if bucket is None:
-            return None  # refused as a bad request by `submit`
-        rows = min(len(token_ids), policy.max_batch(bucket))
-        own = scheduler.estimated_compute(BatchShape(policy.padded_batch(bucket, rows), bucket))
-        estimate = DelayEstimate(backlog_s=load.backlog_s, own_compute_s=own)
-        return delay_verdict(estimate, request.deadline, load.now, load.max_queue_delay_s)
+        longest = max(len(ids) for ids in token_ids)
+        return admit_rows(self.batcher.scheduler, load, len(token_ids), longest, request.deadline)
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
         payload = request.payload
@@ -111,26 +97,15 @@ class EmbeddingHost:
         emit: Emit,
         arrival: object | None,
     ) -> None:
-        request_id = request.request_id
-        try:
-            results: list[ItemResult[npt.NDArray[np.float32]]] = await asyncio.gather(*futures)
-        except asyncio.CancelledError:
-            for future in futures:
-                future.cancel()
-            return  # the front end cancelled: it expects no answer
-        except DeadlineExceeded:
-            self._context.metrics.rejected.labels(request.model, RejectReason.DEADLINE.value).inc()
-            emit(Failure(request_id, FailureKind.DEADLINE, "deadline passed in the queue"))
-            return
-        except BatchFailed as error:
-            emit(Failure(request_id, FailureKind.FAILED, f"batch failed: {error}"))
+        results = await gather_rows(futures, request, emit, self._context.metrics)
+        if results is None:
             return
         vectors = np.ascontiguousarray(np.stack([r.value for r in results]), dtype=np.float32)
         # The request's batch in its trace is its last-finishing input's.
         slowest = max(results, key=lambda r: r.queue_wait_s + r.compute_s)
         emit(
             Output(
-                request_id,
+                request.request_id,
                 final=True,
                 payload=EmbedOutput(
                     vectors=vectors.tobytes(),

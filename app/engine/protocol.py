@@ -44,7 +44,25 @@ class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     sampling: SamplingParams
 
 
-Payload = EmbedPayload | GeneratePayload
+class TensorData(msgspec.Struct, frozen=True):
+    """One named tensor: its Open Inference Protocol datatype (FP16, BF16, FP32, INT64,
+    BOOL), its shape, and its elements row-major, little-endian (BF16 as its 2 bytes, BOOL
+    one byte each)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: bytes
+
+
+class TensorPayload(msgspec.Struct, frozen=True, tag="tensor"):
+    """A `tensor` model's inputs, every one named in its spec, of its datatype and shape
+    (the front end checked them), all with the same first (batch) dimension."""
+
+    inputs: list[TensorData]
+
+
+Payload = EmbedPayload | GeneratePayload | TensorPayload
 
 
 class Submit(msgspec.Struct, frozen=True, tag="submit"):
@@ -93,7 +111,14 @@ class TokensOutput(msgspec.Struct, frozen=True, tag="tokens"):
     finish_reason: FinishReason | None = None  # set on the final output only
 
 
-OutputPayload = EmbedOutput | TokensOutput
+class TensorOutput(msgspec.Struct, frozen=True, tag="tensor"):
+    """A `tensor` model's outputs, in its spec's order, each with the request's rows first
+    and dynamic dimensions sliced back to the request's length."""
+
+    outputs: list[TensorData]
+
+
+OutputPayload = EmbedOutput | TokensOutput | TensorOutput
 
 
 class BatchTrace(msgspec.Struct, frozen=True):

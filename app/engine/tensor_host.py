@@ -1,0 +1,243 @@
+"""The `tensor` task in the engine: named tensors in, named tensors out, through the
+scheduler, a preallocated pool of slots of the declared dtypes (`tensor_batch.py`) and the
+shared compute slots.
+
+Each row of a request (its batch dimension) is one queued input; its length is its
+longest dynamic dimension, bucketed like token lengths (`settings.length_buckets`); a model
+without dynamic dimensions has the one length bucket 1.
+
+Event loop thread only; batches run on dispatcher compute threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from app.admission import Rejected
+from app.batcher import Batcher, ItemResult
+from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
+from app.engine.protocol import (
+    Failure,
+    FailureKind,
+    ModelInfo,
+    Output,
+    Submit,
+    TensorData,
+    TensorOutput,
+    TensorPayload,
+)
+from app.engine.rows import admit_rows, gather_rows
+from app.models.tensor import TensorModel, load_tensor_model
+from app.scheduler import BatchPolicy, BatchShape
+from app.settings import ModelSpec, Settings
+from app.tensor_batch import (
+    Array,
+    TensorBatchOutput,
+    TensorPool,
+    TensorRow,
+    execute_tensor_batch,
+    tensor_pool,
+    warmup_rows,
+)
+from app.tensors import RequestShape, TensorError, check_request, from_bytes
+
+log = logging.getLogger(__name__)
+
+TensorBatcher = Batcher[TensorRow, tuple[Array, ...]]
+
+
+def tensor_policy(spec: ModelSpec, settings: Settings) -> BatchPolicy:
+    """The length buckets of the settings where a declared tensor has a dynamic dimension
+    besides the batch; else the single length 1 (batches differ in rows only)."""
+    dynamic = any(t.dynamic for t in spec.inputs)
+    return BatchPolicy(
+        length_buckets=settings.length_buckets if dynamic else (1,),
+        max_batch_size=settings.max_batch_size,
+        max_batch_tokens=settings.max_batch_tokens if dynamic else settings.max_batch_size,
+        max_wait_s=settings.max_wait_ms / 1000,
+    )
+
+
+def request_rows(
+    model: TensorModel, payload: TensorPayload
+) -> tuple[RequestShape, list[TensorRow]]:
+    """Check the payload against the model's specs and split it into rows; raises
+    `TensorError` (the front end checks the same, so only a misbehaving one sends it)."""
+    by_name = {tensor.name: tensor for tensor in payload.inputs}
+    if len(by_name) != len(payload.inputs):
+        raise TensorError("an input is named twice")
+    shape = check_request(model.inputs, {t.name: (t.datatype, t.shape) for t in payload.inputs})
+    arrays = [
+        from_bytes(spec.datatype, by_name[spec.name].shape, by_name[spec.name].data)
+        for spec in model.inputs
+    ]
+    rows = [
+        TensorRow(tuple(array[index] for array in arrays), shape.length)
+        for index in range(shape.rows)
+    ]
+    return shape, rows
+
+
+class TensorHost:
+    def __init__(
+        self, model: TensorModel, pool: TensorPool, batcher: TensorBatcher, context: EngineContext
+    ) -> None:
+        self.name = model.name
+        self.model = model
+        self.pool = pool
+        self.batcher = batcher
+        self._context = context
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(task="tensor", output_width=0, max_input_tokens=0)
+
+    @property
+    def warmup_total(self) -> int:
+        return len(self.batcher.scheduler.policy.shapes()) if self._context.settings.warmup else 0
+
+    async def warm_up(self, shape_done: ShapeDone) -> None:
+        await self.batcher.warm_up_rows(lambda shape: warmup_rows(self.model, shape), shape_done)
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def backlog_seconds(self) -> float:
+        return self.batcher.scheduler.backlog_seconds()
+
+    def seconds_per_input(self) -> float:
+        scheduler = self.batcher.scheduler
+        return scheduler.seconds_per_input(scheduler.policy.length_buckets[0])
+
+    def queued_inputs(self) -> int:
+        return self.batcher.scheduler.depth
+
+    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
+        payload = request.payload
+        if not isinstance(payload, TensorPayload) or not payload.inputs:
+            return None  # refused as a bad request by `submit`
+        first = payload.inputs[0].shape
+        rows = first[0] if first else 1
+        longest = max([1, *(size for t in payload.inputs for size in t.shape[1:])])
+        return admit_rows(self.batcher.scheduler, load, rows, longest, request.deadline)
+
+    def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
+        payload = request.payload
+        if not isinstance(payload, TensorPayload):
+            message = f"model {self.name!r} takes tensors; it was sent {_payload_kind(request)}"
+            emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
+            return None
+        try:
+            shape, rows = request_rows(self.model, payload)
+            futures = self.batcher.submit(rows, request.deadline, unit="elements")
+        except ValueError as error:  # TensorError included
+            emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
+            return None
+        arrival = self._context.tracer.arrive(self.queued_inputs() - len(futures))
+        return asyncio.create_task(self._answer(request, shape, futures, emit, arrival))
+
+    async def _answer(
+        self,
+        request: Submit,
+        shape: RequestShape,
+        futures: list[asyncio.Future[ItemResult[tuple[Array, ...]]]],
+        emit: Emit,
+        arrival: object | None,
+    ) -> None:
+        results = await gather_rows(futures, request, emit, self._context.metrics)
+        if results is None:
+            return
+        outputs = []
+        for index, spec in enumerate(self.model.outputs):
+            stacked = np.ascontiguousarray(np.stack([r.value[index] for r in results]))
+            outputs.append(
+                TensorData(spec.name, spec.datatype, list(stacked.shape), stacked.tobytes())
+            )
+        slowest = max(results, key=lambda r: r.queue_wait_s + r.compute_s)
+        emit(
+            Output(
+                request.request_id,
+                final=True,
+                payload=TensorOutput(outputs),
+                queue_s=max(r.queue_wait_s for r in results),
+                compute_s=max(r.compute_s for r in results),
+                trace=self._context.tracer.finish(arrival, slowest.batch),
+            )
+        )
+
+    def refresh_gauges(self) -> None:
+        metrics = self._context.metrics
+        stats = self.pool.stats()
+        for shape, total in stats.slots.items():
+            labels = (self.name, str(shape.length), str(shape.batch))
+            metrics.pool_slots.labels(*labels).set(total)
+            metrics.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
+
+    def debug_report(self) -> dict[str, object]:
+        """Bytes preallocated, misses, waits, and each shape's slots, slots in use and
+        estimated compute."""
+        stats = self.pool.stats()
+        return {
+            "task": "tensor",
+            "bytes_preallocated": stats.bytes_preallocated,
+            "misses": stats.misses,
+            "acquire_waits": stats.acquire_waits,
+            "shapes": [
+                {
+                    "batch": shape.batch,
+                    "length": shape.length,
+                    "slots": total,
+                    "in_use": stats.in_use[shape],
+                    "estimated_compute_ms": round(
+                        self.batcher.scheduler.estimated_compute(shape) * 1000, 3
+                    ),
+                }
+                for shape, total in stats.slots.items()
+            ],
+        }
+
+    async def close(self) -> None:
+        await self.batcher.close()
+
+
+def _payload_kind(request: Submit) -> str:
+    return f"a {type(request.payload).__struct_config__.tag!s} request"
+
+
+async def load_tensor_host(spec: ModelSpec, context: EngineContext) -> TensorHost:
+    """Load the program (compute thread), make its batch policy and preallocate its slots
+    (also on a compute thread: it touches the device and pins host memory)."""
+    settings, dispatcher = context.settings, context.dispatcher
+    model = await dispatcher.run_compute(load_tensor_model, spec, context.device)
+    policy = tensor_policy(spec, settings)
+    pool = await dispatcher.run_compute(
+        tensor_pool, model, policy.shapes(), settings.pool_slots_per_shape or dispatcher.capacity
+    )
+    context.metrics.pool_bytes.labels(spec.name).set(pool.bytes_preallocated)
+    log.info(
+        "%s: tensor slots for %d shapes, %.1f MiB",
+        spec.name,
+        len(pool.stats().slots),
+        pool.bytes_preallocated / 2**20,
+    )
+
+    def execute(shape: BatchShape, rows: Sequence[TensorRow]) -> TensorBatchOutput:
+        """Compute threads only."""
+        return execute_tensor_batch(pool, model, shape, rows, dispatcher.stream())
+
+    batcher: TensorBatcher = Batcher(
+        spec.name,
+        policy,
+        execute,
+        lambda row: row.length,
+        dispatcher,
+        context.slots,
+        context.metrics,
+        context.clock,
+        context.record_batch,
+        before_batch=context.before_batch,
+    )
+    return TensorHost(model, pool, batcher, context)

@@ -1,0 +1,218 @@
+"""One batch of a `tensor` model: rows copied into a preallocated slot of the declared
+dtypes and padded shape, run, copied out and sliced back to each row's own length.
+
+A slot holds, per declared input and output, a (batch x padded dims) tensor of its
+datatype: host staging (pinned on CUDA) viewed by numpy, and a device copy on CUDA (half
+precision there where the spec says FP16/BF16). Dynamic dimensions are padded with zeros up
+to the batch's length bucket; rows beyond the batch's inputs are all zeros.
+
+`execute_tensor_batch` runs on dispatcher compute threads only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.buffers import SlotPool
+from app.models.tensor import TORCH_DTYPES, TensorModel
+from app.scheduler import BatchShape
+from app.settings import TensorSpec
+from app.telemetry.schedstat import thread_runqueue_wait_s
+from app.tensors import NUMPY_DTYPES, padded_dims
+
+Array = npt.NDArray[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRow:
+    """One input row: an array per declared input, in spec order, without the batch
+    dimension; `length` is its longest dynamic dimension (1 without any)."""
+
+    arrays: tuple[Array, ...]
+    length: int
+
+
+def _region(row: int, dims: Sequence[int]) -> tuple[int | slice[int, int, None], ...]:
+    """Index of the top-left `dims` of one row of a (batch x ...) array."""
+    return (row, *(slice(0, size) for size in dims))
+
+
+def _numpy_view(tensor: torch.Tensor) -> Array:
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: its raw bits
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    view: Array = tensor.numpy()
+    return view
+
+
+class TensorSlot:
+    """The tensors of one preallocated (or fallback) shape. Owned by one batch at a time."""
+
+    def __init__(
+        self,
+        shape: BatchShape,
+        inputs: Sequence[TensorSpec],
+        outputs: Sequence[TensorSpec],
+        device: torch.device,
+        is_fallback: bool = False,
+    ) -> None:
+        self.shape = shape
+        self.is_fallback = is_fallback
+        on_cuda = device.type == "cuda"
+
+        def host(spec: TensorSpec) -> torch.Tensor:
+            dims = (shape.batch, *padded_dims(spec, shape.length))
+            return torch.zeros(dims, dtype=TORCH_DTYPES[spec.datatype], pin_memory=on_cuda)
+
+        self.host_inputs = [host(spec) for spec in inputs]
+        self.host_outputs = [host(spec) for spec in outputs]
+        # On the CPU the staging buffers are the model's own inputs and outputs: no copy.
+        self.inputs = (
+            [torch.zeros_like(t, device=device) for t in self.host_inputs]
+            if on_cuda
+            else self.host_inputs
+        )
+        self.outputs = (
+            [torch.zeros_like(t, device=device) for t in self.host_outputs]
+            if on_cuda
+            else self.host_outputs
+        )
+        self.input_views = [_numpy_view(t) for t in self.host_inputs]
+        self.output_views = [_numpy_view(t) for t in self.host_outputs]
+
+    @property
+    def nbytes(self) -> int:
+        tensors = {id(t): t for t in (*self.host_inputs, *self.host_outputs)}
+        tensors.update({id(t): t for t in (*self.inputs, *self.outputs)})
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def data_pointers(self) -> tuple[int, ...]:
+        """Addresses of every buffer: unchanged for a slot's life."""
+        tensors = (*self.host_inputs, *self.host_outputs, *self.inputs, *self.outputs)
+        return tuple(t.data_ptr() for t in tensors)
+
+    def write_rows(self, rows: Sequence[TensorRow]) -> None:
+        """Zero the staging buffers, then copy each row into the top-left of its place."""
+        for index, view in enumerate(self.input_views):
+            view.fill(0)
+            for row_index, row in enumerate(rows):
+                array = row.arrays[index]
+                view[_region(row_index, array.shape)] = array
+
+
+TensorPool = SlotPool[TensorSlot]
+
+
+def tensor_pool(
+    model: TensorModel, shapes: Sequence[BatchShape], slots_per_shape: int
+) -> TensorPool:
+    """Preallocate every shape's slots (compute threads: it touches the device)."""
+    return SlotPool(
+        shapes,
+        lambda shape, fallback: TensorSlot(
+            shape, model.inputs, model.outputs, model.device, fallback
+        ),
+        model.device,
+        slots_per_shape,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TensorBatchOutput:
+    """Each row's outputs (spec order, dynamic dimensions sliced to the row's length) and
+    the timings of `execute.BatchOutput`."""
+
+    rows: list[tuple[Array, ...]]
+    compute_s: float
+    acquire_wait_s: float
+    pool_miss: bool
+    copy_in_s: float = 0.0
+    run_s: float = 0.0
+    copy_out_s: float = 0.0
+    runqueue_wait_s: float = 0.0
+
+    def row(self, index: int) -> tuple[Array, ...]:
+        return self.rows[index]
+
+
+def _run_on_slot(model: TensorModel, slot: TensorSlot, stream: torch.cuda.Stream | None) -> None:
+    def run() -> None:
+        results = model(slot.inputs)
+        for spec, result, out in zip(model.outputs, results, slot.outputs, strict=True):
+            if tuple(result.shape) != tuple(out.shape):
+                raise ValueError(
+                    f"{model.name}: output {spec.name!r} has shape {list(result.shape)}; "
+                    f"its spec gives {list(out.shape)} for this batch"
+                )
+            out.copy_(result)
+
+    if slot.outputs[0].device.type != "cuda":
+        run()
+        return
+    if stream is None:
+        stream = torch.cuda.current_stream(slot.outputs[0].device)
+    try:
+        with torch.cuda.stream(stream):
+            for device_input, host_input in zip(slot.inputs, slot.host_inputs, strict=True):
+                device_input.copy_(host_input, non_blocking=True)
+            run()
+            for host_output, device_output in zip(slot.host_outputs, slot.outputs, strict=True):
+                host_output.copy_(device_output, non_blocking=True)
+    finally:
+        # Always, so that no copy into the slot is in flight once it is released.
+        stream.synchronize()
+
+
+def execute_tensor_batch(
+    pool: TensorPool,
+    model: TensorModel,
+    shape: BatchShape,
+    rows: Sequence[TensorRow],
+    stream: torch.cuda.Stream | None,
+) -> TensorBatchOutput:
+    """Run `rows` (at most `shape.batch`, none longer than `shape.length`)."""
+    slot, waited = pool.acquire(shape)
+    try:
+        started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
+        slot.write_rows(rows)
+        copied_in = time.perf_counter()
+        _run_on_slot(model, slot, stream)
+        ran = time.perf_counter()
+        answers = [
+            tuple(
+                view[_region(index, padded_dims(spec, row.length))].copy()
+                for spec, view in zip(model.outputs, slot.output_views, strict=True)
+            )
+            for index, row in enumerate(rows)
+        ]
+        finished = time.perf_counter()
+        return TensorBatchOutput(
+            answers,
+            finished - started,
+            waited,
+            slot.is_fallback,
+            copy_in_s=copied_in - started,
+            run_s=ran - copied_in,
+            copy_out_s=finished - ran,
+            runqueue_wait_s=thread_runqueue_wait_s() - waited_before,
+        )
+    finally:
+        pool.release(slot)
+
+
+def warmup_rows(model: TensorModel, shape: BatchShape) -> list[TensorRow]:
+    """Full rows of zeros of a shape, so warm-up runs exactly the shapes traffic will."""
+    row = TensorRow(
+        tuple(
+            np.zeros(padded_dims(spec, shape.length), dtype=NUMPY_DTYPES[spec.datatype])
+            for spec in model.inputs
+        ),
+        shape.length,
+    )
+    return [row] * shape.batch

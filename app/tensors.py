@@ -1,0 +1,148 @@
+"""Tensors of the `tensor` task as bytes: datatypes, checks against a model's declared
+specs, and conversions to and from numpy and JSON. Pure (numpy only, no torch): the front
+ends check and encode requests with it, the engine decodes them.
+
+Datatypes are the Open Inference Protocol's names. numpy has no bfloat16: BF16 elements
+are carried as their raw 16 bits (`uint16` arrays), converted from and to float32 only
+when a client sends or asks for JSON numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from app.settings import TensorSpec
+
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    "FP16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),  # the raw bits
+    "FP32": np.dtype("<f4"),
+    "INT64": np.dtype("<i8"),
+    "BOOL": np.dtype("bool"),
+}
+
+
+class TensorError(ValueError):
+    """A tensor the model cannot take as sent (a client's mistake: 400). The message names
+    the tensor."""
+
+
+def element_count(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def check_tensor(spec: TensorSpec, datatype: str, shape: Sequence[int]) -> None:
+    """Raise `TensorError` unless `datatype` and `shape` fit `spec` (any size where the spec
+    says -1)."""
+    if datatype != spec.datatype:
+        raise TensorError(
+            f"input {spec.name!r}: datatype {datatype} does not match the model's {spec.datatype}"
+        )
+    fits = len(shape) == len(spec.shape) and all(
+        (want == -1 and got >= 0) or got == want
+        for got, want in zip(shape, spec.shape, strict=False)
+    )
+    if not fits:
+        raise TensorError(
+            f"input {spec.name!r}: shape {list(shape)} does not match the model's "
+            f"{list(spec.shape)} (-1: any size)"
+        )
+    if shape[0] < 1:
+        raise TensorError(f"input {spec.name!r}: the batch dimension must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """A checked request's rows (its batch dimension) and length (its longest dynamic
+    dimension besides the batch; 1 for a model without any)."""
+
+    rows: int
+    length: int
+
+
+def check_request(
+    specs: Sequence[TensorSpec], tensors: dict[str, tuple[str, Sequence[int]]]
+) -> RequestShape:
+    """Check a request's tensors (name -> (datatype, shape)) against a model's input specs:
+    every input present, none unknown, each fitting its spec, one batch size for all.
+    Raises `TensorError` naming the input at fault."""
+    known = {spec.name for spec in specs}
+    for name in tensors:
+        if name not in known:
+            raise TensorError(f"unknown input {name!r}; the model takes {sorted(known)}")
+    rows: int | None = None
+    length = 1
+    for spec in specs:
+        if spec.name not in tensors:
+            raise TensorError(f"input {spec.name!r} is missing")
+        datatype, shape = tensors[spec.name]
+        check_tensor(spec, datatype, shape)
+        if rows is not None and shape[0] != rows:
+            raise TensorError(
+                f"input {spec.name!r}: batch dimension {shape[0]} differs from the other "
+                f"inputs' {rows}"
+            )
+        rows = shape[0]
+        dynamic = [got for got, want in zip(shape[1:], spec.shape[1:], strict=True) if want == -1]
+        length = max([length, *dynamic])
+    assert rows is not None  # specs is never empty (ModelSpec checks it)
+    return RequestShape(rows=rows, length=length)
+
+
+def padded_dims(spec: TensorSpec, length: int) -> tuple[int, ...]:
+    """A row's dimensions (batch excluded) with every dynamic one at `length`."""
+    return tuple(length if size == -1 else size for size in spec.shape[1:])
+
+
+def from_bytes(datatype: str, shape: Sequence[int], data: bytes) -> npt.NDArray[Any]:
+    """A read-only array over `data`; raises `TensorError` when its size does not fit."""
+    dtype = NUMPY_DTYPES[datatype]
+    expected = element_count(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise TensorError(f"{len(data)} bytes of data for {list(shape)} {datatype} ({expected})")
+    return np.frombuffer(data, dtype=dtype).reshape(tuple(shape))
+
+
+def bf16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """float32 to bfloat16 bits, rounding to nearest even."""
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4").astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    result: npt.NDArray[np.uint16] = rounded.astype("<u2")
+    return result
+
+
+def bf16_to_float32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    widened = bits.astype("<u4") << 16
+    result: npt.NDArray[np.float32] = widened.view("<f4")
+    return result
+
+
+def from_json(datatype: str, shape: Sequence[int], data: Any) -> bytes:
+    """The bytes of a tensor sent as JSON numbers (flat or nested, row-major); raises
+    `TensorError` when they are not numbers of the right count."""
+    try:
+        array = np.asarray(data, dtype=np.float32 if datatype == "BF16" else NUMPY_DTYPES[datatype])
+    except (ValueError, TypeError, OverflowError) as error:
+        raise TensorError(f"data is not {datatype} values: {error}") from None
+    if array.dtype == object or array.size != element_count(shape):
+        raise TensorError(f"{array.size} values for shape {list(shape)}")
+    if datatype == "BF16":
+        return bf16_bits(array).tobytes()
+    return np.ascontiguousarray(array).tobytes()
+
+
+def to_json(datatype: str, shape: Sequence[int], data: bytes) -> list[Any]:
+    """A tensor's elements as a flat list of JSON numbers (or booleans), row-major."""
+    array = from_bytes(datatype, shape, data)
+    if datatype == "BF16":
+        array = bf16_to_float32(array)
+    values: list[Any] = array.reshape(-1).tolist()
+    return values

@@ -28,7 +28,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as instrumentator_metrics
 
 from app import __version__
-from app.api import debug, embed, health
+from app.api import debug, embed, health, v2
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import use_lean_instrumentator
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
@@ -133,6 +133,7 @@ def create_app(
     app.include_router(embed.router)
     app.include_router(health.router)
     app.include_router(debug.router)
+    app.include_router(v2.router)
     Instrumentator(
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],

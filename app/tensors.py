@@ -102,13 +102,22 @@ def padded_dims(spec: TensorSpec, length: int) -> tuple[int, ...]:
     return tuple(length if size == -1 else size for size in spec.shape[1:])
 
 
-def from_bytes(datatype: str, shape: Sequence[int], data: bytes) -> npt.NDArray[Any]:
+def check_size(name: str, datatype: str, shape: Sequence[int], size: int) -> None:
+    """Raise `TensorError` unless `size` bytes hold exactly `shape` of `datatype`."""
+    expected = element_count(shape) * NUMPY_DTYPES[datatype].itemsize
+    if size != expected:
+        raise TensorError(
+            f"input {name!r}: {size} bytes of data for shape {list(shape)} {datatype} "
+            f"({expected} expected)"
+        )
+
+
+def from_bytes(
+    datatype: str, shape: Sequence[int], data: bytes, name: str = ""
+) -> npt.NDArray[Any]:
     """A read-only array over `data`; raises `TensorError` when its size does not fit."""
-    dtype = NUMPY_DTYPES[datatype]
-    expected = element_count(shape) * dtype.itemsize
-    if len(data) != expected:
-        raise TensorError(f"{len(data)} bytes of data for {list(shape)} {datatype} ({expected})")
-    return np.frombuffer(data, dtype=dtype).reshape(tuple(shape))
+    check_size(name, datatype, shape, len(data))
+    return np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(tuple(shape))
 
 
 def bf16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:

@@ -58,7 +58,7 @@ class NonFiniteOutput(Exception):
         super().__init__(f"{model} produced a non-finite value (NaN or infinity)")
 
 
-def _envoy_timeout_ms(request: Request) -> float | None:
+def envoy_timeout_ms(request: Request) -> float | None:
     value = request.headers.get(ENVOY_TIMEOUT_HEADER)
     try:
         return float(value) if value is not None else None
@@ -91,7 +91,7 @@ async def _embed(
         normalize=normalize,
         truncate=truncate,
         timeout_ms=timeout_ms,
-        envoy_timeout_ms=_envoy_timeout_ms(request),
+        envoy_timeout_ms=envoy_timeout_ms(request),
         timer=timer,
     )
     result = await run_until_disconnect(request, work)

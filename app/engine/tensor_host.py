@@ -72,7 +72,7 @@ def request_rows(
         raise TensorError("an input is named twice")
     shape = check_request(model.inputs, {t.name: (t.datatype, t.shape) for t in payload.inputs})
     arrays = [
-        from_bytes(spec.datatype, by_name[spec.name].shape, by_name[spec.name].data)
+        from_bytes(spec.datatype, by_name[spec.name].shape, by_name[spec.name].data, spec.name)
         for spec in model.inputs
     ]
     rows = [

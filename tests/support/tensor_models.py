@@ -1,0 +1,90 @@
+"""Small torch modules exported for the `tensor` task, and their STEADY_MODELS specs.
+
+- `mlp`: Linear(8, 16) -> ReLU -> Linear(16, 4) over [batch, 8] FP32, a torch.export `.pt2`;
+- `mlp16`: the same weights in half precision (FP16 in and out), `.pt2`;
+- `mlp_ts`: the FP32 module as TorchScript;
+- `seq`: [batch, time, 4] FP32 with a dynamic time dimension -> `doubled` [batch, time, 4]
+  and `total` [batch, 4] (the sum over time: zero padding leaves it unchanged), `.pt2`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 16)
+        self.second = torch.nn.Linear(16, 4)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(features)))
+
+
+class Sequence(torch.nn.Module):
+    def forward(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return frames * 2.0, frames.sum(dim=1)
+
+
+@dataclass(frozen=True)
+class TensorModels:
+    """The exported files' specs (for STEADY_MODELS) and the modules to call directly."""
+
+    specs: list[dict[str, Any]]
+    mlp: MLP
+    mlp16: MLP
+    sequence: Sequence
+
+
+def _mlp_spec(name: str, source: Path, datatype: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "task": "tensor",
+        "source": str(source),
+        "inputs": [{"name": "features", "datatype": datatype, "shape": [-1, 8]}],
+        "outputs": [{"name": "scores", "datatype": datatype, "shape": [-1, 4]}],
+    }
+
+
+def build_tensor_models(directory: Path) -> TensorModels:
+    torch.manual_seed(0)
+    mlp = MLP().eval()
+    mlp16 = MLP().eval()
+    mlp16.load_state_dict(mlp.state_dict())
+    mlp16 = mlp16.half()
+    sequence = Sequence().eval()
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    time = torch.export.Dim("time", min=1, max=1024)
+    exported = {
+        "mlp.pt2": torch.export.export(mlp, (torch.randn(2, 8),), dynamic_shapes=({0: batch},)),
+        "mlp16.pt2": torch.export.export(
+            mlp16, (torch.randn(2, 8).half(),), dynamic_shapes=({0: batch},)
+        ),
+        "seq.pt2": torch.export.export(
+            sequence, (torch.randn(2, 3, 4),), dynamic_shapes=({0: batch, 1: time},)
+        ),
+    }
+    for file_name, program in exported.items():
+        torch.export.save(program, directory / file_name)
+    torch.jit.save(torch.jit.script(mlp), str(directory / "mlp.ts"))
+    specs = [
+        _mlp_spec("mlp", directory / "mlp.pt2", "FP32"),
+        _mlp_spec("mlp16", directory / "mlp16.pt2", "FP16"),
+        _mlp_spec("mlp_ts", directory / "mlp.ts", "FP32"),
+        {
+            "name": "seq",
+            "task": "tensor",
+            "source": str(directory / "seq.pt2"),
+            "inputs": [{"name": "frames", "datatype": "FP32", "shape": [-1, -1, 4]}],
+            "outputs": [
+                {"name": "doubled", "datatype": "FP32", "shape": [-1, -1, 4]},
+                {"name": "total", "datatype": "FP32", "shape": [-1, 4]},
+            ],
+        },
+    ]
+    return TensorModels(specs, mlp, mlp16, sequence)

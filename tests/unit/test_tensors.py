@@ -1,0 +1,96 @@
+"""Tensors against a model's declared specs, and their byte and JSON forms (pure)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from app.settings import ModelSpec, TensorSpec
+from app.tensors import (
+    TensorError,
+    bf16_bits,
+    bf16_to_float32,
+    check_request,
+    from_bytes,
+    from_json,
+    padded_dims,
+    to_json,
+)
+
+FRAMES = TensorSpec(name="frames", datatype="FP32", shape=(-1, -1, 4))
+MASK = TensorSpec(name="mask", datatype="BOOL", shape=(-1, -1))
+IDS = TensorSpec(name="ids", datatype="INT64", shape=(-1, 3))
+
+
+def test_a_request_gives_its_rows_and_longest_dynamic_dim() -> None:
+    shape = check_request(
+        [FRAMES, MASK, IDS],
+        {"frames": ("FP32", [2, 7, 4]), "mask": ("BOOL", [2, 9]), "ids": ("INT64", [2, 3])},
+    )
+    assert (shape.rows, shape.length) == (2, 9)
+    assert check_request([IDS], {"ids": ("INT64", [5, 3])}).length == 1
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        ({"frames": ("FP32", [2, 7, 5])}, "input 'frames': shape [2, 7, 5]"),
+        ({"frames": ("FP16", [2, 7, 4])}, "input 'frames': datatype FP16"),
+        ({"frames": ("FP32", [2, 7])}, "input 'frames': shape"),
+        ({"frames": ("FP32", [0, 7, 4])}, "batch dimension must be at least 1"),
+        ({"frames": ("FP32", [2, 7, 4]), "extra": ("FP32", [2])}, "unknown input 'extra'"),
+        ({}, "input 'frames' is missing"),
+    ],
+)
+def test_mismatches_name_the_input(tensors: dict[str, tuple[str, list[int]]], message: str) -> None:
+    with pytest.raises(TensorError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        check_request([FRAMES], tensors)
+
+
+def test_inputs_must_agree_on_the_batch() -> None:
+    with pytest.raises(TensorError, match="'mask': batch dimension 3 differs"):
+        check_request([FRAMES, MASK], {"frames": ("FP32", [2, 4, 4]), "mask": ("BOOL", [3, 4])})
+
+
+def test_padded_dims_put_the_bucket_in_every_dynamic_dimension() -> None:
+    assert padded_dims(FRAMES, 16) == (16, 4)
+    assert padded_dims(IDS, 16) == (3,)
+
+
+def test_bytes_and_json_forms_agree() -> None:
+    values = [[1.5, -2.0], [0.25, 8.0]]
+    data = from_json("FP32", [2, 2], values)
+    np.testing.assert_array_equal(from_bytes("FP32", [2, 2], data), np.array(values))
+    assert to_json("FP32", [2, 2], data) == [1.5, -2.0, 0.25, 8.0]
+    assert to_json("BOOL", [2], from_json("BOOL", [2], [True, False])) == [True, False]
+    with pytest.raises(TensorError, match="3 values for shape"):
+        from_json("FP32", [2, 2], [1.0, 2.0, 3.0])
+    with pytest.raises(TensorError, match="not INT64"):
+        from_json("INT64", [1], ["seven"])
+    with pytest.raises(TensorError, match="'x': 4 bytes of data for shape"):
+        from_bytes("INT64", [1], b"\0" * 4, "x")
+
+
+def test_bfloat16_bits_round_to_nearest_even() -> None:
+    values = np.array([1.0, -3.5, 1.00390625, 1.01171875], dtype=np.float32)
+    # 1 + 2^-8 is halfway between two bf16 values: it rounds to even (1.0);
+    # 1 + 3 * 2^-8 rounds up to 1 + 2^-6.
+    assert bf16_to_float32(bf16_bits(values)).tolist() == [1.0, -3.5, 1.0, 1.015625]
+    as_json = to_json("BF16", [4], from_json("BF16", [4], values.tolist()))
+    assert as_json == [1.0, -3.5, 1.0, 1.015625]
+
+
+def test_tensor_specs_are_checked_at_the_edge() -> None:
+    with pytest.raises(ValidationError, match="first dimension must be -1"):
+        TensorSpec(name="x", datatype="FP32", shape=(4, 8))
+    with pytest.raises(ValidationError, match="-1 \\(dynamic\\) or positive"):
+        TensorSpec(name="x", datatype="FP32", shape=(-1, 0))
+    with pytest.raises(ValidationError):
+        TensorSpec(name="x", datatype="FP64", shape=(-1,))  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="declares inputs and outputs"):
+        ModelSpec(name="m", task="tensor", source="/m.pt2", inputs=(IDS,))
+    with pytest.raises(ValidationError, match="only a tensor model"):
+        ModelSpec(name="m", inputs=(IDS,))
+    with pytest.raises(ValidationError, match="unique"):
+        ModelSpec(name="m", task="tensor", source="/m.pt2", inputs=(IDS,), outputs=(IDS,))

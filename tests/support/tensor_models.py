@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,9 @@ def build_tensor_models(directory: Path) -> TensorModels:
     }
     for file_name, program in exported.items():
         torch.export.save(program, directory / file_name)
-    torch.jit.save(torch.jit.script(mlp), str(directory / "mlp.ts"))
+    with warnings.catch_warnings():  # TorchScript is deprecated, and still served
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(torch.jit.script(mlp), str(directory / "mlp.ts"))
     specs = [
         _mlp_spec("mlp", directory / "mlp.pt2", "FP32"),
         _mlp_spec("mlp16", directory / "mlp16.pt2", "FP16"),

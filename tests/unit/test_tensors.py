@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.settings import ModelSpec, TensorSpec
+from app.settings import ModelSpec, Settings, TensorSpec
 from app.tensors import (
     TensorError,
     bf16_bits,
@@ -94,3 +94,14 @@ def test_tensor_specs_are_checked_at_the_edge() -> None:
         ModelSpec(name="m", inputs=(IDS,))
     with pytest.raises(ValidationError, match="unique"):
         ModelSpec(name="m", task="tensor", source="/m.pt2", inputs=(IDS,), outputs=(IDS,))
+
+
+def test_steady_models_takes_a_tensor_model_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "STEADY_MODELS",
+        '[{"name": "m", "task": "tensor", "source": "/models/m.pt2", '
+        '"inputs": [{"name": "x", "datatype": "BF16", "shape": [-1, -1]}], '
+        '"outputs": [{"name": "y", "datatype": "BF16", "shape": [-1]}]}]',
+    )
+    (spec,) = Settings().models
+    assert spec.task == "tensor" and spec.inputs[0].dynamic and not spec.outputs[0].dynamic

@@ -1,0 +1,144 @@
+"""The `tensor` task in-process: an exported torch module served through the scheduler,
+its preallocated slots and warm-up, and what the engine refuses on its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from app.engine.core import EngineCore
+from app.engine.inprocess import InProcessEngine
+from app.engine.protocol import (
+    EmbedPayload,
+    Failure,
+    FailureKind,
+    FromEngine,
+    Submit,
+    TensorData,
+    TensorPayload,
+)
+from app.engine.tensor_host import TensorHost
+from app.main import create_app
+from app.settings import ModelSpec, Settings
+from tests.support.asgi import serving
+from tests.support.tensor_models import TensorModels, build_tensor_models
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> TensorModels:
+    return build_tensor_models(tmp_path_factory.mktemp("tensor-models"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(models: TensorModels) -> AsyncIterator[httpx.AsyncClient]:
+    settings = Settings(
+        engine="inprocess",
+        models=tuple(ModelSpec.model_validate(s) for s in models.specs if s["name"] != "mlp16"),
+        length_buckets=(4, 8, 16),
+        max_batch_size=8,
+        max_wait_ms=2.0,
+        torch_threads=1,
+        max_queue_delay_ms=10_000,
+    )
+    async with serving(create_app(settings)) as client:
+        yield client
+
+
+def core_of(client: httpx.AsyncClient) -> EngineCore:
+    engine = client._transport.app.state.service.engine  # type: ignore[attr-defined]
+    assert isinstance(engine, InProcessEngine)
+    return engine.core
+
+
+def host_of(client: httpx.AsyncClient, name: str) -> TensorHost:
+    host = core_of(client).hosts[name]
+    assert isinstance(host, TensorHost)
+    return host
+
+
+def frames_body(frames: np.ndarray) -> dict[str, object]:
+    return {
+        "inputs": [
+            {
+                "name": "frames",
+                "datatype": "FP32",
+                "shape": list(frames.shape),
+                "data": frames.reshape(-1).tolist(),
+            }
+        ],
+    }
+
+
+async def test_warm_up_covers_every_shape_and_traffic_stays_in_the_preallocated_slots(
+    client: httpx.AsyncClient, models: TensorModels
+) -> None:
+    host = host_of(client, "seq")
+    shapes = host.batcher.scheduler.policy.shapes()
+    assert {s.length for s in shapes} == {4, 8, 16} and host.warmup_total == len(shapes)
+    assert all(host.batcher.scheduler.estimated_compute(shape) > 0 for shape in shapes)
+    before = host.pool.stats()
+    rng = np.random.default_rng(1)
+    # Every length bucket, several batch sizes, at once: rows of different lengths share
+    # batches of their bucket and are sliced back to their own length.
+    shapes_sent = [(1, 3), (2, 4), (3, 5), (1, 8), (2, 11), (1, 16), (5, 2)]
+    sent = [rng.standard_normal((r, n, 4)).astype(np.float32) for r, n in shapes_sent]
+    responses = await asyncio.gather(
+        *(client.post("/v2/models/seq/infer", json=frames_body(f)) for f in sent)
+    )
+    for frames, response in zip(sent, responses, strict=True):
+        assert response.status_code == 200, response.text
+        outputs = {o["name"]: o for o in response.json()["outputs"]}
+        with torch.inference_mode():
+            doubled, total = models.sequence(torch.from_numpy(frames))
+        assert outputs["doubled"]["shape"] == list(frames.shape)
+        np.testing.assert_array_equal(
+            np.array(outputs["doubled"]["data"], dtype=np.float32).reshape(frames.shape),
+            doubled.numpy(),
+        )
+        np.testing.assert_allclose(
+            np.array(outputs["total"]["data"]).reshape(total.shape), total.numpy(), rtol=1e-5
+        )
+    after = host.pool.stats()
+    assert after.misses == before.misses == 0
+    assert after.bytes_preallocated == before.bytes_preallocated
+    assert all(not host.batcher.shapes.first_seen(shape) for shape in shapes)
+
+
+async def test_a_dynamic_dim_over_the_largest_bucket_is_refused_before_queuing(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await client.post(
+        "/v2/models/seq/infer", json=frames_body(np.zeros((1, 17, 4), dtype=np.float32))
+    )
+    assert response.status_code == 400
+    assert "largest length bucket (16)" in response.json()["error"]
+
+
+async def test_native_infer_on_a_tensor_model_is_a_400(client: httpx.AsyncClient) -> None:
+    response = await client.post("/infer", json={"inputs": "text", "model": "mlp"})
+    assert response.status_code == 400
+    assert "'tensor'" in response.json()["error"]["message"]
+
+
+async def test_the_engine_refuses_a_payload_that_does_not_fit_the_spec(
+    client: httpx.AsyncClient,
+) -> None:
+    """A misbehaving front end's payload is answered 400 by the engine, never computed."""
+    core = core_of(client)
+    answers: list[FromEngine] = []
+    bad = TensorData("features", "FP32", [1, 8], b"\0" * 16)  # 16 bytes for 32
+    core.submit(b"test", Submit(1, "mlp", 1e12, TensorPayload([bad])), answers.append)
+    core.submit(b"test", Submit(2, "mlp", 1e12, EmbedPayload([[1, 2]])), answers.append)
+    assert [type(a) for a in answers] == [Failure, Failure]
+    assert all(isinstance(a, Failure) and a.kind is FailureKind.BAD_REQUEST for a in answers)
+    first, second = answers
+    assert isinstance(first, Failure) and "'features'" in first.message
+    assert isinstance(second, Failure) and "takes tensors" in second.message

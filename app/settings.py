@@ -121,7 +121,9 @@ class Settings(BaseSettings):
     models: tuple[ModelSpec, ...] = Field(
         default=(ModelSpec(),),
         min_length=1,
-        description='Models to serve, as JSON: `[{"name":..., "task":"embed", "source":...}]`.',
+        description='Models to serve, as JSON: `[{"name":..., "task":"embed", "source":...}]`; '
+        "a `tensor` model also declares its `inputs` and `outputs` (README: Open Inference "
+        "Protocol).",
     )
     default_model: str | None = Field(
         default=None, description="Model used when a request names none; the first model if unset."

@@ -13,6 +13,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -283,3 +284,44 @@ def test_malformed_binary_framing_gets_400(server: ServerProcess) -> None:
         urllib.request.urlopen(request, timeout=30)
     assert raised.value.code == 400
     assert "features" in json.loads(raised.value.read())["error"]
+
+
+# --- the README's examples ------------------------------------------------------------
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_v2_blocks() -> tuple[str, str]:
+    """The python and first sh block of the README's Open Inference Protocol section."""
+    section = README.read_text().split("## Open Inference Protocol", 1)[1].split("\n## ", 1)[0]
+    python = re.search(r"```python\n(.*?)```", section, re.S)
+    shell = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert python and shell, "the README's v2 section lost its examples"
+    return python.group(1), shell.group(1)
+
+
+def test_the_readme_tritonclient_example_runs(server: ServerProcess) -> None:
+    python, _ = readme_v2_blocks()
+    namespace: dict[str, object] = {}
+    exec(python.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), namespace)
+    vectors = namespace["vectors"]
+    assert isinstance(vectors, np.ndarray) and vectors.shape == (2, 384)
+    assert vectors.dtype == np.float32
+
+
+def test_the_readme_curl_example_answers_as_shown(server: ServerProcess) -> None:
+    _, shell = readme_v2_blocks()
+    path = re.search(r"localhost:8000(/v2/\S+)", shell)
+    body = re.search(r"-d '(.*?)'", shell, re.S)
+    shown = re.search(r"# (\{.*\})", shell)
+    assert path and body and shown
+    response = httpx.post(f"{server.base_url}{path.group(1)}", content=body.group(1), timeout=30)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    expected = json.loads(shown.group(1).replace("[...]", "[]"))
+    assert answer["id"] == expected["id"] and answer["model_name"] == expected["model_name"]
+    (output,) = answer["outputs"]
+    (shown_output,) = expected["outputs"]
+    assert {k: output[k] for k in ("name", "datatype", "shape")} == {
+        k: shown_output[k] for k in ("name", "datatype", "shape")
+    }
+    assert len(output["data"]) == 384

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -25,7 +26,7 @@ from starlette.responses import Response
 from app import __version__
 from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
-from app.api.embed import envoy_timeout_ms
+from app.api.embed import NonFiniteOutput, envoy_timeout_ms
 from app.api.errors import REJECTION_STATUS
 from app.api.responses import service_of
 from app.api.v2_codec import (
@@ -204,6 +205,8 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
         return v2_error(str(error), 503, {"Retry-After": "1"})
     except BatchFailed as error:
         return v2_error(f"batch failed: {error}", 500)
+    except NonFiniteOutput as error:
+        return v2_error(str(error), 500)
     rendering = time.perf_counter()
     content, header_length = encode_response(spec.name, parsed.id, outputs)
     headers = {HEADER_LENGTH: str(header_length)} if header_length is not None else None
@@ -292,6 +295,8 @@ async def _embed(
         timer=timer,
     )
     result = await run_until_disconnect(request, work)
+    if not np.isfinite(result.vectors).all():
+        raise NonFiniteOutput(result.model)
     if not wanted:
         return []
     vectors = result.vectors.astype("<f2" if datatype == "FP16" else "<f4", copy=False)

@@ -117,12 +117,15 @@ class TensorHost:
 
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
         payload = request.payload
-        if not isinstance(payload, TensorPayload) or not payload.inputs:
+        if not isinstance(payload, TensorPayload):
             return None  # refused as a bad request by `submit`
-        first = payload.inputs[0].shape
-        rows = first[0] if first else 1
-        longest = max([1, *(size for t in payload.inputs for size in t.shape[1:])])
-        return admit_rows(self.batcher.scheduler, load, rows, longest, request.deadline)
+        try:
+            shape = check_request(
+                self.model.inputs, {t.name: (t.datatype, t.shape) for t in payload.inputs}
+            )
+        except TensorError:
+            return None  # refused as a bad request by `submit`
+        return admit_rows(self.batcher.scheduler, load, shape.rows, shape.length, request.deadline)
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
         payload = request.payload

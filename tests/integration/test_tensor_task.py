@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 import pytest_asyncio
 import torch
 
+from app.admission import RejectReason
 from app.engine.core import EngineCore
+from app.engine.host import EngineLoad
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     EmbedPayload,
@@ -120,6 +123,22 @@ async def test_a_dynamic_dim_over_the_largest_bucket_is_refused_before_queuing(
     )
     assert response.status_code == 400
     assert "largest length bucket (16)" in response.json()["error"]
+
+
+async def test_tensor_rows_are_admitted_by_predicted_delay(client: httpx.AsyncClient) -> None:
+    """The engine's delay admission sees a fixed-shape model's rows (length 1), not its
+    feature dimension."""
+    host = host_of(client, "mlp")
+    features = TensorData("features", "FP32", [2, 8], bytes(64))
+    request = Submit(9, "mlp", 1e12, TensorPayload([features]))
+    load = EngineLoad(
+        queued_inputs=0, backlog_s=5.0, now=0.0, max_queue=4096, max_queue_delay_s=0.1
+    )
+    verdict = host.admit(request, load)
+    assert verdict is not None and verdict.reason is RejectReason.QUEUE
+    assert host.admit(request, replace(load, backlog_s=0.0)) is None
+    full = host.admit(request, replace(load, backlog_s=0.0, queued_inputs=4095))
+    assert full is not None and full.reason is RejectReason.QUEUE
 
 
 async def test_native_infer_on_a_tensor_model_is_a_400(client: httpx.AsyncClient) -> None:

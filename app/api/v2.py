@@ -163,19 +163,19 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
     started = time.perf_counter()
     rejection = service.shed(envoy_timeout_ms(request))
     if rejection is not None:
-        return _rejected(rejection, started)
+        timer: PhaseTimer = request.state.server_timing
+        timer.add("shed", time.perf_counter() - started)
+        return _rejected(rejection)
     try:
         return await _guarded(_infer(request, service, name, version))
     finally:
         service.leave()
 
 
-def _rejected(rejection: Rejected, started: float | None = None) -> Response:
+def _rejected(rejection: Rejected) -> Response:
     headers = {}
     if (retry_after := rejection.retry_after_header) is not None:
         headers["Retry-After"] = retry_after
-    if started is not None:
-        headers["Server-Timing"] = f"shed;dur={(time.perf_counter() - started) * 1000:.3f}"
     return v2_error(rejection.message, REJECTION_STATUS[rejection.reason], headers)
 
 

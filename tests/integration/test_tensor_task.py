@@ -161,3 +161,21 @@ async def test_the_engine_refuses_a_payload_that_does_not_fit_the_spec(
     first, second = answers
     assert isinstance(first, Failure) and "'features'" in first.message
     assert isinstance(second, Failure) and "takes tensors" in second.message
+
+
+async def test_a_draining_server_sheds_v2_requests_with_the_protocol_s_error(
+    client: httpx.AsyncClient,
+) -> None:
+    service = client._transport.app.state.service  # type: ignore[attr-defined]
+    service.begin_drain()
+    try:
+        body = {
+            "inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8], "data": [0] * 8}]
+        }
+        response = await client.post("/v2/models/mlp/infer", json=body)
+    finally:
+        service.admission.draining = False
+    assert response.status_code == 503
+    assert set(response.json()) == {"error"} and "draining" in response.json()["error"]
+    assert "shed;dur=" in response.headers["server-timing"]
+    assert service.admission.inflight == 0

@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connections", type=int, default=64)
     parser.add_argument("--threads", type=int, default=available_cpus())
     parser.add_argument("--features", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=6144)
     parser.add_argument("--batch-sizes", default="1,4,8,16,32,64")
     parser.add_argument("--steady-env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out", default=None)

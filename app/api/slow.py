@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,18 +28,19 @@ class SlowRequestMiddleware:
         app: ASGIApp,
         recorder: SlowRequestRecorder,
         telemetry: ProcessTelemetry,
-        paths: Collection[str],
+        is_inference: Callable[[str], bool],
         batching_window_s: float,
     ) -> None:
+        """`is_inference(path)`: whether requests to `path` are timed and reported."""
         self.app = app
         self.recorder = recorder
         self.telemetry = telemetry
-        self.paths = frozenset(paths)
+        self.is_inference = is_inference
         self.batching_window_s = batching_window_s
         self.pid = os.getpid()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in self.paths:
+        if scope["type"] != "http" or not self.is_inference(scope["path"]):
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()

@@ -46,6 +46,7 @@ def server(
         "STEADY_MAX_QUEUE_DELAY_MS": "60000",  # the point is the results, not shedding
         "STEADY_MAX_WAIT_MS": "5",
         "STEADY_FRONTEND_WORKERS": "1",
+        "STEADY_SLOW_REQUEST_MS": "0.01",  # every request is reported: see the last test
     }
     with running_server(tmp_path_factory.mktemp("v2-server"), env) as process:
         yield process
@@ -76,9 +77,11 @@ def native_vectors(server: ServerProcess, texts: list[str]) -> np.ndarray:
     return np.array(response.json()["outputs"], dtype=np.float32)
 
 
-def metric_total(server: ServerProcess, name: str, model: str) -> float:
+def metric_total(server: ServerProcess, name: str, model: str | None) -> float:
+    """The sum of a metric's series (those of `model`, unless None)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    pattern = re.compile(rf'^{name}\{{[^}}]*model="{re.escape(model)}"[^}}]*\}} (\S+)$', re.M)
+    label = "" if model is None else f'[^}}]*model="{re.escape(model)}"'
+    pattern = re.compile(rf"^{name}\{{{label}[^}}]*\}} (\S+)$", re.M)
     return sum(float(value) for value in pattern.findall(text))
 
 
@@ -325,3 +328,14 @@ def test_the_readme_curl_example_answers_as_shown(server: ServerProcess) -> None
         k: shown_output[k] for k in ("name", "datatype", "shape")
     }
     assert len(output["data"]) == 384
+
+
+def test_v2_requests_get_slow_request_reports(
+    server: ServerProcess, client: triton.InferenceServerClient
+) -> None:
+    """Every request is slow for this server (STEADY_SLOW_REQUEST_MS=0.01): a v2 inference
+    is reported like /infer's; metadata is not inference."""
+    before = metric_total(server, "steadyserve_slow_requests_total", None)
+    client.get_model_metadata("mlp")
+    client.infer("mlp", [array_input("features", np.zeros((1, 8), np.float32), "FP32", True)])
+    assert metric_total(server, "steadyserve_slow_requests_total", None) == before + 1

@@ -115,6 +115,37 @@ async def test_warm_up_covers_every_shape_and_traffic_stays_in_the_preallocated_
     assert all(not host.batcher.shapes.first_seen(shape) for shape in shapes)
 
 
+async def test_int64_bool_and_bf16_tensors_keep_their_values(
+    client: httpx.AsyncClient, models: TensorModels
+) -> None:
+    """Slots of every declared dtype: BF16 travels as its raw bits, in and out."""
+    ids = [[1, 2, 3, 4, 5], [10, 20, 30, 40, 50]]
+    mask = [[True, False, True, False, True], [False] * 5]
+    scale = [[1.5], [-0.375]]  # exact in bfloat16
+    body = {
+        "inputs": [
+            {"name": "ids", "datatype": "INT64", "shape": [2, 5], "data": ids},
+            {"name": "mask", "datatype": "BOOL", "shape": [2, 5], "data": mask},
+            {"name": "scale", "datatype": "BF16", "shape": [2, 1], "data": scale},
+        ]
+    }
+    response = await client.post("/v2/models/typed/infer", json=body)
+    assert response.status_code == 200, response.text
+    outputs = {o["name"]: o for o in response.json()["outputs"]}
+    with torch.inference_mode():
+        total, doubled, kept_any = models.typed(
+            torch.tensor(ids), torch.tensor(mask), torch.tensor(scale, dtype=torch.bfloat16)
+        )
+    assert outputs["total"] == {
+        "name": "total",
+        "datatype": "INT64",
+        "shape": [2],
+        "data": total.tolist(),
+    }
+    assert outputs["doubled"]["data"] == doubled.float().reshape(-1).tolist() == [3.0, -0.75]
+    assert outputs["any"]["data"] == kept_any.tolist() == [True, False]
+
+
 async def test_a_dynamic_dim_over_the_largest_bucket_is_refused_before_queuing(
     client: httpx.AsyncClient,
 ) -> None:

@@ -3,6 +3,7 @@
 - `mlp`: Linear(8, 16) -> ReLU -> Linear(16, 4) over [batch, 8] FP32, a torch.export `.pt2`;
 - `mlp16`: the same weights in half precision (FP16 in and out), `.pt2`;
 - `mlp_ts`: the FP32 module as TorchScript;
+- `typed`: INT64 and BOOL [batch, time] and BF16 [batch, 1] in, INT64, BF16, BOOL out;
 - `seq`: [batch, time, 4] FP32 with a dynamic time dimension -> `doubled` [batch, time, 4]
   and `total` [batch, 4] (the sum over time: zero padding leaves it unchanged), `.pt2`.
 """
@@ -32,6 +33,18 @@ class Sequence(torch.nn.Module):
         return frames * 2.0, frames.sum(dim=1)
 
 
+class Typed(torch.nn.Module):
+    """INT64 ids and a BOOL mask with a dynamic length, and a BF16 scale: the kept ids'
+    sum (zero padding and a False-padded mask leave it unchanged), the scale doubled, and
+    whether any id was kept."""
+
+    def forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kept = torch.where(mask, ids, torch.zeros_like(ids))
+        return kept.sum(dim=1), scale * 2, mask.any(dim=1)
+
+
 @dataclass(frozen=True)
 class TensorModels:
     """The exported files' specs (for STEADY_MODELS) and the modules to call directly."""
@@ -40,6 +53,7 @@ class TensorModels:
     mlp: MLP
     mlp16: MLP
     sequence: Sequence
+    typed: Typed
 
 
 def _mlp_spec(name: str, source: Path, datatype: str) -> dict[str, Any]:
@@ -69,6 +83,15 @@ def build_tensor_models(directory: Path) -> TensorModels:
         "seq.pt2": torch.export.export(
             sequence, (torch.randn(2, 3, 4),), dynamic_shapes=({0: batch, 1: time},)
         ),
+        "typed.pt2": torch.export.export(
+            Typed(),
+            (
+                torch.ones(2, 3, dtype=torch.int64),
+                torch.ones(2, 3, dtype=torch.bool),
+                torch.ones(2, 1, dtype=torch.bfloat16),
+            ),
+            dynamic_shapes=({0: batch, 1: time}, {0: batch, 1: time}, {0: batch}),
+        ),
     }
     for file_name, program in exported.items():
         torch.export.save(program, directory / file_name)
@@ -89,5 +112,20 @@ def build_tensor_models(directory: Path) -> TensorModels:
                 {"name": "total", "datatype": "FP32", "shape": [-1, 4]},
             ],
         },
+        {
+            "name": "typed",
+            "task": "tensor",
+            "source": str(directory / "typed.pt2"),
+            "inputs": [
+                {"name": "ids", "datatype": "INT64", "shape": [-1, -1]},
+                {"name": "mask", "datatype": "BOOL", "shape": [-1, -1]},
+                {"name": "scale", "datatype": "BF16", "shape": [-1, 1]},
+            ],
+            "outputs": [
+                {"name": "total", "datatype": "INT64", "shape": [-1]},
+                {"name": "doubled", "datatype": "BF16", "shape": [-1, 1]},
+                {"name": "any", "datatype": "BOOL", "shape": [-1]},
+            ],
+        },
     ]
-    return TensorModels(specs, mlp, mlp16, sequence)
+    return TensorModels(specs, mlp, mlp16, sequence, Typed())

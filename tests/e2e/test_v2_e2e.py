@@ -248,6 +248,18 @@ def test_an_unknown_model_gets_404(
     assert raised.value.status() == "404"
 
 
+def test_version_1_is_served_and_other_versions_are_404(
+    client: triton.InferenceServerClient,
+) -> None:
+    assert client.get_model_metadata("mlp", model_version="1")["versions"] == ["1"]
+    assert client.is_model_ready("mlp", model_version="1")
+    features = array_input("features", np.zeros((1, 8), np.float32), "FP32", True)
+    assert client.infer("mlp", [features], model_version="1").as_numpy("scores").shape == (1, 4)
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("mlp", [features], model_version="2")
+    assert raised.value.status() == "404" and "version" in raised.value.message()
+
+
 def test_a_request_over_its_deadline_gets_504_uncomputed(
     server: ServerProcess, client: triton.InferenceServerClient
 ) -> None:

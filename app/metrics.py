@@ -145,6 +145,49 @@ class Metrics:
             multiprocess_mode="livesum",
         )
 
+        # --- generation (task `generate`, engine) ------------------------------------------
+        self.time_to_first_token = Histogram(
+            "steadyserve_time_to_first_token_seconds",
+            "Arrival in the engine to a sequence's first generated token, by model.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.time_per_output_token = Histogram(
+            "steadyserve_time_per_output_token_seconds",
+            "A finished sequence's mean time between its generated tokens, by model.",
+            ["model"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "steadyserve_output_tokens",
+            "Tokens generated (their rate is tokens/s), by model.",
+            ["model"],
+            registry=r,
+        )
+        self.kv_cache_usage = Gauge(
+            "steadyserve_kv_cache_usage_ratio",
+            "Fraction of a generate model's KV-cache slots held by sequences.",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.sequences = Gauge(
+            "steadyserve_sequences",
+            "Sequences of a generate model, by state (running: holding a KV-cache slot; "
+            "waiting: queued for one).",
+            ["model", "state"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+
+        self.engine_restarts = Counter(
+            "steadyserve_engine_restarts",
+            "Engine processes started to replace one that died (each counts itself).",
+            registry=r,
+        )
+
         # --- telemetry and slow-request reports (docs/SPIKES.md) -------------------------
         self.slow_requests = Counter(
             "steadyserve_slow_requests",

@@ -60,10 +60,11 @@ class ModelSpec(BaseModel):
         default="all-MiniLM-L6-v2",
         description="Public name, used in the `model` field of requests and in /v1/models.",
     )
-    task: Literal["embed", "tensor"] = Field(
+    task: Literal["embed", "tensor", "generate"] = Field(
         default="embed",
-        description="What the model does: `embed` (texts to vectors) or `tensor` (a "
-        "torch.export `.pt2` or TorchScript file with declared `inputs` and `outputs`).",
+        description="What the model does: `embed` (texts to vectors), `tensor` (a "
+        "torch.export `.pt2` or TorchScript file with declared `inputs` and `outputs`) or "
+        "`generate` (a causal LM, continuous batching over a preallocated KV cache).",
     )
     source: str = Field(
         default=BUNDLED_DEFAULT_SOURCE,
@@ -285,6 +286,33 @@ class Settings(BaseSettings):
         "dispatcher_threads.",
     )
 
+    # --- generation (models with task `generate`) ---------------------------------------
+    generate_slots: int = Field(
+        default=16,
+        ge=1,
+        description="Sequences one generate model runs at once: the rows of its KV cache, "
+        "preallocated at start-up (half precision on CUDA) and reused, never allocated per "
+        "request.",
+    )
+    generate_slot_tokens: int = Field(
+        default=512,
+        ge=2,
+        description="Tokens one KV-cache slot holds: the cap on prompt + max_new_tokens of one "
+        "sequence (also capped by the model's positions); a request over it is answered 400.",
+    )
+    generate_max_batch_tokens: int = Field(
+        default=2048,
+        ge=2,
+        description="Prompt tokens prefilled in one step (joining rows x their longest prompt); "
+        "further joiners wait for the next step. At least generate_slot_tokens.",
+    )
+    generate_max_waiting: int = Field(
+        default=64,
+        ge=0,
+        description="Sequences of one generate model waiting for a free slot; beyond it, 429 "
+        "(reason `queue`). The delay budget normally refuses first.",
+    )
+
     # --- start-up and shutdown ---------------------------------------------------------
     warmup: bool = Field(
         default=True, description="Run every (length bucket x batch bucket) shape before ready."
@@ -355,6 +383,11 @@ class Settings(BaseSettings):
             raise ValueError(f"default_model {self.default_model!r} is not among {names}")
         if self.max_batch_tokens < buckets[0]:
             raise ValueError("max_batch_tokens must hold at least one input of the smallest bucket")
+        if self.generate_max_batch_tokens < self.generate_slot_tokens:
+            raise ValueError(
+                "generate_max_batch_tokens must hold one full slot (generate_slot_tokens), "
+                "so every admitted prompt can be prefilled"
+            )
         return self
 
     @property

@@ -107,7 +107,7 @@ class EngineServer:
             await asyncio.sleep(STATUS_INTERVAL_S)
 
 
-async def _serve(settings: Settings, addresses: EngineAddresses) -> None:
+async def _serve(settings: Settings, addresses: EngineAddresses, replacement: bool) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Only the supervisor stops the engine (SIGUSR1), after the front ends drained: a
@@ -117,12 +117,20 @@ async def _serve(settings: Settings, addresses: EngineAddresses) -> None:
         signal.signal(sig, signal.SIG_IGN)
     from app.engine.core import EngineCore  # torch: only in the engine process
 
-    core = EngineCore(settings, Metrics())
+    metrics = Metrics()
+    if replacement:
+        # Counted by the new engine: a counter outlives its process in multiprocess mode,
+        # so the total over processes is the number of restarts.
+        metrics.engine_restarts.inc()
+    core = EngineCore(settings, metrics)
     await EngineServer(core, addresses).serve(stop)
 
 
-def run_engine_process(settings: Settings, addresses: EngineAddresses) -> None:
-    """Entry point of the engine process (spawned by the supervisor)."""
+def run_engine_process(
+    settings: Settings, addresses: EngineAddresses, replacement: bool = False
+) -> None:
+    """Entry point of the engine process (spawned by the supervisor); `replacement` when it
+    replaces one that died."""
     from app.processes import die_with_parent
 
     die_with_parent()
@@ -135,6 +143,6 @@ def run_engine_process(settings: Settings, addresses: EngineAddresses) -> None:
         try:
             import uvloop
 
-            uvloop.run(_serve(settings, addresses))
+            uvloop.run(_serve(settings, addresses, replacement))
         except ImportError:
-            asyncio.run(_serve(settings, addresses))
+            asyncio.run(_serve(settings, addresses, replacement))

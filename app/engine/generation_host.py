@@ -1,0 +1,468 @@
+"""The `generate` task in the engine: continuous batching over the preallocated KV cache.
+
+Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), joins the
+running batch at the next step with its prompt (prefill), then gets one token per step until
+EOS or `max_new_tokens`; each step streams the new token as an `Output`, the last one
+`final` with its `FinishReason`. Sequences join and leave between steps; a step is one
+prefill forward for the joiners and one batched decode forward for the rest, run on a
+dispatcher compute thread inside one of the compute slots every model shares, so embedding
+batches and generation steps interleave without oversubscribing the CPU/GPU.
+
+A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
+keys are never read (`kv_cache.py`), so no clean-up step is needed.
+
+Event loop thread only; steps and warm-up run on dispatcher compute threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from app.admission import Rejected, RejectReason
+from app.engine.embedding_host import payload_kind
+from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
+from app.engine.kv_slots import SlotTable, payload_problem, start_verdict, steps_until_start
+from app.engine.protocol import (
+    Failure,
+    FailureKind,
+    FinishReason,
+    GeneratePayload,
+    ModelInfo,
+    Output,
+    SamplingParams,
+    Submit,
+    TokensOutput,
+)
+from app.models.base import resolve_dtype
+from app.models.causal_lm import CausalLMRunner, StepRow
+from app.models.sampling import new_generator
+from app.settings import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# Weight of the newest step in the step-time average admission predicts waits with.
+STEP_TIME_SMOOTHING = 0.2
+_GREEDY = SamplingParams(max_new_tokens=1)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One request's sequence (event loop thread only; its generator is used by the step
+    that computes it, one at a time)."""
+
+    request: Submit
+    prompt: list[int]
+    sampling: SamplingParams
+    emit: Emit
+    generator: torch.Generator
+    arrived: float
+    done: asyncio.Future[None]
+    arrival_trace: object | None
+    slot: int | None = None
+    started: float | None = None  # joined the batch
+    first_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_new_tokens - len(self.generated)
+
+    def row(self) -> StepRow:
+        """Its part of the next step: the prompt, or its last token at its position."""
+        assert self.slot is not None
+        if not self.generated:
+            return StepRow(self.slot, self.prompt, 0, self.sampling, self.generator)
+        position = len(self.prompt) + len(self.generated) - 1
+        return StepRow(self.slot, self.generated[-1:], position, self.sampling, self.generator)
+
+
+@dataclass(frozen=True, slots=True)
+class _StepResult:
+    tokens: list[int]
+    compute_s: float
+
+
+class GenerationHost:
+    def __init__(self, runner: CausalLMRunner, context: EngineContext) -> None:
+        self.name = runner.name
+        self.runner = runner
+        self._context = context
+        settings = context.settings
+        self._table = SlotTable(runner.cache.shape.slots)
+        self._max_batch_tokens = settings.generate_max_batch_tokens
+        self._max_waiting = settings.generate_max_waiting
+        self._waiting: deque[_Sequence] = deque()
+        self._running: dict[int, _Sequence] = {}  # by slot
+        self._step_s = 0.0  # smoothed seconds per step while busy
+        self._wakeup = asyncio.Event()
+        context.slots.listen(self._wakeup)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # --- status -------------------------------------------------------------------------
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            task=self.runner.task,
+            output_width=self.runner.vocab_size,
+            max_input_tokens=self.runner.max_sequence_tokens - 1,
+        )
+
+    def _prefill_lengths(self) -> list[int]:
+        longest = self.runner.max_sequence_tokens - 1
+        lengths = [b for b in self._context.settings.length_buckets if b < longest]
+        return [*lengths, longest]
+
+    def _decode_batches(self) -> list[int]:
+        slots = self._table.capacity
+        sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+        return [*sizes, slots]
+
+    @property
+    def warmup_total(self) -> int:
+        if not self._context.settings.warmup:
+            return 0
+        return len(self._prefill_lengths()) + len(self._decode_batches())
+
+    async def warm_up(self, shape_done: ShapeDone) -> None:
+        """Prefill one prompt of each length bucket, then decode steps of every batch size
+        up to all slots; the last (every slot decoding) seeds the step-time estimate."""
+        total, done = self.warmup_total, 0
+        filler = self.runner.pad_token_id
+        for length in self._prefill_lengths():
+            await self._run_step([StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0))])
+            done += 1
+            shape_done(done, total)
+        for rows in self._decode_batches():
+            step = [StepRow(s, [filler], 1, _GREEDY, new_generator(0)) for s in range(rows)]
+            result = await self._run_step(step)
+            self._step_s = result.compute_s
+            done += 1
+            shape_done(done, total)
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._supervised_loop(), name=f"generate-{self.name}")
+
+    def _wait_steps(self) -> int:
+        return steps_until_start(
+            (seq.remaining for seq in self._running.values()),
+            self._table.free,
+            (seq.sampling.max_new_tokens for seq in self._waiting),
+        )
+
+    def backlog_seconds(self) -> float:
+        """Predicted seconds before a sequence queued now gets a KV-cache slot."""
+        return self._wait_steps() * self._step_s
+
+    def seconds_per_input(self) -> float:
+        return self._step_s
+
+    def queued_inputs(self) -> int:
+        return len(self._waiting)
+
+    # --- requests -----------------------------------------------------------------------
+    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
+        payload = request.payload
+        if not isinstance(payload, GeneratePayload):
+            return None  # refused as a bad request by `submit`
+        if payload_problem(payload, self.runner.max_sequence_tokens) is not None:
+            return None  # likewise
+        if len(self._waiting) >= self._max_waiting and self._table.free <= len(self._waiting):
+            return Rejected(
+                RejectReason.QUEUE,
+                f"{len(self._waiting)} sequences wait for a KV-cache slot "
+                f"(cap generate_max_waiting={self._max_waiting})",
+                self.backlog_seconds() or None,
+            )
+        return start_verdict(
+            wait_s=self.backlog_seconds() + load.backlog_s,
+            generate_s=payload.sampling.max_new_tokens * self._step_s,
+            deadline=request.deadline,
+            now=load.now,
+            max_queue_delay_s=load.max_queue_delay_s,
+        )
+
+    def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
+        payload = request.payload
+        if not isinstance(payload, GeneratePayload):
+            message = f"model {self.name!r} generates text; it was sent {payload_kind(request)}"
+            emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
+            return None
+        problem = payload_problem(payload, self.runner.max_sequence_tokens)
+        if problem is not None:
+            emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
+            return None
+        sequence = _Sequence(
+            request=request,
+            prompt=list(payload.prompt_ids),
+            sampling=payload.sampling,
+            emit=emit,
+            generator=new_generator(payload.sampling.seed),
+            arrived=self._context.clock(),
+            done=asyncio.get_running_loop().create_future(),
+            arrival_trace=self._context.tracer.arrive(len(self._waiting)),
+        )
+        self._waiting.append(sequence)
+        self._wakeup.set()
+        return asyncio.create_task(self._answer(sequence))
+
+    async def _answer(self, sequence: _Sequence) -> None:
+        """Lives as long as the sequence; cancelling it (the client went away) drops the
+        sequence and frees its slot at once."""
+        try:
+            await asyncio.shield(sequence.done)
+        except asyncio.CancelledError:
+            self._drop(sequence)
+            raise
+
+    def _drop(self, sequence: _Sequence) -> None:
+        """Forget a sequence wherever it is and give its slot back; no answer follows."""
+        if not sequence.done.done():
+            sequence.done.set_result(None)
+        if sequence.slot is not None:
+            if self._running.get(sequence.slot) is sequence:
+                del self._running[sequence.slot]
+                self._table.give(sequence.slot)
+        else:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(sequence)
+        self._wakeup.set()
+
+    def _fail(self, sequence: _Sequence, kind: FailureKind, message: str) -> None:
+        self._drop(sequence)
+        sequence.emit(Failure(sequence.request.request_id, kind, message))
+
+    # --- the step loop ------------------------------------------------------------------
+    async def _supervised_loop(self) -> None:
+        """The step loop, restarted if it ever raises: its sequences fail (500) instead of
+        waiting forever, and new ones are served."""
+        while True:
+            try:
+                await self._loop()
+                return
+            except Exception as error:
+                log.exception("%s: generation loop failed; restarting it", self.name)
+                self._context.record_batch(error)
+                for sequence in [*self._waiting, *self._running.values()]:
+                    self._fail(sequence, FailureKind.FAILED, f"generation failed: {error}")
+
+    async def _loop(self) -> None:
+        """Each turn starts the next step, then sends the previous step's outputs while it
+        computes (the sending overlaps the compute instead of adding to every step)."""
+        outbox: list[tuple[_Sequence, Output]] = []
+        while True:
+            self._expire(self._context.clock())
+            sequences = self._next_step() if self._context.slots.free > 0 else []
+            step = self._start_step([s.row() for s in sequences]) if sequences else None
+            for sequence, output in outbox:
+                sequence.emit(output)
+            outbox = []
+            if step is None:
+                if self._closing and not self._running and not self._waiting:
+                    return
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                result = await step
+            except Exception as error:
+                log.exception("%s: generation step failed", self.name)
+                for sequence in sequences:
+                    if sequence.slot is not None and self._running.get(sequence.slot) is sequence:
+                        self._fail(sequence, FailureKind.FAILED, f"generation step failed: {error}")
+                continue
+            self._record_step(result)
+            outbox = self._advance(sequences, result.tokens)
+
+    def _next_step(self) -> list[_Sequence]:
+        """The next step's sequences: those joining now (prefill), then those decoding."""
+        joiners = self._join()
+        return joiners + [s for s in self._running.values() if s.generated]
+
+    def _expire(self, now: float) -> None:
+        """Sequences past their deadline fail (504) and free their slots."""
+        for sequence in [*self._waiting, *self._running.values()]:
+            if sequence.request.deadline <= now:
+                self._context.metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
+                self._fail(
+                    sequence,
+                    FailureKind.DEADLINE,
+                    f"deadline passed after {len(sequence.generated)} generated tokens",
+                )
+
+    def _join(self) -> list[_Sequence]:
+        """Waiting sequences that take free slots for this step, oldest first, while the
+        prefill (rows x longest prompt) fits generate_max_batch_tokens."""
+        joiners: list[_Sequence] = []
+        longest = 0
+        now = self._context.clock()
+        while self._waiting and self._table.free > 0:
+            candidate = self._waiting[0]
+            longer = max(longest, len(candidate.prompt))
+            if joiners and longer * (len(joiners) + 1) > self._max_batch_tokens:
+                break
+            self._waiting.popleft()
+            candidate.slot = self._table.take()
+            candidate.started = now
+            self._running[candidate.slot] = candidate
+            joiners.append(candidate)
+            longest = longer
+        return joiners
+
+    async def _run_step(self, rows: list[StepRow]) -> _StepResult:
+        """One step once a shared compute slot is free (warm-up)."""
+        while self._context.slots.free <= 0:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+        return await self._start_step(rows)
+
+    def _start_step(self, rows: list[StepRow]) -> asyncio.Task[_StepResult]:
+        """Take a shared compute slot (one must be free) and run one step on a compute
+        thread; the slot is given back when it ends."""
+        slots = self._context.slots
+        slots.take()
+
+        async def step() -> _StepResult:
+            failure: BaseException | None = None
+            try:
+                return await self._context.dispatcher.run_compute(self._compute, rows)
+            except BaseException as error:
+                failure = error
+                raise
+            finally:
+                slots.give()
+                if not isinstance(failure, asyncio.CancelledError):
+                    self._context.record_batch(failure)
+
+        return asyncio.create_task(step())
+
+    def _compute(self, rows: Sequence[StepRow]) -> _StepResult:
+        """Compute thread: the prefill rows in one forward, the decode rows in another."""
+        self._context.before_batch()
+        started = time.perf_counter()
+        prefill = [row for row in rows if row.start == 0]  # a decode row starts past its prompt
+        # In slot order: consecutive slots read the cache as a view instead of a copy.
+        decode = sorted((row for row in rows if row.start > 0), key=lambda row: row.slot)
+        chosen: dict[int, int] = {}
+        for group in (prefill, decode):
+            if group:
+                for row, token in zip(group, self.runner.step(group), strict=True):
+                    chosen[row.slot] = token
+        return _StepResult([chosen[row.slot] for row in rows], time.perf_counter() - started)
+
+    def _record_step(self, result: _StepResult) -> None:
+        seconds = result.compute_s
+        self._step_s = (
+            seconds
+            if self._step_s == 0
+            else (1 - STEP_TIME_SMOOTHING) * self._step_s + STEP_TIME_SMOOTHING * seconds
+        )
+        self._context.metrics.dispatcher_busy.labels(self.name).inc(seconds)
+
+    def _advance(
+        self, sequences: list[_Sequence], tokens: list[int]
+    ) -> list[tuple[_Sequence, Output]]:
+        """Give each sequence its new token, and end those at EOS (not sent) or at their
+        length, freeing their slots for the next step; returns the outputs to send."""
+        now = self._context.clock()
+        metrics = self._context.metrics
+        outbox: list[tuple[_Sequence, Output]] = []
+        for sequence, token in zip(sequences, tokens, strict=True):
+            if sequence.slot is None or self._running.get(sequence.slot) is not sequence:
+                continue  # cancelled or expired while the step ran
+            if sequence.first_token_at is None:
+                sequence.first_token_at = now
+                metrics.time_to_first_token.labels(self.name).observe(now - sequence.arrived)
+            if token in self.runner.eos_token_ids:
+                outbox.append((sequence, self._finish(sequence, [], FinishReason.EOS, now)))
+                continue
+            sequence.generated.append(token)
+            metrics.output_tokens.labels(self.name).inc()
+            if sequence.remaining <= 0:
+                outbox.append((sequence, self._finish(sequence, [token], FinishReason.LENGTH, now)))
+                continue
+            outbox.append((sequence, self._output(sequence, [token], None, now)))
+        return outbox
+
+    def _output(
+        self,
+        sequence: _Sequence,
+        token_ids: list[int],
+        finish: FinishReason | None,
+        now: float,
+    ) -> Output:
+        started = sequence.started if sequence.started is not None else now
+        final = finish is not None
+        return Output(
+            sequence.request.request_id,
+            final=final,
+            payload=TokensOutput(token_ids, len(sequence.prompt), finish),
+            queue_s=started - sequence.arrived,
+            compute_s=now - started,
+            trace=self._context.tracer.finish(sequence.arrival_trace, None) if final else None,
+        )
+
+    def _finish(
+        self, sequence: _Sequence, token_ids: list[int], reason: FinishReason, now: float
+    ) -> Output:
+        """End the sequence (its slot is free from now) and return its final output."""
+        produced = len(sequence.generated)
+        if produced > 1 and sequence.first_token_at is not None:
+            per_token = (now - sequence.first_token_at) / (produced - 1)
+            self._context.metrics.time_per_output_token.labels(self.name).observe(per_token)
+        output = self._output(sequence, token_ids, reason, now)
+        self._drop(sequence)
+        return output
+
+    # --- gauges, reports, shutdown -----------------------------------------------------
+    def refresh_gauges(self) -> None:
+        metrics = self._context.metrics
+        metrics.kv_cache_usage.labels(self.name).set(self._table.held / self._table.capacity)
+        metrics.sequences.labels(self.name, "running").set(len(self._running))
+        metrics.sequences.labels(self.name, "waiting").set(len(self._waiting))
+
+    def debug_report(self) -> dict[str, object]:
+        """The cache's size and use, and the step time admission predicts with."""
+        shape = self.runner.cache.shape
+        return {
+            "task": "generate",
+            "kv_cache_bytes": self.runner.cache.bytes_allocated,
+            "slots": shape.slots,
+            "slot_tokens": shape.slot_tokens,
+            "slots_held": self._table.held,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "step_ms": round(self._step_s * 1000, 3),
+        }
+
+    async def close(self) -> None:
+        """Finish the running and waiting sequences, then stop the loop."""
+        self._closing = True
+        self._wakeup.set()
+        if self._loop_task is not None:
+            await self._loop_task
+
+
+async def load_generation_host(spec: ModelSpec, context: EngineContext) -> GenerationHost:
+    """Load the causal LM and preallocate its KV cache (on a compute thread: it touches the
+    device), sized from the settings alone."""
+    settings = context.settings
+    dtype = resolve_dtype(spec.dtype, context.device)
+    runner = await context.dispatcher.run_compute(
+        CausalLMRunner,
+        spec.name,
+        spec.source,
+        context.device,
+        dtype,
+        settings.generate_slots,
+        settings.generate_slot_tokens,
+    )
+    context.metrics.pool_bytes.labels(spec.name).set(runner.cache.bytes_allocated)
+    return GenerationHost(runner, context)

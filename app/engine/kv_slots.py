@@ -1,0 +1,107 @@
+"""Pure policy of the generation task's KV cache: which slots are free, whether a request can
+ever fit, and how long a new sequence would wait for a slot.
+
+No torch, no asyncio, no clock: the generation host (event loop thread) calls these with its
+own numbers, and unit tests call them directly.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
+from app.engine.protocol import GeneratePayload
+
+
+class SlotTable:
+    """The cache's slots, each free or held by one sequence. Lowest free slot first, so a
+    light load keeps to the first rows. Event loop thread only."""
+
+    def __init__(self, slots: int) -> None:
+        self.capacity = slots
+        self._free = list(range(slots))
+        heapq.heapify(self._free)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def held(self) -> int:
+        return self.capacity - len(self._free)
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError("no KV-cache slot is free")
+        return heapq.heappop(self._free)
+
+    def give(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.capacity:
+            raise ValueError(f"slot {slot} is not held")
+        heapq.heappush(self._free, slot)
+
+
+def payload_problem(payload: GeneratePayload, max_sequence_tokens: int) -> str | None:
+    """Why the request can never be served (a 400, naming the limit), or None."""
+    prompt = len(payload.prompt_ids)
+    sampling = payload.sampling
+    if prompt == 0:
+        return "the prompt has no tokens"
+    if sampling.max_new_tokens < 1:
+        return f"max_new_tokens must be at least 1 (got {sampling.max_new_tokens})"
+    if sampling.do_sample and sampling.temperature <= 0:
+        return f"temperature must be positive when sampling (got {sampling.temperature})"
+    if not 0 < sampling.top_p <= 1:
+        return f"top_p must be in (0, 1] (got {sampling.top_p})"
+    if sampling.top_k < 0:
+        return f"top_k must not be negative (got {sampling.top_k})"
+    total = prompt + sampling.max_new_tokens
+    if total > max_sequence_tokens:
+        return (
+            f"prompt ({prompt} tokens) + max_new_tokens ({sampling.max_new_tokens}) = {total} "
+            f"exceeds the {max_sequence_tokens} tokens one sequence may hold in the KV cache "
+            "(generate_slot_tokens)"
+        )
+    return None
+
+
+def steps_until_start(
+    running_remaining: Iterable[int], free_slots: int, waiting_new_tokens: Iterable[int]
+) -> int:
+    """Decode steps before a sequence queued now gets a slot: the sequences already waiting
+    take slots first, each as the running sequence with the fewest tokens left finishes
+    (running_remaining: tokens each still has to produce; waiting_new_tokens: each waiting
+    sequence's max_new_tokens, in queue order). 0 when a slot is free for it."""
+    finishes = list(running_remaining)
+    heapq.heapify(finishes)
+    free = free_slots
+    for new_tokens in waiting_new_tokens:
+        if free > 0:
+            free -= 1
+            heapq.heappush(finishes, new_tokens)
+            continue
+        if not finishes:
+            return 0
+        start = heapq.heappop(finishes)
+        heapq.heappush(finishes, start + new_tokens)
+    if free > 0 or not finishes:
+        return 0
+    return finishes[0]
+
+
+def start_verdict(
+    wait_s: float, generate_s: float, deadline: float, now: float, max_queue_delay_s: float
+) -> Rejected | None:
+    """None to admit a sequence that starts after `wait_s` (for a slot) and then generates
+    for `generate_s`. The queue-delay budget bounds the wait alone (a long generation is not
+    a long queue); the deadline must hold the wait and the generation (504 otherwise)."""
+    time_left = deadline - now
+    if wait_s + generate_s >= time_left:
+        return Rejected(
+            RejectReason.DEADLINE,
+            f"the deadline leaves {max(0.0, time_left) * 1000:.0f} ms, less than the predicted "
+            f"{wait_s * 1000:.0f} ms wait for a KV-cache slot and "
+            f"{generate_s * 1000:.0f} ms of generation",
+        )
+    return delay_verdict(DelayEstimate(wait_s, 0.0), deadline, now, max_queue_delay_s)

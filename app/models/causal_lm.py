@@ -1,0 +1,163 @@
+"""Any Hugging Face causal LM, run step by step over the preallocated slot cache.
+
+`CausalLMRunner.step` computes one forward for a set of rows, each in its own cache slot at
+its own positions: a prompt (prefill) or the last chosen token (decode). Rows of different
+lengths are right-padded; padded positions write keys past the row's end, which no query of
+that row attends to before its own later write replaces them. Engine process only; `step`
+runs on compute threads, one at a time per runner (the cache is the runner's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from app.engine.protocol import SamplingParams
+from app.models.kv_cache import CacheShape, SlotKVCache, StepPlan
+from app.models.sampling import choose_tokens
+from app.models.source import local_directory
+
+log = logging.getLogger(__name__)
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    """One sequence's part of a step: its slot, the tokens fed now (the prompt, or the last
+    chosen token), the cache position of the first, and how its next token is chosen."""
+
+    slot: int
+    token_ids: Sequence[int]
+    start: int
+    sampling: SamplingParams
+    generator: torch.Generator
+
+
+def _token_ids(value: object) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    if isinstance(value, (list, tuple)):
+        return frozenset(int(v) for v in value)
+    raise ValueError(f"unexpected token id setting {value!r}")
+
+
+class CausalLMRunner:
+    """`AutoModelForCausalLM` with its slot cache (`kv_cache.py`), allocated at load."""
+
+    task = "generate"
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        slots: int,
+        slot_tokens: int,
+    ) -> None:
+        self.name = name
+        self.device = device
+        self.dtype = dtype
+        directory = local_directory(source)
+        log.info("loading %s from %s (%s, %s)", name, directory, device, dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+        self.model = model.to(device).eval()  # type: ignore[arg-type]
+        config = self.model.config.get_text_config()
+        generation = self.model.generation_config
+        # EOS as model.generate sees it: the generation config's, else the model config's.
+        self.eos_token_ids = _token_ids(generation.eos_token_id) or _token_ids(
+            getattr(config, "eos_token_id", None)
+        )
+        pad = generation.pad_token_id
+        if pad is None:
+            pad = getattr(config, "pad_token_id", None)
+        self.pad_token_id = int(pad) if isinstance(pad, int) else min(self.eos_token_ids, default=0)
+        self.vocab_size = int(config.vocab_size)
+        positions = int(getattr(config, "max_position_embeddings", slot_tokens) or slot_tokens)
+        self.max_sequence_tokens = min(slot_tokens, positions)
+        layers = int(config.num_hidden_layers)
+        self._layer_types = set(getattr(config, "layer_types", None) or [FULL_ATTENTION])
+        unsupported = self._layer_types - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unsupported:
+            raise ValueError(f"{name}: attention layer types {sorted(unsupported)} unsupported")
+        self._window: int | None = getattr(config, "sliding_window", None)
+        heads = int(config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        shape = CacheShape(
+            layers=layers,
+            slots=slots,
+            slot_tokens=self.max_sequence_tokens,
+            kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+        )
+        self.cache = SlotKVCache(shape, dtype, device)
+        self._base = self.model.base_model
+        self._head = self.model.get_output_embeddings()
+        log.info(
+            "%s: KV cache %d slots x %d tokens, %.1f MiB",
+            name,
+            slots,
+            shape.slot_tokens,
+            self.cache.bytes_allocated / 2**20,
+        )
+
+    def _masks(self, positions: torch.Tensor, kv_length: int) -> dict[str, torch.Tensor]:
+        """Additive masks (rows, 1, query, keys): a query sees its row's keys up to its own
+        position (within the window, for sliding layers)."""
+        keys = torch.arange(kv_length, device=self.device)
+        distance = positions.unsqueeze(-1) - keys  # (rows, query, keys)
+        blocked_value = torch.finfo(self.dtype).min
+        masks: dict[str, torch.Tensor] = {}
+        for layer_type in self._layer_types:
+            allowed = distance >= 0
+            if layer_type == SLIDING_ATTENTION and self._window is not None:
+                allowed &= distance < self._window
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            masks[layer_type] = mask.masked_fill(~allowed, blocked_value).unsqueeze(1)
+        return masks
+
+    def logits(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """float32 logits (rows, vocab) after each row's last fed token; writes the rows'
+        keys and values into their slots. Compute threads only."""
+        query = max(len(row.token_ids) for row in rows)
+        limit = self.max_sequence_tokens - 1
+        input_ids = torch.full((len(rows), query), self.pad_token_id, dtype=torch.int64)
+        for index, row in enumerate(rows):
+            input_ids[index, : len(row.token_ids)] = torch.as_tensor(row.token_ids)
+        starts = torch.tensor([row.start for row in rows], dtype=torch.int64)
+        positions = (starts.unsqueeze(1) + torch.arange(query)).clamp(max=limit)
+        last = torch.tensor([len(row.token_ids) - 1 for row in rows], dtype=torch.int64)
+        kv_length = int(positions.max().item()) + 1
+        positions = positions.to(self.device)
+        slots = [row.slot for row in rows]
+        consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+        row_slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        self.cache.plan = StepPlan(
+            row_slots, positions, kv_length, slots[0] if consecutive else None
+        )
+        with torch.inference_mode():
+            hidden = self._base(
+                input_ids=input_ids.to(self.device),
+                attention_mask=self._masks(positions, kv_length),
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+            ).last_hidden_state
+            picked = hidden[torch.arange(len(rows), device=self.device), last.to(self.device)]
+            logits: torch.Tensor = self._head(picked).float()
+            return logits
+
+    def step(self, rows: Sequence[StepRow]) -> list[int]:
+        """Each row's next token (compute threads only, one step at a time)."""
+        logits = self.logits(rows)
+        return choose_tokens(
+            logits, [row.sampling for row in rows], [row.generator for row in rows]
+        )

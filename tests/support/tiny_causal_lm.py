@@ -65,9 +65,13 @@ def train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def build_tiny_causal_lm(directory: Path, chat_template: bool = True) -> Path:
+def build_tiny_causal_lm(
+    directory: Path, chat_template: bool = True, hidden_size: int = 64, layers: int = 2
+) -> Path:
     """Write the tiny model and its tokenizer to `directory` (created) and return it.
-    `chat_template` false leaves the template out (for the front end's no-template path)."""
+    `chat_template` false leaves the template out (for the front end's no-template path);
+    `hidden_size` and `layers` make a larger one (benchmarks: where compute, not Python
+    overhead, dominates a step)."""
     directory.mkdir(parents=True, exist_ok=True)
     backend = train_tokenizer()
     tokenizer = PreTrainedTokenizerFast(
@@ -89,9 +93,9 @@ def build_tiny_causal_lm(directory: Path, chat_template: bool = True) -> Path:
     torch.manual_seed(SEED)
     config = Qwen2Config(
         vocab_size=backend.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=MAX_POSITIONS,

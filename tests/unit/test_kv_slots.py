@@ -1,0 +1,85 @@
+"""The generation KV cache's pure policy: slots, what can never fit, waits for a slot."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.admission import RejectReason
+from app.engine.kv_slots import SlotTable, payload_problem, start_verdict, steps_until_start
+from app.engine.protocol import GeneratePayload, SamplingParams
+
+
+def test_slot_table_hands_out_lowest_free_slot_and_takes_back_only_held_ones() -> None:
+    table = SlotTable(3)
+    assert [table.take(), table.take()] == [0, 1]
+    table.give(0)
+    assert table.take() == 0
+    assert table.take() == 2
+    assert table.free == 0 and table.held == 3
+    with pytest.raises(RuntimeError):
+        table.take()
+    table.give(1)
+    with pytest.raises(ValueError):
+        table.give(1)
+    with pytest.raises(ValueError):
+        table.give(7)
+
+
+def payload(prompt: int, new: int, **sampling: object) -> GeneratePayload:
+    return GeneratePayload(list(range(prompt)), SamplingParams(max_new_tokens=new, **sampling))  # type: ignore[arg-type]
+
+
+def test_a_sequence_that_can_never_fit_names_the_limit() -> None:
+    assert payload_problem(payload(10, 22), 32) is None
+    problem = payload_problem(payload(10, 23), 32)
+    assert problem is not None
+    assert "33" in problem and "32" in problem and "generate_slot_tokens" in problem
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        (payload(0, 4), "no tokens"),
+        (payload(3, 0), "max_new_tokens"),
+        (payload(3, 4, do_sample=True, temperature=0.0), "temperature"),
+        (payload(3, 4, top_p=0.0), "top_p"),
+        (payload(3, 4, top_k=-1), "top_k"),
+    ],
+)
+def test_invalid_sampling_is_named(bad: GeneratePayload, words: str) -> None:
+    problem = payload_problem(bad, 64)
+    assert problem is not None and words in problem
+
+
+def test_greedy_ignores_temperature() -> None:
+    assert payload_problem(payload(3, 4, temperature=0.0), 64) is None
+
+
+def test_no_wait_while_a_slot_is_free_for_the_newcomer() -> None:
+    assert steps_until_start([5, 9], free_slots=1, waiting_new_tokens=[]) == 0
+    assert steps_until_start([], free_slots=0, waiting_new_tokens=[]) == 0
+
+
+def test_wait_is_the_soonest_finish_once_the_queue_ahead_has_its_slots() -> None:
+    # Two running (5 and 9 tokens left), no free slot: a newcomer waits 5 steps.
+    assert steps_until_start([9, 5], free_slots=0, waiting_new_tokens=[]) == 5
+    # One waiting ahead takes the slot freed at 5; the newcomer gets the one freed at 9.
+    assert steps_until_start([9, 5], free_slots=0, waiting_new_tokens=[3]) == 8
+    # The waiting one started at 5 and needs 3: it frees its slot at 8, before the other.
+    assert steps_until_start([20, 5], free_slots=0, waiting_new_tokens=[3]) == 8
+    # A free slot goes to the one waiting first.
+    assert steps_until_start([7], free_slots=1, waiting_new_tokens=[4]) == 4
+
+
+def test_the_budget_bounds_the_wait_for_a_slot_not_the_generation() -> None:
+    # A 2 s generation behind a 50 ms wait fits a 100 ms budget.
+    assert start_verdict(0.05, 2.0, deadline=10.0, now=0.0, max_queue_delay_s=0.1) is None
+    refused = start_verdict(0.3, 0.1, deadline=10.0, now=0.0, max_queue_delay_s=0.1)
+    assert refused is not None and refused.reason is RejectReason.QUEUE
+    assert refused.retry_after_s == pytest.approx(0.2)
+
+
+def test_the_deadline_must_hold_the_wait_and_the_generation() -> None:
+    refused = start_verdict(0.0, 2.0, deadline=1.0, now=0.0, max_queue_delay_s=0.1)
+    assert refused is not None and refused.reason is RejectReason.DEADLINE
+    assert start_verdict(0.0, 0.5, deadline=1.0, now=0.0, max_queue_delay_s=0.1) is None

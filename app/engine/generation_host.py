@@ -157,9 +157,16 @@ class GenerationHost:
             (seq.sampling.max_new_tokens for seq in self._waiting),
         )
 
-    def backlog_seconds(self) -> float:
+    def _slot_wait_seconds(self) -> float:
         """Predicted seconds before a sequence queued now gets a KV-cache slot."""
         return self._wait_steps() * self._step_s
+
+    def backlog_seconds(self) -> float:
+        """None of the engine's shared backlog: generation holds one compute slot at a time
+        and gives it back between steps, and its sequences wait for KV-cache slots, which no
+        other model's work needs; that wait is applied to generate requests in `admit`.
+        Counting it here would make front ends shed embedding requests for it."""
+        return 0.0
 
     def seconds_per_input(self) -> float:
         return self._step_s
@@ -179,10 +186,10 @@ class GenerationHost:
                 RejectReason.QUEUE,
                 f"{len(self._waiting)} sequences wait for a KV-cache slot "
                 f"(cap generate_max_waiting={self._max_waiting})",
-                self.backlog_seconds() or None,
+                self._slot_wait_seconds() or None,
             )
         return start_verdict(
-            wait_s=self.backlog_seconds() + load.backlog_s,
+            wait_s=self._slot_wait_seconds() + load.backlog_s,
             generate_s=payload.sampling.max_new_tokens * self._step_s,
             deadline=request.deadline,
             now=load.now,

@@ -328,3 +328,35 @@ async def test_embedding_and_generation_models_side_by_side(tiny_causal_lm: Path
             await anext(engine.stream(wrong))
     finally:
         await engine.close()
+
+
+async def test_sequences_waiting_for_a_cache_slot_add_nothing_to_the_shared_backlog(
+    tiny_causal_lm: Path,
+) -> None:
+    """Front ends shed every model's requests on the published backlog; a sequence waiting
+    for a KV-cache slot delays only generate requests, so it must not show there."""
+    engine = await started(settings_for(tiny_causal_lm, generate_slots=1))
+    try:
+        long = Submit(
+            engine.next_request_id(),
+            "tiny",
+            time.monotonic() + 120,
+            GeneratePayload([1, 40, 41], SamplingParams(max_new_tokens=200)),
+        )
+        running = engine.stream(long)
+        await anext(running)
+        waiting = asyncio.create_task(
+            generate(engine, [1, 50, 51], SamplingParams(max_new_tokens=3))
+        )
+        for _ in range(100):  # until the second request is queued in the engine
+            status = engine.status()
+            assert status is not None
+            if status.queued_inputs == 1:
+                break
+            await asyncio.sleep(0)
+        assert status.queued_inputs == 1
+        assert status.backlog_s == 0.0
+        await running.aclose()
+        assert len((await waiting).token_ids) == 3
+    finally:
+        await engine.close()

@@ -106,6 +106,9 @@ class GenerationHost:
         context.slots.listen(self._wakeup)
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
+        # Labelled once: these are touched for every token.
+        self._tokens_counter = context.metrics.output_tokens.labels(self.name)
+        self._first_token_histogram = context.metrics.time_to_first_token.labels(self.name)
 
     # --- status -------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -379,19 +382,18 @@ class GenerationHost:
         """Give each sequence its new token, and end those at EOS (not sent) or at their
         length, freeing their slots for the next step; returns the outputs to send."""
         now = self._context.clock()
-        metrics = self._context.metrics
         outbox: list[tuple[_Sequence, Output]] = []
         for sequence, token in zip(sequences, tokens, strict=True):
             if sequence.slot is None or self._running.get(sequence.slot) is not sequence:
                 continue  # cancelled or expired while the step ran
             if sequence.first_token_at is None:
                 sequence.first_token_at = now
-                metrics.time_to_first_token.labels(self.name).observe(now - sequence.arrived)
+                self._first_token_histogram.observe(now - sequence.arrived)
             if token in self.runner.eos_token_ids:
                 outbox.append((sequence, self._finish(sequence, [], FinishReason.EOS, now)))
                 continue
             sequence.generated.append(token)
-            metrics.output_tokens.labels(self.name).inc()
+            self._tokens_counter.inc()
             if sequence.remaining <= 0:
                 outbox.append((sequence, self._finish(sequence, [token], FinishReason.LENGTH, now)))
                 continue

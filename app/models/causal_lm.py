@@ -129,13 +129,17 @@ class CausalLMRunner:
         keys and values into their slots. Compute threads only."""
         query = max(len(row.token_ids) for row in rows)
         limit = self.max_sequence_tokens - 1
-        input_ids = torch.full((len(rows), query), self.pad_token_id, dtype=torch.int64)
-        for index, row in enumerate(rows):
-            input_ids[index, : len(row.token_ids)] = torch.as_tensor(row.token_ids)
+        pad = self.pad_token_id
+        # One tensor from one padded list: per-row tensor writes cost more than the forward
+        # of a small model.
+        input_ids = torch.tensor(
+            [[*row.token_ids, *[pad] * (query - len(row.token_ids))] for row in rows],
+            dtype=torch.int64,
+        )
         starts = torch.tensor([row.start for row in rows], dtype=torch.int64)
         positions = (starts.unsqueeze(1) + torch.arange(query)).clamp(max=limit)
         last = torch.tensor([len(row.token_ids) - 1 for row in rows], dtype=torch.int64)
-        kv_length = int(positions.max().item()) + 1
+        kv_length = min(max(row.start for row in rows) + query - 1, limit) + 1
         positions = positions.to(self.device)
         slots = [row.slot for row in rows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))

@@ -28,6 +28,7 @@ from app.engine.protocol import (
     Submit,
     decode_to_engine,
     encode,
+    encode_batch,
 )
 from app.engine.zmq_client import STATUS_INTERVAL_S, EngineAddresses
 from app.metrics import Metrics
@@ -53,15 +54,30 @@ class EngineServer:
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.bind(addresses.requests)
+        self._pending: dict[bytes, list[FromEngine]] = {}
+        self._flush_scheduled = False
         self._publisher = self._context.socket(zmq.PUB)
         self._publisher.setsockopt(zmq.LINGER, 0)
         self._publisher.bind(addresses.status)
 
     def _emitter(self, origin: bytes) -> Callable[[FromEngine], None]:
         def emit(message: FromEngine) -> None:
-            self._router.send_multipart([origin, encode(message)], zmq.NOBLOCK)
+            pending = self._pending.setdefault(origin, [])
+            pending.append(message)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
 
         return emit
+
+    def _flush(self) -> None:
+        """Send what was emitted during one loop turn, one frame per front end: a
+        generation step emits an output per sequence, and a frame each would cost both
+        sides a send and a receive per token."""
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for origin, messages in pending.items():
+            self._router.send_multipart([origin, encode_batch(messages)], zmq.NOBLOCK)
 
     async def serve(self, stop: asyncio.Event) -> None:
         startup = asyncio.create_task(self.core.start(), name="engine-startup")

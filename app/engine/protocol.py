@@ -215,6 +215,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
 
 _to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
 _from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+_from_engine_batch_decoder = msgspec.msgpack.Decoder(list[FromEngine])
 _status_decoder = msgspec.msgpack.Decoder(EngineStatus)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -229,6 +230,15 @@ def decode_to_engine(data: bytes) -> ToEngine:
 
 def decode_from_engine(data: bytes) -> FromEngine:
     return _from_engine_decoder.decode(data)
+
+
+def encode_batch(messages: list[FromEngine]) -> bytes:
+    """Several messages for one front end in one frame (one generation step's outputs)."""
+    return _encoder.encode(messages)
+
+
+def decode_batch_from_engine(data: bytes) -> list[FromEngine]:
+    return _from_engine_batch_decoder.decode(data)
 
 
 def decode_status(data: bytes) -> EngineStatus:

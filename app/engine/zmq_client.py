@@ -27,7 +27,7 @@ from app.engine.client import EngineUnavailable, StreamingClient
 from app.engine.protocol import (
     EngineStatus,
     ToEngine,
-    decode_from_engine,
+    decode_batch_from_engine,
     decode_status,
     encode,
 )
@@ -188,7 +188,8 @@ class ZmqEngineClient(StreamingClient):
         assert self._requests is not None
         while True:
             data = await self._requests.recv()
-            self._deliver(decode_from_engine(data))
+            for message in decode_batch_from_engine(data):
+                self._deliver(message)
 
     async def _watch_disconnects(self) -> None:
         assert self._monitor is not None

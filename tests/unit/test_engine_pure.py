@@ -11,11 +11,15 @@ from app.engine.protocol import (
     EmbedPayload,
     Failure,
     FailureKind,
+    FinishReason,
     Output,
     Submit,
+    TokensOutput,
+    decode_batch_from_engine,
     decode_from_engine,
     decode_to_engine,
     encode,
+    encode_batch,
 )
 from app.engine.supervisor import next_backoff
 from app.scheduler import BatchPolicy, BatchShape, Scheduler, WorkItem
@@ -73,3 +77,7 @@ def test_protocol_messages_round_trip() -> None:
     assert decode_from_engine(encode(output)) == output
     failure = Failure(7, FailureKind.REJECTED, "busy", "queue", 0.25)
     assert decode_from_engine(encode(failure)) == failure
+    tokens = Output(8, False, TokensOutput([5], 3), queue_s=0.0, compute_s=0.01)
+    final = Output(9, True, TokensOutput([], 4, FinishReason.EOS), queue_s=0.0, compute_s=0.02)
+    batch = [tokens, final, failure]
+    assert decode_batch_from_engine(encode_batch(batch)) == batch

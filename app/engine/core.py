@@ -225,7 +225,8 @@ class EngineCore:
             state = "warming_up"
         else:
             state = "ready"
-        per_input = [host.seconds_per_input() for host in self.hosts.values()]
+        # Hosts whose requests add nothing to the shared backlog (generation) report 0.
+        per_input = [cost for host in self.hosts.values() if (cost := host.seconds_per_input()) > 0]
         healthy = self._startup_error is None and self.health.healthy
         return EngineStatus(
             engine_id=self.engine_id,

@@ -172,7 +172,8 @@ class GenerationHost:
         return 0.0
 
     def seconds_per_input(self) -> float:
-        return self._step_s
+        """0: a generate request adds nothing to the shared backlog (`backlog_seconds`)."""
+        return 0.0
 
     def queued_inputs(self) -> int:
         return len(self._waiting)

@@ -297,7 +297,7 @@ async def test_a_deadline_passing_mid_sequence_fails_it_and_frees_its_slot(
 
 
 async def test_embedding_and_generation_models_side_by_side(tiny_causal_lm: Path) -> None:
-    settings = settings_for(tiny_causal_lm, warmup=False)
+    settings = settings_for(tiny_causal_lm, max_batch_size=4)  # warm-up measures costs
     settings = settings.model_copy(
         update={"models": (ModelSpec(name="minilm", task="embed"), *settings.models)}
     )
@@ -317,6 +317,8 @@ async def test_embedding_and_generation_models_side_by_side(tiny_causal_lm: Path
         assert len(generated.token_ids) == 4
         status = engine.status()
         assert status is not None
+        # The embedding model's cost per input, not the generation host's 0.
+        assert status.seconds_per_input > 0
         assert {name: info.task for name, info in status.models.items()} == {
             "minilm": "embed",
             "tiny": "generate",
@@ -356,6 +358,7 @@ async def test_sequences_waiting_for_a_cache_slot_add_nothing_to_the_shared_back
             await asyncio.sleep(0)
         assert status.queued_inputs == 1
         assert status.backlog_s == 0.0
+        assert status.seconds_per_input == 0.0  # nor does each generate request sent
         await running.aclose()
         assert len((await waiting).token_ids) == 3
     finally:

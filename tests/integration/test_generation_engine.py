@@ -143,6 +143,8 @@ async def test_greedy_equals_generate_one_prompt_at_a_time(
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     assert len(prompts) >= 16 and len({len(p) for p in prompts}) >= 8
     lengths = [8 + (index * 7) % 25 for index in range(len(prompts))]
+    cache = engine.core.hosts["tiny"].runner.cache  # type: ignore[attr-defined]
+    storage = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
     registry = engine.core.metrics.registry
     labels = {"model": "tiny"}
     tokens_before = registry.get_sample_value("steadyserve_output_tokens_total", labels) or 0
@@ -172,6 +174,17 @@ async def test_greedy_equals_generate_one_prompt_at_a_time(
     ) == firsts_before + len(results)
     engine.refresh_metrics()
     assert registry.get_sample_value("steadyserve_kv_cache_usage_ratio", labels) == 0
+    # The cache preallocated at start-up served every sequence: nothing was reallocated.
+    assert storage == [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+
+
+async def test_warm_up_ran_prefill_and_decode_shapes_before_ready(engine: InProcessEngine) -> None:
+    status = engine.status()
+    assert status is not None and status.state == "ready"
+    # Prefill at the length buckets below the slot (16, 64) and its largest prompt (255);
+    # decode at 1, 2, 4 and all 8 slots.
+    assert status.warmup_total == 3 + 4
+    assert status.warmup_done == status.warmup_total
 
 
 async def test_max_new_tokens_ends_with_length(engine: InProcessEngine) -> None:

@@ -84,11 +84,13 @@ class CausalLMRunner:
         positions = int(getattr(config, "max_position_embeddings", slot_tokens) or slot_tokens)
         self.max_sequence_tokens = min(slot_tokens, positions)
         layers = int(config.num_hidden_layers)
-        self._layer_types = set(getattr(config, "layer_types", None) or [FULL_ATTENTION])
+        self._window: int | None = getattr(config, "sliding_window", None)
+        # Without per-layer types, a configured window applies to every layer (Mistral).
+        default_type = SLIDING_ATTENTION if self._window else FULL_ATTENTION
+        self._layer_types = set(getattr(config, "layer_types", None) or [default_type])
         unsupported = self._layer_types - {FULL_ATTENTION, SLIDING_ATTENTION}
         if unsupported:
             raise ValueError(f"{name}: attention layer types {sorted(unsupported)} unsupported")
-        self._window: int | None = getattr(config, "sliding_window", None)
         heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
         shape = CacheShape(
@@ -124,6 +126,16 @@ class CausalLMRunner:
             masks[layer_type] = mask.masked_fill(~allowed, blocked_value).unsqueeze(1)
         return masks
 
+    def _attention_mask(
+        self, positions: torch.Tensor, kv_length: int
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """One 4-D mask, which every model takes as prepared; a mask per layer type only
+        for models with sliding-window layers (those take a {layer type: mask} mapping)."""
+        masks = self._masks(positions, kv_length)
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        return masks
+
     def logits(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """float32 logits (rows, vocab) after each row's last fed token; writes the rows'
         keys and values into their slots. Compute threads only."""
@@ -150,7 +162,7 @@ class CausalLMRunner:
         with torch.inference_mode():
             hidden = self._base(
                 input_ids=input_ids.to(self.device),
-                attention_mask=self._masks(positions, kv_length),
+                attention_mask=self._attention_mask(positions, kv_length),
                 position_ids=positions,
                 cache=self.cache,
                 use_cache=True,

@@ -288,7 +288,7 @@ class Settings(BaseSettings):
 
     # --- generation (models with task `generate`) ---------------------------------------
     generate_slots: int = Field(
-        default=16,
+        default=32,
         ge=1,
         description="Sequences one generate model runs at once: the rows of its KV cache, "
         "preallocated at start-up (half precision on CUDA) and reused, never allocated per "

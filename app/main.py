@@ -28,7 +28,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as instrumentator_metrics
 
 from app import __version__
-from app.api import debug, embed, health, v2
+from app.api import debug, embed, generate, health, v2
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import use_lean_instrumentator
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
@@ -37,6 +37,7 @@ from app.api.slow import SlowRequestMiddleware
 from app.engine.client import EngineClient
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
+from app.generation.pipeline import TextGeneration
 from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.service import Service, TokenizerLoader, load_model_tokenizer
 from app.settings import Settings
@@ -48,8 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Inference routes: the ones early shedding applies to.
+# Inference routes: the ones early shedding applies to, and slow-request reports.
 INFERENCE_PATHS = frozenset({"/infer", "/v1/embeddings"})
+# Generation routes are shed the same way; their time is the length the client asked for,
+# so no latency threshold makes them "slow".
+GENERATION_PATHS = frozenset(generate.GENERATION_ROUTES)
 
 
 def is_inference_path(path: str) -> bool:
@@ -130,6 +134,7 @@ def create_app(
 
     app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)
     app.state.service = service
+    app.state.generation = TextGeneration(service)
     app.state.settings = settings
     app.state.supervisor = supervisor
     app.state.telemetry = telemetry
@@ -137,6 +142,7 @@ def create_app(
     install_error_handlers(app)
     install_openapi(app, service)
     app.include_router(embed.router)
+    app.include_router(generate.router)
     app.include_router(health.router)
     app.include_router(debug.router)
     app.include_router(v2.router)
@@ -173,5 +179,7 @@ def create_app(
         read_timeout_s=settings.body_read_timeout_s,
     )
     app.add_middleware(ServerTimingMiddleware, is_draining=lambda: service.admission.draining)
-    app.add_middleware(SheddingMiddleware, service=service, paths=INFERENCE_PATHS)
+    app.add_middleware(
+        SheddingMiddleware, service=service, paths=INFERENCE_PATHS | GENERATION_PATHS
+    )
     return app

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    field_validator,
+)
 
 NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
 
@@ -14,8 +21,9 @@ class _Strict(BaseModel):
 
 
 class InferParameters(_Strict):
-    normalize: bool = Field(default=True, description="L2-normalise each output vector.")
-    truncate: bool = Field(
+    # Strict: JSON's 0/1 are not booleans (the OpenAPI document says boolean).
+    normalize: StrictBool = Field(default=True, description="L2-normalise each output vector.")
+    truncate: StrictBool = Field(
         default=False,
         description="Cut inputs to the model's token limit instead of answering 413.",
     )

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar, TypeVarTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -33,12 +34,14 @@ from app.engine.protocol import (
     EmbedOutput,
     EmbedPayload,
     EngineStatus,
+    ModelInfo,
     OutputPayload,
     Payload,
     Submit,
 )
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
+from app.generation.tokenizer import load_generation_tokenizer
 from app.metrics import Metrics
 from app.models.tokenizer import InputTooLong, TextTokenizer, load_tokenizer
 from app.probes import Readiness, liveness, readiness
@@ -56,9 +59,13 @@ INLINE_TOKENIZE_MAX_CHARS = 2048
 MAX_CHARS_PER_TOKEN = 32
 
 TokenizerLoader = Callable[[ModelSpec, int], TextTokenizer]
+Args = TypeVarTuple("Args")
+Result = TypeVar("Result")
 
 
 def load_model_tokenizer(spec: ModelSpec, largest_length_bucket: int) -> TextTokenizer:
+    if spec.task == "generate":
+        return load_generation_tokenizer(spec.source, spec.max_input_tokens)
     return load_tokenizer(spec.source, largest_length_bucket, spec.max_input_tokens)
 
 
@@ -107,6 +114,7 @@ class Service:
         self.engine = engine
         self._tokenizer_loader = tokenizer_loader
         self._clock = clock
+        self.clock = clock  # the same clock for the pipelines built on this service
         self.admission = Admission(
             AdmissionLimits(
                 max_inflight=settings.max_inflight,
@@ -142,7 +150,7 @@ class Service:
         try:
             largest = self.settings.length_buckets[-1]
             for spec in self.settings.models:
-                if spec.task == "embed":  # other tasks take no text
+                if spec.task in ("embed", "generate"):  # other tasks take no text
                     self.tokenizers[spec.name] = await asyncio.to_thread(
                         self._tokenizer_loader, spec, largest
                     )
@@ -176,8 +184,7 @@ class Service:
 
     def output_width(self, name: str) -> int | None:
         """The model's output vector width, once the engine has loaded it."""
-        status = self.engine_status()
-        info = status.models.get(name) if status else None
+        info = self.model_info(name)
         return info.output_width if info else None
 
     def model_task(self, name: str) -> str:
@@ -245,6 +252,16 @@ class Service:
             raise UnknownModel(chosen, self.model_names())
         return chosen
 
+    def sent(self, inputs: int) -> None:
+        """`inputs` were sent to the engine (counted into its backlog until it next
+        publishes its status)."""
+        self._sent_since_status += inputs
+
+    def model_info(self, name: str) -> ModelInfo | None:
+        """What the engine published about the model, once it has loaded it."""
+        status = self.engine_status()
+        return status.models.get(name) if status else None
+
     async def embed(
         self,
         model: str,
@@ -262,8 +279,8 @@ class Service:
         or `BatchFailed`. Cancelling the caller's task (client gone) cancels the request in
         the engine, dropping its queued inputs.
         """
-        if model not in self.tokenizers:
-            raise WrongTask(model, self.model_task(model), "embed")
+        if (task := self.model_task(model)) != "embed":
+            raise WrongTask(model, task, "embed")
         now, deadline = self.begin(model, timeout_ms, envoy_timeout_ms)
         token_ids = await self._tokenize(self.tokenizers[model], texts, truncate)
         tokenized_at = self._clock()
@@ -361,10 +378,19 @@ class Service:
                 raise InputTooLong(index, len(text), max_chars, "characters")
         if truncate:
             texts = [text[:max_chars] for text in texts]
-        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_MAX_CHARS:
-            return tokenizer.tokenize(texts, truncate)
+        return await self.run_tokenizer(
+            sum(len(t) for t in texts), tokenizer.tokenize, texts, truncate
+        )
+
+    async def run_tokenizer(
+        self, chars: int, work: Callable[[*Args], Result], *args: *Args
+    ) -> Result:
+        """`work(*args)` on the event loop when its input (`chars` characters) is small,
+        else on the tokenizer pool, so a large input cannot stall the loop."""
+        if chars <= INLINE_TOKENIZE_MAX_CHARS:
+            return work(*args)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, tokenizer.tokenize, texts, truncate)
+        return await loop.run_in_executor(self._tokenize_pool, work, *args)
 
     # --- shutdown -----------------------------------------------------------------------
     def begin_drain(self) -> None:

@@ -19,6 +19,9 @@ class PhaseTimer:
     phases: dict[str, float] = field(default_factory=dict)
     # The engine's side of the request (batch, probes), for a slow-request report.
     engine_trace: EngineTrace | None = None
+    # False for a generation: its time is the length its client asked for, so it is never
+    # judged slow (nor counted in the p99 that judgement uses).
+    latency_bound: bool = True
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

@@ -1,53 +1,37 @@
-"""POST /infer (native) and the OpenAI-compatible /v1/embeddings and /v1/models."""
+"""POST /infer (native; a generate model's requests go on to `generate.py`) and the
+OpenAI-compatible /v1/embeddings and /v1/models."""
 
 from __future__ import annotations
 
 import base64
-import time
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.api.cancellation import run_until_disconnect
+from app.api.common import envoy_timeout_ms, render, too_many_inputs
+from app.api.errors_doc import ERRORS
+from app.api.generate import infer_generate
 from app.api.responses import error_response, json_response, service_of
 from app.schemas import (
     EmbeddingsRequest,
     EmbeddingsResponse,
-    ErrorBody,
     InferRequest,
     InferResponse,
     ModelCard,
     ModelList,
 )
-from app.service import EmbedResult, Service
+from app.schemas_generation import GenerateInferRequest, GenerateInferResponse
+from app.service import EmbedResult, Service, WrongTask
 from app.timing import PhaseTimer
 
 router = APIRouter()
 
-ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
-
-# Every status these routes answer besides 200, as the OpenAPI document states it.
-_ERROR_WHEN = {
-    400: "Malformed JSON (`invalid_json`); `dimensions` other than the model's width.",
-    404: "Unknown model (`model_not_found`).",
-    413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
-    "(`too_many_inputs`), or an input over the model's token limit (`input_too_long`).",
-    422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
-    408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`).",
-    429: "Over the token rate (`rate`), the in-flight cap (`inflight`), or a predicted wait "
-    "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; `Retry-After` "
-    "says when to retry.",
-    500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
-    503: "Warming up or start-up failed (`not_ready`), the engine restarted with the request "
-    "in it (`engine_lost`, retry), or draining (`draining`).",
-    504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
-    "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",
-}
-_ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody, "description": when} for code, when in _ERROR_WHEN.items()
-}
+Schema = TypeVar("Schema", bound=BaseModel)
 
 
 class NonFiniteOutput(Exception):
@@ -56,23 +40,6 @@ class NonFiniteOutput(Exception):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"{model} produced a non-finite value (NaN or infinity)")
-
-
-def envoy_timeout_ms(request: Request) -> float | None:
-    value = request.headers.get(ENVOY_TIMEOUT_HEADER)
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _too_many_inputs(service: Service, count: int, param: str) -> Response | None:
-    limit = service.settings.max_inputs_per_request
-    if count <= limit:
-        return None
-    return error_response(
-        413, "too_many_inputs", f"{count} inputs; at most {limit} per request", param
-    )
 
 
 async def _embed(
@@ -85,8 +52,11 @@ async def _embed(
 ) -> EmbedResult:
     service = service_of(request)
     timer: PhaseTimer = request.state.server_timing
+    chosen = service.resolve_model(model)
+    if (task := service.model_task(chosen)) != "embed":
+        raise WrongTask(chosen, task, "embed")
     work = service.embed(
-        service.resolve_model(model),
+        chosen,
         texts,
         normalize=normalize,
         truncate=truncate,
@@ -100,19 +70,58 @@ async def _embed(
     return result
 
 
-def _render(request: Request, content: Any) -> Response:
-    """The JSON answer, its rendering timed as the `serialise` phase."""
-    started = time.perf_counter()
-    response = json_response(content)
-    timer: PhaseTimer = request.state.server_timing
-    timer.add("serialise", time.perf_counter() - started)
-    return response
+# /infer's body is read once and validated by the model's task (the document names both).
+INFER_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "anyOf": [
+                        {"$ref": "#/components/schemas/InferRequest"},
+                        {"$ref": "#/components/schemas/GenerateInferRequest"},
+                    ]
+                }
+            }
+        },
+    }
+}
 
 
-@router.post("/infer", response_model=InferResponse, responses=_ERRORS)
-async def infer(request: Request, body: InferRequest) -> Response:
+def _asks_a_generate_model(service: Service, body: Any) -> bool:
+    name = body.get("model") if isinstance(body, dict) else None
+    if name is not None and not isinstance(name, str):
+        return False  # refused as the embedding request it then is
+    chosen = name or service.settings.default_model_name
+    return chosen in service.model_names() and service.model_task(chosen) == "generate"
+
+
+def _validated(schema: type[Schema], body: Any) -> Schema:
+    """`body` as `schema`, or the 422 FastAPI itself would answer."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as error:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
+        raise RequestValidationError(errors) from None
+
+
+@router.post(
+    "/infer",
+    response_model=InferResponse | GenerateInferResponse,
+    responses=ERRORS,
+    openapi_extra=INFER_BODY_DOC,
+)
+async def infer(request: Request, body: Annotated[Any, Body()]) -> Response:
+    """Embeddings of the texts (an embedding model), or their continuations (a generate
+    model), by the task of the model the request names."""
+    if _asks_a_generate_model(service_of(request), body):
+        return await infer_generate(request, _validated(GenerateInferRequest, body))
+    return await _infer_embed(request, _validated(InferRequest, body))
+
+
+async def _infer_embed(request: Request, body: InferRequest) -> Response:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    if (too_many := _too_many_inputs(service_of(request), len(texts), "inputs")) is not None:
+    if (too_many := too_many_inputs(service_of(request), len(texts), "inputs")) is not None:
         return too_many
     result = await _embed(
         request,
@@ -122,7 +131,7 @@ async def infer(request: Request, body: InferRequest) -> Response:
         body.parameters.truncate,
         body.timeout_ms,
     )
-    return _render(
+    return render(
         request,
         {
             "model": result.model,
@@ -132,10 +141,10 @@ async def infer(request: Request, body: InferRequest) -> Response:
     )
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=_ERRORS)
+@router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)
 async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
     texts = [body.input] if isinstance(body.input, str) else body.input
-    if (too_many := _too_many_inputs(service_of(request), len(texts), "input")) is not None:
+    if (too_many := too_many_inputs(service_of(request), len(texts), "input")) is not None:
         return too_many
     service = service_of(request)
     model = service.resolve_model(body.model)
@@ -158,7 +167,7 @@ async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
         }
         for index, vector in enumerate(result.vectors)
     ]
-    return _render(
+    return render(
         request,
         {
             "object": "list",

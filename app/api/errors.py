@@ -19,6 +19,8 @@ from app.api.embed import NonFiniteOutput
 from app.api.responses import error_response
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
+from app.generation.chat import ChatTemplateError
+from app.generation.pipeline import ContextTooLong, NoChatTemplate, TooManyTokens
 from app.models.tokenizer import InputTooLong
 from app.service import UnknownModel, WrongTask
 
@@ -72,12 +74,40 @@ async def _deadline(request: Request, error: Exception) -> Response:
     return error_response(504, "deadline", "deadline passed before the request was computed")
 
 
+# The request field holding the texts, by route (OpenAI's names on the /v1/ routes).
+_TEXT_FIELD = {
+    "/v1/embeddings": "input",
+    "/v1/completions": "prompt",
+    "/v1/chat/completions": "messages",
+}
+
+
+def _text_param(request: Request, index: int) -> str:
+    field = _TEXT_FIELD.get(request.url.path, "inputs")
+    return field if field == "messages" else f"{field}[{index}]"
+
+
 async def _too_long(request: Request, error: Exception) -> Response:
     assert isinstance(error, InputTooLong)
-    if request.url.path.startswith("/v1/"):  # OpenAI's field is `input`, without truncation
-        return error_response(413, "input_too_long", str(error), f"input[{error.index}]")
+    param = _text_param(request, error.index)
+    if request.url.path.startswith("/v1/") or error.unit == "characters":
+        return error_response(413, "input_too_long", str(error), param)
     message = f"{error}; set parameters.truncate to cut inputs to the limit"
-    return error_response(413, "input_too_long", message, f"inputs[{error.index}]")
+    return error_response(413, "input_too_long", message, param)
+
+
+async def _context_too_long(request: Request, error: Exception) -> Response:
+    assert isinstance(error, ContextTooLong)
+    param = _text_param(request, error.index)
+    return error_response(400, "context_length_exceeded", str(error), param)
+
+
+async def _too_many_tokens(request: Request, error: Exception) -> Response:
+    return error_response(413, "too_many_tokens", str(error))
+
+
+async def _chat_refused(request: Request, error: Exception) -> Response:
+    return error_response(400, "invalid_request", str(error), "messages")
 
 
 async def _engine_refused(request: Request, error: Exception) -> Response:
@@ -119,6 +149,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InputTooLong, _too_long)
     app.add_exception_handler(UnknownModel, _unknown_model)
     app.add_exception_handler(WrongTask, _wrong_task)
+    app.add_exception_handler(NoChatTemplate, _chat_refused)
+    app.add_exception_handler(ChatTemplateError, _chat_refused)
+    app.add_exception_handler(ContextTooLong, _context_too_long)
+    app.add_exception_handler(TooManyTokens, _too_many_tokens)
     app.add_exception_handler(EngineRefused, _engine_refused)
     app.add_exception_handler(EngineUnavailable, _engine_unavailable)
     app.add_exception_handler(ClientDisconnected, _client_gone)

@@ -6,7 +6,10 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
 
 - the list forms of `inputs` / `input` get `maxItems` = `STEADY_MAX_INPUTS_PER_REQUEST`;
 - `dimensions` of /v1/embeddings is narrowed to the served models' output widths once they
-  are loaded (until then the document is rebuilt on each request and not cached).
+  are loaded (until then the document is rebuilt on each request and not cached);
+- /infer's body is either request model (it is validated by the named model's task); the
+  generation routes, and /infer's generation form, are documented only when a generate
+  model is served (chat: one with a chat template), `model` narrowed to those models.
 
 What JSON Schema cannot state (an input's token count, the deadline) is answered with the
 documented 413 and 504 responses. Called on the event loop thread (the /openapi.json route).
@@ -18,15 +21,72 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
 
+from app.generation.tokenizer import GenerationTokenizer
+from app.schemas import InferRequest
+from app.schemas_generation import GenerateInferRequest
 from app.service import Service
 
 # (component, field) of every request field that takes one text or a list of texts.
-_TEXT_LIST_FIELDS = (("InferRequest", "inputs"), ("EmbeddingsRequest", "input"))
+_TEXT_LIST_FIELDS = (
+    ("InferRequest", "inputs"),
+    ("EmbeddingsRequest", "input"),
+    ("GenerateInferRequest", "inputs"),
+    ("CompletionRequest", "prompt"),
+)
+
+
+def _add_component(components: dict[str, Any], model: type[BaseModel]) -> None:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+
+
+def _narrow_model(component: dict[str, Any], models: list[str], default: str) -> None:
+    """`model` names one of `models`; it may be left out only when the default is one."""
+    if default in models:
+        component["properties"]["model"] = {
+            "anyOf": [{"type": "string", "enum": models}, {"type": "null"}],
+            "description": "A served model that can answer this; the default model if absent.",
+        }
+        return
+    component["properties"]["model"] = {
+        "type": "string",
+        "enum": models,
+        "description": "A served model that can answer this.",
+    }
+    component["required"] = sorted({*component.get("required", []), "model"})
+
+
+def _document_generation(
+    document: dict[str, Any], generating: list[str], chatting: list[str], default: str
+) -> None:
+    """Generation as this server serves it: with no generate model, not at all; chat only
+    for the generate models with a chat template."""
+    components = document["components"]["schemas"]
+    paths = document["paths"]
+    if not generating:
+        body = paths["/infer"]["post"]["requestBody"]["content"]
+        body["application/json"]["schema"] = {"$ref": "#/components/schemas/InferRequest"}
+    routes = {
+        "/v1/completions": ("CompletionRequest", generating),
+        "/v1/chat/completions": ("ChatCompletionRequest", chatting),
+        None: ("GenerateInferRequest", generating),
+    }
+    for path, (component, models) in routes.items():
+        if models:
+            _narrow_model(components[component], models, default)
+            continue
+        components.pop(component, None)
+        if path is not None:
+            paths.pop(path, None)
 
 
 def _limit_text_lists(components: dict[str, Any], max_items: int) -> None:
     for component, field in _TEXT_LIST_FIELDS:
+        if component not in components:
+            continue
         for variant in components[component]["properties"][field]["anyOf"]:
             if variant.get("type") == "array":
                 variant["maxItems"] = max_items
@@ -52,6 +112,18 @@ def install_openapi(app: FastAPI, service: Service) -> None:
             routes=app.routes,
         )  # fmt: skip
         components = document["components"]["schemas"]
+        _add_component(components, InferRequest)
+        _add_component(components, GenerateInferRequest)
+        names = service.model_names()
+        generating = [name for name in names if service.model_task(name) == "generate"]
+        chatting = [
+            name
+            for name in generating
+            if isinstance(tokenizer := service.tokenizers.get(name), GenerationTokenizer)
+            and tokenizer.chat_template is not None
+        ]
+        default = service.settings.default_model_name
+        _document_generation(document, generating, chatting, default)
         _limit_text_lists(components, service.settings.max_inputs_per_request)
         widths = [service.output_width(name) for name in service.model_names()]
         known = sorted({width for width in widths if width is not None})

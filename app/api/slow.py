@@ -67,9 +67,11 @@ class SlowRequestMiddleware:
     def _finished(
         self, scope: Scope, status: int, total_s: float, readings: dict[str, float]
     ) -> None:
+        timer: PhaseTimer | None = scope.get("state", {}).get("server_timing")
+        if timer is not None and not timer.latency_bound:
+            return
         if not self.recorder.is_slow(total_s):
             return
-        timer: PhaseTimer | None = scope.get("state", {}).get("server_timing")
         facts = RequestFacts(
             total_s=total_s,
             phases=dict(timer.phases) if timer else {},

@@ -26,7 +26,8 @@ from starlette.responses import Response
 from app import __version__
 from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
-from app.api.embed import NonFiniteOutput, envoy_timeout_ms
+from app.api.common import envoy_timeout_ms
+from app.api.embed import NonFiniteOutput
 from app.api.errors import REJECTION_STATUS
 from app.api.responses import service_of
 from app.api.v2_codec import (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from app.admission import Rejected, RejectReason
@@ -91,7 +91,7 @@ class EngineClient(Protocol):
 
     def next_request_id(self) -> int: ...
 
-    def stream(self, request: Submit) -> AsyncIterator[Output]:
+    def stream(self, request: Submit) -> AsyncGenerator[Output, None]:
         """The request's outputs, the last one `final`; raises `Rejected`,
         `DeadlineExceeded`, `EngineRefused`, `BatchFailed` or `EngineUnavailable`.
         Leaving the loop early (or being cancelled) cancels the request in the engine."""
@@ -129,7 +129,7 @@ class StreamingClient:
     def open_streams(self) -> int:
         return len(self._streams)
 
-    async def stream(self, request: Submit) -> AsyncIterator[Output]:
+    async def stream(self, request: Submit) -> AsyncGenerator[Output, None]:
         request_id = request.request_id
         queue: asyncio.Queue[FromEngine | _Lost] = asyncio.Queue()
         self._streams[request_id] = queue

@@ -31,6 +31,7 @@ class InputTooLong(Exception):
         self.index = index
         self.size = size
         self.limit = limit
+        self.unit = unit
 
 
 class TextTokenizer(Protocol):
@@ -119,6 +120,16 @@ class FastTokenizer:
             suffix = self._special_suffix
             ids[index] = sequence[: limit - len(suffix)] + suffix
         return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """One text's token ids, uncut (a prompt's limit is checked by its caller; a chat
+        template writes its special tokens itself, so it encodes without adding them).
+        Thread-safe."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of generated token ids, special tokens left out. Thread-safe."""
+        return str(self._backend.decode(list(token_ids), skip_special_tokens=True))
 
 
 def load_tokenizer(

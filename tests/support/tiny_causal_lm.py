@@ -14,7 +14,16 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SEED = 1234
@@ -46,10 +55,26 @@ CORPUS = [
 ]
 
 
+# Qwen2's own pre-tokenization: transformers 5 loads a Qwen2 model's tokenizer as
+# `Qwen2Tokenizer`, which applies this split and NFC whatever tokenizer.json says; the file
+# must say the same, or steadyserve (which reads tokenizer.json) tokenizes digits differently.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 def train_tokenizer() -> Tokenizer:
-    """A byte-level BPE over the corpus, BOS prepended to every encoding."""
+    """A byte-level BPE over the corpus with Qwen2's pre-tokenization, BOS prepended to
+    every encoding."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,

@@ -1,0 +1,30 @@
+"""Every status the inference routes answer besides 200, as the OpenAPI document states it
+(the handlers are in errors.py)."""
+
+from __future__ import annotations
+
+from app.schemas import ErrorBody
+
+_ERROR_WHEN = {
+    400: "Malformed JSON (`invalid_json`); `dimensions` other than the model's width; "
+    "generation asked of an embedding model, chat of a model without a chat template, or "
+    "messages its template refuses (`invalid_request`); a prompt plus its new tokens over "
+    "what one sequence holds (`context_length_exceeded`).",
+    404: "Unknown model (`model_not_found`).",
+    413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
+    "(`too_many_inputs`), an input over the model's token limit (`input_too_long`), or a "
+    "generation needing more tokens than STEADY_RATE_LIMIT_BURST (`too_many_tokens`).",
+    422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
+    408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`).",
+    429: "Over the token rate (`rate`), the in-flight cap (`inflight`), or a predicted wait "
+    "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; `Retry-After` "
+    "says when to retry.",
+    500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
+    503: "Warming up or start-up failed (`not_ready`), the engine restarted with the request "
+    "in it (`engine_lost`, retry), or draining (`draining`).",
+    504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
+    "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",
+}
+ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody, "description": when} for code, when in _ERROR_WHEN.items()
+}

@@ -1,0 +1,252 @@
+"""Text generation over HTTP: /infer on a generate model (dispatched here by `embed.py`'s
+/infer), and OpenAI's POST /v1/completions and POST /v1/chat/completions, whole or streamed
+as server-sent events ending in `data: [DONE]`.
+
+A streamed answer starts only once its first piece of text (or its end) is known, so every
+refusal (size, admission, the engine's own 429) is still a plain JSON error with its status;
+a failure after that is an `error` event, then `[DONE]`. A client that disconnects cancels
+its sequences in the engine (`run_until_disconnect`, `EventStreamResponse`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Sequence
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from app.admission import Rejected
+from app.api.cancellation import run_until_disconnect
+from app.api.common import envoy_timeout_ms, render, too_many_inputs
+from app.api.errors_doc import ERRORS
+from app.api.openai_format import Reply, chunk, error_chunk, usage_chunk, whole
+from app.api.responses import service_of
+from app.api.sse import DONE, EventStreamResponse, event
+from app.engine.client import EngineRefused
+from app.failures import DeadlineExceeded
+from app.generation.pipeline import (
+    GenerationEvent,
+    PreparedGeneration,
+    Sampling,
+    SequenceEnd,
+    TextGeneration,
+    TextPiece,
+)
+from app.schemas_generation import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    GenerateInferRequest,
+    OpenAISampling,
+)
+from app.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def generation_of(request: Request) -> TextGeneration:
+    generation: TextGeneration = request.app.state.generation
+    return generation
+
+
+async def _prepare(
+    request: Request,
+    model: str,
+    prompts: Sequence[str],
+    sampling: Sampling,
+    *,
+    templated: bool,
+    timeout_ms: float | None,
+) -> PreparedGeneration:
+    timer: PhaseTimer = request.state.server_timing
+    timer.latency_bound = False  # /infer on a generate model passes the slow-request timer
+    work = generation_of(request).prepare(
+        model,
+        prompts,
+        sampling,
+        templated=templated,
+        timeout_ms=timeout_ms,
+        envoy_timeout_ms=envoy_timeout_ms(request),
+        timer=timer,
+    )
+    return await run_until_disconnect(request, work)
+
+
+def _events(request: Request, prepared: PreparedGeneration) -> AsyncGenerator[GenerationEvent]:
+    timer: PhaseTimer = request.state.server_timing
+    return generation_of(request).stream(prepared, timer)
+
+
+async def _collect(
+    events: AsyncGenerator[GenerationEvent], count: int
+) -> tuple[list[str], list[SequenceEnd]]:
+    texts: list[list[str]] = [[] for _ in range(count)]
+    ends: list[SequenceEnd | None] = [None] * count
+    async with contextlib.aclosing(events) as stream:
+        async for item in stream:
+            if isinstance(item, TextPiece):
+                texts[item.index].append(item.text)
+            else:
+                ends[item.index] = item
+    finished = [end for end in ends if end is not None]
+    if len(finished) != count:  # a server fault: answered 500
+        raise RuntimeError("a sequence ended without its SequenceEnd")
+    return ["".join(parts) for parts in texts], finished
+
+
+async def _complete(
+    request: Request, prepared: PreparedGeneration
+) -> tuple[list[str], list[SequenceEnd]]:
+    count = len(prepared.prompt_ids)
+    return await run_until_disconnect(request, _collect(_events(request, prepared), count))
+
+
+async def infer_generate(request: Request, body: GenerateInferRequest) -> Response:
+    """/infer on a generate model (its request already validated)."""
+    prompts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    service = service_of(request)
+    if (too_many := too_many_inputs(service, len(prompts), "inputs")) is not None:
+        return too_many
+    model = service.resolve_model(body.model)
+    parameters = body.parameters
+    sampling = Sampling(
+        max_new_tokens=parameters.max_new_tokens,
+        do_sample=parameters.do_sample,
+        temperature=parameters.temperature,
+        top_p=parameters.top_p,
+        top_k=parameters.top_k,
+        seed=parameters.seed,
+        stops=tuple(parameters.stop),
+    )
+    prepared = await _prepare(
+        request, model, prompts, sampling, templated=False, timeout_ms=body.timeout_ms
+    )
+    texts, ends = await _complete(request, prepared)
+    outputs = [
+        {
+            "text": text,
+            "finish_reason": end.finish_reason,
+            "prompt_tokens": end.prompt_tokens,
+            "completion_tokens": end.completion_tokens,
+        }
+        for text, end in zip(texts, ends, strict=True)
+    ]
+    usage = {
+        "input_tokens": sum(end.prompt_tokens for end in ends),
+        "output_tokens": sum(end.completion_tokens for end in ends),
+        "inputs": len(prompts),
+    }
+    return render(request, {"model": model, "outputs": outputs, "usage": usage})
+
+
+def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampling:
+    """OpenAI's conventions: temperature 0 is greedy; otherwise sample."""
+    return Sampling(
+        max_new_tokens=max_new_tokens,
+        do_sample=body.temperature > 0,
+        temperature=body.temperature if body.temperature > 0 else 1.0,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stops=tuple(body.stop_strings()),
+    )
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    service = service_of(request)
+    if (too_many := too_many_inputs(service, len(prompts), "prompt")) is not None:
+        return too_many
+    model = service.resolve_model(body.model)
+    generation_of(request).tokenizer(model)  # a model of another task: 400 before anything
+    sampling = _openai_sampling(body, body.max_tokens)
+    prepared = await _prepare(request, model, prompts, sampling, templated=False, timeout_ms=None)
+    return await _answer(request, Reply(model, chat=False), prepared, body)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    service = service_of(request)
+    model = service.resolve_model(body.model)
+    messages = [
+        {**message.model_dump(exclude={"content"}), "content": message.text()}
+        for message in body.messages
+    ]
+    prompt = generation_of(request).chat_prompt(model, messages)
+    sampling = _openai_sampling(body, body.max_new_tokens())
+    prepared = await _prepare(request, model, [prompt], sampling, templated=True, timeout_ms=None)
+    return await _answer(request, Reply(model, chat=True), prepared, body)
+
+
+async def _answer(
+    request: Request, reply: Reply, prepared: PreparedGeneration, body: OpenAISampling
+) -> Response:
+    if not body.stream:
+        texts, ends = await _complete(request, prepared)
+        return render(request, whole(reply, texts, ends))
+    events = _events(request, prepared)
+    try:
+        first = await run_until_disconnect(request, _first(events))
+    except BaseException:
+        await events.aclose()
+        raise
+    return EventStreamResponse(_frames(reply, first, events, len(prepared.prompt_ids), body))
+
+
+async def _first(events: AsyncGenerator[GenerationEvent]) -> GenerationEvent:
+    return await anext(events)
+
+
+async def _frames(
+    reply: Reply,
+    first: GenerationEvent,
+    events: AsyncGenerator[GenerationEvent],
+    count: int,
+    body: OpenAISampling,
+) -> AsyncGenerator[bytes]:
+    """The SSE frames of a stream whose first event is known: (chat: each choice's role),
+    text chunks, each choice's final chunk with its finish_reason, the usage chunk when
+    asked for, and `[DONE]`."""
+    with_usage = body.include_usage
+    ends: list[SequenceEnd] = []
+    if reply.chat:
+        for index in range(count):
+            yield event(chunk(reply, index, text="", role=True, with_usage=with_usage))
+    try:
+        async with contextlib.aclosing(events) as rest:
+            item: GenerationEvent | None = first
+            while item is not None:
+                if isinstance(item, TextPiece):
+                    yield event(chunk(reply, item.index, text=item.text, with_usage=with_usage))
+                else:
+                    ends.append(item)
+                    finish = item.finish_reason
+                    yield event(
+                        chunk(reply, item.index, finish_reason=finish, with_usage=with_usage)
+                    )
+                item = await anext(rest, None)
+    except (Rejected, DeadlineExceeded, EngineRefused) as error:
+        yield event(error_chunk(_error_type(error), str(error)))
+    except Exception:
+        log.exception("generation failed mid-stream")
+        yield event(error_chunk("internal_error", "internal server error"))
+    else:
+        if with_usage:
+            yield event(usage_chunk(reply, sorted(ends, key=lambda end: end.index)))
+    yield DONE
+
+
+def _error_type(error: Exception) -> str:
+    if isinstance(error, Rejected):
+        return error.reason.value
+    if isinstance(error, DeadlineExceeded):
+        return "deadline"
+    return "invalid_request"

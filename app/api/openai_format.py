@@ -1,0 +1,98 @@
+"""OpenAI's completion and chat-completion objects, whole and as stream chunks, built from
+the generation pipeline's results (pure functions; the routes send them)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.generation.pipeline import SequenceEnd
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What every object of one answer shares: its id, creation time, model, and kind."""
+
+    model: str
+    chat: bool
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "chatcmpl-" if self.chat else "cmpl-"
+            object.__setattr__(self, "id", prefix + uuid.uuid4().hex)
+
+    def header(self, stream: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def usage(ends: list[SequenceEnd]) -> dict[str, int]:
+    prompt = sum(end.prompt_tokens for end in ends)
+    completion = sum(end.completion_tokens for end in ends)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def whole(reply: Reply, texts: list[str], ends: list[SequenceEnd]) -> dict[str, Any]:
+    """The non-streamed answer: one choice per sequence, in prompt order."""
+    choices: list[dict[str, Any]] = []
+    for index, (text, end) in enumerate(zip(texts, ends, strict=True)):
+        choice: dict[str, Any] = {"index": index, "finish_reason": end.finish_reason}
+        if reply.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = None
+        choices.append(choice)
+    return {**reply.header(stream=False), "choices": choices, "usage": usage(ends)}
+
+
+def chunk(
+    reply: Reply,
+    index: int,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    """One stream chunk of choice `index`: its text (a chat chunk's `delta`; the first one
+    names the role) or, with `finish_reason`, its last. With `stream_options.include_usage`
+    every chunk carries `usage: null` and the final usage chunk the figures."""
+    choice: dict[str, Any] = {"index": index}
+    if reply.chat:
+        delta: dict[str, str] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
+    body: dict[str, Any] = {**reply.header(stream=True), "choices": [choice]}
+    if with_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(reply: Reply, ends: list[SequenceEnd]) -> dict[str, Any]:
+    """The chunk after the last choice's, with `stream_options.include_usage`."""
+    return {**reply.header(stream=True), "choices": [], "usage": usage(ends)}
+
+
+def error_chunk(error_type: str, message: str) -> dict[str, Any]:
+    """A failure after the stream began (the status line was sent): as vLLM does, an
+    `error` object, which the openai client raises as an APIError."""
+    return {"error": {"type": error_type, "message": message, "param": None}}

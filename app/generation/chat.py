@@ -1,0 +1,110 @@
+"""A model's chat template, rendered with jinja2 the way transformers renders it (a sandboxed,
+immutable environment with the same filters and globals), without importing transformers.
+
+The template comes from `chat_template.jinja` in the model's directory, else from
+`chat_template` in `tokenizer_config.json` (a string, or a list of named templates of which
+`default` is used). Rendering is pure and thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+
+
+class ChatTemplateError(Exception):
+    """The messages cannot be rendered by this model's template (a client mistake: the
+    template itself refused them, e.g. roles that do not alternate)."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: jinja2's own escapes HTML, which chat templates must not do.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+        self._template = _environment().from_string(source)
+        self._special_tokens = dict(special_tokens)
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opened.
+        Raises `ChatTemplateError` when the template refuses them."""
+        try:
+            return self._template.render(
+                messages=[dict(message) for message in messages],
+                add_generation_prompt=True,
+                **self._special_tokens,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the chat template failed: {error}") from error
+
+
+def _token_text(value: object) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template_source(config: Mapping[str, Any], directory: Path) -> str | None:
+    file = directory / TEMPLATE_FILE
+    if file.is_file():
+        return file.read_text()
+    declared = config.get("chat_template")
+    if isinstance(declared, str):
+        return declared
+    if isinstance(declared, list):
+        named = {entry.get("name"): entry.get("template") for entry in declared}
+        default = named.get("default")
+        return default if isinstance(default, str) else None
+    return None
+
+
+def load_chat_template(directory: Path) -> ChatTemplate | None:
+    """The model's chat template, or None when it has none."""
+    config_path = directory / TOKENIZER_CONFIG
+    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    source = _template_source(config, directory)
+    if source is None:
+        return None
+    special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))}
+    return ChatTemplate(source, special)

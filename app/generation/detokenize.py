@@ -1,0 +1,52 @@
+"""Token ids arriving a few at a time, turned into text pieces that never split a character.
+
+A byte-level tokenizer can emit half of a multi-byte character in one token; decoding that
+alone gives U+FFFD. As vLLM and TGI do, the text is decoded over a short window (from
+`prefix_offset`) and a piece is released only once the window's text has grown and does not
+end in an incomplete character; the decoded window's earlier part is subtracted, so a
+tokenizer that drops a leading space at the start of a decode still yields the right text.
+The pieces concatenate to `decode(all ids)`. One instance per sequence; any one thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+REPLACEMENT_CHARACTER = "\ufffd"
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode: Decode) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # the window's start: text before it was released already
+        self._read_offset = 0  # tokens up to here are released as text
+
+    @property
+    def token_count(self) -> int:
+        return len(self._ids)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """The text the new tokens complete (possibly empty: held until it is stable)."""
+        self._ids.extend(token_ids)
+        if self._read_offset == len(self._ids):
+            return ""
+        released = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset :])
+        if len(window) <= len(released) or window.endswith(REPLACEMENT_CHARACTER):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return window[len(released) :]
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the sequence (an incomplete character
+        stays as U+FFFD, as a full decode would show it)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        released = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return window[len(released) :]

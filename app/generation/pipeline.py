@@ -1,0 +1,330 @@
+"""Generation behind the routes: check sizes -> tokenize (chat template applied) -> admit
+by tokens -> one engine request per prompt -> detokenize each stream incrementally, cut at
+stop strings -> text pieces and one end per sequence.
+
+Admission is the `Service`'s (draining, readiness, deadline, token bucket, in-flight cap):
+a request is charged its prompt tokens plus the tokens it may generate, what it can hold
+of the engine's cache. `prepare` does everything that can refuse a request before an
+answer starts (so a streamed answer can still be a plain 4xx/429); `stream` then runs the
+sequences. Leaving `stream` early (a stop string, a client gone, a cancelled task) cancels
+the engine requests, which frees their cache. Front-end event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from app.admission import Rejected, RejectReason
+from app.engine.client import EngineUnavailable
+from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit, TokensOutput
+from app.failures import DeadlineExceeded
+from app.generation.detokenize import IncrementalDetokenizer
+from app.generation.stops import StopMatcher
+from app.generation.tokenizer import GenerationTokenizer
+from app.models.tokenizer import InputTooLong
+from app.service import MAX_CHARS_PER_TOKEN, Service, WrongTask
+from app.timing import PhaseTimer
+
+OpenAIFinish = Literal["stop", "length"]
+
+# OpenAI's definitions: "stop" for a natural end (EOS) or a stop string, "length" for
+# max_tokens reached.
+_FINISH: dict[FinishReason, OpenAIFinish] = {
+    FinishReason.EOS: "stop",
+    FinishReason.LENGTH: "length",
+}
+
+
+class NoChatTemplate(Exception):
+    """Chat was asked of a model whose tokenizer has no chat template (400)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"model {model!r} has no chat template (tokenizer_config.json `chat_template` or "
+            "chat_template.jinja); use /v1/completions with a prompt instead"
+        )
+
+
+class ContextTooLong(Exception):
+    """A prompt plus the tokens asked for exceed what one sequence may hold (400)."""
+
+    def __init__(self, index: int, prompt_tokens: int, new_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"prompt {index} has {prompt_tokens} tokens and asks for {new_tokens} more; "
+            f"a sequence holds at most {limit} tokens (prompt + new tokens)"
+        )
+        self.index = index
+
+
+class TooManyTokens(Exception):
+    """The whole request needs more tokens than the admission bucket can ever hold (413)."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"the request needs {tokens} tokens (prompts + new tokens); at most {limit} per "
+            "request (STEADY_RATE_LIMIT_BURST)"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    """More text of sequence `index` (never part of a character, never past a stop)."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceEnd:
+    """Sequence `index` ended; no more pieces of it follow."""
+
+    index: int
+    finish_reason: OpenAIFinish
+    prompt_tokens: int
+    completion_tokens: int
+
+
+GenerationEvent = TextPiece | SequenceEnd
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """How every sequence of a request continues; `max_new_tokens` None: all the room its
+    prompt leaves in a sequence."""
+
+    max_new_tokens: int | None
+    do_sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stops: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedGeneration:
+    """An admitted request: its prompts' token ids and the new tokens each may take."""
+
+    model: str
+    prompt_ids: tuple[list[int], ...]
+    new_tokens: tuple[int, ...]
+    sampling: Sampling
+    deadline: float
+    arrived_at: float
+
+
+class TextGeneration:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def tokenizer(self, model: str) -> GenerationTokenizer:
+        """The model's tokenizer; raises `WrongTask` for a model of another task."""
+        task = self.service.model_task(model)
+        tokenizer = self.service.tokenizers.get(model)
+        if task != "generate" or not isinstance(tokenizer, GenerationTokenizer):
+            raise WrongTask(model, task, "generate")
+        return tokenizer
+
+    def chat_prompt(self, model: str, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt text of a conversation; raises `NoChatTemplate`, or `ChatTemplateError`
+        when the template refuses the messages."""
+        template = self.tokenizer(model).chat_template
+        if template is None:
+            raise NoChatTemplate(model)
+        return template.render(messages)
+
+    def context_limit(self, model: str) -> int:
+        """The most tokens one sequence may hold: the model's own limit and the engine's."""
+        limit = self.tokenizer(model).max_input_tokens
+        info = self.service.model_info(model)
+        if info is None:
+            return limit
+        # The engine publishes its longest prompt: one that leaves room for a new token.
+        return min(limit, info.max_input_tokens + 1)
+
+    async def prepare(
+        self,
+        model: str,
+        prompts: Sequence[str],
+        sampling: Sampling,
+        *,
+        templated: bool,
+        timeout_ms: float | None,
+        envoy_timeout_ms: float | None,
+        timer: PhaseTimer,
+    ) -> PreparedGeneration:
+        """Check, tokenize and admit. `templated`: the prompts come from a chat template,
+        which writes its special tokens itself. Raises `WrongTask`, `InputTooLong`,
+        `ContextTooLong`, `TooManyTokens` or `Rejected` (429/503/504)."""
+        tokenizer = self.tokenizer(model)
+        now, deadline = self.service.begin(model, timeout_ms, envoy_timeout_ms)
+        limit = self.context_limit(model)
+        max_chars = limit * MAX_CHARS_PER_TOKEN
+        for index, text in enumerate(prompts):  # before any tokenizer pass
+            if len(text) > max_chars:
+                raise InputTooLong(index, len(text), max_chars, "characters")
+        prompt_ids = await self.service.run_tokenizer(
+            sum(len(text) for text in prompts), _encode_all, tokenizer, prompts, not templated
+        )
+        tokenized_at = self.service.clock()
+        timer.add("tokenize", tokenized_at - now)
+        new_tokens = []
+        for index, ids in enumerate(prompt_ids):
+            room = limit - len(ids)
+            wanted = sampling.max_new_tokens if sampling.max_new_tokens is not None else room
+            if wanted > room or room < 1:
+                raise ContextTooLong(index, len(ids), max(wanted, 1), limit)
+            new_tokens.append(wanted)
+        charge = sum(len(ids) for ids in prompt_ids) + sum(new_tokens)
+        burst = self.service.settings.rate_limit_burst
+        if charge > burst:
+            raise TooManyTokens(charge, burst)
+        await self.service.gate.admit(model, charge, deadline)
+        timer.add("admission", self.service.clock() - tokenized_at)
+        return PreparedGeneration(
+            model, tuple(prompt_ids), tuple(new_tokens), sampling, deadline, now
+        )
+
+    async def stream(
+        self, prepared: PreparedGeneration, timer: PhaseTimer
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        """Every sequence's pieces as they come (sequences interleaved), each followed by
+        its `SequenceEnd`. Raises what the engine answers (`Rejected`, `DeadlineExceeded`,
+        `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it (or cancel its task)
+        to cancel the engine requests still running."""
+        sequences = [
+            self._sequence(prepared, index, timer) for index in range(len(prepared.prompt_ids))
+        ]
+        self.service.sent(len(sequences))
+        outcome = "error"
+        try:
+            async with contextlib.aclosing(_merge(sequences)) as events:
+                async for event in events:
+                    yield event
+            outcome = "ok"
+        except Rejected as rejection:
+            deadline = rejection.reason is RejectReason.DEADLINE
+            outcome = "deadline" if deadline else "rejected"
+            raise
+        except DeadlineExceeded:
+            outcome = "deadline"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            elapsed = self.service.clock() - prepared.arrived_at
+            self.service.metrics.request_duration.labels(
+                prepared.model, "generate", outcome
+            ).observe(elapsed)
+
+    async def _sequence(
+        self, prepared: PreparedGeneration, index: int, timer: PhaseTimer
+    ) -> AsyncGenerator[GenerationEvent, None]:
+        tokenizer = self.tokenizer(prepared.model)
+        prompt_ids = prepared.prompt_ids[index]
+        request = Submit(
+            self.service.engine.next_request_id(),
+            prepared.model,
+            prepared.deadline,
+            GeneratePayload(prompt_ids, _engine_sampling(prepared, index)),
+        )
+        detokenizer = IncrementalDetokenizer(tokenizer.decode)
+        stops = StopMatcher(prepared.sampling.stops)
+        generated = 0
+        first = True
+        async with contextlib.aclosing(self.service.engine.stream(request)) as outputs:
+            async for output in outputs:
+                payload = output.payload
+                if not isinstance(payload, TokensOutput):  # a server fault: answered 500
+                    raise TypeError(f"{prepared.model} answered generation with {type(payload)}")
+                if first:
+                    timer.add("queue", output.queue_s)
+                    first = False
+                timer.add("compute", output.compute_s)
+                generated += len(payload.token_ids)
+                text = detokenizer.add(payload.token_ids)
+                if output.final:
+                    text += detokenizer.flush()
+                scan = stops.feed(text)
+                if scan.text:
+                    yield TextPiece(index, scan.text)
+                if scan.stopped:  # leaving the engine stream cancels the sequence
+                    yield SequenceEnd(index, "stop", len(prompt_ids), generated)
+                    return
+                if output.final:
+                    if held := stops.flush():
+                        yield TextPiece(index, held)
+                    reason = _FINISH[payload.finish_reason or FinishReason.LENGTH]
+                    yield SequenceEnd(index, reason, payload.prompt_tokens, generated)
+                    return
+        raise EngineUnavailable("the engine's stream ended without a final output")
+
+
+def _encode_all(
+    tokenizer: GenerationTokenizer, prompts: Sequence[str], add_special_tokens: bool
+) -> list[list[int]]:
+    return [tokenizer.encode(text, add_special_tokens) for text in prompts]
+
+
+def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams:
+    sampling = prepared.sampling
+    return SamplingParams(
+        max_new_tokens=prepared.new_tokens[index],
+        do_sample=sampling.do_sample,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+    )
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_DONE = object()
+
+
+async def _merge(
+    streams: list[AsyncGenerator[GenerationEvent, None]],
+) -> AsyncGenerator[GenerationEvent, None]:
+    """The events of every stream as they arrive; the first failure ends them all. One
+    stream is read directly (no task): the common case costs nothing extra."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as events:
+            async for event in events:
+                yield event
+        return
+    queue: asyncio.Queue[GenerationEvent | _Failed | object] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[GenerationEvent, None]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as events:
+                async for event in events:
+                    queue.put_nowait(event)
+        except Exception as error:
+            queue.put_nowait(_Failed(error))
+        finally:
+            queue.put_nowait(_DONE)
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, _Failed):
+                raise item.error
+            elif isinstance(item, TextPiece | SequenceEnd):
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,26 @@
+"""A causal LM's tokenizer as a front end holds it: `FastTokenizer` (encode, decode) plus the
+model's chat template. Torch-free and transformers-free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.generation.chat import load_chat_template
+from app.models.source import local_directory
+from app.models.tokenizer import FastTokenizer, input_token_limit
+
+# No length bucket applies to a prompt: its limit is the model's (and the engine's cache).
+_UNBUCKETED = 1 << 30
+
+
+class GenerationTokenizer(FastTokenizer):
+    def __init__(self, directory: Path, max_input_tokens: int) -> None:
+        super().__init__(directory, max_input_tokens)
+        self.chat_template = load_chat_template(directory)  # None: the model has none
+
+
+def load_generation_tokenizer(source: str, configured: int | None) -> GenerationTokenizer:
+    """The tokenizer of a generate model; `max_input_tokens` is the most tokens a sequence
+    (prompt and generated) may hold by the model's own files and the configured limit."""
+    directory = local_directory(source)
+    return GenerationTokenizer(directory, input_token_limit(directory, _UNBUCKETED, configured))

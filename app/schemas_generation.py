@@ -1,0 +1,188 @@
+"""Request and response models of the generation routes (HTTP edge only): /infer on a
+generate model, and OpenAI's /v1/completions and /v1/chat/completions.
+
+OpenAI's sampling conventions hold on the OpenAI routes (temperature 0 is greedy, the
+default 1.0 samples); /infer follows transformers' `generate` (greedy unless `do_sample`).
+Fields OpenAI defines that steadyserve does not implement are refused unless they carry
+their no-op value, so a request is never silently served differently than asked.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    field_validator,
+)
+
+NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
+# OpenAI allows up to 4 stop sequences.
+StopStrings = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None
+
+OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # booleans are StrictBool: JSON's 0/1 are not
+
+
+class GenerateParameters(_Strict):
+    max_new_tokens: int = Field(default=20, ge=1, description="Most tokens to generate.")
+    do_sample: StrictBool = Field(default=False, description="Sample; greedy (argmax) when false.")
+    temperature: float = Field(default=1.0, gt=0, le=100, description="With do_sample.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus filter, with do_sample.")
+    top_k: int = Field(default=0, ge=0, description="Top-k filter (0: off), with do_sample.")
+    seed: int | None = Field(default=None, ge=0, description="Makes sampling reproducible.")
+    stop: list[NonEmptyText] = Field(
+        default_factory=list, max_length=4, description="Stop strings: the text ends before one."
+    )
+
+
+class GenerateInferRequest(_Strict):
+    """/infer on a generate model: one prompt or a list, each continued independently."""
+
+    model: str | None = Field(default=None, description="Model name; the default model if absent.")
+    inputs: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    timeout_ms: float | None = Field(default=None, gt=0, description="Deadline from admission.")
+
+
+class GeneratedText(BaseModel):
+    text: str
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class GenerateUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    inputs: int
+
+
+class GenerateInferResponse(BaseModel):
+    model: str
+    outputs: list[GeneratedText]
+    usage: GenerateUsage
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class OpenAISampling(_Strict):
+    model: str | None = None
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0, description="Not OpenAI's: top-k filter, 0 is off.")
+    seed: int | None = Field(default=None, ge=0)
+    stop: StopStrings = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+    presence_penalty: Literal[0] = 0
+    frequency_penalty: Literal[0] = 0
+    logprobs: Literal[False] | None = None
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    max_tokens: int | None = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1)
+    echo: Literal[False] = False
+    best_of: Literal[1] | None = None
+    suffix: None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _reject_token_arrays(cls, value: object) -> object:
+        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+            raise ValueError(
+                "prompt must be a string or a list of strings (token arrays are not supported)"
+            )
+        return value
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # templates may read fields such as `name`
+
+    role: NonEmptyText
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated by OpenAI.")
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens to generate; the model's room if unset."
+    )
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage

@@ -1,0 +1,371 @@
+"""Generation over real HTTP with the tiny random-weight causal LM and the real engine: greedy
+results through /infer, /v1/completions and the `openai` client equal `model.generate` run
+one prompt at a time, for 16 concurrent requests of different lengths; streamed chunks
+concatenate to the whole text and end with [DONE]; stop strings and max_tokens give their
+finish_reason; chat without a template is a 400; a client that disconnects mid-stream frees
+its cache at once (a request needing the whole cache succeeds right after).
+
+The server is uvicorn on 127.0.0.1 in the test's loop (tests/support/listening.py), with the
+engine in its own process (as served) and in-process (as debugged)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from app.main import create_app
+from app.settings import ModelSpec, Settings
+from tests.support.listening import listening
+from tests.support.tiny_causal_lm import CORPUS
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SLOTS = 16
+SLOT_TOKENS = 128
+# Exact equality with model.generate needs fp32 (see test_generation_engine.py).
+DTYPE = "float32"
+# 16 prompts of 3 to ~30 tokens, each with its own number of new tokens.
+PROMPTS = [text[:cut] for text in CORPUS[:8] for cut in (9, 120)]
+NEW_TOKENS = [5 + (7 * index) % 23 for index in range(len(PROMPTS))]
+
+
+def settings_for(tiny: Path, plain: Path, engine: str, **overrides: object) -> Settings:
+    values: dict[str, object] = {
+        "models": (
+            ModelSpec(name="tiny", task="generate", source=str(tiny), dtype=DTYPE),
+            ModelSpec(name="plain", task="generate", source=str(plain), dtype=DTYPE),
+        ),
+        "engine": engine,
+        "generate_slots": SLOTS,
+        "generate_slot_tokens": SLOT_TOKENS,
+        "generate_max_batch_tokens": SLOT_TOKENS,
+        "length_buckets": (16, 64),
+        "torch_threads": 1,
+        "spike_reports": False,
+        # The point here is the results: a busy shared machine must not refuse these.
+        "max_queue_delay_ms": 60_000,
+        **overrides,
+    }
+    return Settings(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Expected:
+    text: str
+    completion_tokens: int
+    finish_reason: str  # OpenAI's: "stop" at EOS, "length" at max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_causal_lm: Path) -> tuple[Any, PreTrainedModel]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_causal_lm)
+    model = AutoModelForCausalLM.from_pretrained(tiny_causal_lm, dtype=torch.float32).eval()
+    return tokenizer, model
+
+
+def reference_greedy(
+    reference: tuple[Any, PreTrainedModel], prompt_ids: list[int], max_new_tokens: int
+) -> Expected:
+    """model.generate on one prompt, no padding, decoded as a client would."""
+    tokenizer, model = reference
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    new = output[0, len(prompt_ids) :].tolist()
+    if tokenizer.eos_token_id in new:
+        new = new[: new.index(tokenizer.eos_token_id)]
+        reason = "stop"
+    else:
+        reason = "length"
+    return Expected(tokenizer.decode(new, skip_special_tokens=True), len(new), reason)
+
+
+@pytest.fixture(scope="module")
+def expected(reference: tuple[Any, PreTrainedModel]) -> list[Expected]:
+    tokenizer, _ = reference
+    return [
+        reference_greedy(reference, tokenizer(prompt)["input_ids"], new_tokens)
+        for prompt, new_tokens in zip(PROMPTS, NEW_TOKENS, strict=True)
+    ]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["process", "inprocess"])
+async def base_url(
+    request: pytest.FixtureRequest, tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path
+) -> AsyncIterator[str]:
+    settings = settings_for(tiny_causal_lm, tiny_causal_lm_without_chat_template, request.param)
+    async with listening(create_app(settings)) as url:
+        yield url
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+        yield client
+
+
+def sse_payloads(body: bytes) -> list[Any]:
+    frames = body.split(b"\n\n")
+    assert frames[-2:] == [b"data: [DONE]", b""], body[-200:]
+    assert all(frame.startswith(b"data: ") for frame in frames[:-2])
+    return [orjson.loads(frame[len(b"data: ") :]) for frame in frames[:-2]]
+
+
+async def test_infer_greedy_equals_generate_for_16_concurrent_requests(
+    client: httpx.AsyncClient, expected: list[Expected]
+) -> None:
+    async def one(prompt: str, new_tokens: int) -> Any:
+        parameters = {"max_new_tokens": new_tokens}
+        response = await client.post(
+            "/infer", json={"model": "tiny", "inputs": prompt, "parameters": parameters}
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["outputs"][0]
+
+    served = await asyncio.gather(*map(one, PROMPTS, NEW_TOKENS))
+    for output, want in zip(served, expected, strict=True):
+        assert output["text"] == want.text
+        assert output["completion_tokens"] == want.completion_tokens
+        assert output["finish_reason"] == want.finish_reason
+
+
+async def test_completions_greedy_equals_generate_for_16_concurrent_requests(
+    client: httpx.AsyncClient, expected: list[Expected]
+) -> None:
+    async def one(prompt: str, new_tokens: int) -> Any:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    served = await asyncio.gather(*map(one, PROMPTS, NEW_TOKENS))
+    for answer, want in zip(served, expected, strict=True):
+        assert answer["choices"][0]["text"] == want.text
+        assert answer["choices"][0]["finish_reason"] == want.finish_reason
+        assert answer["usage"]["completion_tokens"] == want.completion_tokens
+
+
+async def test_the_openai_client_gets_the_same_whole_and_streamed(
+    base_url: str, expected: list[Expected]
+) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+    async def whole(prompt: str, new_tokens: int) -> openai.types.Completion:
+        return await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=new_tokens, temperature=0
+        )
+
+    async def streamed(prompt: str, new_tokens: int) -> tuple[str, list[str | None]]:
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True
+        )
+        pieces = [chunk async for chunk in stream]
+        text = "".join(piece.choices[0].text for piece in pieces)
+        return text, [piece.choices[0].finish_reason for piece in pieces]
+
+    try:
+        wholes, streams = await asyncio.gather(
+            asyncio.gather(*map(whole, PROMPTS, NEW_TOKENS)),
+            asyncio.gather(*map(streamed, PROMPTS, NEW_TOKENS)),
+        )
+    finally:
+        await client.close()
+    for answer, (text, finishes), want in zip(wholes, streams, expected, strict=True):
+        assert answer.choices[0].text == want.text == text
+        assert answer.choices[0].finish_reason == want.finish_reason == finishes[-1]
+        assert answer.usage is not None and answer.usage.completion_tokens == want.completion_tokens
+        assert set(finishes[:-1]) <= {None}
+
+
+async def test_chat_streams_what_generate_gives_the_templated_prompt(
+    base_url: str, reference: tuple[Any, PreTrainedModel]
+) -> None:
+    tokenizer, _ = reference
+    messages = [{"role": "user", "content": "Hello world! How are you today?"}]
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(prompt_ids, list):
+        prompt_ids = list(prompt_ids["input_ids"])
+    want = reference_greedy(reference, prompt_ids, 20)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    try:
+        answer = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_completion_tokens=20,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            await client.chat.completions.create(model="plain", messages=messages)  # type: ignore[arg-type]
+    finally:
+        await client.close()
+    assert answer.choices[0].message.content == want.text
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(prompt_ids)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == want.text
+    assert (
+        chunks[-1].usage is not None
+        and chunks[-1].usage.completion_tokens == want.completion_tokens
+    )
+
+
+async def test_raw_stream_ends_with_done_and_concatenates_to_the_whole_text(
+    client: httpx.AsyncClient, expected: list[Expected]
+) -> None:
+    body = {"model": "tiny", "prompt": PROMPTS[3], "max_tokens": NEW_TOKENS[3], "temperature": 0}
+    response = await client.post("/v1/completions", json={**body, "stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(response.content)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected[3].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == expected[3].finish_reason
+
+
+async def test_stop_strings_and_max_tokens_give_their_finish_reason(
+    client: httpx.AsyncClient, expected: list[Expected]
+) -> None:
+    want = max(expected, key=lambda e: len(e.text))
+    index = expected.index(want)
+    assert len(want.text) >= 8, want
+    stop = want.text[4:7]
+    cut = want.text.index(stop)
+    body = {"model": "tiny", "prompt": PROMPTS[index], "temperature": 0}
+    stopped = await client.post(
+        "/v1/completions", json={**body, "max_tokens": NEW_TOKENS[index], "stop": [stop]}
+    )
+    assert stopped.json()["choices"][0] == {
+        "index": 0, "text": want.text[:cut], "finish_reason": "stop", "logprobs": None
+    }  # fmt: skip
+    streamed = await client.post(
+        "/v1/completions",
+        json={**body, "max_tokens": NEW_TOKENS[index], "stop": stop, "stream": True},
+    )
+    chunks = sse_payloads(streamed.content)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text[:cut]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    short = await client.post(
+        "/infer",
+        json={"model": "tiny", "inputs": PROMPTS[index], "parameters": {"max_new_tokens": 2}},
+    )
+    assert short.json()["outputs"][0]["finish_reason"] == "length"
+    assert short.json()["outputs"][0]["completion_tokens"] == 2
+
+
+async def test_a_request_over_the_sequence_limit_is_a_400_naming_it(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": SLOT_TOKENS}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "context_length_exceeded"
+    assert f"at most {SLOT_TOKENS} tokens" in error["message"]
+    fine = await client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}
+    )
+    assert fine.status_code == 200
+
+
+async def test_sampling_parameters_reach_the_engine(
+    client: httpx.AsyncClient, expected: list[Expected]
+) -> None:
+    """A seed repeats a sample; top_k 1 samples the greedy text; /infer's do_sample and the
+    OpenAI routes' temperature switch sampling on."""
+    prompt, want = PROMPTS[5], expected[5]
+
+    async def completion(**sampling: object) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS[5], **sampling}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        text: str = response.json()["choices"][0]["text"]
+        return text
+
+    seeded = [await completion(temperature=1.5, seed=seed) for seed in (7, 7, 8, 9)]
+    assert seeded[0] == seeded[1]
+    assert len(set(seeded)) > 1 and want.text not in seeded[2:]
+    assert await completion(temperature=1.5, top_k=1, seed=3) == want.text
+    assert await completion(temperature=1.5, top_p=1e-6, seed=3) == want.text
+    infer = await client.post(
+        "/infer",
+        json={
+            "model": "tiny",
+            "inputs": prompt,
+            "parameters": {"max_new_tokens": NEW_TOKENS[5], "do_sample": True, "seed": 7,
+                           "temperature": 1.5},
+        },
+    )  # fmt: skip
+    assert infer.json()["outputs"][0]["text"] == seeded[0]
+
+
+# --- a client that disconnects mid-stream ------------------------------------------------
+
+
+def _metric(text: str, name: str, model: str = "tiny", extra: str = "") -> float:
+    pattern = rf'^{name}\{{[^}}]*model="{model}"[^}}]*{extra}[^}}]*\}} (\S+)$'
+    return sum(float(value) for value in re.findall(pattern, text, re.M))
+
+
+async def test_a_client_that_disconnects_mid_stream_frees_its_cache(
+    tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path
+) -> None:
+    """One slot and a delay budget far below a long sequence's time: while the slot is held a
+    request for it is refused, so the one after the disconnect succeeding shows the slot was
+    freed; and the disconnected sequence stopped long before its max_tokens."""
+    settings = settings_for(
+        tiny_causal_lm,
+        tiny_causal_lm_without_chat_template,
+        "inprocess",  # its engine metrics are on this app's /metrics
+        generate_slots=1,
+        max_queue_delay_ms=20,
+    )
+    long = {"model": "tiny", "prompt": "Once upon a time", "temperature": 0, "stream": True}
+    long["max_tokens"] = SLOT_TOKENS - 8
+    async with listening(create_app(settings)) as url, httpx.AsyncClient(base_url=url) as client:
+        async with client.stream("POST", "/v1/completions", json=long) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and orjson.loads(line[6:])["choices"][0]["text"]:
+                    break  # one piece of text arrived: leave mid-stream
+            # While it holds the slot, a stream asking for it is refused before it starts:
+            # a plain 429 with Retry-After, not an event stream.
+            refused = await client.post("/v1/completions", json={**long, "max_tokens": 4})
+            assert refused.status_code == 429, refused.text
+            assert refused.headers["content-type"] == "application/json"
+            assert int(refused.headers["retry-after"]) >= 1
+        running = 1.0
+        for _ in range(500):  # the server notices the closed socket on its next loop turns
+            metrics = (await client.get("/metrics")).text
+            running = _metric(metrics, "steadyserve_sequences", extra='state="running"')
+            if running == 0:
+                break
+        assert running == 0
+        generated = _metric(metrics, "steadyserve_output_tokens_total")
+        assert generated < long["max_tokens"] / 2, generated  # cancelled, not run out
+        whole = {"model": "tiny", "prompt": "Hello", "max_tokens": SLOT_TOKENS - 8}
+        after = await client.post("/v1/completions", json=whole, timeout=60)
+        assert after.status_code == 200, after.text

@@ -1,0 +1,360 @@
+"""The generation front end (routes, pipeline, SSE) with the tiny model's real tokenizer in
+front of a scripted engine that echoes each prompt's tokens (tests/support/
+scripted_generator.py): the point here is the protocol (what is sent to the engine, what is
+cancelled, what each route answers), so the expected text is known exactly. The real
+engine's results are tested in tests/integration/test_generation_api.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import pytest_asyncio
+from fastapi import FastAPI
+
+from app.engine.protocol import GeneratePayload
+from app.main import create_app
+from app.settings import ModelSpec, Settings
+from tests.support.asgi import serving
+from tests.support.scripted_generator import ScriptedGenerator
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def settings(tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path) -> Settings:
+    return Settings(
+        engine="inprocess",
+        models=(
+            ModelSpec(name="tiny", task="generate", source=str(tiny_causal_lm)),
+            ModelSpec(
+                name="plain", task="generate", source=str(tiny_causal_lm_without_chat_template)
+            ),
+            ModelSpec(name="minilm"),
+        ),
+        max_queue_delay_ms=10_000,
+        spike_reports=False,
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def app(settings: Settings) -> AsyncIterator[FastAPI]:
+    engine = ScriptedGenerator(settings)
+    application = create_app(settings, engine=engine)
+    application.state.test_engine = engine
+    yield application
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with serving(app) as client:
+        yield client
+
+
+def engine_of(app: FastAPI) -> ScriptedGenerator:
+    engine: ScriptedGenerator = app.state.test_engine
+    return engine
+
+
+def prompt_tokens(app: FastAPI, text: str) -> list[int]:
+    ids: list[int] = app.state.service.tokenizers["tiny"].encode(text)
+    return ids
+
+
+def sse_payloads(body: bytes) -> list[Any]:
+    frames = body.split(b"\n\n")
+    assert frames[-1] == b"", "the stream ends with a complete frame"
+    assert frames[-2] == b"data: [DONE]"
+    assert all(frame.startswith(b"data: ") for frame in frames[:-1])
+    return [orjson.loads(frame[6:]) for frame in frames[:-2]]
+
+
+async def test_infer_echoes_the_prompt_and_reports_length_and_usage(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    ids = prompt_tokens(app, PROMPT)
+    response = await client.post(
+        "/infer",
+        json={
+            "model": "tiny",
+            "inputs": [PROMPT, "Hello"],
+            "parameters": {"max_new_tokens": len(ids) - 1},
+        },
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    first = body["outputs"][0]
+    assert first == {
+        "text": PROMPT,
+        "finish_reason": "length",
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(ids) - 1,
+    }
+    assert body["usage"]["inputs"] == 2
+    assert body["usage"]["output_tokens"] == 2 * (len(ids) - 1)
+    sent = engine_of(app).submitted[-2:]
+    assert sorted(
+        len(s.payload.prompt_ids) for s in sent if isinstance(s.payload, GeneratePayload)
+    ) == sorted([len(ids), len(prompt_tokens(app, "Hello"))])
+
+
+async def test_a_stop_string_cuts_the_text_and_cancels_the_engine_request(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    engine = engine_of(app)
+    response = await client.post(
+        "/v1/completions",
+        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stop": [" over", "zzz"]},
+    )
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["text"] == "The quick brown fox jumps"
+    assert choice["finish_reason"] == "stop"
+    request_id = engine.submitted[-1].request_id
+    assert request_id in engine.cancelled
+    assert engine.running == 0
+    assert response.json()["usage"]["completion_tokens"] < 200
+
+
+async def test_streamed_chunks_concatenate_to_the_whole_text_and_end_with_done(
+    client: httpx.AsyncClient,
+) -> None:
+    request = {"model": "tiny", "prompt": [PROMPT, "Hello world! How are you"], "max_tokens": 9}
+    whole = (await client.post("/v1/completions", json=request)).json()
+    streamed = await client.post(
+        "/v1/completions",
+        json={**request, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    assert streamed.status_code == 200
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert "server-timing" in streamed.headers
+    chunks = sse_payloads(streamed.content)
+    for index in (0, 1):
+        text = "".join(
+            c["choices"][0]["text"]
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == index
+        )
+        assert text == whole["choices"][index]["text"]
+        finishes = [
+            c["choices"][0]["finish_reason"]
+            for c in chunks
+            if c["choices"] and c["choices"][0]["index"] == index
+        ]
+        assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_chat_streams_role_then_content_deltas(client: httpx.AsyncClient) -> None:
+    messages = [{"role": "user", "content": "Hello world"}]
+    whole = await client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6}
+    )
+    assert whole.status_code == 200, whole.text
+    content = whole.json()["choices"][0]["message"]["content"]
+    streamed = await client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": messages, "max_tokens": 6, "stream": True},
+    )
+    chunks = sse_payloads(streamed.content)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert deltas == content
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_on_a_model_without_a_template_is_a_400(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions",
+        json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages"
+    assert "no chat template" in response.json()["error"]["message"]
+
+
+async def test_a_route_asked_of_a_model_of_another_task_is_a_400(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await client.post("/v1/completions", json={"model": "minilm", "prompt": "hi"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+    embedding = await client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
+    assert embedding.status_code == 400 and "does 'generate'" in embedding.text
+    embedded = await client.post(
+        "/infer", json={"model": "minilm", "inputs": "hi", "parameters": {"max_new_tokens": 3}}
+    )
+    assert embedded.status_code == 422  # an embedding request, validated as before
+    assert embedded.json()["error"]["param"] == "parameters.max_new_tokens"
+
+
+async def test_a_prompt_and_new_tokens_over_the_sequence_limit_is_a_400_naming_it(
+    client: httpx.AsyncClient,
+) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 300}
+    )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "context_length_exceeded" and error["param"] == "prompt[0]"
+    assert "at most 256 tokens" in error["message"]
+
+
+async def test_a_failure_mid_stream_is_an_error_event_then_done(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    engine = engine_of(app)
+    engine.fail_after_tokens = 3
+    try:
+        response = await client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "stream": True},
+        )
+    finally:
+        engine.fail_after_tokens = None
+    chunks = sse_payloads(response.content)
+    assert chunks[-1] == {
+        "error": {"type": "internal_error", "message": "internal server error", "param": None}
+    }
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_its_engine_request(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    engine = engine_of(app)
+    body = orjson.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stream": True})
+    statuses: list[int] = []
+    first_text = asyncio.Event()
+    sent: list[bytes] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await first_text.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+        if message["type"] == "http.response.body" and b'"text":"' in message.get("body", b""):
+            sent.append(message["body"])
+            first_text.set()
+
+    path = "/v1/completions"
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+        "query_string": b"", "root_path": "", "server": ("test", 80), "client": ("127.0.0.1", 1),
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))],
+    }  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    request_id = engine.submitted[-1].request_id
+    assert statuses == [200] and sent, "the stream had started"
+    assert request_id in engine.cancelled
+    assert engine.running == 0
+
+
+async def test_the_openai_client_parses_every_answer_unchanged(app: FastAPI) -> None:
+    import openai
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http:
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http)
+        models = await client.models.list()
+        assert {m.id for m in models.data} == {"tiny", "plain", "minilm"}
+        completion = await client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, temperature=0
+        )
+        tokenizer = app.state.service.tokenizers["tiny"]
+        expected = tokenizer.decode(tokenizer.encode(PROMPT)[1:5])
+        assert completion.choices[0].text == expected and PROMPT.startswith(expected)
+        assert completion.choices[0].finish_reason == "length"
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello world"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces = [chunk async for chunk in stream]
+        assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 5
+        assert pieces[-2].choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(
+                model="plain", messages=[{"role": "user", "content": "hi"}]
+            )
+
+
+async def test_eos_is_finish_reason_stop_on_every_path(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    engine = engine_of(app)
+    engine.eos_after_tokens = 3
+    try:
+        infer = await client.post(
+            "/infer", json={"model": "tiny", "inputs": PROMPT, "parameters": {"max_new_tokens": 9}}
+        )
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 9}
+        whole = await client.post("/v1/completions", json=body)
+        streamed = await client.post("/v1/completions", json={**body, "stream": True})
+        messages = [{"role": "user", "content": "Hello world"}]
+        chat = await client.post(
+            "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 9}
+        )
+    finally:
+        engine.eos_after_tokens = None
+    assert infer.json()["outputs"][0]["finish_reason"] == "stop"
+    assert infer.json()["outputs"][0]["completion_tokens"] == 3
+    assert whole.json()["choices"][0]["finish_reason"] == "stop"
+    assert sse_payloads(streamed.content)[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chat.json()["choices"][0]["finish_reason"] == "stop"
+    assert chat.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_the_openapi_document_states_generation_for_the_generate_models(
+    client: httpx.AsyncClient,
+) -> None:
+    document = (await client.get("/openapi.json")).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/infer"} <= set(document["paths"])
+    infer_body = document["paths"]["/infer"]["post"]["requestBody"]["content"]
+    variants = infer_body["application/json"]["schema"]["anyOf"]
+    assert {v["$ref"].rsplit("/", 1)[1] for v in variants} == {
+        "InferRequest",
+        "GenerateInferRequest",
+    }
+    schemas = document["components"]["schemas"]
+    for name, models in [
+        ("CompletionRequest", ["tiny", "plain"]),
+        ("GenerateInferRequest", ["tiny", "plain"]),
+        ("ChatCompletionRequest", ["tiny"]),  # "plain" has no chat template
+    ]:
+        model = schemas[name]["properties"]["model"]  # the default model generates: optional
+        assert model["anyOf"] == [{"type": "string", "enum": models}, {"type": "null"}]
+    assert schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["maxItems"] == 64
+
+
+async def test_generations_are_never_reported_as_slow_requests(settings: Settings) -> None:
+    """A generation lasts as long as its client asked: with every request over the slow
+    threshold, /infer on a generate model still leaves no slow-request report."""
+    reporting = settings.model_copy(update={"spike_reports": True, "slow_request_ms": 1e-6})
+    application = create_app(reporting, engine=ScriptedGenerator(reporting))
+    async with serving(application) as client:
+        response = await client.post(
+            "/infer", json={"model": "tiny", "inputs": PROMPT, "parameters": {"max_new_tokens": 4}}
+        )
+        missing = await client.post("/infer", json={"model": "nope", "inputs": PROMPT})
+    assert response.status_code == 200 and missing.status_code == 404
+    reports = application.state.recorder.recent()
+    assert [report.path for report in reports] == ["/infer"]  # the 404 only
+    assert reports[0].status == 404

@@ -1,0 +1,113 @@
+"""An engine that "generates" by echoing each prompt's own tokens back, for front-end tests
+whose point is the protocol (stop strings and disconnects cancel the engine request,
+interleaved sequences, failures mid-stream), not the model.
+
+Each generate request gets its prompt's ids (the first, BOS, left out) cycled up to its
+`max_new_tokens` (or fewer, ending in EOS, with `eos_after_tokens`), one token per output,
+each output after one event-loop turn; the final output says why it ended. Cancelled
+request ids are recorded. Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from app.engine.client import StreamingClient
+from app.engine.protocol import (
+    Cancel,
+    EngineStatus,
+    Failure,
+    FailureKind,
+    FinishReason,
+    GeneratePayload,
+    ModelInfo,
+    Output,
+    Submit,
+    ToEngine,
+    TokensOutput,
+)
+from app.settings import Settings
+
+
+class ScriptedGenerator(StreamingClient):
+    def __init__(self, settings: Settings, max_sequence_tokens: int = 256) -> None:
+        super().__init__()
+        self._settings = settings
+        self._max_sequence_tokens = max_sequence_tokens
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self.submitted: list[Submit] = []
+        self.cancelled: list[int] = []
+        self.fail_after_tokens: int | None = None  # set: requests fail after this many
+        self.eos_after_tokens: int | None = None  # set: sequences end (EOS) after this many
+
+    def status(self) -> EngineStatus | None:
+        return EngineStatus(
+            engine_id="scripted",
+            pid=0,
+            state="ready",
+            warmup_done=0,
+            warmup_total=0,
+            healthy=True,
+            backlog_s=0.0,
+            seconds_per_input=0.0,
+            queued_inputs=0,
+            published_at=time.monotonic(),
+            models={
+                spec.name: ModelInfo(spec.task, 0, self._max_sequence_tokens - 1)
+                for spec in self._settings.models
+            },
+        )
+
+    async def start(self) -> None:
+        pass
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        pass
+
+    def refresh_metrics(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        for task in self._running.values():
+            task.cancel()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def _send(self, message: ToEngine) -> None:
+        if isinstance(message, Cancel):
+            self.cancelled.append(message.request_id)
+            task = self._running.pop(message.request_id, None)
+            if task is not None:
+                task.cancel()
+            return
+        if isinstance(message, Submit) and isinstance(message.payload, GeneratePayload):
+            self.submitted.append(message)
+            task = asyncio.get_running_loop().create_task(self._generate(message))
+            self._running[message.request_id] = task
+
+    async def _generate(self, request: Submit) -> None:
+        payload = request.payload
+        assert isinstance(payload, GeneratePayload)
+        echo = payload.prompt_ids[1:] or payload.prompt_ids
+        count = payload.sampling.max_new_tokens
+        reason = FinishReason.LENGTH
+        if self.eos_after_tokens is not None and self.eos_after_tokens < count:
+            count, reason = self.eos_after_tokens, FinishReason.EOS
+        try:
+            for step in range(count):
+                await asyncio.sleep(0)
+                if self.fail_after_tokens is not None and step == self.fail_after_tokens:
+                    self._deliver(Failure(request.request_id, FailureKind.FAILED, "boom"))
+                    return
+                final = step == count - 1
+                tokens = TokensOutput(
+                    [echo[step % len(echo)]],
+                    len(payload.prompt_ids),
+                    reason if final else None,
+                )
+                self._deliver(Output(request.request_id, final, tokens, 0.0, 0.0))
+        finally:
+            self._running.pop(request.request_id, None)

@@ -1,0 +1,151 @@
+"""The generation front end's pure text handling: incremental detokenization never splits a
+character and concatenates to the full decode; stop strings cut before their first
+occurrence, even across pieces; chat templates render, refuse and load (compared with
+transformers in tests/integration/test_generation_prompts.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from app.generation.chat import ChatTemplate, ChatTemplateError, load_chat_template
+from app.generation.detokenize import REPLACEMENT_CHARACTER, IncrementalDetokenizer
+from app.generation.stops import StopMatcher
+
+TEXTS = [
+    "plain ascii text, with spaces and punctuation!",
+    "héllo wörld — naïve café",
+    "emoji 🚀🔥 and CJK 你好世界 mixed in",
+    "  leading spaces and trailing  ",
+]
+
+
+@pytest.fixture(scope="module")
+def byte_level() -> Tokenizer:
+    """A byte-level BPE trained here on ASCII only: every non-ASCII character is several
+    byte tokens, so a character is split across tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    return tokenizer
+
+
+def _decode(tokenizer: Tokenizer) -> object:
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_pieces_never_split_a_character_and_concatenate_to_the_full_decode(
+    byte_level: Tokenizer, text: str, step: int
+) -> None:
+    ids = byte_level.encode(text).ids
+    detokenizer = IncrementalDetokenizer(_decode(byte_level))  # type: ignore[arg-type]
+    pieces = [detokenizer.add(ids[start : start + step]) for start in range(0, len(ids), step)]
+    pieces.append(detokenizer.flush())
+    assert not any(REPLACEMENT_CHARACTER in piece for piece in pieces)
+    assert "".join(pieces) == byte_level.decode(ids) == text
+
+
+def test_a_split_character_is_held_until_its_last_byte(byte_level: Tokenizer) -> None:
+    ids = byte_level.encode("🚀").ids
+    assert len(ids) == 4  # one token per byte: this test's premise
+    detokenizer = IncrementalDetokenizer(_decode(byte_level))  # type: ignore[arg-type]
+    assert [detokenizer.add([token]) for token in ids] == ["", "", "", "🚀"]
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_a_full_decode_shows_it(
+    byte_level: Tokenizer,
+) -> None:
+    ids = byte_level.encode("a🚀").ids[:-1]
+    detokenizer = IncrementalDetokenizer(_decode(byte_level))  # type: ignore[arg-type]
+    text = detokenizer.add(ids) + detokenizer.flush()
+    assert text == byte_level.decode(ids)
+    assert text.startswith("a") and text.endswith(REPLACEMENT_CHARACTER)
+
+
+def _stream(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
+    released = []
+    for piece in pieces:
+        scan = matcher.feed(piece)
+        released.append(scan.text)
+        if scan.stopped:
+            return "".join(released), True
+    return "".join(released) + matcher.flush(), False
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "expected"),
+    [
+        (["Hello wor", "ld. Bye"], ["."], ("Hello world", True)),
+        (["one", " ST", "O", "P two"], ["STOP"], ("one ", True)),  # across three pieces
+        (["abc", "def"], ["xyz"], ("abcdef", False)),
+        (["a S", "T"], ["STOP"], ("a ST", False)),  # a held prefix released at the end
+        (["x\n\ny"], ["\n\n", "y"], ("x", True)),  # the earliest of several stops
+        (["ab", "cd"], ["bc", "abcd"], ("", True)),  # earliest start, not first found
+        (["xab", "cd"], ["bcd", "abx"], ("xa", True)),
+        (["STOP"], ["STOP"], ("", True)),
+    ],
+)
+def test_text_is_cut_before_the_first_stop_string(
+    pieces: list[str], stops: list[str], expected: tuple[str, bool]
+) -> None:
+    assert _stream(StopMatcher(stops), pieces) == expected
+
+
+def test_nothing_that_could_start_a_stop_string_is_released_early() -> None:
+    matcher = StopMatcher(["</end>"])
+    assert matcher.feed("answer </e").text == "answer "
+    assert matcher.feed("n").text == ""
+    assert matcher.feed("d>").stopped
+
+
+def test_without_stop_strings_everything_is_released_at_once() -> None:
+    matcher = StopMatcher([])
+    assert matcher.feed("anything").text == "anything"
+
+
+def test_empty_stop_strings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        StopMatcher(["ok", ""])
+
+
+CHATML = (  # shared with tests/integration/test_generation_prompts.py
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+STRICT = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ raise_exception('system messages are not supported') }}{% endif %}"
+    "[{{ m['role'] }}] {{ m['content'] | tojson }}{% endfor %}"
+)
+MESSAGES = [{"role": "user", "content": "Hi <b>"}, {"role": "assistant", "content": "Hello"}]
+
+
+def test_a_template_that_refuses_the_messages_raises_a_client_error() -> None:
+    template = ChatTemplate(STRICT, {})
+    with pytest.raises(ChatTemplateError, match="system messages are not supported"):
+        template.render([{"role": "system", "content": "be brief"}])
+
+
+def test_templates_load_from_the_file_or_the_tokenizer_config(tmp_path: Path) -> None:
+    assert load_chat_template(tmp_path) is None
+    config = {"eos_token": {"content": "</s>"}, "chat_template": "{{ eos_token }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    template = load_chat_template(tmp_path)
+    assert template is not None and template.render([]) == "</s>"
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    template = load_chat_template(tmp_path)
+    assert template is not None and template.render([]) == "D"
+    (tmp_path / "chat_template.jinja").write_text("file")
+    template = load_chat_template(tmp_path)
+    assert template is not None and template.render([]) == "file"

@@ -1,0 +1,60 @@
+"""OpenAI's completion objects as the generation routes build them: whole answers, stream
+chunks (chat deltas, finish reasons, `usage: null` with include_usage, the usage chunk),
+and the SSE frames they travel in. The openai client parses these in tests/integration."""
+
+from __future__ import annotations
+
+import orjson
+
+from app.api.openai_format import Reply, chunk, error_chunk, usage, usage_chunk, whole
+from app.api.sse import DONE, event
+from app.generation.pipeline import SequenceEnd
+
+ENDS = [SequenceEnd(0, "stop", 5, 3), SequenceEnd(1, "length", 7, 16)]
+
+
+def test_a_whole_completion_has_a_choice_per_prompt_and_summed_usage() -> None:
+    body = whole(Reply("tiny", chat=False), ["a", "b"], ENDS)
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert [c["text"] for c in body["choices"]] == ["a", "b"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
+    assert body["usage"] == {"prompt_tokens": 12, "completion_tokens": 19, "total_tokens": 31}
+
+
+def test_a_whole_chat_completion_answers_as_the_assistant() -> None:
+    body = whole(Reply("tiny", chat=True), ["hi"], ENDS[:1])
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_chat_chunks_carry_deltas_the_first_naming_the_role() -> None:
+    reply = Reply("tiny", chat=True)
+    first = chunk(reply, 0, text="", role=True)
+    middle = chunk(reply, 0, text="lo")
+    last = chunk(reply, 0, finish_reason="length")
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert middle["choices"][0]["delta"] == {"content": "lo"}
+    assert middle["choices"][0]["finish_reason"] is None
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    assert {first["id"], middle["id"], last["id"]} == {reply.id}  # one id per stream
+    assert "usage" not in middle
+
+
+def test_with_include_usage_chunks_say_null_and_a_last_chunk_has_the_figures() -> None:
+    reply = Reply("tiny", chat=False)
+    assert chunk(reply, 1, text="x", with_usage=True)["usage"] is None
+    final = usage_chunk(reply, ENDS)
+    assert final["choices"] == [] and final["usage"] == usage(ENDS)
+    assert final["object"] == "text_completion"
+
+
+def test_sse_frames_are_single_data_lines_and_the_stream_ends_with_done() -> None:
+    frame = event(chunk(Reply("tiny", chat=False), 0, text="two\nlines"))
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert frame.count(b"\n") == 2  # the text's newline is escaped inside the JSON
+    assert orjson.loads(frame[len(b"data: ") : -2])["choices"][0]["text"] == "two\nlines"
+    assert DONE == b"data: [DONE]\n\n"
+    assert event(error_chunk("queue", "full"))[6:-2] == (
+        b'{"error":{"type":"queue","message":"full","param":null}}'
+    )

@@ -56,14 +56,15 @@ class _Arrival(NamedTuple):
 
 
 class _Tracer:
-    """Engine traces for slow-request reports: the engine's probes read when a request is
-    queued and when it finishes (event loop thread only)."""
+    """Engine traces for slow-request reports: where the engine's probes stood when a
+    request was queued (as of the last tick, like the front end's) and their changes when it
+    finishes (event loop thread only)."""
 
     def __init__(self, core: EngineCore) -> None:
         self._core = core
 
     def arrive(self, queue_depth: int) -> object | None:
-        return _Arrival(queue_depth, self._core.telemetry.read())
+        return _Arrival(queue_depth, self._core.telemetry.snapshot())
 
     def finish(self, arrival: object | None, batch: BatchTrace | None) -> EngineTrace | None:
         if not isinstance(arrival, _Arrival):

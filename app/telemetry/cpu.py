@@ -13,19 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from app.telemetry.probe import Cached
+from app.telemetry.procfile import ProcFile
 
 PROC = Path("/proc")
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def host_busy_cpu_seconds(proc: Path = PROC) -> float | None:
-    """CPU seconds every CPU of the host spent on anything but idle and iowait, since boot."""
-    try:
-        with (proc / "stat").open() as stat:
-            fields = stat.readline().split()
-    except OSError:
-        return None
+def _host_busy_seconds(text: str | None) -> float | None:
+    fields = text.split("\n", 1)[0].split() if text else []
     if not fields or fields[0] != "cpu":
         return None
     ticks = [int(value) for value in fields[1:9]]  # user nice system idle iowait irq softirq steal
@@ -33,30 +29,37 @@ def host_busy_cpu_seconds(proc: Path = PROC) -> float | None:
     return busy / _TICKS_PER_S
 
 
-def resident_bytes(proc: Path = PROC) -> float | None:
+def _resident_bytes(text: str | None) -> float | None:
     try:
-        with (proc / "self" / "statm").open() as statm:
-            return int(statm.read().split()[1]) * _PAGE_BYTES
-    except (OSError, IndexError, ValueError):
+        return int(text.split()[1]) * _PAGE_BYTES if text else None
+    except (IndexError, ValueError):
         return None
+
+
+def host_busy_cpu_seconds(proc: Path = PROC) -> float | None:
+    """CPU seconds every CPU of the host spent on anything but idle and iowait, since boot."""
+    return _host_busy_seconds(ProcFile(proc / "stat", 512).text())
 
 
 class CpuProbe:
     """`process_cpu_seconds_total` (read each time: a clock call),
     `host_cpu_busy_seconds_total` (cached `max_age_s`: the kernel counts it in 10 ms ticks
-    anyway) and `process_resident_bytes` (cached a second: for the metric only)."""
+    anyway) and `process_resident_bytes` (cached a second: for the metric only). Its files
+    stay open (`ProcFile`)."""
 
     def __init__(self, proc: Path = PROC, max_age_s: float = 0.01) -> None:
-        self._proc = proc
+        # The first line is all that is needed of /proc/stat (the kernel writes it all).
+        self._stat = ProcFile(proc / "stat", 512)
+        self._statm = ProcFile(proc / "self" / "statm", 256)
         self._host = Cached(self._read_host, max_age_s)
         self._rss = Cached(self._read_rss, 1.0)
 
     def _read_host(self) -> Mapping[str, float]:
-        host = host_busy_cpu_seconds(self._proc)
+        host = _host_busy_seconds(self._stat.text())
         return {} if host is None else {"host_cpu_busy_seconds_total": host}
 
     def _read_rss(self) -> Mapping[str, float]:
-        rss = resident_bytes(self._proc)
+        rss = _resident_bytes(self._statm.text())
         return {} if rss is None else {"process_resident_bytes": rss}
 
     def read(self) -> Mapping[str, float]:

@@ -49,11 +49,15 @@ class LoopLagMonitor:
             self._task = None
 
     async def _run(self) -> None:
+        # One schedstat read per tick: a tick's end reading is the next tick's start.
+        waited_before = self._thread_wait()
         while True:
-            started, waited_before = self._clock(), self._thread_wait()
+            started = self._clock()
             self._due_at = started + self.tick_s
             await asyncio.sleep(self.tick_s)
-            self.record(started, self._clock(), self._thread_wait() - waited_before)
+            woke, waited = self._clock(), self._thread_wait()
+            self.record(started, woke, waited - waited_before)
+            waited_before = waited
 
     def record(self, started: float, woke: float, runqueue_wait_s: float) -> None:
         """One tick: slept from `started` to `woke`, of which the loop's thread spent

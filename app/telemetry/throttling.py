@@ -8,18 +8,15 @@ nothing. The root is an argument so tests can point it at a fake tree.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from app.telemetry.cgroup import CGROUP_ROOT
 from app.telemetry.probe import Cached
+from app.telemetry.procfile import ProcFile
 
 
-def _fields(path: Path) -> dict[str, int] | None:
-    try:
-        text = path.read_text()
-    except OSError:
-        return None
+def _fields(text: str) -> dict[str, int]:
     fields: dict[str, int] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -28,29 +25,70 @@ def _fields(path: Path) -> dict[str, int] | None:
     return fields
 
 
+def _v2(text: str) -> dict[str, float] | None:
+    fields = _fields(text)
+    if "throttled_usec" not in fields:
+        return None
+    return {
+        "cgroup_periods_total": fields.get("nr_periods", 0),
+        "cgroup_throttled_periods_total": fields.get("nr_throttled", 0),
+        "cgroup_throttled_seconds_total": fields["throttled_usec"] / 1e6,
+    }
+
+
+def _v1(text: str) -> dict[str, float] | None:
+    fields = _fields(text)
+    if "throttled_time" not in fields:
+        return None
+    return {
+        "cgroup_periods_total": fields.get("nr_periods", 0),
+        "cgroup_throttled_periods_total": fields.get("nr_throttled", 0),
+        "cgroup_throttled_seconds_total": fields["throttled_time"] / 1e9,
+    }
+
+
+Parser = Callable[[str], dict[str, float] | None]
+
+
+def _find(root: Path) -> tuple[ProcFile, Parser] | None:
+    """The cgroup's `cpu.stat` that counts throttling (v2, else v1), open; None if none."""
+    candidates: list[tuple[Path, Parser]] = [
+        (root / "cpu.stat", _v2),
+        (root / "cpu,cpuacct" / "cpu.stat", _v1),
+        (root / "cpu" / "cpu.stat", _v1),
+    ]
+    for path, parse in candidates:
+        file = ProcFile(path)
+        text = file.text()
+        if text is not None and parse(text) is not None:
+            return file, parse
+        file.close()
+    return None
+
+
 def read_throttling(root: Path = CGROUP_ROOT) -> dict[str, float]:
     """Periods, throttled periods and throttled seconds since the cgroup was created."""
-    v2 = _fields(root / "cpu.stat")
-    if v2 is not None and "throttled_usec" in v2:
-        return {
-            "cgroup_periods_total": v2.get("nr_periods", 0),
-            "cgroup_throttled_periods_total": v2.get("nr_throttled", 0),
-            "cgroup_throttled_seconds_total": v2["throttled_usec"] / 1e6,
-        }
-    for v1_dir in (root / "cpu,cpuacct", root / "cpu"):
-        v1 = _fields(v1_dir / "cpu.stat")
-        if v1 is not None and "throttled_time" in v1:
-            return {
-                "cgroup_periods_total": v1.get("nr_periods", 0),
-                "cgroup_throttled_periods_total": v1.get("nr_throttled", 0),
-                "cgroup_throttled_seconds_total": v1["throttled_time"] / 1e9,
-            }
-    return {}
+    return CgroupThrottleProbe(root, max_age_s=0.0)._read()
 
 
 class CgroupThrottleProbe:
+    """Finds its file once (a cgroup's layout does not change under a running process) and
+    re-reads it at most every `max_age_s`."""
+
     def __init__(self, root: Path = CGROUP_ROOT, max_age_s: float = 0.01) -> None:
-        self._cached = Cached(lambda: read_throttling(root), max_age_s)
+        self._root = root
+        self._source: tuple[ProcFile, Parser] | None = None
+        self._looked = False
+        self._cached = Cached(self._read, max_age_s)
+
+    def _read(self) -> dict[str, float]:
+        if not self._looked:
+            self._source, self._looked = _find(self._root), True
+        if self._source is None:
+            return {}
+        file, parse = self._source
+        text = file.text()
+        return (parse(text) or {}) if text is not None else {}
 
     def read(self) -> Mapping[str, float]:
         return self._cached.read()

@@ -5,7 +5,10 @@ probes degrading to nothing without a GPU or driver (this machine has none)."""
 from __future__ import annotations
 
 import gc
+import threading
 from pathlib import Path
+
+import pytest
 
 from app.metrics import Metrics
 from app.telemetry.cpu import CpuProbe, host_busy_cpu_seconds
@@ -15,6 +18,7 @@ from app.telemetry.gpu import NvmlProbe, throttle_reason_names
 from app.telemetry.loop_lag import LoopLagMonitor
 from app.telemetry.probe import Cached, FakeProbe, ProbeSet, changes
 from app.telemetry.sampler import ProcessTelemetry
+from app.telemetry.schedstat import thread_runqueue_wait_s
 from app.telemetry.shapes import ShapeTracker
 from app.telemetry.throttling import read_throttling
 
@@ -157,3 +161,23 @@ def test_publishing_feeds_the_metrics_by_increase() -> None:
 def test_probe_set_merges_readings() -> None:
     probes = ProbeSet([FakeProbe({"a_total": 1}), FakeProbe({"b": 2})])
     assert probes.read() == {"a_total": 1, "b": 2}
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="no schedstat here")
+def test_runqueue_wait_is_the_calling_threads_own() -> None:
+    def direct(thread_id: int) -> float:
+        fields = Path(f"/proc/self/task/{thread_id}/schedstat").read_text().split()
+        return int(fields[1]) / 1e9
+
+    thread_runqueue_wait_s()  # this thread's file is open now: another must not reuse it
+    bracket: list[float] = []
+
+    def read_in_new_thread() -> None:
+        me = threading.get_native_id()
+        bracket.extend([direct(me), thread_runqueue_wait_s(), direct(me)])
+
+    worker = threading.Thread(target=read_in_new_thread)
+    worker.start()
+    worker.join()
+    before, ours, after = bracket
+    assert before <= ours <= after

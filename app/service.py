@@ -43,9 +43,10 @@ from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
 from app.generation.tokenizer import load_generation_tokenizer
 from app.metrics import Metrics
+from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong, TextTokenizer, load_tokenizer
 from app.probes import Readiness, liveness, readiness
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ import numpy.typing as npt
 import torch
 
 from app.buffers import SlotPool
+from app.model_specs import TensorSpec
 from app.models.tensor import TORCH_DTYPES, TensorModel
 from app.scheduler import BatchShape
-from app.settings import TensorSpec
 from app.telemetry.schedstat import thread_runqueue_wait_s
 from app.tensors import NUMPY_DTYPES, padded_dims
 

@@ -42,9 +42,9 @@ from app.api.v2_codec import (
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.engine.protocol import TensorOutput
 from app.failures import BatchFailed, DeadlineExceeded
+from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
 from app.service import Service
-from app.settings import ModelSpec
 from app.tensor_service import SentTensor, check_tensors, infer_tensors
 from app.tensors import TensorError, from_json, to_json
 from app.timing import PhaseTimer

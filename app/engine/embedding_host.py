@@ -26,7 +26,7 @@ from app.engine.protocol import (
     Submit,
 )
 from app.engine.rows import admit_rows, gather_rows
-from app.settings import ModelSpec
+from app.model_specs import ModelSpec
 from app.startup import policy_for
 
 log = logging.getLogger(__name__)

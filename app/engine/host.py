@@ -24,7 +24,8 @@ from app.batcher import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace, EngineTrace, FromEngine, ModelInfo, Submit
 from app.metrics import Metrics
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from app.startup import RunnerLoader
 
 Emit = Callable[[FromEngine], None]

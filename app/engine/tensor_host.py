@@ -31,9 +31,10 @@ from app.engine.protocol import (
     TensorPayload,
 )
 from app.engine.rows import admit_rows, gather_rows
+from app.model_specs import ModelSpec
 from app.models.tensor import TensorModel, load_tensor_model
 from app.scheduler import BatchPolicy, BatchShape
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.tensor_batch import (
     Array,
     TensorBatchOutput,

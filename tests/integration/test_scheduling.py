@@ -18,8 +18,9 @@ from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
+from app.model_specs import ModelSpec
 from app.service import Service
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.timing import PhaseTimer
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner

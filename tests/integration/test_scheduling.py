@@ -15,6 +15,7 @@ import pytest
 
 from app.admission import RejectReason
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
+from app.embedding_service import embed_texts
 from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
@@ -170,8 +171,8 @@ async def test_a_cancelled_request_leaves_the_queue_before_it_is_computed(
     holder = await harness.hold_the_worker()
     timer = PhaseTimer()
     abandoned = asyncio.create_task(
-        harness.service.embed(
-            "fake", ["abandoned words"], normalize=False, truncate=False,
+        embed_texts(
+            harness.service, "fake", ["abandoned words"], normalize=False, truncate=False,
             timeout_ms=None, envoy_timeout_ms=None, timer=timer,
         )
     )  # fmt: skip

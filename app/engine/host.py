@@ -132,3 +132,9 @@ class ModelHost(Protocol):
 
 
 HostFactory = Callable[[ModelSpec, EngineContext], Awaitable[ModelHost]]
+
+
+def payload_kind(request: Submit) -> str:
+    """The task a request's payload is for (its msgpack tag), for a host's error message
+    when it is sent another task's payload."""
+    return f"a {type(request.payload).__struct_config__.tag!s} request"

@@ -284,15 +284,15 @@ class Batcher(Generic[RowT, OutT]):
         return self._execute_rows(shape, rows)
 
     def _record(self, batch: Batch, output: ComputedBatch[OutT], first_seen: bool) -> None:
-        name, bucket = self.name, str(batch.shape.length)
-        self.scheduler.record_compute(batch.shape, output.timings.compute_s)
-        self._metrics.dispatcher_busy.labels(name).inc(output.timings.compute_s)
+        name, bucket, timings = self.name, str(batch.shape.length), output.timings
+        self.scheduler.record_compute(batch.shape, timings.compute_s)
+        self._metrics.dispatcher_busy.labels(name).inc(timings.compute_s)
         if first_seen:
             self._metrics.unwarmed_shapes.labels(name).inc()
         self._metrics.batch_size.labels(name, bucket).observe(len(batch.items))
-        self._metrics.batch_compute.labels(name, bucket).observe(output.timings.compute_s)
-        self._metrics.pool_acquire_wait.labels(name).observe(output.timings.acquire_wait_s)
-        if output.timings.pool_miss:
+        self._metrics.batch_compute.labels(name, bucket).observe(timings.compute_s)
+        self._metrics.pool_acquire_wait.labels(name).observe(timings.acquire_wait_s)
+        if timings.pool_miss:
             self._metrics.pool_misses.labels(name).inc()
 
     # --- warm-up ----------------------------------------------------------------------
@@ -372,16 +372,17 @@ class ModelBatcher(Batcher[list[int], npt.NDArray[np.float32]]):
 def _trace(
     batch: Batch, output: ComputedBatch[Any], expected_s: float, first_seen: bool
 ) -> BatchTrace:
+    timings = output.timings
     return BatchTrace(
         rows=len(batch.items),
         padded_rows=batch.shape.batch,
         length_bucket=batch.shape.length,
         co_batched_lengths=[item.n_tokens for item in batch.items],
-        acquire_wait_s=output.timings.acquire_wait_s,
-        copy_in_s=output.timings.copy_in_s,
-        run_s=output.timings.run_s,
-        copy_out_s=output.timings.copy_out_s,
+        acquire_wait_s=timings.acquire_wait_s,
+        copy_in_s=timings.copy_in_s,
+        run_s=timings.run_s,
+        copy_out_s=timings.copy_out_s,
         expected_compute_s=expected_s,
-        runqueue_wait_s=output.timings.runqueue_wait_s,
+        runqueue_wait_s=timings.runqueue_wait_s,
         first_seen_shape=first_seen,
     )

@@ -277,7 +277,7 @@ class Service:
         outcome = "error"
         try:
             request = Submit(self.engine.next_request_id(), model, deadline, payload)
-            self._sent_since_status += inputs
+            self.sent(inputs)
             async for output in self.engine.stream(request):
                 timer.add("queue", output.queue_s)
                 timer.add("compute", output.compute_s)

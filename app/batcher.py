@@ -26,7 +26,7 @@ import numpy.typing as npt
 from app.buffers import BufferPool
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace
-from app.execute import BatchOutput, run_batch, warmup_token_ids
+from app.execute import BatchOutput, SlotTimings, run_batch, warmup_token_ids
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.models.base import ModelRunner
@@ -43,22 +43,10 @@ OutT_co = TypeVar("OutT_co", covariant=True)
 
 class ComputedBatch(Protocol[OutT_co]):
     """What a batch executor returns (`execute.BatchOutput` for token inputs): each input's
-    answer by row, and the timings of `execute.BatchOutput`."""
+    answer by row, and the batch's `execute.SlotTimings`."""
 
     @property
-    def compute_s(self) -> float: ...
-    @property
-    def acquire_wait_s(self) -> float: ...
-    @property
-    def pool_miss(self) -> bool: ...
-    @property
-    def copy_in_s(self) -> float: ...
-    @property
-    def run_s(self) -> float: ...
-    @property
-    def copy_out_s(self) -> float: ...
-    @property
-    def runqueue_wait_s(self) -> float: ...
+    def timings(self) -> SlotTimings: ...
 
     def row(self, index: int) -> OutT_co: ...
 
@@ -274,7 +262,7 @@ class Batcher(Generic[RowT, OutT]):
                     ItemResult(
                         value=output.row(row),
                         queue_wait_s=started - pending.item.enqueued_at,
-                        compute_s=output.compute_s,
+                        compute_s=output.timings.compute_s,
                         batch=trace,
                     ),
                 )
@@ -296,15 +284,15 @@ class Batcher(Generic[RowT, OutT]):
         return self._execute_rows(shape, rows)
 
     def _record(self, batch: Batch, output: ComputedBatch[OutT], first_seen: bool) -> None:
-        name, bucket = self.name, str(batch.shape.length)
-        self.scheduler.record_compute(batch.shape, output.compute_s)
-        self._metrics.dispatcher_busy.labels(name).inc(output.compute_s)
+        name, bucket, timings = self.name, str(batch.shape.length), output.timings
+        self.scheduler.record_compute(batch.shape, timings.compute_s)
+        self._metrics.dispatcher_busy.labels(name).inc(timings.compute_s)
         if first_seen:
             self._metrics.unwarmed_shapes.labels(name).inc()
         self._metrics.batch_size.labels(name, bucket).observe(len(batch.items))
-        self._metrics.batch_compute.labels(name, bucket).observe(output.compute_s)
-        self._metrics.pool_acquire_wait.labels(name).observe(output.acquire_wait_s)
-        if output.pool_miss:
+        self._metrics.batch_compute.labels(name, bucket).observe(timings.compute_s)
+        self._metrics.pool_acquire_wait.labels(name).observe(timings.acquire_wait_s)
+        if timings.pool_miss:
             self._metrics.pool_misses.labels(name).inc()
 
     # --- warm-up ----------------------------------------------------------------------
@@ -323,7 +311,7 @@ class Batcher(Generic[RowT, OutT]):
                 self._run_batch, shape, rows
             )
             for output in outputs:
-                self.scheduler.record_compute(shape, output.compute_s)
+                self.scheduler.record_compute(shape, output.timings.compute_s)
             self.shapes.mark_warm(shape)
             on_shape_done(done, len(shapes))
 
@@ -384,16 +372,17 @@ class ModelBatcher(Batcher[list[int], npt.NDArray[np.float32]]):
 def _trace(
     batch: Batch, output: ComputedBatch[Any], expected_s: float, first_seen: bool
 ) -> BatchTrace:
+    timings = output.timings
     return BatchTrace(
         rows=len(batch.items),
         padded_rows=batch.shape.batch,
         length_bucket=batch.shape.length,
         co_batched_lengths=[item.n_tokens for item in batch.items],
-        acquire_wait_s=output.acquire_wait_s,
-        copy_in_s=output.copy_in_s,
-        run_s=output.run_s,
-        copy_out_s=output.copy_out_s,
+        acquire_wait_s=timings.acquire_wait_s,
+        copy_in_s=timings.copy_in_s,
+        run_s=timings.run_s,
+        copy_out_s=timings.copy_out_s,
         expected_compute_s=expected_s,
-        runqueue_wait_s=output.runqueue_wait_s,
+        runqueue_wait_s=timings.runqueue_wait_s,
         first_seen_shape=first_seen,
     )

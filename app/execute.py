@@ -1,4 +1,6 @@
-"""The blocking body of one batch: acquire a slot, copy in, run, copy out, release.
+"""The blocking body of one batch: acquire a slot, copy in, run, copy out, release, timed
+(`run_in_slot`, for every slot pool: token ids here, tensors in `tensor_batch.py`); and a
+token-input batch's own steps, split in halves when the device runs out of memory.
 
 Runs on a dispatcher compute thread only. On CUDA the copies are non-blocking on the
 thread's own stream (to and from pinned host buffers) and the thread waits for its stream
@@ -9,14 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.buffers import BufferPool, BufferSlot
+from app.buffers import BufferPool, BufferSlot, SlotPool, SlotT
 from app.models.base import ModelRunner
 from app.scheduler import BatchShape
 from app.telemetry.schedstat import thread_runqueue_wait_s
@@ -24,10 +27,15 @@ from app.telemetry.schedstat import thread_runqueue_wait_s
 log = logging.getLogger(__name__)
 
 
+ResultT = TypeVar("ResultT")
+
+
 @dataclass(frozen=True, slots=True)
-class BatchOutput:
-    rows: npt.NDArray[np.float32]  # (inputs, output_width), owned by the caller
-    compute_s: float  # copy in + run + copy out
+class SlotTimings:
+    """How one batch went: `compute_s` is copy in + run + copy out, after `acquire_wait_s`
+    waiting for a slot (`pool_miss`: none was preallocated for its shape)."""
+
+    compute_s: float
     acquire_wait_s: float
     pool_miss: bool
     # The split of compute_s (on CUDA the device copies are inside run_s: they are queued
@@ -37,6 +45,57 @@ class BatchOutput:
     run_s: float = 0.0
     copy_out_s: float = 0.0
     runqueue_wait_s: float = 0.0
+
+    @staticmethod
+    def total(parts: Iterable[SlotTimings]) -> SlotTimings:
+        """The timings of batches run one after the other as one (a split batch's)."""
+        parts = list(parts)
+        return SlotTimings(
+            compute_s=sum(p.compute_s for p in parts),
+            acquire_wait_s=sum(p.acquire_wait_s for p in parts),
+            pool_miss=any(p.pool_miss for p in parts),
+            copy_in_s=sum(p.copy_in_s for p in parts),
+            run_s=sum(p.run_s for p in parts),
+            copy_out_s=sum(p.copy_out_s for p in parts),
+            runqueue_wait_s=sum(p.runqueue_wait_s for p in parts),
+        )
+
+
+def run_in_slot(
+    pool: SlotPool[SlotT],
+    shape: BatchShape,
+    copy_in: Callable[[SlotT], object],
+    run: Callable[[SlotT], object],
+    copy_out: Callable[[SlotT], ResultT],
+) -> tuple[ResultT, SlotTimings]:
+    """Acquire a slot of `shape`, copy the batch in, run it, copy its result out (owned by
+    the caller) and release the slot, whatever happens; with the timings of each step."""
+    slot, waited = pool.acquire(shape)
+    try:
+        started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
+        copy_in(slot)
+        copied_in = time.perf_counter()
+        run(slot)
+        ran = time.perf_counter()
+        result = copy_out(slot)
+        finished = time.perf_counter()
+        return result, SlotTimings(
+            finished - started,
+            waited,
+            slot.is_fallback,
+            copy_in_s=copied_in - started,
+            run_s=ran - copied_in,
+            copy_out_s=finished - ran,
+            runqueue_wait_s=thread_runqueue_wait_s() - waited_before,
+        )
+    finally:
+        pool.release(slot)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutput:
+    rows: npt.NDArray[np.float32]  # (inputs, output_width), owned by the caller
+    timings: SlotTimings
 
     def row(self, index: int) -> npt.NDArray[np.float32]:
         """One input's output vector (a view of `rows`)."""
@@ -72,27 +131,14 @@ def execute_batch(
     stream: torch.cuda.Stream | None,
 ) -> BatchOutput:
     """Run `token_ids` (at most `shape.batch` rows, each at most `shape.length` tokens)."""
-    slot, waited = pool.acquire(shape)
-    try:
-        started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
-        rows = slot.write_inputs(token_ids, runner.pad_token_id)
-        copied_in = time.perf_counter()
-        _run_on_slot(runner, slot, stream)
-        ran = time.perf_counter()
-        result = slot.output_view[:rows].copy()
-        finished = time.perf_counter()
-        return BatchOutput(
-            result,
-            finished - started,
-            waited,
-            slot.is_fallback,
-            copy_in_s=copied_in - started,
-            run_s=ran - copied_in,
-            copy_out_s=finished - ran,
-            runqueue_wait_s=thread_runqueue_wait_s() - waited_before,
-        )
-    finally:
-        pool.release(slot)
+    rows, timings = run_in_slot(
+        pool,
+        shape,
+        lambda slot: slot.write_inputs(token_ids, runner.pad_token_id),
+        lambda slot: _run_on_slot(runner, slot, stream),
+        lambda slot: slot.output_view[: len(token_ids)].copy(),
+    )
+    return BatchOutput(rows, timings)
 
 
 def run_batch(
@@ -119,14 +165,7 @@ def run_batch(
         for rows in (token_ids[:half], token_ids[half:])
     ]
     return BatchOutput(
-        rows=np.concatenate([p.rows for p in parts]),
-        compute_s=sum(p.compute_s for p in parts),
-        acquire_wait_s=sum(p.acquire_wait_s for p in parts),
-        pool_miss=any(p.pool_miss for p in parts),
-        copy_in_s=sum(p.copy_in_s for p in parts),
-        run_s=sum(p.run_s for p in parts),
-        copy_out_s=sum(p.copy_out_s for p in parts),
-        runqueue_wait_s=sum(p.runqueue_wait_s for p in parts),
+        np.concatenate([p.rows for p in parts]), SlotTimings.total(p.timings for p in parts)
     )
 
 

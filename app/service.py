@@ -1,8 +1,13 @@
-"""The front end's pipeline behind the routes: check size -> tokenize -> admit (token bucket
-by tokens, in-flight cap) -> send to the engine -> read its stream -> answer; drain on
-shutdown; shed load early from the engine's published backlog.
+"""What every task's front-end pipeline shares: start-up (tokenizers, engine connection),
+the probes' verdicts, the served models, shedding from headers alone (the engine's
+published backlog, token bucket, in-flight cap), each request's admission and engine round
+trip (`begin` then `compute`: token bucket by cost -> send to the engine -> read its
+stream), the tokenizer pool, and draining on shutdown.
 
-`Service` is created and called on its front end's event loop thread; large requests are
+The per-task pipelines call it: `embedding_service.py` (texts to vectors),
+`tensor_service.py` (tensors) and `generation/pipeline.py` (text generation).
+
+`Service` is created and called on its front end's event loop thread; large inputs are
 tokenized on a small thread pool. It never imports torch: the model lives in the engine
 (another process, or `inprocess.py` in tests), reached through an `EngineClient`.
 """
@@ -14,11 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar, TypeVarTuple
-
-import numpy as np
-import numpy.typing as npt
 
 from app.admission import (
     Admission,
@@ -30,22 +31,15 @@ from app.admission import (
     resolve_deadline,
 )
 from app.engine.client import EngineClient, EngineUnavailable
-from app.engine.protocol import (
-    EmbedOutput,
-    EmbedPayload,
-    EngineStatus,
-    ModelInfo,
-    OutputPayload,
-    Payload,
-    Submit,
-)
+from app.engine.protocol import EngineStatus, ModelInfo, OutputPayload, Payload, Submit
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
 from app.generation.tokenizer import load_generation_tokenizer
 from app.metrics import Metrics
-from app.models.tokenizer import InputTooLong, TextTokenizer, load_tokenizer
+from app.model_specs import ModelSpec
+from app.models.tokenizer import TextTokenizer, load_tokenizer
 from app.probes import Readiness, liveness, readiness
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -79,24 +73,6 @@ class WrongTask(Exception):
 
     def __init__(self, model: str, task: str, wanted: str) -> None:
         super().__init__(f"model {model!r} does {task!r}, not {wanted!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class EmbedResult:
-    model: str
-    vectors: npt.NDArray[np.float32]
-    input_tokens: int
-
-
-def _normalize_rows(vectors: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    normalized: npt.NDArray[np.float32] = vectors / np.maximum(norms, np.float32(1e-12))
-    return normalized
-
-
-def _vectors(output: EmbedOutput) -> npt.NDArray[np.float32]:
-    flat = np.frombuffer(output.vectors, dtype=np.float32)
-    return flat.reshape(output.rows, output.width)
 
 
 class Service:
@@ -262,48 +238,6 @@ class Service:
         status = self.engine_status()
         return status.models.get(name) if status else None
 
-    async def embed(
-        self,
-        model: str,
-        texts: Sequence[str],
-        *,
-        normalize: bool,
-        truncate: bool,
-        timeout_ms: float | None,
-        envoy_timeout_ms: float | None,
-        timer: PhaseTimer,
-    ) -> EmbedResult:
-        """Tokenize, admit, compute in the engine and return one vector per text.
-
-        Raises `Rejected` (429/503/504), `InputTooLong`, `DeadlineExceeded`, `EngineRefused`
-        or `BatchFailed`. Cancelling the caller's task (client gone) cancels the request in
-        the engine, dropping its queued inputs.
-        """
-        if (task := self.model_task(model)) != "embed":
-            raise WrongTask(model, task, "embed")
-        now, deadline = self.begin(model, timeout_ms, envoy_timeout_ms)
-        token_ids = await self._tokenize(self.tokenizers[model], texts, truncate)
-        tokenized_at = self._clock()
-        timer.add("tokenize", tokenized_at - now)
-        payload = await self.compute(
-            model,
-            "embed",
-            EmbedPayload(token_ids),
-            cost=sum(len(ids) for ids in token_ids),
-            inputs=len(token_ids),
-            deadline=deadline,
-            arrived_at=now,
-            timer=timer,
-        )
-        if not isinstance(payload, EmbedOutput):  # a server fault: answered 500
-            raise TypeError(f"{model} answered an embedding with {type(payload)}")
-        vectors = _vectors(payload)
-        return EmbedResult(
-            model=model,
-            vectors=_normalize_rows(vectors) if normalize else vectors.copy(),
-            input_tokens=payload.input_tokens,
-        )
-
     def begin(
         self, model: str, timeout_ms: float | None, envoy_timeout_ms: float | None
     ) -> tuple[float, float]:
@@ -343,7 +277,7 @@ class Service:
         outcome = "error"
         try:
             request = Submit(self.engine.next_request_id(), model, deadline, payload)
-            self._sent_since_status += inputs
+            self.sent(inputs)
             async for output in self.engine.stream(request):
                 timer.add("queue", output.queue_s)
                 timer.add("compute", output.compute_s)
@@ -368,19 +302,6 @@ class Service:
             self.metrics.request_duration.labels(model, task, outcome).observe(
                 finished - arrived_at
             )
-
-    async def _tokenize(
-        self, tokenizer: TextTokenizer, texts: Sequence[str], truncate: bool
-    ) -> list[list[int]]:
-        max_chars = tokenizer.max_input_tokens * MAX_CHARS_PER_TOKEN
-        for index, text in enumerate(texts):
-            if len(text) > max_chars and not truncate:
-                raise InputTooLong(index, len(text), max_chars, "characters")
-        if truncate:
-            texts = [text[:max_chars] for text in texts]
-        return await self.run_tokenizer(
-            sum(len(t) for t in texts), tokenizer.tokenize, texts, truncate
-        )
 
     async def run_tokenizer(
         self, chars: int, work: Callable[[*Args], Result], *args: *Args

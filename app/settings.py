@@ -13,95 +13,11 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-BUNDLED_DEFAULT_SOURCE = "bundled:all-MiniLM-L6-v2"
+# generation_host.py and loadtest/generation_engine_bench.py import ModelSpec from here.
+from app.model_specs import ModelSpec as ModelSpec
 
-Dtype = Literal["auto", "float32", "float16", "bfloat16"]
-TensorDatatype = Literal["FP16", "BF16", "FP32", "INT64", "BOOL"]
 Device = Literal["auto", "cpu", "cuda"]
 EngineMode = Literal["process", "inprocess"]
-
-
-class TensorSpec(BaseModel):
-    """One input or output of a `tensor` model, as the Open Inference Protocol names it.
-
-    `shape` starts with -1, the batch dimension (the scheduler batches along it); any other
-    -1 is a dynamic dimension, padded with zeros up to the length bucket of the row's
-    longest dynamic dimension (as token lengths are) and, in outputs, sliced back to it.
-    """
-
-    model_config = {"frozen": True, "extra": "forbid"}
-
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]*$")
-    datatype: TensorDatatype = Field(description="Element type, as the protocol names it.")
-    shape: tuple[int, ...] = Field(
-        min_length=1, description="-1 first (the batch), then sizes or -1 (dynamic)."
-    )
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> TensorSpec:
-        if self.shape[0] != -1:
-            raise ValueError(f"{self.name}: the first dimension must be -1 (the batch)")
-        if any(size == 0 or size < -1 for size in self.shape[1:]):
-            raise ValueError(f"{self.name}: dimensions are -1 (dynamic) or positive")
-        return self
-
-    @property
-    def dynamic(self) -> bool:
-        """Whether a dimension besides the batch is dynamic."""
-        return -1 in self.shape[1:]
-
-
-class ModelSpec(BaseModel):
-    """One model to serve: its public name, its task and where its weights come from."""
-
-    model_config = {"frozen": True, "extra": "forbid"}
-
-    name: str = Field(
-        default="all-MiniLM-L6-v2",
-        description="Public name, used in the `model` field of requests and in /v1/models.",
-    )
-    task: Literal["embed", "tensor", "generate"] = Field(
-        default="embed",
-        description="What the model does: `embed` (texts to vectors), `tensor` (a "
-        "torch.export `.pt2` or TorchScript file with declared `inputs` and `outputs`) or "
-        "`generate` (a causal LM, continuous batching over a preallocated KV cache).",
-    )
-    source: str = Field(
-        default=BUNDLED_DEFAULT_SOURCE,
-        description=(
-            "A local directory, a Hugging Face id (resolved from the local cache only when "
-            "HF_HUB_OFFLINE=1), or `bundled:all-MiniLM-L6-v2` for the packaged default."
-        ),
-    )
-    dtype: Dtype = Field(
-        default="auto",
-        description="Weights dtype; `auto` means fp16 on CUDA, bf16 on a CPU with native bf16, "
-        "else fp32.",
-    )
-    max_input_tokens: int | None = Field(
-        default=None,
-        ge=2,
-        description="Token limit per input; defaults to the model's, capped by the largest "
-        "length bucket.",
-    )
-    inputs: tuple[TensorSpec, ...] = Field(
-        default=(), description="`tensor` task: the model's inputs, in call order."
-    )
-    outputs: tuple[TensorSpec, ...] = Field(
-        default=(), description="`tensor` task: the model's outputs, in return order."
-    )
-
-    @model_validator(mode="after")
-    def _check_task(self) -> ModelSpec:
-        if self.task == "tensor":
-            if not self.inputs or not self.outputs:
-                raise ValueError(f"{self.name}: a tensor model declares inputs and outputs")
-            names = [t.name for t in (*self.inputs, *self.outputs)]
-            if len(set(names)) != len(names):
-                raise ValueError(f"{self.name}: input and output names must be unique")
-        elif self.inputs or self.outputs:
-            raise ValueError(f"{self.name}: only a tensor model declares inputs and outputs")
-        return self
 
 
 class Settings(BaseSettings):

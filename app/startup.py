@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import torch
 
+from app.model_specs import ModelSpec
 from app.models.base import ModelRunner, resolve_dtype
 from app.models.embedding import EmbeddingRunner
 from app.scheduler import BatchPolicy
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ to the batch's length bucket; rows beyond the batch's inputs are all zeros.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +20,10 @@ import numpy.typing as npt
 import torch
 
 from app.buffers import SlotPool
+from app.execute import SlotTimings, run_in_slot
+from app.model_specs import TensorSpec
 from app.models.tensor import TORCH_DTYPES, TensorModel
 from app.scheduler import BatchShape
-from app.settings import TensorSpec
-from app.telemetry.schedstat import thread_runqueue_wait_s
 from app.tensors import NUMPY_DTYPES, padded_dims
 
 Array = npt.NDArray[Any]
@@ -126,16 +125,10 @@ def tensor_pool(
 @dataclass(frozen=True, slots=True)
 class TensorBatchOutput:
     """Each row's outputs (spec order, dynamic dimensions sliced to the row's length) and
-    the timings of `execute.BatchOutput`."""
+    the batch's timings."""
 
     rows: list[tuple[Array, ...]]
-    compute_s: float
-    acquire_wait_s: float
-    pool_miss: bool
-    copy_in_s: float = 0.0
-    run_s: float = 0.0
-    copy_out_s: float = 0.0
-    runqueue_wait_s: float = 0.0
+    timings: SlotTimings
 
     def row(self, index: int) -> tuple[Array, ...]:
         return self.rows[index]
@@ -177,33 +170,24 @@ def execute_tensor_batch(
     stream: torch.cuda.Stream | None,
 ) -> TensorBatchOutput:
     """Run `rows` (at most `shape.batch`, none longer than `shape.length`)."""
-    slot, waited = pool.acquire(shape)
-    try:
-        started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
-        slot.write_rows(rows)
-        copied_in = time.perf_counter()
-        _run_on_slot(model, slot, stream)
-        ran = time.perf_counter()
-        answers = [
+
+    def copy_out(slot: TensorSlot) -> list[tuple[Array, ...]]:
+        return [
             tuple(
                 view[_region(index, padded_dims(spec, row.length))].copy()
                 for spec, view in zip(model.outputs, slot.output_views, strict=True)
             )
             for index, row in enumerate(rows)
         ]
-        finished = time.perf_counter()
-        return TensorBatchOutput(
-            answers,
-            finished - started,
-            waited,
-            slot.is_fallback,
-            copy_in_s=copied_in - started,
-            run_s=ran - copied_in,
-            copy_out_s=finished - ran,
-            runqueue_wait_s=thread_runqueue_wait_s() - waited_before,
-        )
-    finally:
-        pool.release(slot)
+
+    answers, timings = run_in_slot(
+        pool,
+        shape,
+        lambda slot: slot.write_rows(rows),
+        lambda slot: _run_on_slot(model, slot, stream),
+        copy_out,
+    )
+    return TensorBatchOutput(answers, timings)
 
 
 def warmup_rows(model: TensorModel, shape: BatchShape) -> list[TensorRow]:

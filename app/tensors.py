@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from app.settings import TensorSpec
+from app.model_specs import TensorSpec
 
 NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
     "FP16": np.dtype("<f2"),

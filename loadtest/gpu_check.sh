@@ -87,7 +87,8 @@ import torch
 from app.buffers import BufferPool
 from app.dispatcher import Dispatcher, plan_threads
 from app.execute import execute_batch
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from app.startup import load_runner, policy_for
 
 
@@ -166,7 +167,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from app.models.base import resolve_source
 from app.models.embedding import mean_pool
-from app.settings import BUNDLED_DEFAULT_SOURCE
+from app.model_specs import BUNDLED_DEFAULT_SOURCE
 
 base_url, min_cosine = sys.argv[1], float(sys.argv[2])
 texts = [f"The GPU check sentence {i}: " + "word " * (i % 40) for i in range(64)]

@@ -29,23 +29,34 @@ from app.engine.protocol import (
     ToEngine,
 )
 from app.main import create_app
+from app.model_specs import ModelSpec
 from app.processes import configure_logging
 from app.settings import Settings
 
 WIDTH = 384
 
 
-class NullEngine(StreamingClient):
-    """Answers every request at once; event loop thread only."""
+class AlwaysReadyEngine(StreamingClient):
+    """An engine double on the front end's own event loop: nothing to start or connect,
+    always ready, with a fixed published backlog; a subclass says what the engine reports
+    of each model (`model_info`) and how it answers (`_send`). Event loop thread only.
 
-    def __init__(self, settings: Settings, backlog_s: float) -> None:
+    Also the base of the tests' `ScriptedGenerator` (tests/support/scripted_generator.py).
+    """
+
+    engine_id = "double"
+
+    def __init__(self, settings: Settings, backlog_s: float = 0.0) -> None:
         super().__init__()
         self._settings = settings
         self._backlog_s = backlog_s
 
+    def model_info(self, spec: ModelSpec) -> ModelInfo:
+        raise NotImplementedError
+
     def status(self) -> EngineStatus | None:
         return EngineStatus(
-            engine_id="null",
+            engine_id=self.engine_id,
             pid=0,
             state="ready",
             warmup_done=0,
@@ -55,10 +66,7 @@ class NullEngine(StreamingClient):
             seconds_per_input=0.0,
             queued_inputs=0,
             published_at=time.monotonic(),
-            models={
-                spec.name: ModelInfo(task=spec.task, output_width=WIDTH, max_input_tokens=256)
-                for spec in self._settings.models
-            },
+            models={spec.name: self.model_info(spec) for spec in self._settings.models},
         )
 
     async def start(self) -> None:
@@ -72,6 +80,15 @@ class NullEngine(StreamingClient):
 
     async def close(self) -> None:
         pass
+
+
+class NullEngine(AlwaysReadyEngine):
+    """Answers every request at once; event loop thread only."""
+
+    engine_id = "null"
+
+    def model_info(self, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(task=spec.task, output_width=WIDTH, max_input_tokens=256)
 
     def _send(self, message: ToEngine) -> None:
         if not isinstance(message, Submit):

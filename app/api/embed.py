@@ -17,6 +17,7 @@ from app.api.common import envoy_timeout_ms, render, too_many_inputs
 from app.api.errors_doc import ERRORS
 from app.api.generate import infer_generate
 from app.api.responses import error_response, json_response, service_of
+from app.embedding_service import EmbedResult, embed_texts
 from app.schemas import (
     EmbeddingsRequest,
     EmbeddingsResponse,
@@ -26,7 +27,7 @@ from app.schemas import (
     ModelList,
 )
 from app.schemas_generation import GenerateInferRequest, GenerateInferResponse
-from app.service import EmbedResult, Service, WrongTask
+from app.service import Service, WrongTask
 from app.timing import PhaseTimer
 
 router = APIRouter()
@@ -55,7 +56,8 @@ async def _embed(
     chosen = service.resolve_model(model)
     if (task := service.model_task(chosen)) != "embed":
         raise WrongTask(chosen, task, "embed")
-    work = service.embed(
+    work = embed_texts(
+        service,
         chosen,
         texts,
         normalize=normalize,

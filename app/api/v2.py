@@ -3,11 +3,12 @@ model metadata, health, and inference with JSON tensors or the binary tensor dat
 extension (`v2_codec.py`), so Triton and KServe clients work unchanged.
 
 Embedding models take `text` (BYTES, [n]) and give `embedding` (FP32 [n, d], or FP16 with
-the request parameter `output_datatype: "FP16"`), through the same `Service.embed` as
-/infer; `tensor` models take and give their declared tensors (`tensor_service.py`). Every
-inference request is shed before its body is read like /infer's, and goes through the same
-admission, deadline (the request parameter `timeout`, in microseconds as Triton's, else
-Envoy's header, else the default), batching, buffers and metrics.
+the request parameter `output_datatype: "FP16"`), through the same `embed_texts` as /infer
+(`embedding_service.py`); `tensor` models take and give their declared tensors
+(`tensor_service.py`). Every inference request is shed before its body is read like
+/infer's, and goes through the same admission, deadline (the request parameter `timeout`,
+in microseconds as Triton's, else Envoy's header, else the default), batching, buffers and
+metrics.
 
 Errors here are the protocol's: `{"error": "..."}`, with 400 (malformed or mismatched
 tensors), 404 (unknown model), 429/503 (with `Retry-After`), 504 (deadline).
@@ -39,12 +40,13 @@ from app.api.v2_codec import (
     parse_infer_request,
     split_bytes_elements,
 )
+from app.embedding_service import embed_texts
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.engine.protocol import TensorOutput
 from app.failures import BatchFailed, DeadlineExceeded
+from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
 from app.service import Service
-from app.settings import ModelSpec
 from app.tensor_service import SentTensor, check_tensors, infer_tensors
 from app.tensors import TensorError, from_json, to_json
 from app.timing import PhaseTimer
@@ -286,7 +288,8 @@ async def _embed(
     datatype = parsed.parameters.get("output_datatype", "FP32")
     if datatype not in ("FP32", "FP16"):
         raise V2Error("parameters.output_datatype must be FP32 or FP16")
-    work = service.embed(
+    work = embed_texts(
+        service,
         spec.name,
         texts,
         normalize=_flag(parsed, "normalize", True),

@@ -24,7 +24,8 @@ from app.batcher import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace, EngineTrace, FromEngine, ModelInfo, Submit
 from app.metrics import Metrics
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from app.startup import RunnerLoader
 
 Emit = Callable[[FromEngine], None]
@@ -131,3 +132,9 @@ class ModelHost(Protocol):
 
 
 HostFactory = Callable[[ModelSpec, EngineContext], Awaitable[ModelHost]]
+
+
+def payload_kind(request: Submit) -> str:
+    """The task a request's payload is for (its msgpack tag), for a host's error message
+    when it is sent another task's payload."""
+    return f"a {type(request.payload).__struct_config__.tag!s} request"

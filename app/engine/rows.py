@@ -1,5 +1,8 @@
-"""What every batched host does with a request's rows: admission by predicted delay, and
-waiting for the rows' results (or answering why there are none).
+"""What every batched host (one whose requests are rows queued into a `Batcher`: `embed`,
+`tensor`) shares: admission by predicted delay, waiting for the rows' results (or answering
+why there are none), the final output with its trace, and `BatchedHost`, the `ModelHost`
+methods answered from the batcher and its slot pool alone (load, warm-up count, pool
+gauges, `/debug/pool` report).
 
 Event loop thread only.
 """
@@ -7,15 +10,20 @@ Event loop thread only.
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+import logging
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
-from app.batcher import ItemResult
-from app.engine.host import Emit, EngineLoad
-from app.engine.protocol import Failure, FailureKind, Submit
+from app.batcher import Batcher, ItemResult
+from app.buffers import SlotPool
+from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
+from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.scheduler import BatchShape, Scheduler
+
+log = logging.getLogger(__name__)
 
 OutT = TypeVar("OutT")
 
@@ -65,3 +73,100 @@ async def gather_rows(
     except BatchFailed as error:
         emit(Failure(request.request_id, FailureKind.FAILED, f"batch failed: {error}"))
         return None
+
+
+def final_output(
+    request: Submit,
+    payload: OutputPayload,
+    results: Sequence[ItemResult[Any]],
+    tracer: RequestTracer,
+    arrival: object | None,
+) -> Output:
+    """The request's one final `Output`: its slowest row's queue wait and compute, and its
+    trace (`arrival` from `tracer.arrive`)."""
+    # The request's batch in its trace is its last-finishing input's.
+    slowest = max(results, key=lambda r: r.queue_wait_s + r.compute_s)
+    return Output(
+        request.request_id,
+        final=True,
+        payload=payload,
+        queue_s=max(r.queue_wait_s for r in results),
+        compute_s=max(r.compute_s for r in results),
+        trace=tracer.finish(arrival, slowest.batch),
+    )
+
+
+def record_pool(name: str, pool: SlotPool[Any], context: EngineContext, what: str) -> None:
+    """Once a model's pool is preallocated: its bytes gauge, and a log line naming `what`
+    it holds."""
+    context.metrics.pool_bytes.labels(name).set(pool.bytes_preallocated)
+    log.info(
+        "%s: %s %d shapes, %.1f MiB",
+        name,
+        what,
+        len(pool.stats().slots),
+        pool.bytes_preallocated / 2**20,
+    )
+
+
+class BatchedHost:
+    """The `ModelHost` methods a batched host answers from its `batcher` and slot `pool`
+    alone; a subclass sets `name`, `task`, `batcher`, `pool` and `_context`, and adds
+    `info`, `warm_up`, `admit` and `submit`. Event loop thread only."""
+
+    name: str
+    task: str  # as `/debug/pool` names it
+    batcher: Batcher[Any, Any]
+    pool: SlotPool[Any]
+    _context: EngineContext
+
+    @property
+    def warmup_total(self) -> int:
+        return len(self.batcher.scheduler.policy.shapes()) if self._context.settings.warmup else 0
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def backlog_seconds(self) -> float:
+        return self.batcher.scheduler.backlog_seconds()
+
+    def seconds_per_input(self) -> float:
+        scheduler = self.batcher.scheduler
+        return scheduler.seconds_per_input(scheduler.policy.length_buckets[0])
+
+    def queued_inputs(self) -> int:
+        return self.batcher.scheduler.depth
+
+    def refresh_gauges(self) -> None:
+        metrics = self._context.metrics
+        stats = self.pool.stats()
+        for shape, total in stats.slots.items():
+            labels = (self.name, str(shape.length), str(shape.batch))
+            metrics.pool_slots.labels(*labels).set(total)
+            metrics.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
+
+    def debug_report(self) -> dict[str, object]:
+        """Bytes preallocated, misses, waits, and each shape's slots, slots in use and
+        estimated compute."""
+        stats = self.pool.stats()
+        return {
+            "task": self.task,
+            "bytes_preallocated": stats.bytes_preallocated,
+            "misses": stats.misses,
+            "acquire_waits": stats.acquire_waits,
+            "shapes": [
+                {
+                    "batch": shape.batch,
+                    "length": shape.length,
+                    "slots": total,
+                    "in_use": stats.in_use[shape],
+                    "estimated_compute_ms": round(
+                        self.batcher.scheduler.estimated_compute(shape) * 1000, 3
+                    ),
+                }
+                for shape, total in stats.slots.items()
+            ],
+        }
+
+    async def close(self) -> None:
+        await self.batcher.close()

@@ -12,28 +12,27 @@ Event loop thread only; batches run on dispatcher compute threads.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 
 import numpy as np
 
 from app.admission import Rejected
 from app.batcher import Batcher, ItemResult
-from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
+from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.protocol import (
     Failure,
     FailureKind,
     ModelInfo,
-    Output,
     Submit,
     TensorData,
     TensorOutput,
     TensorPayload,
 )
-from app.engine.rows import admit_rows, gather_rows
+from app.engine.rows import BatchedHost, admit_rows, final_output, gather_rows, record_pool
+from app.model_specs import ModelSpec
 from app.models.tensor import TensorModel, load_tensor_model
 from app.scheduler import BatchPolicy, BatchShape
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.tensor_batch import (
     Array,
     TensorBatchOutput,
@@ -44,8 +43,6 @@ from app.tensor_batch import (
     warmup_rows,
 )
 from app.tensors import RequestShape, TensorError, check_request, from_bytes
-
-log = logging.getLogger(__name__)
 
 TensorBatcher = Batcher[TensorRow, tuple[Array, ...]]
 
@@ -82,38 +79,23 @@ def request_rows(
     return shape, rows
 
 
-class TensorHost:
+class TensorHost(BatchedHost):
+    task = "tensor"
+
     def __init__(
         self, model: TensorModel, pool: TensorPool, batcher: TensorBatcher, context: EngineContext
     ) -> None:
         self.name = model.name
         self.model = model
         self.pool = pool
-        self.batcher = batcher
+        self.batcher: TensorBatcher = batcher
         self._context = context
 
     def info(self) -> ModelInfo:
         return ModelInfo(task="tensor", output_width=0, max_input_tokens=0)
 
-    @property
-    def warmup_total(self) -> int:
-        return len(self.batcher.scheduler.policy.shapes()) if self._context.settings.warmup else 0
-
     async def warm_up(self, shape_done: ShapeDone) -> None:
         await self.batcher.warm_up_rows(lambda shape: warmup_rows(self.model, shape), shape_done)
-
-    def start(self) -> None:
-        self.batcher.start()
-
-    def backlog_seconds(self) -> float:
-        return self.batcher.scheduler.backlog_seconds()
-
-    def seconds_per_input(self) -> float:
-        scheduler = self.batcher.scheduler
-        return scheduler.seconds_per_input(scheduler.policy.length_buckets[0])
-
-    def queued_inputs(self) -> int:
-        return self.batcher.scheduler.depth
 
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
         payload = request.payload
@@ -130,7 +112,7 @@ class TensorHost:
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
         payload = request.payload
         if not isinstance(payload, TensorPayload):
-            message = f"model {self.name!r} takes tensors; it was sent {_payload_kind(request)}"
+            message = f"model {self.name!r} takes tensors; it was sent {payload_kind(request)}"
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
             return None
         try:
@@ -159,55 +141,7 @@ class TensorHost:
             outputs.append(
                 TensorData(spec.name, spec.datatype, list(stacked.shape), stacked.tobytes())
             )
-        slowest = max(results, key=lambda r: r.queue_wait_s + r.compute_s)
-        emit(
-            Output(
-                request.request_id,
-                final=True,
-                payload=TensorOutput(outputs),
-                queue_s=max(r.queue_wait_s for r in results),
-                compute_s=max(r.compute_s for r in results),
-                trace=self._context.tracer.finish(arrival, slowest.batch),
-            )
-        )
-
-    def refresh_gauges(self) -> None:
-        metrics = self._context.metrics
-        stats = self.pool.stats()
-        for shape, total in stats.slots.items():
-            labels = (self.name, str(shape.length), str(shape.batch))
-            metrics.pool_slots.labels(*labels).set(total)
-            metrics.pool_slots_in_use.labels(*labels).set(stats.in_use[shape])
-
-    def debug_report(self) -> dict[str, object]:
-        """Bytes preallocated, misses, waits, and each shape's slots, slots in use and
-        estimated compute."""
-        stats = self.pool.stats()
-        return {
-            "task": "tensor",
-            "bytes_preallocated": stats.bytes_preallocated,
-            "misses": stats.misses,
-            "acquire_waits": stats.acquire_waits,
-            "shapes": [
-                {
-                    "batch": shape.batch,
-                    "length": shape.length,
-                    "slots": total,
-                    "in_use": stats.in_use[shape],
-                    "estimated_compute_ms": round(
-                        self.batcher.scheduler.estimated_compute(shape) * 1000, 3
-                    ),
-                }
-                for shape, total in stats.slots.items()
-            ],
-        }
-
-    async def close(self) -> None:
-        await self.batcher.close()
-
-
-def _payload_kind(request: Submit) -> str:
-    return f"a {type(request.payload).__struct_config__.tag!s} request"
+        emit(final_output(request, TensorOutput(outputs), results, self._context.tracer, arrival))
 
 
 async def load_tensor_host(spec: ModelSpec, context: EngineContext) -> TensorHost:
@@ -219,13 +153,7 @@ async def load_tensor_host(spec: ModelSpec, context: EngineContext) -> TensorHos
     pool = await dispatcher.run_compute(
         tensor_pool, model, policy.shapes(), settings.pool_slots_per_shape or dispatcher.capacity
     )
-    context.metrics.pool_bytes.labels(spec.name).set(pool.bytes_preallocated)
-    log.info(
-        "%s: tensor slots for %d shapes, %.1f MiB",
-        spec.name,
-        len(pool.stats().slots),
-        pool.bytes_preallocated / 2**20,
-    )
+    record_pool(spec.name, pool, context, "tensor slots for")
 
     def execute(shape: BatchShape, rows: Sequence[TensorRow]) -> TensorBatchOutput:
         """Compute threads only."""

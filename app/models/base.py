@@ -7,7 +7,8 @@ from typing import Protocol
 
 import torch
 
-from app.settings import Device, Dtype
+from app.model_specs import Dtype
+from app.settings import Device
 
 log = logging.getLogger(__name__)
 

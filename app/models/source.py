@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.settings import BUNDLED_DEFAULT_SOURCE
+from app.model_specs import BUNDLED_DEFAULT_SOURCE
 
 
 def resolve_source(source: str) -> str:

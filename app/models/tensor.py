@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from app.settings import ModelSpec, TensorSpec
+from app.model_specs import ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 

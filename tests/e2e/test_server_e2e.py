@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModel, AutoTokenizer
 
+from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_dtype
 from app.models.embedding import mean_pool
 from app.models.source import resolve_source
-from app.settings import BUNDLED_DEFAULT_SOURCE
 from tests.support.server import http_status, running_server
 
 pytestmark = pytest.mark.e2e

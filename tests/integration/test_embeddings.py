@@ -18,10 +18,11 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from app.main import create_app
+from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_device, resolve_dtype
 from app.models.embedding import mean_pool
 from app.models.source import resolve_source
-from app.settings import BUNDLED_DEFAULT_SOURCE, Settings
+from app.settings import Settings
 from tests.support.asgi import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.settings import ModelSpec
+from app.model_specs import ModelSpec
 from tests.integration.test_scheduling import start
 
 ONE_MIB = 1 << 20

@@ -14,8 +14,9 @@ from pydantic import ValidationError
 
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
+from app.model_specs import ModelSpec
 from app.service import Service
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner
 

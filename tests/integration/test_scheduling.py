@@ -15,11 +15,13 @@ import pytest
 
 from app.admission import RejectReason
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
+from app.embedding_service import embed_texts
 from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
+from app.model_specs import ModelSpec
 from app.service import Service
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.timing import PhaseTimer
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner
@@ -169,8 +171,8 @@ async def test_a_cancelled_request_leaves_the_queue_before_it_is_computed(
     holder = await harness.hold_the_worker()
     timer = PhaseTimer()
     abandoned = asyncio.create_task(
-        harness.service.embed(
-            "fake", ["abandoned words"], normalize=False, truncate=False,
+        embed_texts(
+            harness.service, "fake", ["abandoned words"], normalize=False, truncate=False,
             timeout_ms=None, envoy_timeout_ms=None, timer=timer,
         )
     )  # fmt: skip

@@ -21,7 +21,8 @@ import pytest
 from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from app.telemetry.probe import FakeProbe
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner

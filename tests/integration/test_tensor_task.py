@@ -28,7 +28,8 @@ from app.engine.protocol import (
 )
 from app.engine.tensor_host import TensorHost
 from app.main import create_app
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from tests.support.asgi import serving
 from tests.support.tensor_models import TensorModels, build_tensor_models
 

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
+from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.source import resolve_source
 from app.models.tokenizer import FastTokenizer, InputTooLong, load_tokenizer
-from app.settings import BUNDLED_DEFAULT_SOURCE
 
 LONG_TEXT = " ".join(["tail latency"] * 300)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from app.settings import ModelSpec
+from app.model_specs import ModelSpec
 
 
 class GatedRunner:

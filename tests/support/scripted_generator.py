@@ -11,12 +11,9 @@ request ids are recorded. Event loop thread only.
 from __future__ import annotations
 
 import asyncio
-import time
 
-from app.engine.client import StreamingClient
 from app.engine.protocol import (
     Cancel,
-    EngineStatus,
     Failure,
     FailureKind,
     FinishReason,
@@ -27,13 +24,16 @@ from app.engine.protocol import (
     ToEngine,
     TokensOutput,
 )
+from app.model_specs import ModelSpec
 from app.settings import Settings
+from loadtest.null_engine import AlwaysReadyEngine
 
 
-class ScriptedGenerator(StreamingClient):
+class ScriptedGenerator(AlwaysReadyEngine):
+    engine_id = "scripted"
+
     def __init__(self, settings: Settings, max_sequence_tokens: int = 256) -> None:
-        super().__init__()
-        self._settings = settings
+        super().__init__(settings)
         self._max_sequence_tokens = max_sequence_tokens
         self._running: dict[int, asyncio.Task[None]] = {}
         self.submitted: list[Submit] = []
@@ -41,32 +41,8 @@ class ScriptedGenerator(StreamingClient):
         self.fail_after_tokens: int | None = None  # set: requests fail after this many
         self.eos_after_tokens: int | None = None  # set: sequences end (EOS) after this many
 
-    def status(self) -> EngineStatus | None:
-        return EngineStatus(
-            engine_id="scripted",
-            pid=0,
-            state="ready",
-            warmup_done=0,
-            warmup_total=0,
-            healthy=True,
-            backlog_s=0.0,
-            seconds_per_input=0.0,
-            queued_inputs=0,
-            published_at=time.monotonic(),
-            models={
-                spec.name: ModelInfo(spec.task, 0, self._max_sequence_tokens - 1)
-                for spec in self._settings.models
-            },
-        )
-
-    async def start(self) -> None:
-        pass
-
-    async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        pass
-
-    def refresh_metrics(self) -> None:
-        pass
+    def model_info(self, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(spec.task, 0, self._max_sequence_tokens - 1)
 
     async def close(self) -> None:
         for task in self._running.values():

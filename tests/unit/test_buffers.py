@@ -81,7 +81,7 @@ def test_the_hot_path_reuses_slots_and_allocates_none(slot_constructions: list[B
     for _ in range(50):
         output = execute_batch(pool, runner, shape, [[1, 2, 3], [4]], stream=None)
         assert output.rows.tolist() == [[6.0, 3.0], [4.0, 1.0]]
-        assert not output.pool_miss
+        assert not output.timings.pool_miss
     # The model read every batch from the slot's own preallocated input tensors (not from
     # tensors built per batch), and no buffer of the slot was replaced.
     preallocated_inputs = (first.input_ids.data_ptr(), first.attention_mask.data_ptr())
@@ -105,7 +105,7 @@ def test_a_shape_without_a_slot_is_served_and_counted_as_a_miss(
     pool = make_pool()
     before = len(slot_constructions)
     output = execute_batch(pool, SumRunner(), BatchShape(3, 8), [[5], [6], [7]], stream=None)
-    assert output.pool_miss
+    assert output.timings.pool_miss
     assert output.rows[:, 0].tolist() == [5.0, 6.0, 7.0]
     assert pool.stats().misses == 1
     assert len(slot_constructions) == before + 1

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from app.settings import ModelSpec, Settings, TensorSpec
+from app.model_specs import ModelSpec, TensorSpec
+from app.settings import Settings
 from app.tensors import (
     TensorError,
     bf16_bits,

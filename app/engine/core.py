@@ -18,23 +18,21 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import NamedTuple
 
 from app.admission import Rejected, RejectReason
 from app.batcher import ComputeSlots
 from app.dispatcher import Dispatcher, plan_threads
 from app.engine.health import BatchHealth
-from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost
+from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost, RequestTracer
 from app.engine.loading import load_hosts
 from app.engine.protocol import (
-    BatchTrace,
     EngineStatus,
-    EngineTrace,
     Failure,
     FailureKind,
     Submit,
 )
 from app.engine.reports import config_report
+from app.engine.tracing import NO_TRACES, ProbeTracer
 from app.metrics import Metrics
 from app.models.base import resolve_device
 from app.settings import Settings, export_cuda_alloc_conf
@@ -42,52 +40,12 @@ from app.startup import RunnerLoader, freeze_startup_heap, load_runner
 from app.telemetry.cgroup import available_cpus
 from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe
 from app.telemetry.gpu import NvmlProbe
-from app.telemetry.probe import Probe, Readings, changes
+from app.telemetry.probe import Probe
 from app.telemetry.sampler import ProcessTelemetry
 
 log = logging.getLogger(__name__)
 
 RequestKey = tuple[bytes, int]  # (front end, its request id): ids are unique per front end
-
-
-class _Arrival(NamedTuple):
-    queue_depth: int  # inputs queued ahead of the request when it arrived
-    readings: Readings
-
-
-class _Tracer:
-    """Engine traces for slow-request reports: where the engine's probes stood when a
-    request was queued (as of the last tick, like the front end's) and their changes when it
-    finishes (event loop thread only)."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self._core = core
-
-    def arrive(self, queue_depth: int) -> object | None:
-        return _Arrival(queue_depth, self._core.telemetry.snapshot())
-
-    def finish(self, arrival: object | None, batch: BatchTrace | None) -> EngineTrace | None:
-        if not isinstance(arrival, _Arrival):
-            return None
-        return EngineTrace(
-            pid=os.getpid(),
-            queue_depth_at_arrival=arrival.queue_depth,
-            batch=batch,
-            probes=changes(arrival.readings, self._core.telemetry.read()),
-        )
-
-
-class _NoTraces:
-    """While slow-request reports are off: nothing is read."""
-
-    def arrive(self, queue_depth: int) -> object | None:
-        return None
-
-    def finish(self, arrival: object | None, batch: BatchTrace | None) -> EngineTrace | None:
-        return None
-
-
-_NO_TRACES = _NoTraces()
 
 
 class EngineCore:
@@ -141,7 +99,14 @@ class EngineCore:
         ]
         if self.settings.engine == "inprocess":
             return ProcessTelemetry("engine", self.metrics, device_probes)
-        return ProcessTelemetry.for_process("engine", self.metrics, device_probes)
+        # The engine process's status publisher (engine/process.py) ticks the loop monitor.
+        return ProcessTelemetry.for_process("engine", self.metrics, device_probes, own_ticker=False)
+
+    def _tracer(self) -> RequestTracer:
+        if not self.settings.spike_reports:
+            return NO_TRACES
+        # Half the front end's smallest threshold: see engine/tracing.py.
+        return ProbeTracer(self.telemetry, self._clock, self.settings.slow_request_ms / 2000)
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -167,7 +132,7 @@ class EngineCore:
             record_batch=self.health.record,
             before_batch=self.cuda_context.check_thread,
             loader=self._loader,
-            tracer=_Tracer(self) if self.settings.spike_reports else _NO_TRACES,
+            tracer=self._tracer(),
         )
         self.hosts = await load_hosts(context, self._cuda_alloc_conf)
         for name, host in self.hosts.items():

@@ -120,7 +120,7 @@ class EngineServer:
             if loop.time() >= next_gauges:
                 self.core.refresh_gauges()
                 next_gauges = loop.time() + GAUGE_INTERVAL_S
-            await asyncio.sleep(STATUS_INTERVAL_S)
+            await self.core.telemetry.sleep(STATUS_INTERVAL_S)
 
 
 async def _serve(settings: Settings, addresses: EngineAddresses, replacement: bool) -> None:

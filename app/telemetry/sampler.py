@@ -11,6 +11,7 @@ Create, start and stop on the process's event loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Mapping
 
@@ -40,10 +41,14 @@ class ProcessTelemetry:
         loop: LoopLagMonitor | None = None,
         gc: GcPauseProbe | None = None,
         publishes_container: bool = True,
+        own_ticker: bool = True,
     ) -> None:
         """`publishes_container`: this process counts the container-wide figures (cgroup
-        throttling) in the metrics; exactly one process of a server should."""
+        throttling) in the metrics; exactly one process of a server should. `own_ticker`
+        False: the process's periodic task ticks the loop monitor through `sleep`."""
         self.role = role
+        self.own_ticker = own_ticker
+        self._running = False
         self.publishes_container = publishes_container
         self.metrics = metrics
         self.loop = loop
@@ -65,9 +70,10 @@ class ProcessTelemetry:
         metrics: Metrics,
         extra: Iterable[Probe] = (),
         publishes_container: bool = True,
+        own_ticker: bool = True,
     ) -> ProcessTelemetry:
         loop, gc, probes = process_wide_probes()
-        return cls(role, metrics, [*probes, *extra], loop, gc, publishes_container)
+        return cls(role, metrics, [*probes, *extra], loop, gc, publishes_container, own_ticker)
 
     def start(self) -> None:
         # Counters are published by their increase from here on (a restarted process does
@@ -75,14 +81,25 @@ class ProcessTelemetry:
         self._published = dict(self.probes.read())
         if self.gc is not None:
             self.gc.install()
-        if self.loop is not None:
+        if self.loop is not None and self.own_ticker:
             self.loop.start()
+        self._running = True
 
     async def stop(self) -> None:
+        self._running = False
         if self.gc is not None:
             self.gc.uninstall()
         if self.loop is not None:
             await self.loop.stop()
+
+    async def sleep(self, seconds: float) -> None:
+        """For the process's one periodic task (the engine's status publisher): sleeps, and
+        while this telemetry runs without a ticker of its own, times the wake-up as the
+        loop monitor's tick. Loop thread only."""
+        if self._running and self.loop is not None and not self.own_ticker:
+            await self.loop.sleep(seconds)
+        else:
+            await asyncio.sleep(seconds)
 
     def read(self) -> Readings:
         return self.probes.read()

@@ -4,6 +4,7 @@ probes degrading to nothing without a GPU or driver (this machine has none)."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 from pathlib import Path
@@ -181,3 +182,21 @@ def test_runqueue_wait_is_the_calling_threads_own() -> None:
     worker.join()
     before, ours, after = bracket
     assert before <= ours <= after
+
+
+def test_a_periodic_tasks_sleep_ticks_the_monitor_when_telemetry_has_no_ticker() -> None:
+    times = iter([0.0, 0.055])  # asked to sleep 5 ms, woke 55 ms later
+    waits = iter([1.0, 1.02])  # of which 20 ms runnable off a CPU
+    monitor = LoopLagMonitor(clock=lambda: next(times), thread_wait=lambda: next(waits))
+    telemetry = ProcessTelemetry("engine", Metrics(), loop=monitor, own_ticker=False)
+
+    async def one_beat() -> None:
+        telemetry.start()
+        assert monitor._task is None  # no ticker of its own: no extra wake-ups
+        await telemetry.sleep(0.005)
+        await telemetry.stop()
+
+    asyncio.run(one_beat())
+    readings = monitor.read()
+    assert round(readings["loop_lag_seconds_total"], 6) == 0.05
+    assert round(readings["loop_busy_lag_seconds_total"], 6) == 0.03

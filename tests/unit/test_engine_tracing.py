@@ -1,0 +1,31 @@
+"""The engine's request tracer: a trace (queue depth at arrival, probe changes) only for a
+request that spent long enough in the engine to be made slow there."""
+
+from __future__ import annotations
+
+from app.engine.tracing import ProbeTracer
+from app.metrics import Metrics
+from app.telemetry.probe import FakeProbe
+from app.telemetry.sampler import ProcessTelemetry
+
+
+def test_a_request_quick_in_the_engine_gets_no_trace_and_a_long_one_its_changes() -> None:
+    now = [0.0]
+    device = FakeProbe({"cuda_alloc_retries_total": 0.0, "gpu_sm_clock_hertz": 1.9e9})
+    tracer = ProbeTracer(
+        ProcessTelemetry("engine", Metrics(), [device]), lambda: now[0], min_engine_s=0.05
+    )
+
+    quick = tracer.arrive(queue_depth=3)
+    now[0] = 0.049
+    assert tracer.finish(quick, None) is None
+
+    long = tracer.arrive(queue_depth=7)
+    device.add(cuda_alloc_retries_total=2)
+    device.set(gpu_sm_clock_hertz=810e6)
+    now[0] = 0.2
+    trace = tracer.finish(long, None)
+    assert trace is not None
+    assert trace.queue_depth_at_arrival == 7
+    assert trace.probes["cuda_alloc_retries_total"] == 2
+    assert trace.probes["gpu_sm_clock_hertz"] == 810e6

@@ -21,6 +21,7 @@ from app.engine.protocol import GeneratePayload
 from app.main import create_app
 from app.settings import ModelSpec, Settings
 from tests.support.asgi import serving
+from tests.support.generation import sse_payloads
 from tests.support.scripted_generator import ScriptedGenerator
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -66,14 +67,6 @@ def engine_of(app: FastAPI) -> ScriptedGenerator:
 def prompt_tokens(app: FastAPI, text: str) -> list[int]:
     ids: list[int] = app.state.service.tokenizers["tiny"].encode(text)
     return ids
-
-
-def sse_payloads(body: bytes) -> list[Any]:
-    frames = body.split(b"\n\n")
-    assert frames[-1] == b"", "the stream ends with a complete frame"
-    assert frames[-2] == b"data: [DONE]"
-    assert all(frame.startswith(b"data: ") for frame in frames[:-1])
-    return [orjson.loads(frame[6:]) for frame in frames[:-2]]
 
 
 async def test_infer_echoes_the_prompt_and_reports_length_and_usage(

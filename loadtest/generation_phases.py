@@ -14,11 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from app.admission import Rejected
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.engine.zmq_client import ZmqEngineClient
 from loadtest.bench import _free_port
+from loadtest.httpclient import Target
 from tests.support.tiny_causal_lm import CORPUS
 
 MODEL_NAME = "tiny"
@@ -219,58 +221,75 @@ async def engine_wave(
 
 
 # --- OpenAI completions over HTTP ----------------------------------------------------
-def _client(requests: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=requests, max_keepalive_connections=requests)
-    return httpx.AsyncClient(limits=limits, timeout=300)
+# A minimal HTTP/1.1 client (one connection per request, pre-encoded request bytes, chunked
+# bodies read as they arrive): the client shares the machine's cores with the server it
+# measures, and with hundreds of streams at once httpx's own cost delayed reading so much
+# that an overloaded wave's chunks were read in one go.
+async def _post(target: Target, body: dict[str, Any], on_data: Callable[[bytes], None]) -> int:
+    """POST `body`; `on_data` gets each piece of the response body as it arrives; returns
+    the status."""
+    payload = target.post_bytes(orjson.dumps(body), {"Connection": "close"})
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    try:
+        writer.write(payload)
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        status = int(head[9:12])
+        if b"transfer-encoding: chunked" in head:
+            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+                on_data((await reader.readexactly(size + 2))[:-2])
+            await reader.readuntil(b"\r\n")
+        else:
+            length = re.search(rb"content-length: *(\d+)", head)
+            on_data(await reader.readexactly(int(length.group(1)) if length else 0))
+    finally:
+        writer.close()
+    return status
 
 
-async def _whole(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[int, int]:
+async def _whole(target: Target, body: dict[str, Any]) -> tuple[int, int]:
     """(status, completion tokens) of one non-streamed completion."""
-    response = await client.post(url, json=body)
-    if response.status_code != 200:
-        return response.status_code, 0
-    return 200, int(orjson.loads(response.content)["usage"]["completion_tokens"])
+    pieces: list[bytes] = []
+    status = await _post(target, body, pieces.append)
+    if status != 200:
+        return status, 0
+    return 200, int(orjson.loads(b"".join(pieces))["usage"]["completion_tokens"])
 
 
-async def _streamed(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any]
-) -> tuple[int, list[float], int | None]:
+async def _streamed(target: Target, body: dict[str, Any]) -> tuple[int, list[float], int | None]:
     """(status, arrival times of the chunks that carry text, completion tokens from the
-    usage chunk when the server sends one). Frames are split by hand and parsed with orjson:
-    the client shares the machine's cores with the server it measures."""
+    usage chunk when the server sends one)."""
     sent = time.perf_counter()
     arrivals: list[float] = []
-    tokens: int | None = None
+    usage: list[int] = []
     buffer = b""
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return response.status_code, [], None
-        async for data in response.aiter_raw():
-            now = time.perf_counter() - sent
-            *frames, buffer = (buffer + data).split(b"\n\n")
-            for frame in frames:
-                if not frame.startswith(b"data: {"):
-                    continue
-                chunk = orjson.loads(frame[6:])
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
-                for choice in chunk.get("choices") or ():
-                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
-                        arrivals.append(now)
-    return 200, arrivals, tokens
+
+    def on_data(data: bytes) -> None:
+        nonlocal buffer
+        now = time.perf_counter() - sent
+        *frames, buffer = (buffer + data).split(b"\n\n")
+        for frame in frames:
+            if not frame.startswith(b"data: {"):
+                continue
+            chunk = orjson.loads(frame[6:])
+            if chunk.get("usage"):
+                usage.append(int(chunk["usage"]["completion_tokens"]))
+            for choice in chunk.get("choices") or ():
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    arrivals.append(now)
+
+    status = await _post(target, body, on_data)
+    if status != 200:
+        return status, [], None
+    return 200, arrivals, usage[-1] if usage else None
 
 
 async def http_wave(url: str, model: str, prompts: list[str], new: int, name: str) -> Phase:
     """Every prompt at once as a non-streamed completion: tokens/s."""
-    async with _client(len(prompts)) as client:
-        body = {"model": model, "max_tokens": 2, "temperature": 0}
-        await _whole(client, url, {**body, "prompt": prompts[0]})  # first-use warm-up
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(_whole(client, url, {**body, "prompt": p, "max_tokens": new}) for p in prompts)
-        )
-        seconds = _since(started)
+    target = Target.parse(url)
+    body = {"model": model, "max_tokens": new, "temperature": 0}
+    started = time.perf_counter()
+    results = await asyncio.gather(*(_whole(target, {**body, "prompt": p}) for p in prompts))
+    seconds = _since(started)
     ok = [tokens for status, tokens in results if status == 200]
     refused = sum(1 for status, _ in results if status == 429)
     errors = len(results) - len(ok) - refused
@@ -281,12 +300,10 @@ async def http_stream_wave(url: str, model: str, prompts: list[str], new: int, n
     """Every prompt at once as a streamed completion: TTFT and TPOT of each answered one."""
     body = {"model": model, "max_tokens": new, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    async with _client(len(prompts)) as client:
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(_streamed(client, url, {**body, "prompt": prompt}) for prompt in prompts)
-        )
-        seconds = _since(started)
+    target = Target.parse(url)
+    started = time.perf_counter()
+    results = await asyncio.gather(*(_streamed(target, {**body, "prompt": p}) for p in prompts))
+    seconds = _since(started)
     answered = [(arrivals, tokens) for status, arrivals, tokens in results if status == 200]
     ttft = tuple(arrivals[0] * 1000 for arrivals, _ in answered if arrivals)
     tpot = []

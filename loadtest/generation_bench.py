@@ -39,8 +39,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from app.engine.process import EngineAddresses
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import ZmqEngineClient
+from app.model_specs import ModelSpec
 from app.models.base import resolve_device, resolve_dtype
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 from app.telemetry.cgroup import available_cpus
 from loadtest.bench import REPO_ROOT, _free_port
 from loadtest.generation_phases import (

@@ -39,10 +39,10 @@ from app.engine.protocol import (
     Output,
     Submit,
 )
+from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.causal_lm import CausalLMRunner
 from app.models.sampling import new_generator
-from app.settings import ModelSpec
 
 log = logging.getLogger(__name__)
 

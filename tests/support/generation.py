@@ -14,8 +14,9 @@ import orjson
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from app.model_specs import ModelSpec
 from app.models.base import resolve_device, resolve_dtype
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
 
 DTYPE = "float32"
 

@@ -53,6 +53,7 @@ class Phase:
     errors: int = 0  # any other failure
     note: str = ""
     extra: dict[str, float] = field(default_factory=dict)
+    wave_ttft_spreads: tuple[float, ...] = ()  # pooled: each wave's own TTFT p99/p50
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,7 +89,10 @@ def pooled(rounds: list[Phase]) -> Phase:
     middle = median_round(rounds)
     ttft = tuple(v for r in rounds for v in r.ttft_ms)
     tpot = tuple(v for r in rounds for v in r.tpot_ms)
-    return replace(middle, ttft_ms=ttft, tpot_ms=tpot)
+    spreads = tuple(
+        r.ttft_p99_ms / r.ttft_p50_ms for r in rounds if r.ttft_p50_ms and r.ttft_p99_ms
+    )
+    return replace(middle, ttft_ms=ttft, tpot_ms=tpot, wave_ttft_spreads=spreads)
 
 
 def make_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:

@@ -54,7 +54,6 @@ bench: setup-dev
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.batch_bench --lines $(BATCH_BENCH_LINES)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.generation_bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.v2_bench
-	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.generation_engine_bench
 
 check-config: setup
 	$(BIN)/steadyserve check-config

@@ -21,8 +21,12 @@ from pydantic import (
 )
 
 NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
+# One prompt, or several, each continued independently.
+Prompts = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
 # OpenAI allows up to 4 stop sequences.
-StopStrings = NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=4)] | None
+StopList = Annotated[list[NonEmptyText], Field(max_length=4)]
+StopStrings = NonEmptyText | StopList | None
+Finish = Literal["stop", "length"]
 
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions
 
@@ -38,8 +42,8 @@ class GenerateParameters(_Strict):
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus filter, with do_sample.")
     top_k: int = Field(default=0, ge=0, description="Top-k filter (0: off), with do_sample.")
     seed: int | None = Field(default=None, ge=0, description="Makes sampling reproducible.")
-    stop: list[NonEmptyText] = Field(
-        default_factory=list, max_length=4, description="Stop strings: the text ends before one."
+    stop: StopList = Field(
+        default_factory=list, description="Stop strings: the text ends before one."
     )
 
 
@@ -47,14 +51,14 @@ class GenerateInferRequest(_Strict):
     """/infer on a generate model: one prompt or a list, each continued independently."""
 
     model: str | None = Field(default=None, description="Model name; the default model if absent.")
-    inputs: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    inputs: Prompts
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     timeout_ms: float | None = Field(default=None, gt=0, description="Deadline from admission.")
 
 
 class GeneratedText(BaseModel):
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Finish
     prompt_tokens: int
     completion_tokens: int
 
@@ -101,7 +105,7 @@ class OpenAISampling(_Strict):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+    prompt: Prompts
     max_tokens: int | None = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
@@ -151,20 +155,29 @@ class CompletionUsage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Finish | None
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionChoice(_Choice):
+    text: str
+
+
+class _CompletionObject(BaseModel):
+    """What a whole completion and a whole chat completion share (their `object` and
+    `choices` differ)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: CompletionUsage
+
+
+class CompletionResponse(_CompletionObject):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(BaseModel):
@@ -172,17 +185,10 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_CompletionObject):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: CompletionUsage

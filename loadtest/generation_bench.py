@@ -1,25 +1,26 @@
-"""Generation throughput and latency with the tiny random-weight causal LM (issue 8's bench).
+"""Issue 8's generation bench: steadyserve's engine alone and the whole server over HTTP,
+against the same baselines, back to back in one run, with the tiny random-weight causal LM
+(tests/support/tiny_causal_lm.py; `--hidden`/`--layers` for a larger one).
 
-Back to back in one run, the same prompts (~16 tokens each) and `--new-tokens` new tokens
-per request, greedy:
+`--requests` prompts of exactly `--prompt-tokens` tokens, `--new-tokens` new tokens each,
+greedy, one dtype (`auto`: bf16 on a CPU with native bf16) and the machine's CPUs for all:
 
-1. `generate` in-process, one prompt at a time;
-2. one padded batch `generate` in-process (all prompts, left padding);
-3. steadyserve (`steadyserve serve`, the model as a `generate` task) with `--requests`
-   concurrent `POST /v1/completions`;
-4. `transformers serve --continuous-batching` with explicit cache sizes, the same requests;
-5. steadyserve at `--overload`x the concurrency: time per output token of the admitted
-   requests against its value at 1x, and how many were refused with 429.
+- steadyserve engine process over ZeroMQ (no HTTP front end): every request at once, and
+  at `--overload`x;
+- steadyserve over HTTP (`steadyserve serve`, default settings, the model its only generate
+  model): non-streamed `POST /v1/completions` all at once (tokens/s), streamed (TTFT, TPOT),
+  and streamed at `--overload`x; with the front end's and the engine's CPU per token;
+- the shared baselines: `model.generate` one prompt at a time and one left-padded batch,
+  in-process; transformers' ContinuousBatchingManager in-process; `transformers serve
+  --continuous-batching` (explicit cache sizes) over HTTP, the same client as steadyserve's.
 
-Tokens/s counts the tokens each request actually produced (a sequence may end early at
-EOS). Time to first token is measured with `stream: true` (first chunk that carries text);
-time per output token is (last chunk - first chunk) / (chunks - 1) of a streamed request.
+Fast phases are the median of `--rounds` waves. For each of engine-only and HTTP it reports
+the issue's ratios: >= 0.8x the padded batch, >= 1.2x transformers serve, TTFT p99 <= 2x
+p50, and at 8x the admitted keep their time per output token (the rest get 429).
 
-    python -m loadtest.generation_bench [--requests 32] [--new-tokens 32] [--out DIR]
+    python -m loadtest.generation_bench [--requests 32] [--rounds 5] [--no-serve] [--out DIR]
 
-(part of ``make bench``). Targets (issue 8): steadyserve >= 0.8x the padded batch and
->= 1.2x `transformers serve`; TTFT p99 <= 2x its p50; at 8x, admitted requests keep their
-time per output token, the rest get 429.
+(part of ``make bench``).
 """
 
 from __future__ import annotations
@@ -27,23 +28,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
 
-import httpx
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loadtest.bench import REPO_ROOT, ForeignLoad, _free_port
-from loadtest.overload_bench import Server, start_server
-
-MODEL_NAME = "tiny"
-PROMPT_TOKENS = 16
+from app.engine.process import EngineAddresses
+from app.engine.supervisor import EngineSupervisor
+from app.engine.zmq_client import ZmqEngineClient
+from app.model_specs import ModelSpec
+from app.models.base import resolve_device, resolve_dtype
+from app.settings import Settings
+from app.telemetry.cgroup import available_cpus
+from loadtest.bench import REPO_ROOT, _free_port
+from loadtest.generation_phases import (
+    MODEL_NAME,
+    Phase,
+    cb_manager,
+    engine_wave,
+    http_stream_wave,
+    http_wave,
+    make_prompts,
+    median_round,
+    one_at_a_time,
+    padded_batch,
+    percentile,
+    pooled,
+    transformers_serve,
+)
+from loadtest.overload_bench import start_server
+from loadtest.proctree import cpu_seconds
+from tests.support.tiny_causal_lm import build_tiny_causal_lm
 
 
 def _log(message: str) -> None:
@@ -51,309 +69,220 @@ def _log(message: str) -> None:
     sys.stderr.flush()
 
 
-def _percentile(values: Sequence[float], share: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
-@dataclass(frozen=True)
-class Throughput:
-    requests: int
-    new_tokens: int
-    seconds: float
-    refused: int = 0
-    foreign_cores: float | None = None
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Streamed:
-    """Per admitted streamed request: time to first token and time per output token."""
-
-    ttft_s: list[float]
-    tpot_s: list[float]
-    refused: int
-    other_errors: int
-
-
-def make_prompts(model_dir: Path, count: int) -> list[str]:
-    """`count` prompts of about PROMPT_TOKENS tokens, cut from varied sentences."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    words = [
-        *("latency", "batch", "queue", "token", "cache", "model", "request", "server"),
-        *("tail", "budget", "decode", "prefill", "engine", "front", "slot", "block"),
-        *("admit", "refuse", "stream", "chunk"),
-    ]
-    prompts = []
-    for index in range(count):
-        text = " ".join(words[(index * 7 + k * 3) % len(words)] for k in range(24))
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:PROMPT_TOKENS]
-        prompts.append(tokenizer.decode(ids))
-    return prompts
-
-
-def _new_tokens(rows: Any, prompt_width: int, eos: int) -> int:
-    """Tokens generated per row, up to and including its EOS (padding after it not counted)."""
-    total = 0
-    for row in rows.tolist():
-        produced = row[prompt_width:]
-        total += produced.index(eos) + 1 if eos in produced else len(produced)
-    return total
-
-
-def measure_in_process(model_dir: Path, prompts: list[str], new_tokens: int) -> dict[str, Any]:
-    """One prompt at a time, then one padded batch: tokens/s of each."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = int(tokenizer.eos_token_id)
-    pad = int(tokenizer.pad_token_id)
-    options = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": pad}
-    with torch.inference_mode():
-        model.generate(**tokenizer(prompts[:2], return_tensors="pt", padding=True), **options)
-        started = time.perf_counter()
-        produced = 0
-        for prompt in prompts:
-            encoded = tokenizer(prompt, return_tensors="pt")
-            out = model.generate(**encoded, **options)
-            produced += _new_tokens(out, encoded["input_ids"].shape[1], eos)
-        one_at_a_time = Throughput(len(prompts), produced, time.perf_counter() - started)
-        encoded = tokenizer(prompts, return_tensors="pt", padding=True)
-        started = time.perf_counter()
-        out = model.generate(**encoded, **options)
-        padded = Throughput(
-            len(prompts),
-            _new_tokens(out, encoded["input_ids"].shape[1], eos),
-            time.perf_counter() - started,
-        )
-    return {"one_at_a_time": one_at_a_time, "padded_batch": padded}
-
-
-async def _complete(client: httpx.AsyncClient, url: str, model: str, prompt: str, n: int) -> Any:
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0}
-    response = await client.post(url, json=body)
-    return response.status_code, response.json() if response.status_code == 200 else None
-
-
-async def _throughput(url: str, model: str, prompts: list[str], new_tokens: int) -> Throughput:
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
-        await _complete(client, url, model, prompts[0], 2)  # connection and first-use warm-up
-        started = time.perf_counter()
-        results = await asyncio.gather(
-            *(_complete(client, url, model, prompt, new_tokens) for prompt in prompts)
-        )
-        seconds = time.perf_counter() - started
-    tokens = sum(body["usage"]["completion_tokens"] for status, body in results if status == 200)
-    refused = sum(1 for status, _ in results if status == 429)
-    return Throughput(len(prompts), tokens, seconds, refused)
-
-
-async def _stream_one(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, n: int
-) -> tuple[int, list[float]]:
-    """(status, arrival time of each chunk that carries text)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
-    sent = time.perf_counter()
-    arrivals: list[float] = []
-    async with client.stream("POST", url, json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return response.status_code, []
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if any(choice.get("text") for choice in chunk.get("choices", [])):
-                arrivals.append(time.perf_counter() - sent)
-    return 200, arrivals
-
-
-async def _streamed(url: str, model: str, prompts: list[str], new_tokens: int) -> Streamed:
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
-        results = await asyncio.gather(
-            *(_stream_one(client, url, model, prompt, new_tokens) for prompt in prompts)
-        )
-    ttft = [arrivals[0] for status, arrivals in results if status == 200 and arrivals]
-    tpot = [
-        (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1)
-        for status, arrivals in results
-        if status == 200 and len(arrivals) > 1
-    ]
-    refused = sum(1 for status, _ in results if status == 429)
-    others = sum(1 for status, _ in results if status not in (200, 429))
-    return Streamed(ttft, tpot, refused, others)
-
-
-def _wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> None:
-    give_up_at = time.monotonic() + timeout_s
-    while time.monotonic() < give_up_at:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {process.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)  # polling a server that is starting
-    raise TimeoutError(f"{url} not answering within {timeout_s:g} s")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def measure_steadyserve(
-    model_dir: Path, prompts: list[str], new_tokens: int, overload: int, out: Path
-) -> dict[str, Any]:
-    models = [{"name": MODEL_NAME, "task": "generate", "source": str(model_dir)}]
-    server: Server = start_server(
-        _free_port(), {"STEADY_MODELS": json.dumps(models)}, out / "generation-steadyserve.log"
+async def engine_only(
+    directory: Path, prompts: list[list[int]], options: argparse.Namespace
+) -> dict[str, Phase]:
+    """The engine process as served (default settings), driven over ZeroMQ."""
+    settings = Settings(
+        models=(ModelSpec(name=MODEL_NAME, task="generate", source=str(directory)),),
+        spike_reports=False,
     )
+    new, rounds = options.new_tokens, options.rounds
+    with tempfile.TemporaryDirectory(prefix="genbench-") as run_dir:
+        addresses = EngineAddresses.in_directory(Path(run_dir))
+        client = ZmqEngineClient(addresses)
+        supervisor = EngineSupervisor(settings, addresses)
+        await client.start()
+        supervisor.start()
+        try:
+            await client.wait_ready(120)
+            await engine_wave(client, prompts[:2], 4, "warm-up")
+            name = f"steadyserve engine process (ZeroMQ), {len(prompts)} at once"
+            waves = [await engine_wave(client, prompts, new, name) for _ in range(rounds)]
+            many = [prompts[i % len(prompts)] for i in range(options.overload * len(prompts))]
+            name = f"engine process, {options.overload}x overload ({len(many)} at once)"
+            overload = await engine_wave(client, many, new, name)
+            return {"steadyserve": pooled(waves), "overload": overload}
+        finally:
+            await supervisor.stop()
+            await client.close()
+
+
+def over_http(directory: Path, texts: list[str], options: argparse.Namespace) -> dict[str, Phase]:
+    """`steadyserve serve` with default settings, the model its only generate model."""
+    models = [{"name": MODEL_NAME, "task": "generate", "source": str(directory)}]
+    env = {"STEADY_MODELS": json.dumps(models)}
+    server = start_server(_free_port(), env, options.out / "generation-steadyserve.log")
+    new, rounds = options.new_tokens, options.rounds
     try:
         server.wait_ready(300)
         url = f"{server.base_url}/v1/completions"
-        load = ForeignLoad([os.getpid(), server.process.pid])
-        throughput = asyncio.run(_throughput(url, MODEL_NAME, prompts, new_tokens))
-        throughput = Throughput(**{**asdict(throughput), "foreign_cores": load.cores()})
-        streamed = asyncio.run(_streamed(url, MODEL_NAME, prompts, new_tokens))
-        crowd = [prompts[i % len(prompts)] for i in range(len(prompts) * overload)]
-        overloaded = asyncio.run(_streamed(url, MODEL_NAME, crowd, new_tokens))
+        asyncio.run(http_stream_wave(url, MODEL_NAME, texts[:2], 4, "warm-up"))
+        engine, front_ends = server.engine_pid(), server.frontend_pids()
+        processes = {"front end": front_ends, "engine": [engine] if engine else []}
+        before = {role: sum(map(cpu_seconds, pids)) for role, pids in processes.items()}
+        name = f"steadyserve over HTTP, {len(texts)} at once"
+        whole = [asyncio.run(http_wave(url, MODEL_NAME, texts, new, name)) for _ in range(rounds)]
+        streamed = [
+            asyncio.run(http_stream_wave(url, MODEL_NAME, texts, new, name)) for _ in range(rounds)
+        ]
+        tokens = sum(p.tokens for p in whole + streamed)
+        cpu_us = {
+            f"{role} CPU us/token": (sum(map(cpu_seconds, pids)) - before[role]) / tokens * 1e6
+            for role, pids in processes.items()
+        }
+        crowd = [texts[i % len(texts)] for i in range(options.overload * len(texts))]
+        name = f"HTTP, {options.overload}x overload ({len(crowd)} at once, streamed)"
+        overload = asyncio.run(http_stream_wave(url, MODEL_NAME, crowd, new, name))
     finally:
-        _stop(server.process)
-    return {"throughput": throughput, "streamed": streamed, "overloaded": overloaded}
+        server.process.terminate()
+        server.process.wait(60)
+    return {"steadyserve": _joined(whole, streamed, cpu_us), "overload": overload}
 
 
-def measure_transformers_serve(
-    model_dir: Path, prompts: list[str], new_tokens: int, out: Path, cache: argparse.Namespace
-) -> dict[str, Any]:
-    port = _free_port()
-    command = [
-        str(Path(sys.executable).with_name("transformers")), "serve", str(model_dir),
-        "--continuous-batching", "--device", "cpu", "--port", str(port),
-        "--cb-num-blocks", str(cache.cb_num_blocks), "--cb-block-size", str(cache.cb_block_size),
-        "--cb-max-batch-tokens", str(cache.cb_max_batch_tokens),
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with (out / "generation-transformers-serve.log").open("wb") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", process, 120)
-        url = f"{base}/v1/completions"
-        load = ForeignLoad([os.getpid(), process.pid])
-        throughput = asyncio.run(_throughput(url, str(model_dir), prompts, new_tokens))
-        throughput = Throughput(**{**asdict(throughput), "foreign_cores": load.cores()})
-        streamed = asyncio.run(_streamed(url, str(model_dir), prompts, new_tokens))
-    finally:
-        _stop(process)
-    return {"throughput": throughput, "streamed": streamed}
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.1f}"
-
-
-def report(results: dict[str, Any], overload: int) -> str:
-    padded: Throughput = results["in_process"]["padded_batch"]
-    rows = [
-        "| run | tokens/s | vs padded batch | TTFT p50 / p99 ms | TPOT p50 ms | refused |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-
-    def row(name: str, throughput: Throughput, streamed: Streamed | None) -> str:
-        ttft, tpot = "-", "-"
-        if streamed is not None:
-            p50, p99 = _percentile(streamed.ttft_s, 0.5), _percentile(streamed.ttft_s, 0.99)
-            ttft = f"{_ms(p50)} / {_ms(p99)}"
-            tpot = _ms(_percentile(streamed.tpot_s, 0.5))
-        ratio = throughput.tokens_per_s / padded.tokens_per_s if padded.tokens_per_s else 0.0
-        return (
-            f"| {name} | {throughput.tokens_per_s:.0f} | {ratio:.2f} | {ttft} | {tpot} "
-            f"| {throughput.refused} |"
-        )
-
-    rows.append(row("generate, one prompt at a time", results["in_process"]["one_at_a_time"], None))
-    rows.append(row("generate, one padded batch", padded, None))
-    ours = results["steadyserve"]
-    rows.append(row("steadyserve", ours["throughput"], ours["streamed"]))
-    theirs = results.get("transformers_serve")
-    if theirs is not None:
-        name = "transformers serve --continuous-batching"
-        rows.append(row(name, theirs["throughput"], theirs["streamed"]))
-    lines = rows
-    overloaded: Streamed = ours["overloaded"]
-    base_tpot = _percentile(ours["streamed"].tpot_s, 0.5)
-    over_tpot = _percentile(overloaded.tpot_s, 0.5)
-    lines.append("")
-    lines.append(
-        f"At {overload}x ({len(overloaded.ttft_s) + overloaded.refused + overloaded.other_errors}"
-        f" streamed requests at once): {len(overloaded.ttft_s)} admitted with TPOT p50 "
-        f"{_ms(over_tpot)} ms (1x: {_ms(base_tpot)} ms), {overloaded.refused} refused with "
-        f"429, {overloaded.other_errors} other errors."
+def _joined(whole: list[Phase], streamed: list[Phase], extra: dict[str, float]) -> Phase:
+    """Tokens/s from the non-streamed waves, latencies from the streamed ones."""
+    latencies = pooled(streamed)
+    return replace(
+        median_round(whole),
+        ttft_ms=latencies.ttft_ms,
+        tpot_ms=latencies.tpot_ms,
+        wave_ttft_spreads=latencies.wave_ttft_spreads,
+        extra=extra,
     )
-    if theirs is not None and theirs["throughput"].tokens_per_s:
-        ratio = ours["throughput"].tokens_per_s / theirs["throughput"].tokens_per_s
-        lines.append(f"steadyserve / transformers serve tokens/s: {ratio:.2f} (target >= 1.2).")
-    ttft = ours["streamed"].ttft_s
-    p50, p99 = _percentile(ttft, 0.5), _percentile(ttft, 0.99)
-    if p50 and p99:
-        lines.append(f"steadyserve TTFT p99/p50: {p99 / p50:.2f} (target <= 2).")
-    return "\n".join(lines)
+
+
+def served_by_transformers(
+    directory: Path, texts: list[str], options: argparse.Namespace, dtype: torch.dtype
+) -> Phase:
+    model = str(directory)
+    new, rounds = options.new_tokens, options.rounds
+    log = options.out / "generation-transformers-serve.log"
+    with transformers_serve(directory, dtype, available_cpus(), log) as base:
+        url = f"{base}/v1/completions"
+        name = "transformers serve --continuous-batching (HTTP)"
+        asyncio.run(http_wave(url, model, texts[:2], 4, "warm-up"))
+        whole = [asyncio.run(http_wave(url, model, texts, new, name)) for _ in range(rounds)]
+        streamed = [asyncio.run(http_stream_wave(url, model, texts, new, name)) for _ in range(3)]
+    return _joined(whole, streamed, {})
+
+
+# --- report --------------------------------------------------------------------------
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def table(phases: list[Phase]) -> str:
+    rows = [
+        "| phase | answered | refused | tokens | s | tokens/s | TTFT p50 / p99 ms | TPOT p50 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in phases:
+        rows.append(
+            f"| {p.name} | {p.requests} | {p.refused + p.errors} | {p.tokens} | {p.seconds:.3f} "
+            f"| {p.tokens_per_s:.0f} | {_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)} "
+            f"| {_ms(p.tpot_p50_ms)} |"
+        )
+    return "\n".join(rows)
+
+
+def verdicts(label: str, ours: Phase, overload: Phase, baselines: dict[str, Phase]) -> list[str]:
+    """The issue's ratios for one way of serving (`label`)."""
+    lines: list[str] = []
+
+    def ratio(name: str, key: str, target: float) -> None:
+        other = baselines.get(key)
+        if other is not None and other.tokens_per_s:
+            value = ours.tokens_per_s / other.tokens_per_s
+            met = "met" if value >= target else "NOT met"
+            lines.append(f"{label} / {name}: {value:.2f}x (target >= {target:g}: {met})")
+
+    ratio("padded batch in-process", "padded", 0.8)
+    ratio("transformers serve --continuous-batching", "serve", 1.2)
+    ratio("one prompt at a time", "single", 1.0)
+    ratio("ContinuousBatchingManager in-process", "cb", 1.0)
+    if ours.ttft_p50_ms and ours.ttft_p99_ms:
+        spread = ours.ttft_p99_ms / ours.ttft_p50_ms
+        met = "met" if spread <= 2 else "NOT met"
+        each = percentile(ours.wave_ttft_spreads, 0.5)
+        within = f"; median of the waves' own: {each:.2f}" if each is not None else ""
+        lines.append(
+            f"{label} TTFT p99/p50 over all waves: {spread:.2f} (target <= 2: {met}){within}"
+        )
+    if overload.tpot_p50_ms and ours.tpot_p50_ms:
+        lines.append(
+            f"{overload.name}: {overload.requests} admitted, {overload.refused} refused "
+            f"(429), {overload.errors} other errors; admitted TPOT p50 "
+            f"{overload.tpot_p50_ms:.1f} ms vs {ours.tpot_p50_ms:.1f} ms at 1x "
+            f"({overload.tpot_p50_ms / ours.tpot_p50_ms:.2f}x)"
+        )
+    for name, value in ours.extra.items():
+        lines.append(f"{label} {name}: {value:.0f}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.generation_bench")
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--overload", type=int, default=8)
-    parser.add_argument("--cb-num-blocks", type=int, default=64)
-    parser.add_argument("--cb-block-size", type=int, default=32)
-    parser.add_argument("--cb-max-batch-tokens", type=int, default=512)
-    parser.add_argument("--skip-transformers-serve", action="store_true")
-    parser.add_argument("--out", default=str(REPO_ROOT / "loadtest" / "results"))
+    parser.add_argument("--rounds", type=int, default=5, help="median of these (fast phases)")
+    parser.add_argument("--hidden", type=int, default=64, help="model width (tiny: 64)")
+    parser.add_argument("--layers", type=int, default=2, help="model layers (tiny: 2)")
+    parser.add_argument("--no-serve", action="store_true", help="skip transformers serve")
+    parser.add_argument("--no-http", action="store_true", help="skip steadyserve over HTTP")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "loadtest" / "results")
     options = parser.parse_args(argv)
-    out = Path(options.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(REPO_ROOT))
-    from tests.support.tiny_causal_lm import build_tiny_causal_lm
+    options.out.mkdir(parents=True, exist_ok=True)
 
-    with tempfile.TemporaryDirectory(prefix="steadyserve-tiny-lm-") as directory:
-        model_dir = build_tiny_causal_lm(Path(directory))
-        prompts = make_prompts(model_dir, options.requests)
-        results: dict[str, Any] = {}
-        _log("in-process generate")
-        results["in_process"] = measure_in_process(model_dir, prompts, options.new_tokens)
-        _log("steadyserve")
-        results["steadyserve"] = measure_steadyserve(
-            model_dir, prompts, options.new_tokens, options.overload, out
+    threads = available_cpus()
+    torch.set_num_threads(threads)
+    device = resolve_device("auto")
+    dtype = resolve_dtype("auto", device)
+    baselines: dict[str, Phase] = {}
+    with tempfile.TemporaryDirectory(prefix="tiny-causal-lm-") as tmp:
+        directory = build_tiny_causal_lm(
+            Path(tmp) / "tiny", hidden_size=options.hidden, layers=options.layers
         )
-        if not options.skip_transformers_serve:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        prompts = make_prompts(tokenizer, options.requests, options.prompt_tokens)
+        texts = [str(tokenizer.decode(p, skip_special_tokens=True)) for p in prompts]
+        new = options.new_tokens
+        _log(
+            f"{len(prompts)} prompts x {options.prompt_tokens} tokens, {new} new; hidden "
+            f"{options.hidden} x {options.layers} layers, {dtype}, {threads} CPU threads"
+        )
+        _log("steadyserve engine process")
+        engine = asyncio.run(engine_only(directory, prompts, options))
+        http = None
+        if not options.no_http:
+            _log("steadyserve over HTTP")
+            http = over_http(directory, texts, options)
+        _log("in-process baselines")
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+        one_at_a_time(model, prompts[:2], 4)  # warm-up
+        baselines["single"] = one_at_a_time(model, prompts, new)
+        padded_batch(model, tokenizer, prompts[:2], 4)
+        rounds = [padded_batch(model, tokenizer, prompts, new) for _ in range(options.rounds)]
+        baselines["padded"] = median_round(rounds)
+        try:
+            baselines["cb"] = cb_manager(model, prompts, new)
+        except Exception as error:  # a library path, reported rather than fatal
+            _log(f"ContinuousBatchingManager failed: {type(error).__name__}: {error}")
+        del model
+        if not options.no_serve:
             _log("transformers serve --continuous-batching")
-            results["transformers_serve"] = measure_transformers_serve(
-                model_dir, prompts, options.new_tokens, out, options
-            )
-    table = report(results, options.overload)
-    print(table)
-    (out / "generation-bench.json").write_text(
-        json.dumps(results, default=lambda o: {**asdict(o)}, indent=2)
-    )
-    (out / "generation-bench.md").write_text(table + "\n")
+            try:
+                baselines["serve"] = served_by_transformers(directory, texts, options, dtype)
+            except Exception as error:
+                _log(f"transformers serve failed: {type(error).__name__}: {error}")
+    phases = [engine["steadyserve"], engine["overload"]]
+    lines = verdicts("engine process", engine["steadyserve"], engine["overload"], baselines)
+    if http is not None:
+        phases += [http["steadyserve"], http["overload"]]
+        lines += verdicts("HTTP", http["steadyserve"], http["overload"], baselines)
+    report = table(phases + list(baselines.values())) + "\n\n" + "\n".join(lines)
+    print(report)
+    results = {"engine": engine, "http": http or {}, "baselines": baselines}
+    serialised = {
+        group: {
+            key: {**asdict(p), "tokens_per_s": p.tokens_per_s} for key, p in group_phases.items()
+        }
+        for group, group_phases in results.items()
+    }
+    (options.out / "generation-bench.json").write_text(json.dumps(serialised, indent=2))
+    (options.out / "generation-bench.md").write_text(report + "\n")
     return 0
 
 

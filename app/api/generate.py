@@ -21,7 +21,7 @@ from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
 from app.api.common import envoy_timeout_ms, render, too_many_inputs
 from app.api.errors_doc import ERRORS
-from app.api.openai_format import Reply, chunk, error_chunk, usage_chunk, whole
+from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
 from app.engine.client import EngineRefused
@@ -79,22 +79,25 @@ async def _prepare(
     return await run_until_disconnect(request, work)
 
 
-def _events(request: Request, prepared: PreparedGeneration) -> AsyncGenerator[GenerationEvent]:
+def _events(
+    request: Request, prepared: PreparedGeneration, *, incremental: bool
+) -> AsyncGenerator[list[GenerationEvent]]:
     timer: PhaseTimer = request.state.server_timing
-    return generation_of(request).stream(prepared, timer)
+    return generation_of(request).stream(prepared, timer, incremental=incremental)
 
 
 async def _collect(
-    events: AsyncGenerator[GenerationEvent], count: int
+    events: AsyncGenerator[list[GenerationEvent]], count: int
 ) -> tuple[list[str], list[SequenceEnd]]:
     texts: list[list[str]] = [[] for _ in range(count)]
     ends: list[SequenceEnd | None] = [None] * count
     async with contextlib.aclosing(events) as stream:
-        async for item in stream:
-            if isinstance(item, TextPiece):
-                texts[item.index].append(item.text)
-            else:
-                ends[item.index] = item
+        async for batch in stream:
+            for item in batch:
+                if isinstance(item, TextPiece):
+                    texts[item.index].append(item.text)
+                else:
+                    ends[item.index] = item
     finished = [end for end in ends if end is not None]
     if len(finished) != count:  # a server fault: answered 500
         raise RuntimeError("a sequence ended without its SequenceEnd")
@@ -105,7 +108,8 @@ async def _complete(
     request: Request, prepared: PreparedGeneration
 ) -> tuple[list[str], list[SequenceEnd]]:
     count = len(prepared.prompt_ids)
-    return await run_until_disconnect(request, _collect(_events(request, prepared), count))
+    events = _events(request, prepared, incremental=False)
+    return await run_until_disconnect(request, _collect(events, count))
 
 
 async def infer_generate(request: Request, body: GenerateInferRequest) -> Response:
@@ -192,7 +196,7 @@ async def _answer(
     if not body.stream:
         texts, ends = await _complete(request, prepared)
         return render(request, whole(reply, texts, ends))
-    events = _events(request, prepared)
+    events = _events(request, prepared, incremental=True)
     try:
         first = await run_until_disconnect(request, _first(events))
     except BaseException:
@@ -201,47 +205,56 @@ async def _answer(
     return EventStreamResponse(_frames(reply, first, events, len(prepared.prompt_ids), body))
 
 
-async def _first(events: AsyncGenerator[GenerationEvent]) -> GenerationEvent:
+async def _first(events: AsyncGenerator[list[GenerationEvent]]) -> list[GenerationEvent]:
     return await anext(events)
 
 
 async def _frames(
     reply: Reply,
-    first: GenerationEvent,
-    events: AsyncGenerator[GenerationEvent],
+    first: list[GenerationEvent],
+    events: AsyncGenerator[list[GenerationEvent]],
     count: int,
     body: OpenAISampling,
 ) -> AsyncGenerator[bytes]:
-    """The SSE frames of a stream whose first event is known: (chat: each choice's role),
+    """The SSE frames of a stream whose first events are known: (chat: each choice's role),
     text chunks, each choice's final chunk with its finish_reason, the usage chunk when
-    asked for, and `[DONE]`."""
+    asked for, and `[DONE]`. The frames of events that became known together go out as one
+    write, and a stream's last frames with its `[DONE]`."""
     with_usage = body.include_usage
+    texts = TextChunks(reply, with_usage)
     ends: list[SequenceEnd] = []
+    frames: list[bytes] = []
     if reply.chat:
         for index in range(count):
-            yield event(chunk(reply, index, text="", role=True, with_usage=with_usage))
+            frames.append(event(chunk(reply, index, text="", role=True, with_usage=with_usage)))
     try:
         async with contextlib.aclosing(events) as rest:
-            item: GenerationEvent | None = first
-            while item is not None:
-                if isinstance(item, TextPiece):
-                    yield event(chunk(reply, item.index, text=item.text, with_usage=with_usage))
-                else:
-                    ends.append(item)
-                    finish = item.finish_reason
-                    yield event(
-                        chunk(reply, item.index, finish_reason=finish, with_usage=with_usage)
-                    )
-                item = await anext(rest, None)
+            batch: list[GenerationEvent] | None = first
+            while batch is not None:
+                for item in batch:
+                    if isinstance(item, TextPiece):
+                        frames.append(texts.frame(item.index, item.text))
+                    else:
+                        ends.append(item)
+                        finish = item.finish_reason
+                        final = chunk(
+                            reply, item.index, finish_reason=finish, with_usage=with_usage
+                        )
+                        frames.append(event(final))
+                if len(ends) < count:  # else the last frames go out with [DONE]
+                    yield b"".join(frames)
+                    frames.clear()
+                batch = await anext(rest, None)
     except (Rejected, DeadlineExceeded, EngineRefused) as error:
-        yield event(error_chunk(_error_type(error), str(error)))
+        frames.append(event(error_chunk(_error_type(error), str(error))))
     except Exception:
         log.exception("generation failed mid-stream")
-        yield event(error_chunk("internal_error", "internal server error"))
+        frames.append(event(error_chunk("internal_error", "internal server error")))
     else:
         if with_usage:
-            yield event(usage_chunk(reply, sorted(ends, key=lambda end: end.index)))
-    yield DONE
+            frames.append(event(usage_chunk(reply, sorted(ends, key=lambda end: end.index))))
+    frames.append(DONE)
+    yield b"".join(frames)
 
 
 def _error_type(error: Exception) -> str:

@@ -8,6 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from app.api.sse import DATA, END
 from app.generation.pipeline import SequenceEnd
 
 
@@ -96,3 +99,28 @@ def error_chunk(error_type: str, message: str) -> dict[str, Any]:
     """A failure after the stream began (the status line was sent): as vLLM does, an
     `error` object, which the openai client raises as an APIError."""
     return {"error": {"type": error_type, "message": message, "param": None}}
+
+
+class TextChunks:
+    """The SSE frame of a text chunk (`chunk(reply, index, text=...)` as a `data:` event),
+    built from bytes made once per choice: only the text is JSON-encoded per chunk, the
+    rest of the object is the same for every chunk of an answer. Byte for byte the frame
+    `sse.event(chunk(...))` gives. One instance per streamed answer; event loop thread."""
+
+    def __init__(self, reply: Reply, with_usage: bool) -> None:
+        self._reply = reply
+        self._with_usage = with_usage
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def frame(self, index: int, text: str) -> bytes:
+        template = self._templates.get(index)
+        if template is None:
+            template = self._templates[index] = self._template(index)
+        head, tail = template
+        return head + orjson.dumps(text) + tail
+
+    def _template(self, index: int) -> tuple[bytes, bytes]:
+        marker = "\x00text-" + uuid.uuid4().hex  # in no model name or id
+        whole = orjson.dumps(chunk(self._reply, index, text=marker, with_usage=self._with_usage))
+        head, tail = whole.split(orjson.dumps(marker))
+        return DATA + head, tail + END

@@ -20,13 +20,15 @@ from starlette.types import Receive, Scope, Send
 
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
 
-DONE = b"data: [DONE]\n\n"
+DATA = b"data: "  # what every frame starts with
+END = b"\n\n"  # and ends with
+DONE = DATA + b"[DONE]" + END
 MEDIA_TYPE = "text/event-stream"
 
 
 def event(payload: Any) -> bytes:
     """One `data:` frame (JSON has no raw newlines, so one line suffices)."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return DATA + orjson.dumps(payload) + END
 
 
 class EventStreamResponse(Response):
@@ -49,8 +51,13 @@ class EventStreamResponse(Response):
             await self._frames.aclose()  # a no-op once it finished
 
     async def _send_frames(self, send: Send) -> None:
+        """One write per item of the producer (which may join several frames); the item
+        that ends with `[DONE]` also ends the body, saving the empty last write."""
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        more = True
         async with contextlib.aclosing(self._frames) as frames:
             async for frame in frames:
-                await send({"type": "http.response.body", "body": frame, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                more = not frame.endswith(DONE)
+                await send({"type": "http.response.body", "body": frame, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -11,7 +11,10 @@ batches and generation steps interleave without oversubscribing the CPU/GPU.
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
 
-Event loop thread only; steps and warm-up run on dispatcher compute threads.
+The host does admission and the step loop (which sequences join, advance and end);
+running a step is `generation_steps.py`'s, a sequence and its outputs
+`generation_sequences.py`'s. Event loop thread only; steps and warm-up run on dispatcher
+compute threads.
 """
 
 from __future__ import annotations
@@ -19,15 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import torch
 
 from app.admission import Rejected, RejectReason
 from app.engine.embedding_host import payload_kind
+from app.engine.generation_sequences import GenerationSequence
+from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
 from app.engine.kv_slots import SlotTable, payload_problem, start_verdict, steps_until_start
 from app.engine.protocol import (
@@ -37,57 +37,17 @@ from app.engine.protocol import (
     GeneratePayload,
     ModelInfo,
     Output,
-    SamplingParams,
     Submit,
-    TokensOutput,
 )
+from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
-from app.models.causal_lm import CausalLMRunner, StepRow
+from app.models.causal_lm import CausalLMRunner
 from app.models.sampling import new_generator
-from app.settings import ModelSpec
 
 log = logging.getLogger(__name__)
 
 # Weight of the newest step in the step-time average admission predicts waits with.
 STEP_TIME_SMOOTHING = 0.2
-_GREEDY = SamplingParams(max_new_tokens=1)
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """One request's sequence (event loop thread only; its generator is used by the step
-    that computes it, one at a time)."""
-
-    request: Submit
-    prompt: list[int]
-    sampling: SamplingParams
-    emit: Emit
-    generator: torch.Generator
-    arrived: float
-    done: asyncio.Future[None]
-    arrival_trace: object | None
-    slot: int | None = None
-    started: float | None = None  # joined the batch
-    first_token_at: float | None = None
-    generated: list[int] = field(default_factory=list)
-
-    @property
-    def remaining(self) -> int:
-        return self.sampling.max_new_tokens - len(self.generated)
-
-    def row(self) -> StepRow:
-        """Its part of the next step: the prompt, or its last token at its position."""
-        assert self.slot is not None
-        if not self.generated:
-            return StepRow(self.slot, self.prompt, 0, self.sampling, self.generator)
-        position = len(self.prompt) + len(self.generated) - 1
-        return StepRow(self.slot, self.generated[-1:], position, self.sampling, self.generator)
-
-
-@dataclass(frozen=True, slots=True)
-class _StepResult:
-    tokens: list[int]
-    compute_s: float
 
 
 class GenerationHost:
@@ -99,11 +59,12 @@ class GenerationHost:
         self._table = SlotTable(runner.cache.shape.slots)
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
-        self._waiting: deque[_Sequence] = deque()
-        self._running: dict[int, _Sequence] = {}  # by slot
+        self._waiting: deque[GenerationSequence] = deque()
+        self._running: dict[int, GenerationSequence] = {}  # by slot
         self._step_s = 0.0  # smoothed seconds per step while busy
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
+        self._steps = StepRunner(runner, context, self._wakeup)
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
         # Labelled once: these are touched for every token.
@@ -118,37 +79,14 @@ class GenerationHost:
             max_input_tokens=self.runner.max_sequence_tokens - 1,
         )
 
-    def _prefill_lengths(self) -> list[int]:
-        longest = self.runner.max_sequence_tokens - 1
-        lengths = [b for b in self._context.settings.length_buckets if b < longest]
-        return [*lengths, longest]
-
-    def _decode_batches(self) -> list[int]:
-        slots = self._table.capacity
-        sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
-        return [*sizes, slots]
-
     @property
     def warmup_total(self) -> int:
-        if not self._context.settings.warmup:
-            return 0
-        return len(self._prefill_lengths()) + len(self._decode_batches())
+        return self._steps.warmup_total
 
     async def warm_up(self, shape_done: ShapeDone) -> None:
-        """Prefill one prompt of each length bucket, then decode steps of every batch size
-        up to all slots; the last (every slot decoding) seeds the step-time estimate."""
-        total, done = self.warmup_total, 0
-        filler = self.runner.pad_token_id
-        for length in self._prefill_lengths():
-            await self._run_step([StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0))])
-            done += 1
-            shape_done(done, total)
-        for rows in self._decode_batches():
-            step = [StepRow(s, [filler], 1, _GREEDY, new_generator(0)) for s in range(rows)]
-            result = await self._run_step(step)
-            self._step_s = result.compute_s
-            done += 1
-            shape_done(done, total)
+        """The step shapes serving will run (`StepRunner.warm_up`); the last (every slot
+        decoding) seeds the step-time estimate."""
+        self._step_s = await self._steps.warm_up(shape_done)
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._supervised_loop(), name=f"generate-{self.name}")
@@ -210,7 +148,7 @@ class GenerationHost:
         if problem is not None:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
-        sequence = _Sequence(
+        sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),
             sampling=payload.sampling,
@@ -224,7 +162,7 @@ class GenerationHost:
         self._wakeup.set()
         return asyncio.create_task(self._answer(sequence))
 
-    async def _answer(self, sequence: _Sequence) -> None:
+    async def _answer(self, sequence: GenerationSequence) -> None:
         """Lives as long as the sequence; cancelling it (the client went away) drops the
         sequence and frees its slot at once."""
         try:
@@ -233,7 +171,7 @@ class GenerationHost:
             self._drop(sequence)
             raise
 
-    def _drop(self, sequence: _Sequence) -> None:
+    def _drop(self, sequence: GenerationSequence) -> None:
         """Forget a sequence wherever it is and give its slot back; no answer follows."""
         if not sequence.done.done():
             sequence.done.set_result(None)
@@ -246,7 +184,7 @@ class GenerationHost:
                 self._waiting.remove(sequence)
         self._wakeup.set()
 
-    def _fail(self, sequence: _Sequence, kind: FailureKind, message: str) -> None:
+    def _fail(self, sequence: GenerationSequence, kind: FailureKind, message: str) -> None:
         self._drop(sequence)
         sequence.emit(Failure(sequence.request.request_id, kind, message))
 
@@ -267,11 +205,11 @@ class GenerationHost:
     async def _loop(self) -> None:
         """Each turn starts the next step, then sends the previous step's outputs while it
         computes (the sending overlaps the compute instead of adding to every step)."""
-        outbox: list[tuple[_Sequence, Output]] = []
+        outbox: list[tuple[GenerationSequence, Output]] = []
         while True:
             self._expire(self._context.clock())
             sequences = self._next_step() if self._context.slots.free > 0 else []
-            step = self._start_step([s.row() for s in sequences]) if sequences else None
+            step = self._steps.start([s.row() for s in sequences]) if sequences else None
             for sequence, output in outbox:
                 sequence.emit(output)
             outbox = []
@@ -292,7 +230,7 @@ class GenerationHost:
             self._record_step(result)
             outbox = self._advance(sequences, result.tokens)
 
-    def _next_step(self) -> list[_Sequence]:
+    def _next_step(self) -> list[GenerationSequence]:
         """The next step's sequences: those joining now (prefill), then those decoding."""
         joiners = self._join()
         return joiners + [s for s in self._running.values() if s.generated]
@@ -308,10 +246,10 @@ class GenerationHost:
                     f"deadline passed after {len(sequence.generated)} generated tokens",
                 )
 
-    def _join(self) -> list[_Sequence]:
+    def _join(self) -> list[GenerationSequence]:
         """Waiting sequences that take free slots for this step, oldest first, while the
         prefill (rows x longest prompt) fits generate_max_batch_tokens."""
-        joiners: list[_Sequence] = []
+        joiners: list[GenerationSequence] = []
         longest = 0
         now = self._context.clock()
         while self._waiting and self._table.free > 0:
@@ -327,48 +265,7 @@ class GenerationHost:
             longest = longer
         return joiners
 
-    async def _run_step(self, rows: list[StepRow]) -> _StepResult:
-        """One step once a shared compute slot is free (warm-up)."""
-        while self._context.slots.free <= 0:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-        return await self._start_step(rows)
-
-    def _start_step(self, rows: list[StepRow]) -> asyncio.Task[_StepResult]:
-        """Take a shared compute slot (one must be free) and run one step on a compute
-        thread; the slot is given back when it ends."""
-        slots = self._context.slots
-        slots.take()
-
-        async def step() -> _StepResult:
-            failure: BaseException | None = None
-            try:
-                return await self._context.dispatcher.run_compute(self._compute, rows)
-            except BaseException as error:
-                failure = error
-                raise
-            finally:
-                slots.give()
-                if not isinstance(failure, asyncio.CancelledError):
-                    self._context.record_batch(failure)
-
-        return asyncio.create_task(step())
-
-    def _compute(self, rows: Sequence[StepRow]) -> _StepResult:
-        """Compute thread: the prefill rows in one forward, the decode rows in another."""
-        self._context.before_batch()
-        started = time.perf_counter()
-        prefill = [row for row in rows if row.start == 0]  # a decode row starts past its prompt
-        # In slot order: consecutive slots read the cache as a view instead of a copy.
-        decode = sorted((row for row in rows if row.start > 0), key=lambda row: row.slot)
-        chosen: dict[int, int] = {}
-        for group in (prefill, decode):
-            if group:
-                for row, token in zip(group, self.runner.step(group), strict=True):
-                    chosen[row.slot] = token
-        return _StepResult([chosen[row.slot] for row in rows], time.perf_counter() - started)
-
-    def _record_step(self, result: _StepResult) -> None:
+    def _record_step(self, result: StepResult) -> None:
         seconds = result.compute_s
         self._step_s = (
             seconds
@@ -378,12 +275,12 @@ class GenerationHost:
         self._context.metrics.dispatcher_busy.labels(self.name).inc(seconds)
 
     def _advance(
-        self, sequences: list[_Sequence], tokens: list[int]
-    ) -> list[tuple[_Sequence, Output]]:
+        self, sequences: list[GenerationSequence], tokens: list[int]
+    ) -> list[tuple[GenerationSequence, Output]]:
         """Give each sequence its new token, and end those at EOS (not sent) or at their
         length, freeing their slots for the next step; returns the outputs to send."""
         now = self._context.clock()
-        outbox: list[tuple[_Sequence, Output]] = []
+        outbox: list[tuple[GenerationSequence, Output]] = []
         for sequence, token in zip(sequences, tokens, strict=True):
             if sequence.slot is None or self._running.get(sequence.slot) is not sequence:
                 continue  # cancelled or expired while the step ran
@@ -398,36 +295,18 @@ class GenerationHost:
             if sequence.remaining <= 0:
                 outbox.append((sequence, self._finish(sequence, [token], FinishReason.LENGTH, now)))
                 continue
-            outbox.append((sequence, self._output(sequence, [token], None, now)))
+            outbox.append((sequence, sequence.output([token], None, now, self._context.tracer)))
         return outbox
 
-    def _output(
-        self,
-        sequence: _Sequence,
-        token_ids: list[int],
-        finish: FinishReason | None,
-        now: float,
-    ) -> Output:
-        started = sequence.started if sequence.started is not None else now
-        final = finish is not None
-        return Output(
-            sequence.request.request_id,
-            final=final,
-            payload=TokensOutput(token_ids, len(sequence.prompt), finish),
-            queue_s=started - sequence.arrived,
-            compute_s=now - started,
-            trace=self._context.tracer.finish(sequence.arrival_trace, None) if final else None,
-        )
-
     def _finish(
-        self, sequence: _Sequence, token_ids: list[int], reason: FinishReason, now: float
+        self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float
     ) -> Output:
         """End the sequence (its slot is free from now) and return its final output."""
         produced = len(sequence.generated)
         if produced > 1 and sequence.first_token_at is not None:
             per_token = (now - sequence.first_token_at) / (produced - 1)
             self._context.metrics.time_per_output_token.labels(self.name).observe(per_token)
-        output = self._output(sequence, token_ids, reason, now)
+        output = sequence.output(token_ids, reason, now, self._context.tracer)
         self._drop(sequence)
         return output
 

@@ -50,3 +50,25 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         return window[len(released) :]
+
+
+class WholeText:
+    """The `IncrementalDetokenizer` interface for a reader that wants the text only at the
+    end: `add` keeps the ids and releases nothing, `flush` decodes them all once (the text
+    the incremental pieces would have concatenated to). One instance per sequence."""
+
+    def __init__(self, decode: Decode) -> None:
+        self._decode = decode
+        self._ids: list[int] = []
+
+    @property
+    def token_count(self) -> int:
+        return len(self._ids)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        self._ids.extend(token_ids)
+        return ""
+
+    def flush(self) -> str:
+        ids, self._ids = self._ids, []
+        return self._decode(ids) if ids else ""

@@ -22,7 +22,7 @@ from app.admission import Rejected, RejectReason
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.failures import DeadlineExceeded
-from app.generation.detokenize import IncrementalDetokenizer
+from app.generation.detokenize import IncrementalDetokenizer, WholeText
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
 from app.models.tokenizer import InputTooLong
@@ -190,21 +190,25 @@ class TextGeneration:
         )
 
     async def stream(
-        self, prepared: PreparedGeneration, timer: PhaseTimer
-    ) -> AsyncGenerator[GenerationEvent, None]:
+        self, prepared: PreparedGeneration, timer: PhaseTimer, *, incremental: bool = True
+    ) -> AsyncGenerator[list[GenerationEvent], None]:
         """Every sequence's pieces as they come (sequences interleaved), each followed by
-        its `SequenceEnd`. Raises what the engine answers (`Rejected`, `DeadlineExceeded`,
+        its `SequenceEnd`, in batches: the events that became known together (a batch never
+        mixes sequences, and holds one piece at most). `incremental` False: nobody reads the
+        text before the end, so a sequence without stop strings is decoded once, at its end
+        (the same text). Raises what the engine answers (`Rejected`, `DeadlineExceeded`,
         `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it (or cancel its task)
         to cancel the engine requests still running."""
         sequences = [
-            self._sequence(prepared, index, timer) for index in range(len(prepared.prompt_ids))
+            self._sequence(prepared, index, timer, incremental)
+            for index in range(len(prepared.prompt_ids))
         ]
         self.service.sent(len(sequences))
         outcome = "error"
         try:
-            async with contextlib.aclosing(_merge(sequences)) as events:
-                async for event in events:
-                    yield event
+            async with contextlib.aclosing(_merge(sequences)) as batches:
+                async for batch in batches:
+                    yield batch
             outcome = "ok"
         except Rejected as rejection:
             deadline = rejection.reason is RejectReason.DEADLINE
@@ -223,8 +227,10 @@ class TextGeneration:
             ).observe(elapsed)
 
     async def _sequence(
-        self, prepared: PreparedGeneration, index: int, timer: PhaseTimer
-    ) -> AsyncGenerator[GenerationEvent, None]:
+        self, prepared: PreparedGeneration, index: int, timer: PhaseTimer, incremental: bool
+    ) -> AsyncGenerator[list[GenerationEvent], None]:
+        """One prompt's sequence: each batch of engine outputs (one or more tokens that
+        arrived together) becomes at most one piece, plus the end once it is known."""
         tokenizer = self.tokenizer(prepared.model)
         prompt_ids = prepared.prompt_ids[index]
         request = Submit(
@@ -233,36 +239,69 @@ class TextGeneration:
             prepared.deadline,
             GeneratePayload(prompt_ids, _engine_sampling(prepared, index)),
         )
-        detokenizer = IncrementalDetokenizer(tokenizer.decode)
-        stops = StopMatcher(prepared.sampling.stops)
+        stops = StopMatcher(prepared.sampling.stops) if prepared.sampling.stops else None
+        detokenizer: IncrementalDetokenizer | WholeText
+        if incremental or stops is not None:
+            detokenizer = IncrementalDetokenizer(tokenizer.decode)
+        else:
+            detokenizer = WholeText(tokenizer.decode)
         generated = 0
         first = True
-        async with contextlib.aclosing(self.service.engine.stream(request)) as outputs:
-            async for output in outputs:
-                payload = output.payload
-                if not isinstance(payload, TokensOutput):  # a server fault: answered 500
-                    raise TypeError(f"{prepared.model} answered generation with {type(payload)}")
-                if first:
-                    timer.add("queue", output.queue_s)
-                    first = False
-                timer.add("compute", output.compute_s)
-                generated += len(payload.token_ids)
-                text = detokenizer.add(payload.token_ids)
-                if output.final:
-                    text += detokenizer.flush()
-                scan = stops.feed(text)
-                if scan.text:
-                    yield TextPiece(index, scan.text)
-                if scan.stopped:  # leaving the engine stream cancels the sequence
-                    yield SequenceEnd(index, "stop", len(prompt_ids), generated)
-                    return
-                if output.final:
-                    if held := stops.flush():
-                        yield TextPiece(index, held)
-                    reason = _FINISH[payload.finish_reason or FinishReason.LENGTH]
-                    yield SequenceEnd(index, reason, payload.prompt_tokens, generated)
-                    return
+        async with contextlib.aclosing(self.service.engine.stream_batches(request)) as outputs:
+            async for batch in outputs:
+                # Without stop strings the batch's tokens are decoded together; with them,
+                # each output is scanned as it was produced, so a stop ends the sequence at
+                # the very output that reached it.
+                text = ""
+                token_ids: list[int] = []
+                for output in batch:
+                    payload = output.payload
+                    if not isinstance(payload, TokensOutput):  # a server fault: answered 500
+                        raise TypeError(
+                            f"{prepared.model} answered generation with {type(payload)}"
+                        )
+                    if first:
+                        timer.add("queue", output.queue_s)
+                        first = False
+                    timer.add("compute", output.compute_s)
+                    generated += len(payload.token_ids)
+                    if stops is None:
+                        token_ids.extend(payload.token_ids)
+                        continue
+                    scan = stops.feed(_decoded(detokenizer, payload.token_ids, output.final))
+                    text += scan.text
+                    if scan.stopped:  # leaving the engine stream cancels the sequence
+                        ended = SequenceEnd(index, "stop", len(prompt_ids), generated)
+                        yield _events(index, text, ended)
+                        return
+                last = batch[-1]
+                if stops is None:
+                    text = _decoded(detokenizer, token_ids, last.final)
+                if not last.final:
+                    if text:
+                        yield [TextPiece(index, text)]
+                    continue
+                if stops is not None:
+                    text += stops.flush()
+                assert isinstance(last.payload, TokensOutput)
+                reason = _FINISH[last.payload.finish_reason or FinishReason.LENGTH]
+                ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated)
+                yield _events(index, text, ended)
+                return
         raise EngineUnavailable("the engine's stream ended without a final output")
+
+
+def _decoded(
+    detokenizer: IncrementalDetokenizer | WholeText, token_ids: Sequence[int], final: bool
+) -> str:
+    """The text new tokens release; at the end, with everything held back."""
+    text = detokenizer.add(token_ids)
+    return text + detokenizer.flush() if final else text
+
+
+def _events(index: int, text: str, end: SequenceEnd) -> list[GenerationEvent]:
+    """A sequence's last batch: its last piece (if any) and its end."""
+    return [TextPiece(index, text), end] if text else [end]
 
 
 def _encode_all(
@@ -292,22 +331,22 @@ _DONE = object()
 
 
 async def _merge(
-    streams: list[AsyncGenerator[GenerationEvent, None]],
-) -> AsyncGenerator[GenerationEvent, None]:
-    """The events of every stream as they arrive; the first failure ends them all. One
-    stream is read directly (no task): the common case costs nothing extra."""
+    streams: list[AsyncGenerator[list[GenerationEvent], None]],
+) -> AsyncGenerator[list[GenerationEvent], None]:
+    """The event batches of every stream as they arrive; the first failure ends them all.
+    One stream is read directly (no task): the common case costs nothing extra."""
     if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as events:
-            async for event in events:
-                yield event
+        async with contextlib.aclosing(streams[0]) as batches:
+            async for batch in batches:
+                yield batch
         return
-    queue: asyncio.Queue[GenerationEvent | _Failed | object] = asyncio.Queue()
+    queue: asyncio.Queue[list[GenerationEvent] | _Failed | object] = asyncio.Queue()
 
-    async def pump(stream: AsyncGenerator[GenerationEvent, None]) -> None:
+    async def pump(stream: AsyncGenerator[list[GenerationEvent], None]) -> None:
         try:
-            async with contextlib.aclosing(stream) as events:
-                async for event in events:
-                    queue.put_nowait(event)
+            async with contextlib.aclosing(stream) as batches:
+                async for batch in batches:
+                    queue.put_nowait(batch)
         except Exception as error:
             queue.put_nowait(_Failed(error))
         finally:
@@ -322,7 +361,7 @@ async def _merge(
                 running -= 1
             elif isinstance(item, _Failed):
                 raise item.error
-            elif isinstance(item, TextPiece | SequenceEnd):
+            elif isinstance(item, list):
                 yield item
     finally:
         for task in tasks:

@@ -22,11 +22,16 @@ import openai
 import orjson
 import pytest
 import pytest_asyncio
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import PreTrainedModel
 
 from app.main import create_app
-from app.settings import ModelSpec, Settings
+from app.settings import Settings
+from tests.support.generation import (
+    generate_settings,
+    load_reference,
+    reference_greedy,
+    sse_payloads,
+)
 from tests.support.listening import listening
 from tests.support.tiny_causal_lm import CORPUS
 
@@ -34,31 +39,16 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SLOTS = 16
 SLOT_TOKENS = 128
-# Exact equality with model.generate needs fp32 (see test_generation_engine.py).
-DTYPE = "float32"
 # 16 prompts of 3 to ~30 tokens, each with its own number of new tokens.
 PROMPTS = [text[:cut] for text in CORPUS[:8] for cut in (9, 120)]
 NEW_TOKENS = [5 + (7 * index) % 23 for index in range(len(PROMPTS))]
 
 
 def settings_for(tiny: Path, plain: Path, engine: str, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "models": (
-            ModelSpec(name="tiny", task="generate", source=str(tiny), dtype=DTYPE),
-            ModelSpec(name="plain", task="generate", source=str(plain), dtype=DTYPE),
-        ),
-        "engine": engine,
-        "generate_slots": SLOTS,
-        "generate_slot_tokens": SLOT_TOKENS,
-        "generate_max_batch_tokens": SLOT_TOKENS,
-        "length_buckets": (16, 64),
-        "torch_threads": 1,
-        "spike_reports": False,
-        # The point here is the results: a busy shared machine must not refuse these.
-        "max_queue_delay_ms": 60_000,
-        **overrides,
-    }
-    return Settings(**values)  # type: ignore[arg-type]
+    models = {"tiny": tiny, "plain": plain}
+    return generate_settings(
+        models, slots=SLOTS, slot_tokens=SLOT_TOKENS, engine=engine, **overrides
+    )
 
 
 @dataclass(frozen=True)
@@ -70,37 +60,24 @@ class Expected:
 
 @pytest.fixture(scope="module")
 def reference(tiny_causal_lm: Path) -> tuple[Any, PreTrainedModel]:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_causal_lm)
-    model = AutoModelForCausalLM.from_pretrained(tiny_causal_lm, dtype=torch.float32).eval()
-    return tokenizer, model
+    return load_reference(tiny_causal_lm)
 
 
-def reference_greedy(
+def expected_greedy(
     reference: tuple[Any, PreTrainedModel], prompt_ids: list[int], max_new_tokens: int
 ) -> Expected:
     """model.generate on one prompt, no padding, decoded as a client would."""
     tokenizer, model = reference
-    with torch.inference_mode():
-        output = model.generate(
-            torch.tensor([prompt_ids]),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    new = output[0, len(prompt_ids) :].tolist()
-    if tokenizer.eos_token_id in new:
-        new = new[: new.index(tokenizer.eos_token_id)]
-        reason = "stop"
-    else:
-        reason = "length"
-    return Expected(tokenizer.decode(new, skip_special_tokens=True), len(new), reason)
+    result = reference_greedy(model, prompt_ids, max_new_tokens)
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    return Expected(text, len(result.token_ids), "stop" if result.at_eos else "length")
 
 
 @pytest.fixture(scope="module")
 def expected(reference: tuple[Any, PreTrainedModel]) -> list[Expected]:
     tokenizer, _ = reference
     return [
-        reference_greedy(reference, tokenizer(prompt)["input_ids"], new_tokens)
+        expected_greedy(reference, tokenizer(prompt)["input_ids"], new_tokens)
         for prompt, new_tokens in zip(PROMPTS, NEW_TOKENS, strict=True)
     ]
 
@@ -118,13 +95,6 @@ async def base_url(
 async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         yield client
-
-
-def sse_payloads(body: bytes) -> list[Any]:
-    frames = body.split(b"\n\n")
-    assert frames[-2:] == [b"data: [DONE]", b""], body[-200:]
-    assert all(frame.startswith(b"data: ") for frame in frames[:-2])
-    return [orjson.loads(frame[len(b"data: ") :]) for frame in frames[:-2]]
 
 
 async def test_infer_greedy_equals_generate_for_16_concurrent_requests(
@@ -201,7 +171,7 @@ async def test_chat_streams_what_generate_gives_the_templated_prompt(
     prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(prompt_ids, list):
         prompt_ids = list(prompt_ids["input_ids"])
-    want = reference_greedy(reference, prompt_ids, 20)
+    want = expected_greedy(reference, prompt_ids, 20)
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     try:
         answer = await client.chat.completions.create(

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 
 from app.admission import Rejected, RejectReason
 from app.engine.client import EngineRefused
@@ -31,16 +30,13 @@ from app.engine.protocol import (
 )
 from app.failures import DeadlineExceeded
 from app.metrics import Metrics
-from app.models.base import resolve_device, resolve_dtype
 from app.settings import ModelSpec, Settings
+from tests.support.generation import generate_settings, load_reference, reference_greedy
 from tests.support.tiny_causal_lm import CORPUS, build_tiny_causal_lm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 SLOTS = 8
-# Exact equality with model.generate needs fp32: in bf16/fp16 a padded or batched row's
-# rounding differs from a lone one's, and near-tied logits can flip.
-DTYPE = "float32"
 SLOT_TOKENS = 256
 PROMPTS = [
     text[:cut] for text in CORPUS for cut in (12, 200) if len(text) > 12
@@ -48,20 +44,8 @@ PROMPTS = [
 
 
 def settings_for(source: Path, **overrides: object) -> Settings:
-    values: dict[str, object] = {
-        "models": (ModelSpec(name="tiny", task="generate", source=str(source), dtype=DTYPE),),
-        "engine": "inprocess",
-        "generate_slots": SLOTS,
-        "generate_slot_tokens": SLOT_TOKENS,
-        "generate_max_batch_tokens": SLOT_TOKENS,
-        "length_buckets": (16, 64),
-        "torch_threads": 1,
-        "spike_reports": False,
-        # The point here is the results: a busy shared machine must not refuse these.
-        "max_queue_delay_ms": 60_000,
-        **overrides,
-    }
-    return Settings(**values)  # type: ignore[arg-type]
+    values: dict[str, object] = {"engine": "inprocess", **overrides}
+    return generate_settings({"tiny": source}, slots=SLOTS, slot_tokens=SLOT_TOKENS, **values)
 
 
 @dataclass(frozen=True)
@@ -104,29 +88,17 @@ async def generate(
 
 @pytest.fixture(scope="module")
 def reference(tiny_causal_lm: Path) -> tuple[AutoTokenizer, PreTrainedModel]:
-    device = resolve_device("auto")
-    model = AutoModelForCausalLM.from_pretrained(tiny_causal_lm, dtype=resolve_dtype(DTYPE, device))
-    return AutoTokenizer.from_pretrained(tiny_causal_lm), model.to(device).eval()
+    tokenizer, model = load_reference(tiny_causal_lm)
+    return tokenizer, model
 
 
-def reference_greedy(
+def expected_greedy(
     model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int
 ) -> Generated:
     """model.generate on one prompt, no padding; the EOS token is not part of the result."""
-    with torch.inference_mode():
-        output = model.generate(
-            torch.tensor([prompt_ids], device=model.device),
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64, device=model.device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
-    new = output[0, len(prompt_ids) :].tolist()
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos) if isinstance(eos, list) else {eos}
-    for index, token in enumerate(new):
-        if token in eos_ids:
-            return Generated(new[:index], FinishReason.EOS, 0, len(prompt_ids))
-    return Generated(new, FinishReason.LENGTH, 0, len(prompt_ids))
+    result = reference_greedy(model, prompt_ids, max_new_tokens)
+    finish = FinishReason.EOS if result.at_eos else FinishReason.LENGTH
+    return Generated(result.token_ids, finish, 0, len(prompt_ids))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -158,7 +130,7 @@ async def test_greedy_equals_generate_one_prompt_at_a_time(
         )
     )
     for prompt, n, result in zip(prompts, lengths, results, strict=True):
-        expected = reference_greedy(model, prompt, n)
+        expected = expected_greedy(model, prompt, n)
         assert result.token_ids == expected.token_ids, (prompt, n)
         assert result.finish_reason is expected.finish_reason
         assert result.prompt_tokens == len(prompt)
@@ -258,7 +230,7 @@ async def test_eos_ends_the_sequence_without_the_token(
     generation config may name several): the engine stops there, as model.generate does."""
     _, model = reference
     prompt = [1, 50, 60, 70]
-    plain = reference_greedy(model, prompt, 8).token_ids
+    plain = expected_greedy(model, prompt, 8).token_ids
     stop = plain[3]
     assert stop not in plain[:3]
     directory = build_tiny_causal_lm(tmp_path / "eos")

@@ -21,6 +21,7 @@ from app.engine.protocol import GeneratePayload
 from app.main import create_app
 from app.settings import ModelSpec, Settings
 from tests.support.asgi import serving
+from tests.support.generation import sse_payloads
 from tests.support.scripted_generator import ScriptedGenerator
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -66,14 +67,6 @@ def engine_of(app: FastAPI) -> ScriptedGenerator:
 def prompt_tokens(app: FastAPI, text: str) -> list[int]:
     ids: list[int] = app.state.service.tokenizers["tiny"].encode(text)
     return ids
-
-
-def sse_payloads(body: bytes) -> list[Any]:
-    frames = body.split(b"\n\n")
-    assert frames[-1] == b"", "the stream ends with a complete frame"
-    assert frames[-2] == b"data: [DONE]"
-    assert all(frame.startswith(b"data: ") for frame in frames[:-1])
-    return [orjson.loads(frame[6:]) for frame in frames[:-2]]
 
 
 async def test_infer_echoes_the_prompt_and_reports_length_and_usage(
@@ -358,3 +351,42 @@ async def test_generations_are_never_reported_as_slow_requests(settings: Setting
     reports = application.state.recorder.recent()
     assert [report.path for report in reports] == ["/infer"]  # the 404 only
     assert reports[0].status == 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_outputs_that_arrive_together_are_one_piece_with_the_same_text_and_counts(
+    client: httpx.AsyncClient, app: FastAPI, stream: bool
+) -> None:
+    """A reader behind the engine finds several outputs queued: they become one text chunk
+    (fewer writes), and the text, the stop and the token count stay what one output at a
+    time gives."""
+    engine = engine_of(app)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "stream": stream}
+    stopped = {**body, "max_tokens": 200, "stop": [" over"]}
+    answers = []
+    for per_turn in (1, 4):
+        engine.outputs_per_turn = per_turn
+        try:
+            answers.append(
+                [(await client.post("/v1/completions", json=b)).content for b in (body, stopped)]
+            )
+        finally:
+            engine.outputs_per_turn = 1
+
+    def texts_and_usage(content: bytes) -> tuple[list[str], dict[str, Any] | None]:
+        if not stream:
+            whole = orjson.loads(content)
+            return [whole["choices"][0]["text"]], whole["usage"]
+        chunks = sse_payloads(content)
+        return [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]], None
+
+    for one, together in zip(answers[0], answers[1], strict=True):
+        texts_one, usage_one = texts_and_usage(one)
+        texts_together, usage_together = texts_and_usage(together)
+        assert "".join(texts_together) == "".join(texts_one)
+        assert usage_together == usage_one
+        if stream:
+            assert len(texts_together) < len(texts_one)
+    _, stopped_usage = texts_and_usage(answers[1][1])
+    if not stream:  # the stop is at the same output: the same tokens counted
+        assert stopped_usage is not None and stopped_usage["completion_tokens"] < 200

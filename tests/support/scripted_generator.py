@@ -4,7 +4,8 @@ interleaved sequences, failures mid-stream), not the model.
 
 Each generate request gets its prompt's ids (the first, BOS, left out) cycled up to its
 `max_new_tokens` (or fewer, ending in EOS, with `eos_after_tokens`), one token per output,
-each output after one event-loop turn; the final output says why it ended. Cancelled
+each output after one event-loop turn (or `outputs_per_turn` of them at once, as a reader
+that fell behind the engine finds them); the final output says why it ended. Cancelled
 request ids are recorded. Event loop thread only.
 """
 
@@ -40,6 +41,7 @@ class ScriptedGenerator(AlwaysReadyEngine):
         self.cancelled: list[int] = []
         self.fail_after_tokens: int | None = None  # set: requests fail after this many
         self.eos_after_tokens: int | None = None  # set: sequences end (EOS) after this many
+        self.outputs_per_turn = 1  # outputs delivered together before the reader runs
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(spec.task, 0, self._max_sequence_tokens - 1)
@@ -74,7 +76,8 @@ class ScriptedGenerator(AlwaysReadyEngine):
             count, reason = self.eos_after_tokens, FinishReason.EOS
         try:
             for step in range(count):
-                await asyncio.sleep(0)
+                if step % self.outputs_per_turn == 0:
+                    await asyncio.sleep(0)
                 if self.fail_after_tokens is not None and step == self.fail_after_tokens:
                     self._deliver(Failure(request.request_id, FailureKind.FAILED, "boom"))
                     return

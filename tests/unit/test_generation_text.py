@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from app.generation.chat import ChatTemplate, ChatTemplateError, load_chat_template
-from app.generation.detokenize import REPLACEMENT_CHARACTER, IncrementalDetokenizer
+from app.generation.detokenize import REPLACEMENT_CHARACTER, IncrementalDetokenizer, WholeText
 from app.generation.stops import StopMatcher
 
 TEXTS = [
@@ -52,6 +52,20 @@ def test_pieces_never_split_a_character_and_concatenate_to_the_full_decode(
     pieces.append(detokenizer.flush())
     assert not any(REPLACEMENT_CHARACTER in piece for piece in pieces)
     assert "".join(pieces) == byte_level.decode(ids) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_whole_text_releases_nothing_until_the_end_then_the_full_decode(
+    byte_level: Tokenizer, text: str
+) -> None:
+    ids = byte_level.encode(text).ids
+    whole = WholeText(_decode(byte_level))  # type: ignore[arg-type]
+    assert [whole.add(ids[start : start + 2]) for start in range(0, len(ids), 2)] == [""] * (
+        (len(ids) + 1) // 2
+    )
+    assert whole.token_count == len(ids)
+    assert whole.flush() == byte_level.decode(ids) == text
+    assert whole.flush() == ""
 
 
 def test_a_split_character_is_held_until_its_last_byte(byte_level: Tokenizer) -> None:

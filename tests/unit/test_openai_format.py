@@ -5,8 +5,17 @@ and the SSE frames they travel in. The openai client parses these in tests/integ
 from __future__ import annotations
 
 import orjson
+import pytest
 
-from app.api.openai_format import Reply, chunk, error_chunk, usage, usage_chunk, whole
+from app.api.openai_format import (
+    Reply,
+    TextChunks,
+    chunk,
+    error_chunk,
+    usage,
+    usage_chunk,
+    whole,
+)
 from app.api.sse import DONE, event
 from app.generation.pipeline import SequenceEnd
 
@@ -58,3 +67,16 @@ def test_sse_frames_are_single_data_lines_and_the_stream_ends_with_done() -> Non
     assert event(error_chunk("queue", "full"))[6:-2] == (
         b'{"error":{"type":"queue","message":"full","param":null}}'
     )
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("with_usage", [False, True])
+def test_a_text_chunk_from_its_template_is_the_event_of_the_chunk_byte_for_byte(
+    chat: bool, with_usage: bool
+) -> None:
+    reply = Reply('model "with" quotes', chat=chat)
+    chunks = TextChunks(reply, with_usage)
+    for index in (0, 3, 0):
+        for text in ("plain", "", 'quote " and \\ backslash', "line\nbreak", "🚀 你好", "\x00"):
+            expected = event(chunk(reply, index, text=text, with_usage=with_usage))
+            assert chunks.frame(index, text) == expected

@@ -1,0 +1,63 @@
+"""One generate request's sequence in the engine: its prompt, sampling, the tokens it has
+generated, its KV-cache slot once it joined the running batch, and the `Output` messages
+it streams (the last one `final`). Event loop thread only; its generator is used by the
+step that computes it, one step at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+
+from app.engine.host import Emit, RequestTracer
+from app.engine.protocol import FinishReason, Output, SamplingParams, Submit, TokensOutput
+from app.models.causal_lm import StepRow
+
+
+@dataclass(eq=False)
+class GenerationSequence:
+    request: Submit
+    prompt: list[int]
+    sampling: SamplingParams
+    emit: Emit
+    generator: torch.Generator
+    arrived: float
+    done: asyncio.Future[None]
+    arrival_trace: object | None
+    slot: int | None = None
+    started: float | None = None  # joined the batch
+    first_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_new_tokens - len(self.generated)
+
+    def row(self) -> StepRow:
+        """Its part of the next step: the prompt, or its last token at its position."""
+        assert self.slot is not None
+        if not self.generated:
+            return StepRow(self.slot, self.prompt, 0, self.sampling, self.generator)
+        position = len(self.prompt) + len(self.generated) - 1
+        return StepRow(self.slot, self.generated[-1:], position, self.sampling, self.generator)
+
+    def output(
+        self,
+        token_ids: list[int],
+        finish: FinishReason | None,
+        now: float,
+        tracer: RequestTracer,
+    ) -> Output:
+        """Its next output message: `token_ids`, and with `finish` its last (traced)."""
+        started = self.started if self.started is not None else now
+        final = finish is not None
+        return Output(
+            self.request.request_id,
+            final=final,
+            payload=TokensOutput(token_ids, len(self.prompt), finish),
+            queue_s=started - self.arrived,
+            compute_s=now - started,
+            trace=tracer.finish(self.arrival_trace, None) if final else None,
+        )

@@ -1,0 +1,115 @@
+"""Running generation steps of one causal LM: each step once a compute slot every model
+shares is free, on a dispatcher compute thread (the prefill rows in one forward, the decode
+rows in another), and the warm-up shapes that precede serving.
+
+A step holds one shared compute slot from its start to its end, so embedding batches and
+generation steps interleave without oversubscribing the CPU/GPU. `StepRunner` is used on
+the engine's event loop thread; `_compute` runs on a compute thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.engine.host import EngineContext, ShapeDone
+from app.engine.protocol import SamplingParams
+from app.models.causal_lm import CausalLMRunner, StepRow
+from app.models.sampling import new_generator
+
+_GREEDY = SamplingParams(max_new_tokens=1)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    tokens: list[int]  # one per row, in the rows' order
+    compute_s: float
+
+
+class StepRunner:
+    def __init__(
+        self, runner: CausalLMRunner, context: EngineContext, wakeup: asyncio.Event
+    ) -> None:
+        """`wakeup` is set whenever a shared compute slot is given back (the host's)."""
+        self.runner = runner
+        self._context = context
+        self._wakeup = wakeup
+
+    # --- warm-up ------------------------------------------------------------------------
+    def _prefill_lengths(self) -> list[int]:
+        longest = self.runner.max_sequence_tokens - 1
+        lengths = [b for b in self._context.settings.length_buckets if b < longest]
+        return [*lengths, longest]
+
+    def _decode_batches(self) -> list[int]:
+        slots = self.runner.cache.shape.slots
+        sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
+        return [*sizes, slots]
+
+    @property
+    def warmup_total(self) -> int:
+        if not self._context.settings.warmup:
+            return 0
+        return len(self._prefill_lengths()) + len(self._decode_batches())
+
+    async def warm_up(self, shape_done: ShapeDone) -> float:
+        """Prefill one prompt of each length bucket, then decode steps of every batch size
+        up to all slots; returns the last one's seconds (every slot decoding), the first
+        step-time estimate."""
+        total, done = self.warmup_total, 0
+        filler = self.runner.pad_token_id
+        step_s = 0.0
+        for length in self._prefill_lengths():
+            await self.run([StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0))])
+            done += 1
+            shape_done(done, total)
+        for rows in self._decode_batches():
+            step = [StepRow(s, [filler], 1, _GREEDY, new_generator(0)) for s in range(rows)]
+            step_s = (await self.run(step)).compute_s
+            done += 1
+            shape_done(done, total)
+        return step_s
+
+    # --- steps --------------------------------------------------------------------------
+    async def run(self, rows: list[StepRow]) -> StepResult:
+        """One step once a shared compute slot is free (warm-up)."""
+        while self._context.slots.free <= 0:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+        return await self.start(rows)
+
+    def start(self, rows: list[StepRow]) -> asyncio.Task[StepResult]:
+        """Take a shared compute slot (one must be free) and run one step on a compute
+        thread; the slot is given back when it ends."""
+        slots = self._context.slots
+        slots.take()
+
+        async def step() -> StepResult:
+            failure: BaseException | None = None
+            try:
+                return await self._context.dispatcher.run_compute(self._compute, rows)
+            except BaseException as error:
+                failure = error
+                raise
+            finally:
+                slots.give()
+                if not isinstance(failure, asyncio.CancelledError):
+                    self._context.record_batch(failure)
+
+        return asyncio.create_task(step())
+
+    def _compute(self, rows: Sequence[StepRow]) -> StepResult:
+        """Compute thread: the prefill rows in one forward, the decode rows in another."""
+        self._context.before_batch()
+        started = time.perf_counter()
+        prefill = [row for row in rows if row.start == 0]  # a decode row starts past its prompt
+        # In slot order: consecutive slots read the cache as a view instead of a copy.
+        decode = sorted((row for row in rows if row.start > 0), key=lambda row: row.slot)
+        chosen: dict[int, int] = {}
+        for group in (prefill, decode):
+            if group:
+                for row, token in zip(group, self.runner.step(group), strict=True):
+                    chosen[row.slot] = token
+        return StepResult([chosen[row.slot] for row in rows], time.perf_counter() - started)

@@ -13,8 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-# generation_host.py and loadtest/generation_engine_bench.py import ModelSpec from here.
-from app.model_specs import ModelSpec as ModelSpec
+from app.model_specs import ModelSpec
 
 Device = Literal["auto", "cpu", "cuda"]
 EngineMode = Literal["process", "inprocess"]

@@ -14,10 +14,7 @@ import numpy.typing as npt
 from app.admission import Rejected
 from app.batcher import ItemResult, ModelBatcher
 from app.buffers import BufferPool
-from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
-
-# generation_host.py (not touched here) imports payload_kind from this module.
-from app.engine.host import payload_kind as payload_kind
+from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.protocol import (
     EmbedOutput,
     EmbedPayload,

@@ -25,10 +25,9 @@ import logging
 from collections import deque
 
 from app.admission import Rejected, RejectReason
-from app.engine.embedding_host import payload_kind
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.generation_steps import StepResult, StepRunner
-from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone
+from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.kv_slots import SlotTable, payload_problem, start_verdict, steps_until_start
 from app.engine.protocol import (
     Failure,

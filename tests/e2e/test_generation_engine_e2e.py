@@ -20,7 +20,8 @@ from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, S
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import ZmqEngineClient
 from app.metrics import MULTIPROCESS_DIR_ENV
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 

@@ -30,7 +30,8 @@ from app.engine.protocol import (
 )
 from app.failures import DeadlineExceeded
 from app.metrics import Metrics
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from tests.support.generation import generate_settings, load_reference, reference_greedy
 from tests.support.tiny_causal_lm import CORPUS, build_tiny_causal_lm
 

@@ -19,7 +19,8 @@ from fastapi import FastAPI
 
 from app.engine.protocol import GeneratePayload
 from app.main import create_app
-from app.settings import ModelSpec, Settings
+from app.model_specs import ModelSpec
+from app.settings import Settings
 from tests.support.asgi import serving
 from tests.support.generation import sse_payloads
 from tests.support.scripted_generator import ScriptedGenerator

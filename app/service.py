@@ -35,6 +35,7 @@ from app.engine.protocol import EngineStatus, ModelInfo, OutputPayload, Payload,
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
 from app.generation.tokenizer import load_generation_tokenizer
+from app.heap import freeze_startup_heap
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
 from app.models.tokenizer import TextTokenizer, load_tokenizer
@@ -131,6 +132,7 @@ class Service:
                         self._tokenizer_loader, spec, largest
                     )
             await self.engine.start()
+            freeze_startup_heap("frontend")
             self._started = True
         except Exception as error:
             log.exception("front-end start-up failed")

@@ -7,7 +7,6 @@ the rest is called from the event loop thread.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 
@@ -34,19 +33,6 @@ def load_runner(spec: ModelSpec, device: torch.device, largest_length_bucket: in
         max_input_tokens=spec.max_input_tokens,
         largest_length_bucket=largest_length_bucket,
     )
-
-
-def freeze_startup_heap() -> None:
-    """Move everything alive after start-up (model, tokenizer, torch and transformers
-    modules: millions of objects) out of the garbage collector's reach.
-
-    Otherwise every full (generation 2) collection walks all of it, holding the GIL for
-    ~200 ms about once a second under load on a 2-core machine: a periodic p99 spike on
-    every request in flight. Objects created later are collected as usual.
-    """
-    gc.collect()
-    gc.freeze()
-    log.info("garbage collector: %d start-up objects frozen", gc.get_freeze_count())
 
 
 def init_cuda(device: torch.device, alloc_conf: str | None) -> None:

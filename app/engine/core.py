@@ -33,10 +33,11 @@ from app.engine.protocol import (
 )
 from app.engine.reports import config_report
 from app.engine.tracing import NO_TRACES, ProbeTracer
+from app.heap import freeze_startup_heap
 from app.metrics import Metrics
 from app.models.base import resolve_device
 from app.settings import Settings, export_cuda_alloc_conf
-from app.startup import RunnerLoader, freeze_startup_heap, load_runner
+from app.startup import RunnerLoader, load_runner
 from app.telemetry.cgroup import available_cpus
 from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe
 from app.telemetry.gpu import NvmlProbe
@@ -142,7 +143,7 @@ class EngineCore:
             if self.settings.warmup:
                 await self._warm_up(name, host)
             host.start()
-        freeze_startup_heap()
+        freeze_startup_heap("engine")
         self._ready = True
         log.info(
             "engine ready in %.1f s (%d shapes warmed up)",

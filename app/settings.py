@@ -221,6 +221,14 @@ class Settings(BaseSettings):
         description="Prompt tokens prefilled in one step (joining rows x their longest prompt); "
         "further joiners wait for the next step. At least generate_slot_tokens.",
     )
+    generate_steps_per_dispatch: int = Field(
+        default=4,
+        ge=1,
+        description="Decode steps one generate model runs per compute dispatch when no "
+        "sequence joins (multi-step decoding): each sequence's tokens of those steps go out "
+        "in one message. A new request or a cancel waits at most this many steps; 1 turns "
+        "it off.",
+    )
     generate_max_waiting: int = Field(
         default=64,
         ge=0,

@@ -2,11 +2,17 @@
 
 Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), joins the
 running batch at the next step with its prompt (prefill), then gets one token per step until
-EOS or `max_new_tokens`; each step streams the new token as an `Output`, the last one
-`final` with its `FinishReason`. Sequences join and leave between steps; a step is one
-prefill forward for the joiners and one batched decode forward for the rest, run on a
+EOS or `max_new_tokens`; each dispatch streams the new tokens as an `Output`, the last one
+`final` with its `FinishReason`. Sequences join and leave between dispatches; a dispatch is
+one prefill forward for the joiners and one batched decode forward for the rest, run on a
 dispatcher compute thread inside one of the compute slots every model shares, so embedding
 batches and generation steps interleave without oversubscribing the CPU/GPU.
+
+When nobody joins, a dispatch runs up to `generate_steps_per_dispatch` decode steps in a row
+(multi-step decoding), never past the step at which a running sequence reaches its length,
+so the per-step turn of the event loop (collecting the step, building the next rows, one
+`Output` per sequence) is paid once per dispatch. An arrival that could take a free slot, or
+a sequence leaving while others wait, interrupts the run after its current step.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
@@ -58,6 +64,7 @@ class GenerationHost:
         self._table = SlotTable(runner.cache.shape.slots)
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
+        self._steps_per_dispatch = settings.generate_steps_per_dispatch
         self._waiting: deque[GenerationSequence] = deque()
         self._running: dict[int, GenerationSequence] = {}  # by slot
         self._step_s = 0.0  # smoothed seconds per step while busy
@@ -158,6 +165,8 @@ class GenerationHost:
             arrival_trace=self._context.tracer.arrive(len(self._waiting)),
         )
         self._waiting.append(sequence)
+        if self._table.free > 0:
+            self._steps.interrupt()  # it can join at the next step
         self._wakeup.set()
         return asyncio.create_task(self._answer(sequence))
 
@@ -178,6 +187,8 @@ class GenerationHost:
             if self._running.get(sequence.slot) is sequence:
                 del self._running[sequence.slot]
                 self._table.give(sequence.slot)
+                if self._waiting:
+                    self._steps.interrupt()  # a waiting sequence can take the slot
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(sequence)
@@ -208,7 +219,11 @@ class GenerationHost:
         while True:
             self._expire(self._context.clock())
             sequences = self._next_step() if self._context.slots.free > 0 else []
-            step = self._steps.start([s.row() for s in sequences]) if sequences else None
+            step = (
+                self._steps.start([s.row() for s in sequences], self._steps_for(sequences))
+                if sequences
+                else None
+            )
             for sequence, output in outbox:
                 sequence.emit(output)
             outbox = []
@@ -233,6 +248,17 @@ class GenerationHost:
         """The next step's sequences: those joining now (prefill), then those decoding."""
         joiners = self._join()
         return joiners + [s for s in self._running.values() if s.generated]
+
+    def _steps_for(self, sequences: list[GenerationSequence]) -> int:
+        """Decode steps the next dispatch may run: one when a sequence joins (its prefill);
+        else up to generate_steps_per_dispatch, and no step past the one at which a sequence
+        reaches its length (its slot then frees for a waiting one, as with single steps)."""
+        steps = self._steps_per_dispatch
+        for sequence in sequences:
+            if not sequence.generated:
+                return 1
+            steps = min(steps, sequence.remaining)
+        return max(steps, 1)
 
     def _expire(self, now: float) -> None:
         """Sequences past their deadline fail (504) and free their slots."""
@@ -265,36 +291,46 @@ class GenerationHost:
         return joiners
 
     def _record_step(self, result: StepResult) -> None:
-        seconds = result.compute_s
+        seconds = result.step_s
         self._step_s = (
             seconds
             if self._step_s == 0
             else (1 - STEP_TIME_SMOOTHING) * self._step_s + STEP_TIME_SMOOTHING * seconds
         )
-        self._context.metrics.dispatcher_busy.labels(self.name).inc(seconds)
+        self._context.metrics.dispatcher_busy.labels(self.name).inc(result.compute_s)
 
     def _advance(
-        self, sequences: list[GenerationSequence], tokens: list[int]
+        self, sequences: list[GenerationSequence], tokens: list[list[int]]
     ) -> list[tuple[GenerationSequence, Output]]:
-        """Give each sequence its new token, and end those at EOS (not sent) or at their
-        length, freeing their slots for the next step; returns the outputs to send."""
+        """Give each sequence its new tokens (one output with all of them), and end those at
+        EOS (not sent) or at their length, freeing their slots for the next step; returns the
+        outputs to send."""
         now = self._context.clock()
+        eos = self.runner.eos_token_ids
         outbox: list[tuple[GenerationSequence, Output]] = []
-        for sequence, token in zip(sequences, tokens, strict=True):
+        for sequence, chosen in zip(sequences, tokens, strict=True):
             if sequence.slot is None or self._running.get(sequence.slot) is not sequence:
                 continue  # cancelled or expired while the step ran
             if sequence.first_token_at is None:
                 sequence.first_token_at = now
                 self._first_token_histogram.observe(now - sequence.arrived)
-            if token in self.runner.eos_token_ids:
-                outbox.append((sequence, self._finish(sequence, [], FinishReason.EOS, now)))
-                continue
-            sequence.generated.append(token)
-            self._tokens_counter.inc()
-            if sequence.remaining <= 0:
-                outbox.append((sequence, self._finish(sequence, [token], FinishReason.LENGTH, now)))
-                continue
-            outbox.append((sequence, sequence.output([token], None, now, self._context.tracer)))
+            fresh: list[int] = []
+            finish: FinishReason | None = None
+            for token in chosen:
+                if token in eos:
+                    finish = FinishReason.EOS
+                    break
+                fresh.append(token)
+                if len(sequence.generated) + len(fresh) >= sequence.sampling.max_new_tokens:
+                    finish = FinishReason.LENGTH
+                    break
+            sequence.generated.extend(fresh)
+            if fresh:
+                self._tokens_counter.inc(len(fresh))
+            if finish is not None:
+                outbox.append((sequence, self._finish(sequence, fresh, finish, now)))
+            else:
+                outbox.append((sequence, sequence.output(fresh, None, now, self._context.tracer)))
         return outbox
 
     def _finish(

@@ -1,8 +1,13 @@
-"""Running generation steps of one causal LM: each step once a compute slot every model
+"""Running generation steps of one causal LM: each dispatch once a compute slot every model
 shares is free, on a dispatcher compute thread (the prefill rows in one forward, the decode
 rows in another), and the warm-up shapes that precede serving.
 
-A step holds one shared compute slot from its start to its end, so embedding batches and
+A dispatch is one step, or several decode steps in a row (multi-step decoding: each row's
+chosen token is fed back on the compute thread, with no turn of the event loop between
+steps; a row that chose EOS leaves the run, as it would leave the batch between single
+steps). `interrupt` (any thread) ends a multi-step run after its current step.
+
+A dispatch holds one shared compute slot from its start to its end, so embedding batches and
 generation steps interleave without oversubscribing the CPU/GPU. `StepRunner` is used on
 the engine's event loop thread; `_compute` runs on a compute thread.
 """
@@ -10,6 +15,7 @@ the engine's event loop thread; `_compute` runs on a compute thread.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +30,13 @@ _GREEDY = SamplingParams(max_new_tokens=1)
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    tokens: list[int]  # one per row, in the rows' order
+    tokens: list[list[int]]  # each row's chosen tokens, in the rows' order (EOS ends a list)
     compute_s: float
+    steps: int  # forwards run one after another (multi-step decoding: up to the steps asked)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s / max(self.steps, 1)
 
 
 class StepRunner:
@@ -36,6 +47,12 @@ class StepRunner:
         self.runner = runner
         self._context = context
         self._wakeup = wakeup
+        self._interrupted = threading.Event()
+
+    def interrupt(self) -> None:
+        """End the multi-step run in flight after its current step (any thread): something
+        can join the batch or leave it now."""
+        self._interrupted.set()
 
     # --- warm-up ------------------------------------------------------------------------
     def _prefill_lengths(self) -> list[int]:
@@ -67,7 +84,7 @@ class StepRunner:
             shape_done(done, total)
         for rows in self._decode_batches():
             step = [StepRow(s, [filler], 1, _GREEDY, new_generator(0)) for s in range(rows)]
-            step_s = (await self.run(step)).compute_s
+            step_s = (await self.run(step)).step_s
             done += 1
             shape_done(done, total)
         return step_s
@@ -80,16 +97,21 @@ class StepRunner:
             self._wakeup.clear()
         return await self.start(rows)
 
-    def start(self, rows: list[StepRow]) -> asyncio.Task[StepResult]:
+    def start(self, rows: list[StepRow], steps: int = 1) -> asyncio.Task[StepResult]:
         """Take a shared compute slot (one must be free) and run one step on a compute
-        thread; the slot is given back when it ends."""
+        thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
+        fewer if every row chooses EOS or `interrupt` is called; the slot is given back when
+        it ends."""
+        if steps > 1 and any(row.start == 0 for row in rows):
+            raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
         slots.take()
+        self._interrupted.clear()
 
         async def step() -> StepResult:
             failure: BaseException | None = None
             try:
-                return await self._context.dispatcher.run_compute(self._compute, rows)
+                return await self._context.dispatcher.run_compute(self._compute, rows, steps)
             except BaseException as error:
                 failure = error
                 raise
@@ -100,16 +122,45 @@ class StepRunner:
 
         return asyncio.create_task(step())
 
-    def _compute(self, rows: Sequence[StepRow]) -> StepResult:
-        """Compute thread: the prefill rows in one forward, the decode rows in another."""
+    def _compute(self, rows: Sequence[StepRow], steps: int) -> StepResult:
+        """Compute thread: the prefill rows in one forward, the decode rows in another; with
+        `steps` > 1, further decode steps on each row's chosen token."""
         self._context.before_batch()
         started = time.perf_counter()
+        if steps > 1:
+            chosen = self._decode_run(rows, steps)
+            forwards = max((len(tokens) for tokens in chosen.values()), default=0)
+            return StepResult(
+                [chosen[row.slot] for row in rows], time.perf_counter() - started, forwards
+            )
         prefill = [row for row in rows if row.start == 0]  # a decode row starts past its prompt
         # In slot order: consecutive slots read the cache as a view instead of a copy.
         decode = sorted((row for row in rows if row.start > 0), key=lambda row: row.slot)
-        chosen: dict[int, int] = {}
+        single: dict[int, list[int]] = {}
         for group in (prefill, decode):
             if group:
                 for row, token in zip(group, self.runner.step(group), strict=True):
-                    chosen[row.slot] = token
-        return StepResult([chosen[row.slot] for row in rows], time.perf_counter() - started)
+                    single[row.slot] = [token]
+        return StepResult([single[row.slot] for row in rows], time.perf_counter() - started, 1)
+
+    def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:
+        """Up to `steps` decode steps, each feeding every row the token it just chose (the
+        same rows, positions and generator draws as single steps); a row that chose EOS
+        stops, as does the run when `interrupt` is called. Each row's tokens, by slot."""
+        eos = self.runner.eos_token_ids
+        active = sorted(rows, key=lambda row: row.slot)  # slot order: see `_compute`
+        chosen: dict[int, list[int]] = {row.slot: [] for row in rows}
+        for step in range(steps):
+            if step and self._interrupted.is_set():
+                break
+            following: list[StepRow] = []
+            for row, token in zip(active, self.runner.step(active), strict=True):
+                chosen[row.slot].append(token)
+                if token not in eos:
+                    following.append(
+                        StepRow(row.slot, (token,), row.start + 1, row.sampling, row.generator)
+                    )
+            if not following:
+                break
+            active = following
+        return chosen

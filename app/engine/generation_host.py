@@ -12,7 +12,7 @@ When nobody joins, a dispatch runs up to `generate_steps_per_dispatch` decode st
 (multi-step decoding), never past the step at which a running sequence reaches its length,
 so the per-step turn of the event loop (collecting the step, building the next rows, one
 `Output` per sequence) is paid once per dispatch. An arrival that could take a free slot, or
-a sequence leaving while others wait, interrupts the run after its current step.
+a sequence cancelled or expired, interrupts the run after its current step.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
@@ -187,8 +187,8 @@ class GenerationHost:
             if self._running.get(sequence.slot) is sequence:
                 del self._running[sequence.slot]
                 self._table.give(sequence.slot)
-                if self._waiting:
-                    self._steps.interrupt()  # a waiting sequence can take the slot
+                # Stop computing its row: a waiting sequence may take the slot at once.
+                self._steps.interrupt()
         else:
             with contextlib.suppress(ValueError):
                 self._waiting.remove(sequence)

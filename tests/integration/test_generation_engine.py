@@ -1,7 +1,9 @@
 """The `generate` task through the engine protocol, with the tiny random-weight causal LM:
 greedy results equal `model.generate` one prompt at a time, while 20 sequences of different
 lengths join and leave a running batch of 8 slots; EOS and length endings; cancellation and
-oversized requests; seeded sampling."""
+oversized requests; seeded sampling; multi-step decoding (several decode steps per
+dispatch) giving the tokens of single steps, ending at EOS inside a run, and letting an
+arrival join without waiting for the run."""
 
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from app.engine.protocol import (
     EmbedPayload,
     FinishReason,
     GeneratePayload,
+    Output,
     SamplingParams,
     Submit,
+    TokensOutput,
 )
 from app.failures import DeadlineExceeded
 from app.metrics import Metrics
@@ -55,6 +59,7 @@ class Generated:
     finish_reason: FinishReason | None
     outputs: int
     prompt_tokens: int
+    sizes: tuple[int, ...] = ()  # tokens in each output, in order
 
 
 async def started(settings: Settings) -> InProcessEngine:
@@ -73,18 +78,31 @@ async def generate(
         time.monotonic() + 120,
         GeneratePayload(prompt_ids, sampling),
     )
+    return await collect(engine.stream(request))
+
+
+async def collect(stream: AsyncIterator[Output]) -> Generated:
     tokens: list[int] = []
-    outputs = 0
+    sizes: list[int] = []
     finish = None
     prompt_tokens = -1
-    async for output in engine.stream(request):
+    async for output in stream:
         payload = output.payload
-        assert not isinstance(payload, bytes)
-        tokens.extend(payload.token_ids)  # type: ignore[union-attr]
-        finish = payload.finish_reason  # type: ignore[union-attr]
-        prompt_tokens = payload.prompt_tokens  # type: ignore[union-attr]
-        outputs += 1
-    return Generated(tokens, finish, outputs, prompt_tokens)
+        assert isinstance(payload, TokensOutput)
+        tokens.extend(payload.token_ids)
+        sizes.append(len(payload.token_ids))
+        finish = payload.finish_reason
+        prompt_tokens = payload.prompt_tokens
+    return Generated(tokens, finish, len(sizes), prompt_tokens, tuple(sizes))
+
+
+def submit(engine: InProcessEngine, prompt_ids: list[int], sampling: SamplingParams) -> Submit:
+    return Submit(
+        engine.next_request_id(),
+        "tiny",
+        time.monotonic() + 120,
+        GeneratePayload(prompt_ids, sampling),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +214,15 @@ async def test_a_full_cache_refuses_429_and_cancel_frees_it_at_once(tiny_causal_
     """One slot: while a long sequence holds it, a request needing the whole slot is refused
     429 with Retry-After (its wait is far over the 1 ms budget); once the long one is
     cancelled after its first token, the same request is admitted at once and completes."""
-    engine = await started(settings_for(tiny_causal_lm, generate_slots=1, max_queue_delay_ms=1))
+    engine = await started(
+        settings_for(
+            tiny_causal_lm,
+            generate_slots=1,
+            max_queue_delay_ms=1,
+            # The cancel arrives while a long multi-step run computes the cancelled row.
+            generate_steps_per_dispatch=64,
+        )
+    )
     try:
         prompt = [1, 40, 41, 42]
         request = Submit(
@@ -224,28 +250,43 @@ async def test_a_full_cache_refuses_429_and_cancel_frees_it_at_once(tiny_causal_
         await engine.close()
 
 
+@pytest.mark.parametrize("steps_per_dispatch", [1, 8])
 async def test_eos_ends_the_sequence_without_the_token(
-    tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+    tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel], steps_per_dispatch: int
 ) -> None:
     """A model whose EOS list holds a token greedy decoding reaches at step 4 (the
-    generation config may name several): the engine stops there, as model.generate does."""
+    generation config may name several): the engine stops there, as model.generate does,
+    also when that step is inside a multi-step run (8 steps per dispatch), while the
+    sequence decoding next to it goes on to its own end."""
     _, model = reference
-    prompt = [1, 50, 60, 70]
+    prompt, other = [1, 50, 60, 70], [1, 40, 41, 42]
     plain = expected_greedy(model, prompt, 8).token_ids
     stop = plain[3]
     assert stop not in plain[:3]
+    beside = expected_greedy(model, other, 12).token_ids
+    if stop in beside:
+        beside = beside[: beside.index(stop)]
+    assert len(beside) > 4, "the other sequence outlives the run that ends the first"
     directory = build_tiny_causal_lm(tmp_path / "eos")
     config_path = directory / "generation_config.json"
     config = json.loads(config_path.read_text())
     config["eos_token_id"] = [config["eos_token_id"], stop]
     config_path.write_text(json.dumps(config))
-    engine = await started(settings_for(directory, warmup=False))
+    engine = await started(
+        settings_for(directory, warmup=False, generate_steps_per_dispatch=steps_per_dispatch)
+    )
     try:
-        result = await generate(engine, prompt, SamplingParams(max_new_tokens=8))
+        result, next_to_it = await asyncio.gather(
+            generate(engine, prompt, SamplingParams(max_new_tokens=8)),
+            generate(engine, other, SamplingParams(max_new_tokens=12)),
+        )
     finally:
         await engine.close()
     assert result.token_ids == plain[:3]
     assert result.finish_reason is FinishReason.EOS
+    assert next_to_it.token_ids == beside
+    if steps_per_dispatch > 1:  # the first token (prefill), then one run ending at EOS
+        assert result.sizes == (1, 2), result.sizes
 
 
 class ManualClock:
@@ -349,3 +390,64 @@ async def test_sequences_waiting_for_a_cache_slot_add_nothing_to_the_shared_back
         assert len((await waiting).token_ids) == 3
     finally:
         await engine.close()
+
+
+async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_lm: Path) -> None:
+    """24 sequences (greedy and seeded sampling, different prompts and lengths) through 8
+    slots, so sequences join, finish and wait: 5 decode steps per dispatch give every
+    sequence exactly the tokens one step per dispatch gives, in fewer outputs."""
+    prompts = [[1, *range(40 + i, 40 + i + 3 + i % 9)] for i in range(24)]
+    samplings = [
+        SamplingParams(max_new_tokens=6 + (i * 5) % 23)
+        if i % 3
+        else SamplingParams(
+            max_new_tokens=9 + i, do_sample=True, temperature=1.3, top_k=40, top_p=0.9, seed=i
+        )
+        for i in range(24)
+    ]
+    results: dict[int, list[Generated]] = {}
+    for steps in (1, 5):
+        engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=steps))
+        try:
+            results[steps] = await asyncio.gather(
+                *(generate(engine, p, s) for p, s in zip(prompts, samplings, strict=True))
+            )
+            assert (await engine.debug("pool"))["tiny"]["slots_held"] == 0  # type: ignore[index]
+        finally:
+            await engine.close()
+    for single, multi in zip(results[1], results[5], strict=True):
+        assert multi.token_ids == single.token_ids
+        assert multi.finish_reason is single.finish_reason
+    assert all(size <= 1 for result in results[1] for size in result.sizes)
+    assert any(size > 1 for result in results[5] for size in result.sizes), "runs happened"
+    assert sum(r.outputs for r in results[5]) < sum(r.outputs for r in results[1])
+
+
+async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
+    tiny_causal_lm: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """With 60 steps per dispatch, a request arriving while a run computes does not wait
+    for it: the run stops after its current step, the newcomer is prefilled in the next
+    dispatch, and both get model.generate's tokens."""
+    _, model = reference
+    first_prompt, second_prompt = [1, 50, 60, 70, 80], [1, 44, 45]
+    first_expected = expected_greedy(model, first_prompt, 160)
+    assert len(first_expected.token_ids) == 160, "no EOS: the runs are long"
+    engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=60))
+    try:
+        stream = engine.stream(submit(engine, first_prompt, SamplingParams(max_new_tokens=160)))
+        head = [await anext(stream), await anext(stream)]  # the prefill, then a 60-step run
+        sizes = [len(o.payload.token_ids) for o in head]  # type: ignore[union-attr]
+        assert sizes == [1, 60], sizes
+        # The next run (up to 60 steps) computes now; this arrival must cut it short.
+        second = asyncio.create_task(
+            generate(engine, second_prompt, SamplingParams(max_new_tokens=10))
+        )
+        rest = await collect(stream)
+        joined = await second
+    finally:
+        await engine.close()
+    head_tokens = [t for o in head for t in o.payload.token_ids]  # type: ignore[union-attr]
+    assert head_tokens + rest.token_ids == first_expected.token_ids
+    assert rest.sizes[0] < 60, f"the run in flight went on to its end: {rest.sizes}"
+    assert joined.token_ids == expected_greedy(model, second_prompt, 10).token_ids

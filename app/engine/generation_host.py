@@ -65,6 +65,7 @@ class GenerationHost:
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
+        self._joined_last = False  # the last dispatch prefilled a joiner
         self._waiting: deque[GenerationSequence] = deque()
         self._running: dict[int, GenerationSequence] = {}  # by slot
         self._step_s = 0.0  # smoothed seconds per step while busy
@@ -250,15 +251,16 @@ class GenerationHost:
         return joiners + [s for s in self._running.values() if s.generated]
 
     def _steps_for(self, sequences: list[GenerationSequence]) -> int:
-        """Decode steps the next dispatch may run: one when a sequence joins (its prefill);
-        else up to generate_steps_per_dispatch, and no step past the one at which a sequence
-        reaches its length (its slot then frees for a waiting one, as with single steps)."""
-        steps = self._steps_per_dispatch
-        for sequence in sequences:
-            if not sequence.generated:
-                return 1
-            steps = min(steps, sequence.remaining)
-        return max(steps, 1)
+        """Decode steps the next dispatch may run: one when a sequence joins (its prefill)
+        or joined in the last dispatch (while requests keep arriving, each joins at the next
+        step and the event loop gets its turn between steps); else up to
+        generate_steps_per_dispatch, and no step past the one at which a sequence reaches its
+        length (its slot then frees for a waiting one, as with single steps)."""
+        joined_last = self._joined_last
+        self._joined_last = any(not sequence.generated for sequence in sequences)
+        if self._joined_last or joined_last:
+            return 1
+        return max(min(self._steps_per_dispatch, *(s.remaining for s in sequences)), 1)
 
     def _expire(self, now: float) -> None:
         """Sequences past their deadline fail (504) and free their slots."""

@@ -8,10 +8,11 @@ one prefill forward for the joiners and one batched decode forward for the rest,
 dispatcher compute thread inside one of the compute slots every model shares, so embedding
 batches and generation steps interleave without oversubscribing the CPU/GPU.
 
-When nobody joins, a dispatch runs up to `generate_steps_per_dispatch` decode steps in a row
-(multi-step decoding), never past the step at which a running sequence reaches its length,
-so the per-step turn of the event loop (collecting the step, building the next rows, one
-`Output` per sequence) is paid once per dispatch. An arrival that could take a free slot, or
+When nobody joins (now or in the last dispatch), a dispatch runs up to
+`generate_steps_per_dispatch` decode steps in a row (multi-step decoding), never past the
+step at which a running sequence reaches its length, so the per-step turn of the event loop
+(collecting the step, building the next rows, one `Output` per sequence) is paid once per
+dispatch. An arrival that could take a free slot, or
 a sequence cancelled or expired, interrupts the run after its current step.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale

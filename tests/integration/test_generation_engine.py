@@ -254,15 +254,15 @@ async def test_a_full_cache_refuses_429_and_cancel_frees_it_at_once(tiny_causal_
 async def test_eos_ends_the_sequence_without_the_token(
     tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel], steps_per_dispatch: int
 ) -> None:
-    """A model whose EOS list holds a token greedy decoding reaches at step 4 (the
+    """A model whose EOS list holds a token greedy decoding reaches at step 6 (the
     generation config may name several): the engine stops there, as model.generate does,
     also when that step is inside a multi-step run (8 steps per dispatch), while the
     sequence decoding next to it goes on to its own end."""
     _, model = reference
     prompt, other = [1, 50, 60, 70], [1, 40, 41, 42]
-    plain = expected_greedy(model, prompt, 8).token_ids
-    stop = plain[3]
-    assert stop not in plain[:3]
+    plain = expected_greedy(model, prompt, 10).token_ids
+    stop = plain[5]
+    assert stop not in plain[:5]
     beside = expected_greedy(model, other, 12).token_ids
     if stop in beside:
         beside = beside[: beside.index(stop)]
@@ -277,16 +277,16 @@ async def test_eos_ends_the_sequence_without_the_token(
     )
     try:
         result, next_to_it = await asyncio.gather(
-            generate(engine, prompt, SamplingParams(max_new_tokens=8)),
+            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
             generate(engine, other, SamplingParams(max_new_tokens=12)),
         )
     finally:
         await engine.close()
-    assert result.token_ids == plain[:3]
+    assert result.token_ids == plain[:5]
     assert result.finish_reason is FinishReason.EOS
     assert next_to_it.token_ids == beside
-    if steps_per_dispatch > 1:  # the first token (prefill), then one run ending at EOS
-        assert result.sizes == (1, 2), result.sizes
+    if steps_per_dispatch > 1:  # the last output is a run's tokens up to EOS
+        assert result.sizes[-1] >= 2, result.sizes
 
 
 class ManualClock:
@@ -436,9 +436,10 @@ async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
     engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=60))
     try:
         stream = engine.stream(submit(engine, first_prompt, SamplingParams(max_new_tokens=160)))
-        head = [await anext(stream), await anext(stream)]  # the prefill, then a 60-step run
-        sizes = [len(o.payload.token_ids) for o in head]  # type: ignore[union-attr]
-        assert sizes == [1, 60], sizes
+        head = [await anext(stream)]  # the prefill, a single step, then a 60-step run
+        while len(head[-1].payload.token_ids) == 1:  # type: ignore[union-attr]
+            head.append(await anext(stream))
+        assert len(head[-1].payload.token_ids) == 60, len(head)  # type: ignore[union-attr]
         # The next run (up to 60 steps) computes now; this arrival must cut it short.
         second = asyncio.create_task(
             generate(engine, second_prompt, SamplingParams(max_new_tokens=10))

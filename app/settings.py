@@ -222,12 +222,12 @@ class Settings(BaseSettings):
         "further joiners wait for the next step. At least generate_slot_tokens.",
     )
     generate_steps_per_dispatch: int = Field(
-        default=4,
+        default=1,
         ge=1,
         description="Decode steps one generate model runs per compute dispatch when no "
-        "sequence joins (multi-step decoding): each sequence's tokens of those steps go out "
-        "in one message. A new request or a cancel waits at most this many steps; 1 turns "
-        "it off.",
+        "sequence joins (multi-step decoding; 1: off): each sequence's tokens of those steps "
+        "go out in one message; an arrival, cancel or expiry ends the run after its current "
+        "step.",
     )
     generate_max_waiting: int = Field(
         default=64,

@@ -8,12 +8,12 @@ one prefill forward for the joiners and one batched decode forward for the rest,
 dispatcher compute thread inside one of the compute slots every model shares, so embedding
 batches and generation steps interleave without oversubscribing the CPU/GPU.
 
-When nobody joins (now or in the last dispatch), a dispatch runs up to
-`generate_steps_per_dispatch` decode steps in a row (multi-step decoding), never past the
-step at which a running sequence reaches its length, so the per-step turn of the event loop
-(collecting the step, building the next rows, one `Output` per sequence) is paid once per
-dispatch. An arrival that could take a free slot, or
-a sequence cancelled or expired, interrupts the run after its current step.
+With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
+to that many decode steps in a row (multi-step decoding), never past the step at which a
+running sequence reaches its length, so the per-step turn of the event loop (collecting the
+step, building the next rows, one `Output` per sequence) is paid once per dispatch. An
+arrival that could take a free slot, or a sequence cancelled or expired, interrupts the run
+after its current step.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
@@ -66,7 +66,6 @@ class GenerationHost:
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
-        self._joined_last = False  # the last dispatch prefilled a joiner
         self._waiting: deque[GenerationSequence] = deque()
         self._running: dict[int, GenerationSequence] = {}  # by slot
         self._step_s = 0.0  # smoothed seconds per step while busy
@@ -252,16 +251,15 @@ class GenerationHost:
         return joiners + [s for s in self._running.values() if s.generated]
 
     def _steps_for(self, sequences: list[GenerationSequence]) -> int:
-        """Decode steps the next dispatch may run: one when a sequence joins (its prefill)
-        or joined in the last dispatch (while requests keep arriving, each joins at the next
-        step and the event loop gets its turn between steps); else up to
-        generate_steps_per_dispatch, and no step past the one at which a sequence reaches its
-        length (its slot then frees for a waiting one, as with single steps)."""
-        joined_last = self._joined_last
-        self._joined_last = any(not sequence.generated for sequence in sequences)
-        if self._joined_last or joined_last:
-            return 1
-        return max(min(self._steps_per_dispatch, *(s.remaining for s in sequences)), 1)
+        """Decode steps the next dispatch may run: one when a sequence joins (its prefill);
+        else up to generate_steps_per_dispatch, and no step past the one at which a sequence
+        reaches its length (its slot then frees for a waiting one, as with single steps)."""
+        steps = self._steps_per_dispatch
+        for sequence in sequences:
+            if not sequence.generated:
+                return 1
+            steps = min(steps, sequence.remaining)
+        return max(steps, 1)
 
     def _expire(self, now: float) -> None:
         """Sequences past their deadline fail (504) and free their slots."""

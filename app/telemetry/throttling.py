@@ -25,29 +25,28 @@ def _fields(text: str) -> dict[str, int]:
     return fields
 
 
-def _v2(text: str) -> dict[str, float] | None:
-    fields = _fields(text)
-    if "throttled_usec" not in fields:
-        return None
-    return {
-        "cgroup_periods_total": fields.get("nr_periods", 0),
-        "cgroup_throttled_periods_total": fields.get("nr_throttled", 0),
-        "cgroup_throttled_seconds_total": fields["throttled_usec"] / 1e6,
-    }
-
-
-def _v1(text: str) -> dict[str, float] | None:
-    fields = _fields(text)
-    if "throttled_time" not in fields:
-        return None
-    return {
-        "cgroup_periods_total": fields.get("nr_periods", 0),
-        "cgroup_throttled_periods_total": fields.get("nr_throttled", 0),
-        "cgroup_throttled_seconds_total": fields["throttled_time"] / 1e9,
-    }
-
-
 Parser = Callable[[str], dict[str, float] | None]
+
+
+def _parser(throttled_key: str, units_per_second: float) -> Parser:
+    """A `cpu.stat` parser for the layout whose throttled time is `throttled_key` (v2:
+    `throttled_usec`, v1: `throttled_time` in ns); None where the text has no such field."""
+
+    def parse(text: str) -> dict[str, float] | None:
+        fields = _fields(text)
+        if throttled_key not in fields:
+            return None
+        return {
+            "cgroup_periods_total": fields.get("nr_periods", 0),
+            "cgroup_throttled_periods_total": fields.get("nr_throttled", 0),
+            "cgroup_throttled_seconds_total": fields[throttled_key] / units_per_second,
+        }
+
+    return parse
+
+
+_v2 = _parser("throttled_usec", 1e6)
+_v1 = _parser("throttled_time", 1e9)
 
 
 def _find(root: Path) -> tuple[ProcFile, Parser] | None:

@@ -18,6 +18,7 @@ from app.telemetry.gc_pauses import GcPauseProbe
 from app.telemetry.gpu import NvmlProbe, throttle_reason_names
 from app.telemetry.loop_lag import LoopLagMonitor
 from app.telemetry.probe import Cached, FakeProbe, ProbeSet, changes
+from app.telemetry.procfile import ProcFile
 from app.telemetry.sampler import ProcessTelemetry
 from app.telemetry.schedstat import thread_runqueue_wait_s
 from app.telemetry.shapes import ShapeTracker
@@ -200,3 +201,15 @@ def test_a_periodic_tasks_sleep_ticks_the_monitor_when_telemetry_has_no_ticker()
     readings = monitor.read()
     assert round(readings["loop_lag_seconds_total"], 6) == 0.05
     assert round(readings["loop_busy_lag_seconds_total"], 6) == 0.03
+
+
+def test_a_proc_file_is_reread_through_its_open_descriptor(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.stat"
+    path.write_text("nr_periods 1\n")
+    file = ProcFile(path)
+    assert file.text() == "nr_periods 1\n"
+    with path.open("r+") as same_inode:  # rewritten in place, as the kernel's files are
+        same_inode.write("nr_periods 2\n")
+    assert file.text() == "nr_periods 2\n"
+    file.close()
+    assert ProcFile(tmp_path / "absent").text() is None

@@ -16,11 +16,23 @@ from pydantic import (
 NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Unknown fields are refused (422), as are JSON's 0/1 where a field is a StrictBool."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class InferParameters(_Strict):
+def strings_only(value: object, field: str) -> object:
+    """A `mode="before"` check for a text field that also takes a list: OpenAI's APIs accept
+    token arrays there, which this server does not."""
+    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+        raise ValueError(
+            f"{field} must be a string or a list of strings (token arrays are not supported)"
+        )
+    return value
+
+
+class InferParameters(StrictModel):
     # Strict: JSON's 0/1 are not booleans (the OpenAPI document says boolean).
     normalize: StrictBool = Field(default=True, description="L2-normalise each output vector.")
     truncate: StrictBool = Field(
@@ -29,7 +41,7 @@ class InferParameters(_Strict):
     )
 
 
-class InferRequest(_Strict):
+class InferRequest(StrictModel):
     model: str | None = Field(default=None, description="Model name; the default model if absent.")
     inputs: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] = Field(
         description="One text or a non-empty list of texts."
@@ -49,7 +61,7 @@ class InferResponse(BaseModel):
     usage: Usage
 
 
-class EmbeddingsRequest(_Strict):
+class EmbeddingsRequest(StrictModel):
     """OpenAI's embeddings request (text inputs)."""
 
     model: str | None = None
@@ -61,11 +73,7 @@ class EmbeddingsRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _reject_token_arrays(cls, value: object) -> object:
-        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-            raise ValueError(
-                "input must be a string or a list of strings (token arrays are not supported)"
-            )
-        return value
+        return strings_only(value, "input")
 
 
 class EmbeddingData(BaseModel):

@@ -16,11 +16,11 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StringConstraints,
     field_validator,
 )
 
-NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
+from app.schemas import NonEmptyText, StrictModel, strings_only
+
 # One prompt, or several, each continued independently.
 Prompts = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
 # OpenAI allows up to 4 stop sequences.
@@ -31,11 +31,7 @@ Finish = Literal["stop", "length"]
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # booleans are StrictBool: JSON's 0/1 are not
-
-
-class GenerateParameters(_Strict):
+class GenerateParameters(StrictModel):
     max_new_tokens: int = Field(default=20, ge=1, description="Most tokens to generate.")
     do_sample: StrictBool = Field(default=False, description="Sample; greedy (argmax) when false.")
     temperature: float = Field(default=1.0, gt=0, le=100, description="With do_sample.")
@@ -47,7 +43,7 @@ class GenerateParameters(_Strict):
     )
 
 
-class GenerateInferRequest(_Strict):
+class GenerateInferRequest(StrictModel):
     """/infer on a generate model: one prompt or a list, each continued independently."""
 
     model: str | None = Field(default=None, description="Model name; the default model if absent.")
@@ -75,11 +71,11 @@ class GenerateInferResponse(BaseModel):
     usage: GenerateUsage
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
 
-class OpenAISampling(_Strict):
+class OpenAISampling(StrictModel):
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -114,14 +110,10 @@ class CompletionRequest(OpenAISampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _reject_token_arrays(cls, value: object) -> object:
-        if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-            raise ValueError(
-                "prompt must be a string or a list of strings (token arrays are not supported)"
-            )
-        return value
+        return strings_only(value, "prompt")
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 

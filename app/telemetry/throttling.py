@@ -67,7 +67,7 @@ def _find(root: Path) -> tuple[ProcFile, Parser] | None:
 
 def read_throttling(root: Path = CGROUP_ROOT) -> dict[str, float]:
     """Periods, throttled periods and throttled seconds since the cgroup was created."""
-    return CgroupThrottleProbe(root, max_age_s=0.0)._read()
+    return dict(CgroupThrottleProbe(root, max_age_s=0.0).read())
 
 
 class CgroupThrottleProbe:

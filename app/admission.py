@@ -41,10 +41,17 @@ class Rejected(Exception):
 
     @property
     def retry_after_header(self) -> str | None:
-        """HTTP `Retry-After` is whole seconds: rounded up, at least 1."""
+        """HTTP `Retry-After`, from `retry_after_whole_s`."""
+        whole = self.retry_after_whole_s
+        return None if whole is None else str(whole)
+
+    @property
+    def retry_after_whole_s(self) -> int | None:
+        """What the client is told to wait: HTTP's `Retry-After` is whole seconds, so
+        `retry_after_s` rounded up, at least 1."""
         if self.retry_after_s is None:
             return None
-        return str(max(1, math.ceil(self.retry_after_s)))
+        return max(1, math.ceil(self.retry_after_s))
 
 
 @dataclass(frozen=True, slots=True)

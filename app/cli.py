@@ -117,8 +117,13 @@ def run_uvicorn(
     """Serve `app` until drained; 0 unless the server is unhealthy. In the process tree the
     parent asks for the drain (SIGUSR1) and SIGTERM/SIGINT are ignored, so that a signal
     sent to the whole process group does not count twice."""
+    from app.api.shedding import shedding_protocol  # the server's code: loaded to serve only
+
+    service: Service = app.state.service
     config = uvicorn.Config(
         app,
+        # Refusals are written by the HTTP protocol itself, before any ASGI machinery runs.
+        http=shedding_protocol(service, app.state.shed_paths, settings.refused_read_pause_s),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),
@@ -131,7 +136,6 @@ def run_uvicorn(
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    service: Service = app.state.service
     drain_signals, ignored_signals = (
         ((signal.SIGUSR1,), (signal.SIGTERM, signal.SIGINT))
         if in_process_tree

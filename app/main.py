@@ -31,8 +31,9 @@ from app import __version__
 from app.api import debug, embed, generate, health, v2
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import use_lean_instrumentator
-from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware, SheddingMiddleware
+from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware
 from app.api.openapi import install_openapi
+from app.api.shedding import SheddingMiddleware
 from app.api.slow import SlowRequestMiddleware
 from app.engine.client import EngineClient
 from app.engine.supervisor import EngineSupervisor
@@ -54,6 +55,8 @@ INFERENCE_PATHS = frozenset({"/infer", "/v1/embeddings"})
 # Generation routes are shed the same way; their time is the length the client asked for,
 # so no latency threshold makes them "slow".
 GENERATION_PATHS = frozenset(generate.GENERATION_ROUTES)
+# Shed from headers alone, before the body is read (`app/api/shedding.py`).
+SHED_PATHS = INFERENCE_PATHS | GENERATION_PATHS
 
 
 def is_inference_path(path: str) -> bool:
@@ -139,6 +142,7 @@ def create_app(
     app.state.supervisor = supervisor
     app.state.telemetry = telemetry
     app.state.recorder = None
+    app.state.shed_paths = SHED_PATHS
     install_error_handlers(app)
     install_openapi(app, service)
     app.include_router(embed.router)
@@ -179,7 +183,5 @@ def create_app(
         read_timeout_s=settings.body_read_timeout_s,
     )
     app.add_middleware(ServerTimingMiddleware, is_draining=lambda: service.admission.draining)
-    app.add_middleware(
-        SheddingMiddleware, service=service, paths=INFERENCE_PATHS | GENERATION_PATHS
-    )
+    app.add_middleware(SheddingMiddleware, service=service, paths=SHED_PATHS)
     return app

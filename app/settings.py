@@ -86,6 +86,14 @@ class Settings(BaseSettings):
         ge=1,
         description="Accept queue per front-end socket (bounded by net.core.somaxconn).",
     )
+    refused_read_pause_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="After a 429/503 with Retry-After, the front end reads that connection's "
+        "next request no sooner than Retry-After or this, whichever is shorter (0: at once). "
+        "A client that honours Retry-After never notices; one that resends at once can no "
+        "longer make refusals crowd out admitted work.",
+    )
     body_read_timeout_s: float = Field(
         default=5.0,
         gt=0,

@@ -1,9 +1,5 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects).
 
-- `SheddingMiddleware`: an inference request the server cannot take (draining, no ready
-  engine, the engine's backlog over the delay budget, an empty token bucket) is refused
-  from its method, path and headers alone, before its body is read, with a prebuilt
-  429/503 and `Retry-After`: microseconds per refusal, whatever the flood.
 - `BodyGuardMiddleware`: a body over `max_body_bytes` gets 413 before it is parsed, whether
   it declares its length or streams it chunked; a body that does not arrive in full within
   `read_timeout_s` (a stalled or trickling client) gets 408 and its connection is closed.
@@ -17,53 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable, Collection
-from functools import lru_cache
+from collections.abc import Callable
 
-import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.admission import Rejected, RejectReason
-from app.api.errors import REJECTION_STATUS
 from app.api.responses import error_response
-from app.service import Service
 from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
-
-_ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
-
-# Why a request was shed, as its body says (the exact figures are in the metrics; a
-# prebuilt answer cannot carry them).
-_SHED_MESSAGES = {
-    "queue": "over capacity: the predicted queue delay exceeds the budget; retry after "
-    "Retry-After seconds",
-    "rate": "over the admission rate; retry after Retry-After seconds",
-    "deadline": "the deadline is too short for the current queue",
-    "draining": "server is draining; retry on another replica",
-    "not_ready": "the engine is not ready",
-}
-
-
-@lru_cache(maxsize=64)
-def _shed_response(
-    reason: str, retry_after: str | None, close: bool
-) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Status, headers and body of a refusal, built once per distinct answer."""
-    status = REJECTION_STATUS[RejectReason(reason)]
-    body = orjson.dumps(
-        {"error": {"type": reason, "message": _SHED_MESSAGES.get(reason, reason), "param": None}}
-    )
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    if retry_after is not None:
-        headers.append((b"retry-after", retry_after.encode()))
-    if close:
-        headers.append((b"connection", b"close"))
-    return status, headers, body
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -71,51 +28,6 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
-
-
-class SheddingMiddleware:
-    def __init__(self, app: ASGIApp, service: Service, paths: Collection[str]) -> None:
-        self.app = app
-        self.service = service
-        self.paths = frozenset(paths)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        rejection = self.service.shed(_envoy_timeout_ms(scope))
-        if rejection is None:
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                self.service.leave()
-            return
-        await send_rejection(rejection, send, started, close=self.service.admission.draining)
-
-
-async def send_rejection(rejection: Rejected, send: Send, started: float, close: bool) -> None:
-    """Answer a refusal with its prebuilt response (the body is never read)."""
-    status, headers, body = _shed_response(
-        rejection.reason.value, rejection.retry_after_header, close
-    )
-    timing = f"shed;dur={(time.perf_counter() - started) * 1000:.3f}".encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*headers, (b"server-timing", timing)],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-def _envoy_timeout_ms(scope: Scope) -> float | None:
-    value = _header(scope, _ENVOY_TIMEOUT_HEADER)
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 class BodyGuardMiddleware:

@@ -1,0 +1,237 @@
+"""Refusing inference requests from their method, path and headers alone, before the body.
+
+A request the server cannot take (draining, no ready engine, a predicted wait over the delay
+budget or the request's deadline, an empty token bucket, the in-flight cap: the verdict is
+`Service.shed`) gets a prebuilt 429/503 with `Retry-After` and its own Server-Timing. This
+module only answers that verdict, in one of two places:
+
+- `shedding_protocol(...)`: uvicorn's httptools protocol, which `steadyserve serve` runs. It
+  writes the refusal to the socket as soon as the request's headers are parsed: no asyncio
+  task, no ASGI scope handed on, no middleware, and the body is discarded as it arrives.
+  Then it stops reading that connection until its Retry-After has passed (at most
+  `refused_read_pause_s`). Under a closed-loop flood (clients resending the moment they are
+  refused) refusals are otherwise most of what a front end does: each refused connection
+  is ready again at once, so every event-loop turn, which admitted requests wait in, grows
+  with the number of connections (figures: docs/BENCHMARKS.md, "Refusals in the HTTP
+  protocol"). A client that honours Retry-After sends nothing during the pause. A
+  connection from a proxy is never paused: it carries other clients' requests too.
+- `SheddingMiddleware` (the outermost ASGI middleware): the same refusal under any ASGI
+  server (tests through httpx, a server run without the protocol, a pipelined request,
+  which the protocol leaves to it so that answers keep their order), and the owner of
+  every admitted request's `Service.leave`, wherever it was admitted.
+
+Everything here runs on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+from functools import lru_cache
+from http import HTTPStatus
+
+import httptools
+import orjson
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.admission import Rejected, RejectReason
+from app.api.errors import REJECTION_STATUS
+from app.service import Service
+
+# Scope key set by the protocol on a request it admitted: the middleware must not count it
+# in again, only let it leave.
+ADMITTED = "steadyserve.admitted"
+
+_ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
+
+# Why a request was shed, as its body says (the exact figures are in the metrics; a
+# prebuilt answer cannot carry them).
+_SHED_MESSAGES = {
+    "queue": "over capacity: the predicted queue delay exceeds the budget; retry after "
+    "Retry-After seconds",
+    "rate": "over the admission rate; retry after Retry-After seconds",
+    "deadline": "the deadline is too short for the current queue",
+    "inflight": "over capacity: too many requests in flight; retry after Retry-After seconds",
+    "draining": "server is draining; retry on another replica",
+    "not_ready": "the engine is not ready",
+}
+
+
+@lru_cache(maxsize=64)
+def _shed_response(
+    reason: str, retry_after: str | None, close: bool
+) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
+    """Status, headers and body of a refusal, built once per distinct answer."""
+    status = REJECTION_STATUS[RejectReason(reason)]
+    body = orjson.dumps(
+        {"error": {"type": reason, "message": _SHED_MESSAGES.get(reason, reason), "param": None}}
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if retry_after is not None:
+        headers.append((b"retry-after", retry_after.encode()))
+    if close:
+        headers.append((b"connection", b"close"))
+    return status, tuple(headers), body
+
+
+@lru_cache(maxsize=64)
+def _raw_refusal(reason: str, retry_after: str | None, close: bool) -> tuple[bytes, bytes]:
+    """The same refusal as HTTP/1.1 bytes: status line with its fixed headers, and body."""
+    status, headers, body = _shed_response(reason, retry_after, close)
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
+    lines.extend(name + b": " + value + b"\r\n" for name, value in headers)
+    return b"".join(lines), body
+
+
+def _server_timing(started: float) -> bytes:
+    return f"shed;dur={(time.perf_counter() - started) * 1000:.3f}".encode()
+
+
+def envoy_timeout_ms(headers: Sequence[tuple[bytes, bytes]]) -> float | None:
+    """The deadline Envoy announces for this request (lower-cased header names), if any."""
+    for name, value in headers:
+        if name == _ENVOY_TIMEOUT_HEADER:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
+class SheddingMiddleware:
+    def __init__(self, app: ASGIApp, service: Service, paths: Collection[str]) -> None:
+        self.app = app
+        self.service = service
+        self.paths = frozenset(paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if not scope.get(ADMITTED):
+            started = time.perf_counter()
+            rejection = self.service.shed(envoy_timeout_ms(scope["headers"]))
+            if rejection is not None:
+                await send_rejection(
+                    rejection, send, started, close=self.service.admission.draining
+                )
+                return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.service.leave()
+
+
+async def send_rejection(rejection: Rejected, send: Send, started: float, close: bool) -> None:
+    """Answer a refusal with its prebuilt response (the body is never read)."""
+    status, headers, body = _shed_response(
+        rejection.reason.value, rejection.retry_after_header, close
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"server-timing", _server_timing(started))],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+# Headers a proxy adds (the shipped Envoy adds x-forwarded-for and x-envoy-*).
+_PROXY_HEADERS = frozenset({b"forwarded", b"via", b"x-forwarded-for", b"x-forwarded-proto"})
+
+
+def came_through_a_proxy(headers: Sequence[tuple[bytes, bytes]]) -> bool:
+    """Whether a request arrived through a proxy. A proxy's upstream connection carries
+    many clients' requests one after another, so it is never paused: a refusal must not
+    stall the next client's request; the proxy sheds its own clients (Envoy's circuit
+    breakers, deploy/envoy)."""
+    return any(name in _PROXY_HEADERS or name.startswith(b"x-envoy-") for name, _ in headers)
+
+
+def shedding_protocol(
+    service: Service, paths: Collection[str], read_pause_s: float
+) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (pass it as `uvicorn.Config(http=...)`), refusing what
+    `service.shed` refuses as soon as a request's headers are parsed, and pausing reads of
+    a refused connection for its Retry-After, at most `read_pause_s`. A request it admits
+    goes on through the ASGI app marked `ADMITTED`, so `SheddingMiddleware` must wrap that
+    app (it calls `Service.leave`)."""
+    shed_paths = frozenset(path.encode() for path in paths)
+
+    class SheddingProtocol(HttpToolsProtocol):
+        # True from a refusal to the end of that request's message: its body is dropped.
+        _discarding = False
+
+        def on_message_begin(self) -> None:
+            self._discarding = False
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            if not self._refused_here():
+                super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._discarding:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._discarding:
+                super().on_message_complete()
+
+        def _refused_here(self) -> bool:
+            """Shed the request whose headers were just parsed; True once it is answered."""
+            if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+                return False
+            if self.cycle is not None and not self.cycle.response_complete:
+                return False  # pipelined behind an unanswered request: the middleware decides
+            if self.limit_concurrency is not None and (
+                len(self.connections) >= self.limit_concurrency
+                or len(self.tasks) >= self.limit_concurrency
+            ):
+                return False  # uvicorn answers 503 itself, without running the app
+            if httptools.parse_url(self.url).path not in shed_paths:
+                return False
+            started = time.perf_counter()
+            rejection = service.shed(envoy_timeout_ms(self.headers))
+            if rejection is None:
+                self.scope[ADMITTED] = True  # type: ignore[literal-required]
+                return False
+            self._send_refusal(rejection, started)
+            return True
+
+        def _send_refusal(self, rejection: Rejected, started: float) -> None:
+            # A client waiting for 100 Continue will not send the body it declared, so the
+            # connection cannot carry another request: it is closed, as while draining.
+            keep_alive = (
+                self.parser.get_http_version() == "1.1"
+                and self.parser.should_keep_alive()
+                and not self.expect_100_continue
+                and not service.admission.draining
+            )
+            head, body = _raw_refusal(
+                rejection.reason.value, rejection.retry_after_header, not keep_alive
+            )
+            defaults = b"".join(
+                name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
+            )
+            timing = b"server-timing: " + _server_timing(started) + b"\r\n\r\n"
+            self.transport.write(head + defaults + timing + body)
+            self._discarding = True
+            if not keep_alive:
+                self.transport.close()
+            self.on_response_complete()
+            pause_s = min(rejection.retry_after_whole_s or 0, read_pause_s)
+            if keep_alive and pause_s > 0 and not came_through_a_proxy(self.headers):
+                self.flow.pause_reading()
+                self.loop.call_later(pause_s, self._resume_after_refusal)
+
+        def _resume_after_refusal(self) -> None:
+            if not self.transport.is_closing():
+                self.flow.resume_reading()
+
+    return SheddingProtocol

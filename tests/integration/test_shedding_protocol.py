@@ -1,0 +1,172 @@
+"""Refusals written by the HTTP protocol itself (`app/api/shedding.py`), through a real
+uvicorn protocol on a loopback socket, in front of the app with an in-process engine and the
+gated fake model (the point is admission, not the numbers)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+from uvicorn.server import ServerState
+
+from app.api.shedding import shedding_protocol
+from app.main import SHED_PATHS
+from tests.integration.test_scheduling import Harness, start
+
+ONE_MIB = 1 << 20
+PROXIED = "x-forwarded-for: 10.0.0.7\r\nx-envoy-attempt-count: 1\r\n"
+
+
+@dataclass
+class Listener:
+    port: int
+    state: ServerState  # the server's connections
+    app_calls: int = 0  # requests that reached the ASGI app
+
+    def connections_reading(self) -> list[bool]:
+        return [connection.transport.is_reading() for connection in self.state.connections]
+
+
+@contextlib.asynccontextmanager
+async def listening(harness: Harness, read_pause_s: float) -> AsyncIterator[Listener]:
+    """The harness's app behind `shedding_protocol` on 127.0.0.1."""
+    app = harness.client._transport.app  # type: ignore[attr-defined]
+    state = ServerState()
+    listener = Listener(port=0, state=state)
+
+    async def counting_app(scope: Scope, receive: Receive, send: Send) -> None:
+        listener.app_calls += 1
+        await app(scope, receive, send)
+
+    protocol = shedding_protocol(harness.service, SHED_PATHS, read_pause_s)
+    config = uvicorn.Config(counting_app, lifespan="off", http=protocol, log_level="warning")
+    config.load()
+    server = await asyncio.get_running_loop().create_server(
+        lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0
+    )
+    listener.port = server.sockets[0].getsockname()[1]
+    try:
+        yield listener
+    finally:
+        server.close()
+        for connection in list(state.connections):
+            connection.shutdown()
+        await server.wait_closed()
+
+
+def post(body: bytes, declared_length: int | None = None, extra_headers: str = "") -> bytes:
+    length = len(body) if declared_length is None else declared_length
+    head = (
+        f"POST /infer HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        f"{extra_headers}content-length: {length}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status_line, *lines = head.decode().rstrip("\r\n").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines)
+    body = await reader.readexactly(int(headers["content-length"]))
+    return int(status_line.split()[1]), headers, body
+
+
+async def overload(harness: Harness) -> asyncio.Task[object]:
+    """With the worker held, let the engine believe a batch takes a second and queue one
+    input: 250 ms of work, five times the delay budget (Retry-After: 1). Returns the queued
+    request (the holder is released by the caller)."""
+    scheduler = harness.engine.hosts["fake"].batcher.scheduler
+    for shape in scheduler.policy.shapes():
+        scheduler.record_compute(shape, 1.0)
+    queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
+    await harness.until(lambda: scheduler.depth == 1, "one input queued")
+    return queued  # type: ignore[return-value]
+
+
+async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
+    async with start(max_queue_delay_ms=50, max_body_bytes=ONE_MIB) as harness:
+        holder = await harness.hold_the_worker()
+        queued = await overload(harness)
+        async with listening(harness, read_pause_s=0.0) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            # Only the headers: the 1 MiB they announce is never sent.
+            writer.write(post(b"", declared_length=ONE_MIB - 1))
+            status, headers, body = await read_answer(reader)
+            writer.close()
+        assert listener.app_calls == 0  # answered by the protocol: no task, no middleware
+        assert status == 429
+        assert int(headers["retry-after"]) >= 1
+        assert headers["server-timing"].startswith("shed;dur=")
+        assert "connection" not in headers  # the connection stays usable
+        assert json.loads(body)["error"]["type"] == "queue"
+        metrics = (await harness.client.get("/metrics")).text
+        assert 'steadyserve_rejected_total{model="",reason="queue"} 1.0' in metrics
+        harness.release()
+        assert (await holder).status_code == 200
+        await queued
+
+
+async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None:
+    pause_s = 0.3
+    async with start(max_queue_delay_ms=50) as harness:
+        holder = await harness.hold_the_worker()
+        queued = await overload(harness)
+        async with listening(harness, read_pause_s=pause_s) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            request = post(b'{"inputs": "resent at once"}')
+            writer.write(request)
+            first, _, _ = await read_answer(reader)
+            assert listener.connections_reading() == [False]
+            resent_at = time.monotonic()
+            writer.write(request)  # what a client that ignores Retry-After does
+            second, _, _ = await read_answer(reader)
+            waited = time.monotonic() - resent_at
+            writer.close()
+        assert (first, second) == (429, 429)
+        assert waited >= pause_s, waited
+        harness.release()
+        assert (await holder).status_code == 200
+        await queued
+
+
+async def test_requests_the_protocol_admits_are_counted_in_once() -> None:
+    async with start() as harness:
+        async with listening(harness, read_pause_s=1.0) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            for text in ("one", "two", "three"):
+                writer.write(post(json.dumps({"inputs": text}).encode()))
+                status, _, body = await read_answer(reader)
+                assert status == 200, body
+            writer.close()
+        assert listener.app_calls == 3
+        # Admitted in the protocol, left in the middleware: each request once.
+        await harness.until(lambda: harness.service.admission.inflight == 0, "all left")
+        metrics = (await harness.client.get("/metrics")).text
+        assert "steadyserve_rejected_total{" not in metrics
+
+
+async def test_a_connection_from_a_proxy_is_never_paused() -> None:
+    async with start(max_queue_delay_ms=50) as harness:
+        holder = await harness.hold_the_worker()
+        queued = await overload(harness)
+        async with listening(harness, read_pause_s=1.0) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            # What the shipped Envoy adds (use_remote_address: true).
+            request = post(b'{"inputs": "one of many clients"}', extra_headers=PROXIED)
+            writer.write(request)
+            first, _, _ = await read_answer(reader)
+            # The refusal was written by the callback that would have paused the connection.
+            assert listener.connections_reading() == [True]
+            writer.write(request)  # the next client's request on the proxy's connection
+            second, _, _ = await read_answer(reader)
+            writer.close()
+        assert (first, second) == (429, 429)
+        harness.release()
+        assert (await holder).status_code == 200
+        await queued

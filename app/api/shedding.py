@@ -8,8 +8,8 @@ module only answers that verdict, in one of two places:
 - `shedding_protocol(...)`: uvicorn's httptools protocol, which `steadyserve serve` runs. It
   writes the refusal to the socket as soon as the request's headers are parsed: no asyncio
   task, no ASGI scope handed on, no middleware, and the body is discarded as it arrives.
-  Then it stops reading that connection for between half and all of its Retry-After (at
-  most `refused_read_pause_s`). Under a closed-loop flood (clients resending the moment they are
+  Then it stops reading that connection until its Retry-After has passed (at most
+  `refused_read_pause_s`). Under a closed-loop flood (clients resending the moment they are
   refused) refusals are otherwise most of what a front end does: each refused connection
   is ready again at once, so every event-loop turn, which admitted requests wait in, grows
   with the number of connections (figures: docs/BENCHMARKS.md, "Refusals in the HTTP
@@ -25,7 +25,6 @@ Everything here runs on the event loop's thread.
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Collection, Sequence
 from functools import lru_cache
@@ -159,9 +158,9 @@ def shedding_protocol(
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (pass it as `uvicorn.Config(http=...)`), refusing what
     `service.shed` refuses as soon as a request's headers are parsed, and pausing reads of
-    a refused direct connection for half to all of its Retry-After (at most
-    `read_pause_s`). A request it admits goes on through the ASGI app marked `ADMITTED`, so
-    `SheddingMiddleware` must wrap that app (it calls `Service.leave`)."""
+    a refused connection for its Retry-After, at most `read_pause_s`. A request it admits
+    goes on through the ASGI app marked `ADMITTED`, so `SheddingMiddleware` must wrap that
+    app (it calls `Service.leave`)."""
     shed_paths = frozenset(path.encode() for path in paths)
 
     class SheddingProtocol(HttpToolsProtocol):
@@ -229,10 +228,7 @@ def shedding_protocol(
             pause_s = min(rejection.retry_after_whole_s or 0, read_pause_s)
             if keep_alive and pause_s > 0 and not came_through_a_proxy(self.headers):
                 self.flow.pause_reading()
-                # Spread over the pause's second half: connections refused in the same turn
-                # would otherwise all come back in one turn, which admitted requests wait in.
-                resume_in_s = pause_s * (0.5 + random.random() / 2)
-                self.loop.call_later(resume_in_s, self._resume_after_refusal)
+                self.loop.call_later(pause_s, self._resume_after_refusal)
 
         def _resume_after_refusal(self) -> None:
             if not self.transport.is_closing():

@@ -129,7 +129,7 @@ async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None
             waited = time.monotonic() - resent_at
             writer.close()
         assert (first, second) == (429, 429)
-        assert waited >= pause_s / 2, waited  # resumed within the pause's second half
+        assert waited >= pause_s, waited
         harness.release()
         assert (await holder).status_code == 200
         await queued

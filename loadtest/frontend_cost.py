@@ -9,6 +9,7 @@ every request refused before its body is read (a backlog over the delay budget).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -29,8 +30,13 @@ def measure(backlog_ms: float, duration_s: float, log_path: Path) -> tuple[float
         sys.executable, "-m", "loadtest.null_engine", "--port", str(port),
         "--backlog-ms", str(backlog_ms),
     ]  # fmt: skip
+    # What one refusal costs: refused connections must resend as fast as wrk can, not be
+    # paused for their Retry-After as `steadyserve serve` does by default.
+    env = {**os.environ, "STEADY_REFUSED_READ_PAUSE_S": "0"}
     with log_path.open("wb") as log:
-        server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         give_up_at = time.monotonic() + 60

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from app.engine.protocol import SamplingParams
-from app.models.kv_cache import CacheShape, SlotKVCache, StepPlan
+from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.sampling import choose_tokens
 from app.models.source import local_directory
 
@@ -101,6 +101,11 @@ class CausalLMRunner:
             head_dim=int(head_dim),
         )
         self.cache = SlotKVCache(shape, dtype, device)
+        # Reused every step: key positions for masks and prompt positions, and the mask's
+        # two values (0 where a query may attend, the dtype's lowest where it may not).
+        self._key_positions = torch.arange(self.max_sequence_tokens, device=device)
+        self._mask_open = torch.zeros((), dtype=dtype, device=device)
+        self._mask_blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         self._base = self.model.base_model
         self._head = self.model.get_output_embeddings()
         log.info(
@@ -114,16 +119,17 @@ class CausalLMRunner:
     def _masks(self, positions: torch.Tensor, kv_length: int) -> dict[str, torch.Tensor]:
         """Additive masks (rows, 1, query, keys): a query sees its row's keys up to its own
         position (within the window, for sliding layers)."""
-        keys = torch.arange(kv_length, device=self.device)
+        keys = self._key_positions[:kv_length]
         distance = positions.unsqueeze(-1) - keys  # (rows, query, keys)
-        blocked_value = torch.finfo(self.dtype).min
+        allowed = distance >= 0
         masks: dict[str, torch.Tensor] = {}
         for layer_type in self._layer_types:
-            allowed = distance >= 0
+            layer_allowed = allowed
             if layer_type == SLIDING_ATTENTION and self._window is not None:
-                allowed &= distance < self._window
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-            masks[layer_type] = mask.masked_fill(~allowed, blocked_value).unsqueeze(1)
+                layer_allowed = allowed & (distance < self._window)
+            # One op from the two cached 0-d values, instead of zeros + masked_fill.
+            mask = torch.where(layer_allowed, self._mask_open, self._mask_blocked)
+            masks[layer_type] = mask.unsqueeze(1)
         return masks
 
     def _attention_mask(
@@ -136,38 +142,54 @@ class CausalLMRunner:
             return next(iter(masks.values()))
         return masks
 
-    def logits(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        """float32 logits (rows, vocab) after each row's last fed token; writes the rows'
-        keys and values into their slots. Compute threads only."""
+    def _plan(self, rows: Sequence[StepRow]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The step's input ids and positions (rows, query) and its key length, and the
+        cache's plan for it. Every per-row number comes from one Python list made into one
+        tensor (one copy to the device): per-row or per-field tensors cost more than the
+        forward of a small model."""
         query = max(len(row.token_ids) for row in rows)
         limit = self.max_sequence_tokens - 1
         pad = self.pad_token_id
-        # One tensor from one padded list: per-row tensor writes cost more than the forward
-        # of a small model.
-        input_ids = torch.tensor(
-            [[*row.token_ids, *[pad] * (query - len(row.token_ids))] for row in rows],
+        longest_start = max(row.start for row in rows)
+        # Columns: the tokens right-padded to `query`, then start and slot.
+        table = torch.tensor(
+            [
+                [*row.token_ids, *[pad] * (query - len(row.token_ids)), row.start, row.slot]
+                for row in rows
+            ],
             dtype=torch.int64,
-        )
-        starts = torch.tensor([row.start for row in rows], dtype=torch.int64)
-        positions = (starts.unsqueeze(1) + torch.arange(query)).clamp(max=limit)
-        last = torch.tensor([len(row.token_ids) - 1 for row in rows], dtype=torch.int64)
-        kv_length = min(max(row.start for row in rows) + query - 1, limit) + 1
-        positions = positions.to(self.device)
+        ).to(self.device)
+        input_ids = table[:, :query]
+        positions = table[:, query : query + 1]  # (rows, 1): a decode step's positions
+        if query > 1:
+            positions = positions + self._key_positions[:query]
+        if longest_start + query - 1 > limit:
+            positions = positions.clamp(max=limit)  # padding past the cache's end
+        kv_length = min(longest_start + query - 1, limit) + 1
         slots = [row.slot for row in rows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        row_slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        self.cache.plan = StepPlan(
-            row_slots, positions, kv_length, slots[0] if consecutive else None
-        )
+        row_slots = table[:, query + 1]
+        self.cache.plan_step(row_slots, positions, kv_length, slots[0] if consecutive else None)
+        return input_ids, positions, kv_length
+
+    def logits(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """float32 logits (rows, vocab) after each row's last fed token; writes the rows'
+        keys and values into their slots. Compute threads only."""
+        input_ids, positions, kv_length = self._plan(rows)
+        query = input_ids.shape[1]
         with torch.inference_mode():
             hidden = self._base(
-                input_ids=input_ids.to(self.device),
+                input_ids=input_ids,
                 attention_mask=self._attention_mask(positions, kv_length),
                 position_ids=positions,
                 cache=self.cache,
                 use_cache=True,
             ).last_hidden_state
-            picked = hidden[torch.arange(len(rows), device=self.device), last.to(self.device)]
+            if all(len(row.token_ids) == query for row in rows):
+                picked = hidden[:, -1]  # every row's last token is the last column: a view
+            else:
+                last = torch.tensor([len(row.token_ids) - 1 for row in rows], device=self.device)
+                picked = hidden[torch.arange(len(rows), device=self.device), last]
             logits: torch.Tensor = self._head(picked).float()
             return logits
 

@@ -6,8 +6,14 @@ writes each row's new keys at that row's own positions and reads back its slot. 
 allocated per request: a finished sequence's slot is reused as it is, since a row only ever
 attends to positions it wrote itself (stale entries past them are masked).
 
-`SlotKVCache` plugs into a Hugging Face model as its `cache`; `plan` is set before each
-forward (the calling compute thread owns the cache for the forward's duration).
+`SlotKVCache` plugs into a Hugging Face model as its `cache`; `plan_step` is called before
+each forward (the calling compute thread owns the cache for the forward's duration).
+
+Per step, every layer writes keys and values and reads its rows back, so the work that does
+not depend on the layer (where each new key goes) is done once, in `plan_step`: each write is
+then one `index_copy_` into a flat view of the layer's tensor (half the time of an indexed
+assignment on two dimensions), and a read of rows in scattered slots copies only the
+positions the step attends to, not the whole slots.
 """
 
 from __future__ import annotations
@@ -37,11 +43,13 @@ class CacheShape:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """Where one forward's rows live: each row's slot, and the cache positions its query
-    tokens are written to (rows x query length); keys 0 .. `kv_length` - 1 are read."""
+    """Where one forward's rows live (built by `SlotKVCache.plan_step`): each row's slot, the
+    rows of a layer's flat (slots x kv_heads x slot_tokens, head_dim) view that its new keys
+    go to, in the order of the new keys (rows, kv_heads, query) flattened; keys
+    0 .. `kv_length` - 1 are read."""
 
     row_slots: torch.Tensor  # (rows,) int64
-    positions: torch.Tensor  # (rows, query length) int64
+    write_rows: torch.Tensor  # (rows * kv_heads * query length,) int64
     kv_length: int
     first_slot: int | None = None  # set when the rows are slots first_slot, first_slot + 1, ...
 
@@ -57,6 +65,10 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         self._owner = owner
         self.keys = keys
         self.values = values
+        # (slots x kv_heads x slot_tokens, head_dim) views of the same storage: the target
+        # of `update`'s one-dimensional writes.
+        self._flat_keys = keys.view(-1, keys.shape[-1])
+        self._flat_values = values.view(-1, values.shape[-1])
         self.is_initialized = True
         self.device = keys.device
 
@@ -70,10 +82,14 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         return their slots' keys/values up to the plan's `kv_length`."""
         plan = self._owner.plan
         assert self.keys is not None and self.values is not None
-        rows = plan.row_slots.unsqueeze(1)  # (rows, 1) broadcast against positions
-        # Advanced indices on dims 0 and 2 put (rows, query) first: (rows, query, heads, dim).
-        self.keys[rows, :, plan.positions] = key_states.transpose(1, 2).to(self.keys.dtype)
-        self.values[rows, :, plan.positions] = value_states.transpose(1, 2).to(self.values.dtype)
+        dim = key_states.shape[-1]
+        # reshape flattens (rows, heads, query) in the order `plan.write_rows` lists them.
+        self._flat_keys.index_copy_(
+            0, plan.write_rows, key_states.reshape(-1, dim).to(self.keys.dtype)
+        )
+        self._flat_values.index_copy_(
+            0, plan.write_rows, value_states.reshape(-1, dim).to(self.values.dtype)
+        )
         length = plan.kv_length
         if plan.first_slot is not None:  # consecutive slots: a view, no copy of the cache
             rows_count = plan.row_slots.shape[0]
@@ -81,9 +97,10 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
                 self.keys[plan.first_slot : plan.first_slot + rows_count, :, :length],
                 self.values[plan.first_slot : plan.first_slot + rows_count, :, :length],
             )
+        # Narrowed first: the copy holds the positions read, not each slot's whole length.
         return (
-            self.keys.index_select(0, plan.row_slots)[:, :, :length],
-            self.values.index_select(0, plan.row_slots)[:, :, :length],
+            self.keys[:, :, :length].index_select(0, plan.row_slots),
+            self.values[:, :, :length].index_select(0, plan.row_slots),
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -113,5 +130,25 @@ class SlotKVCache(Cache):
         super().__init__(layers=layers)
         self.shape = shape
         self.bytes_allocated = shape.bytes(dtype)
+        # Offset of each kv head's first position within a slot, in rows of the flat view.
+        self._head_rows = (
+            torch.arange(shape.kv_heads, device=device).view(1, -1, 1) * shape.slot_tokens
+        )
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        self.plan = StepPlan(empty, empty.view(0, 0), 0)
+        self.plan = StepPlan(empty, empty, 0)
+
+    def plan_step(
+        self,
+        row_slots: torch.Tensor,
+        positions: torch.Tensor,
+        kv_length: int,
+        first_slot: int | None = None,
+    ) -> None:
+        """Set the next forward's plan: rows in slots `row_slots` (rows,) write their query
+        tokens at `positions` (rows, query) and read keys 0 .. kv_length - 1; `first_slot`
+        when the rows are consecutive slots from it. The calling compute thread's."""
+        per_slot = self.shape.kv_heads * self.shape.slot_tokens
+        write_rows = (row_slots.view(-1, 1, 1) * per_slot + self._head_rows) + positions.unsqueeze(
+            1
+        )
+        self.plan = StepPlan(row_slots, write_rows.reshape(-1), kv_length, first_slot)

@@ -53,3 +53,11 @@ def test_top_k_one_sampling_is_greedy() -> None:
     params = SamplingParams(max_new_tokens=1, do_sample=True, top_k=1, temperature=5.0)
     for seed in range(10):
         assert choose_tokens(LOGITS.unsqueeze(0), [params], [new_generator(seed)]) == [1]
+
+
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    """As argmax and model.generate do: a tie between the best tokens goes to the lowest id."""
+    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0], [3.0, 0.0, 3.0, 3.0, 1.0]])
+    greedy = SamplingParams(max_new_tokens=1)
+    generators = [new_generator(0), new_generator(0)]
+    assert choose_tokens(tied, [greedy, greedy], generators) == [1, 0]

@@ -148,7 +148,6 @@ class SlotKVCache(Cache):
         tokens at `positions` (rows, query) and read keys 0 .. kv_length - 1; `first_slot`
         when the rows are consecutive slots from it. The calling compute thread's."""
         per_slot = self.shape.kv_heads * self.shape.slot_tokens
-        write_rows = (row_slots.view(-1, 1, 1) * per_slot + self._head_rows) + positions.unsqueeze(
-            1
-        )
+        head_starts = row_slots.view(-1, 1, 1) * per_slot + self._head_rows  # (rows, heads, 1)
+        write_rows = head_starts + positions.unsqueeze(1)  # (rows, heads, query)
         self.plan = StepPlan(row_slots, write_rows.reshape(-1), kv_length, first_slot)

@@ -29,6 +29,7 @@ from prometheus_fastapi_instrumentator import metrics as instrumentator_metrics
 
 from app import __version__
 from app.api import debug, embed, generate, health, v2
+from app.api.direct import DirectRoute
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import use_lean_instrumentator
 from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware
@@ -150,6 +151,13 @@ def create_app(
     app.include_router(health.router)
     app.include_router(debug.router)
     app.include_router(v2.router)
+    # Innermost: inside the HTTP metrics and every middleware below.
+    app.add_middleware(
+        DirectRoute,
+        path="/infer",
+        endpoint=embed.infer,
+        exception_handlers=app.exception_handlers,
+    )
     Instrumentator(
         registry=metrics.registry,
         excluded_handlers=["/metrics", "/healthz", "/readyz"],

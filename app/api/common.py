@@ -3,25 +3,36 @@ rendering an answer as JSON (timed as the `serialise` phase)."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from fastapi import Request
+from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
 
 from app.api.responses import error_response, json_response
 from app.service import Service
 from app.timing import PhaseTimer
 
-ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
+ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
+
+
+def envoy_timeout_in(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
+    """The deadline Envoy announces for a request, in ms, from its raw ASGI headers (names
+    lower-cased); None without one or when it is not a number."""
+    for name, value in headers:
+        if name == ENVOY_TIMEOUT_HEADER:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
 
 
 def envoy_timeout_ms(request: Request) -> float | None:
-    value = request.headers.get(ENVOY_TIMEOUT_HEADER)
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
+    return envoy_timeout_in(request.scope["headers"])
 
 
 def too_many_inputs(service: Service, count: int, param: str) -> Response | None:
@@ -40,3 +51,36 @@ def render(request: Request, content: Any) -> Response:
     timer: PhaseTimer = request.state.server_timing
     timer.add("serialise", time.perf_counter() - started)
     return response
+
+
+async def json_body(request: Request) -> Any:
+    """The request's body as FastAPI parses a required `Body()` parameter: JSON when the
+    content type says so (`application/json` or `application/*+json`), else the raw bytes
+    (which the schema then refuses). An empty body is `missing` and JSON that does not
+    parse is `json_invalid` (`RequestValidationError`, answered 422/400 by api/errors.py);
+    a body that cannot be read or decoded at all is a 400 `HTTPException`."""
+    try:
+        raw = await request.body()
+        content_type = request.headers.get("content-type", "")
+        kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
+        is_json = kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+        body: Any = json.loads(raw) if raw and is_json else raw
+    except json.JSONDecodeError as error:
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", error.pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": error.msg},
+                }
+            ]
+        ) from None
+    except Exception as error:  # undecodable bytes, nesting too deep, a broken stream
+        raise HTTPException(400, "There was an error parsing the body") from error
+    if not raw:
+        raise RequestValidationError(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+        )
+    return body

@@ -4,16 +4,16 @@ OpenAI-compatible /v1/embeddings and /v1/models."""
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
-from fastapi import APIRouter, Body, Request
+from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.api.cancellation import run_until_disconnect
-from app.api.common import envoy_timeout_ms, render, too_many_inputs
+from app.api.common import envoy_timeout_ms, json_body, render, too_many_inputs
 from app.api.errors_doc import ERRORS
 from app.api.generate import infer_generate
 from app.api.responses import error_response, json_response, service_of
@@ -113,9 +113,11 @@ def _validated(schema: type[Schema], body: Any) -> Schema:
     responses=ERRORS,
     openapi_extra=INFER_BODY_DOC,
 )
-async def infer(request: Request, body: Annotated[Any, Body()]) -> Response:
+async def infer(request: Request) -> Response:
     """Embeddings of the texts (an embedding model), or their continuations (a generate
-    model), by the task of the model the request names."""
+    model), by the task of the model the request names. Served by `api/direct.py`; reads
+    its own body so that the FastAPI route and the direct one run the same code."""
+    body = await json_body(request)
     if _asks_a_generate_model(service_of(request), body):
         return await infer_generate(request, _validated(GenerateInferRequest, body))
     return await _infer_embed(request, _validated(InferRequest, body))

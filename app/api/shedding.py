@@ -36,14 +36,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.admission import Rejected, RejectReason
+from app.api.common import envoy_timeout_in
 from app.api.errors import REJECTION_STATUS
 from app.service import Service
 
 # Scope key set by the protocol on a request it admitted: the middleware must not count it
 # in again, only let it leave.
 ADMITTED = "steadyserve.admitted"
-
-_ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
 
 # Why a request was shed, as its body says (the exact figures are in the metrics; a
 # prebuilt answer cannot carry them).
@@ -91,17 +90,6 @@ def _server_timing(started: float) -> bytes:
     return f"shed;dur={(time.perf_counter() - started) * 1000:.3f}".encode()
 
 
-def envoy_timeout_ms(headers: Sequence[tuple[bytes, bytes]]) -> float | None:
-    """The deadline Envoy announces for this request (lower-cased header names), if any."""
-    for name, value in headers:
-        if name == _ENVOY_TIMEOUT_HEADER:
-            try:
-                return float(value)
-            except ValueError:
-                return None
-    return None
-
-
 class SheddingMiddleware:
     def __init__(self, app: ASGIApp, service: Service, paths: Collection[str]) -> None:
         self.app = app
@@ -114,7 +102,7 @@ class SheddingMiddleware:
             return
         if not scope.get(ADMITTED):
             started = time.perf_counter()
-            rejection = self.service.shed(envoy_timeout_ms(scope["headers"]))
+            rejection = self.service.shed(envoy_timeout_in(scope["headers"]))
             if rejection is not None:
                 await send_rejection(
                     rejection, send, started, close=self.service.admission.draining
@@ -197,7 +185,7 @@ def shedding_protocol(
             if httptools.parse_url(self.url).path not in shed_paths:
                 return False
             started = time.perf_counter()
-            rejection = service.shed(envoy_timeout_ms(self.headers))
+            rejection = service.shed(envoy_timeout_in(self.headers))
             if rejection is None:
                 self.scope[ADMITTED] = True  # type: ignore[literal-required]
                 return False

@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from app.admission import RejectReason
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
@@ -87,10 +88,16 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def start(**overrides: object) -> AsyncIterator[Harness]:
+async def start(
+    prepare: Callable[[FastAPI], None] | None = None, **overrides: object
+) -> AsyncIterator[Harness]:
+    """The harness, on settings `BASE` with `overrides`; `prepare` may change the app
+    before it serves (its middleware is built on the first request)."""
     loader = GatedLoader()
     settings = Settings(**{**BASE, **overrides})  # type: ignore[arg-type]
     app = create_app(settings, loader=loader, tokenizer_loader=loader.tokenizer)
+    if prepare is not None:
+        prepare(app)
     async with serving(app) as client:
         runner = loader.runners["fake"]
         runner.started = type(runner.started)(0)  # forget warm-up's batches

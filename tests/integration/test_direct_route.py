@@ -1,0 +1,79 @@
+"""`POST /infer` served by `api/direct.py` answers exactly as the FastAPI route it bypasses,
+for well-formed requests and for every kind of client mistake (the in-process engine and the
+gated fake model: the point is the HTTP contract, not the numbers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.api.direct import DirectRoute
+from tests.integration.test_scheduling import start
+from tests.support.infer_bodies import REQUESTS
+
+
+def without_direct_route(app: FastAPI) -> None:
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not DirectRoute]
+
+
+class RouterCalls:
+    """Innermost middleware: the paths of the requests that went on to FastAPI's router."""
+
+    def __init__(self, app: ASGIApp, paths: list[str]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+async def answers(prepare: Any = None) -> list[tuple[int, str | None, Any]]:
+    async with start(prepare=prepare) as harness:
+        results = []
+        for content_type, body in REQUESTS:
+            response = await harness.client.post(
+                "/infer", content=body, headers={"content-type": content_type}
+            )
+            results.append(
+                (response.status_code, response.headers.get("content-type"), response.json())
+            )
+        metrics = (await harness.client.get("/metrics")).text
+        counted = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("http_requests_total{") and 'handler="/infer"' in line
+        )
+        assert counted == len(REQUESTS), "every /infer request counted in the HTTP metrics"
+        return results
+
+
+async def test_the_direct_route_answers_as_the_fastapi_route() -> None:
+    direct = await answers()
+    through_fastapi = await answers(prepare=without_direct_route)
+    for sent, ours, theirs in zip(REQUESTS, direct, through_fastapi, strict=True):
+        assert ours == theirs, sent
+    statuses = {status for status, _, _ in direct}
+    assert {200, 400, 413, 422} <= statuses, direct  # the list covers success and mistakes
+
+
+async def test_infer_skips_the_fastapi_router_and_other_routes_do_not() -> None:
+    routed: list[str] = []
+
+    def count_router_calls(app: FastAPI) -> None:
+        app.user_middleware.append(Middleware(RouterCalls, paths=routed))  # innermost
+
+    async with start(prepare=count_router_calls) as harness:
+        assert (await harness.client.post("/infer", json={"inputs": "x"})).status_code == 200
+        assert (await harness.client.get("/v1/models")).status_code == 200
+    assert routed == ["/v1/models"]
+    routed.clear()
+    async with start(
+        prepare=lambda app: (without_direct_route(app), count_router_calls(app))
+    ) as harness:
+        assert (await harness.client.post("/infer", json={"inputs": "x"})).status_code == 200
+    assert routed == ["/infer"]

@@ -154,8 +154,7 @@ def create_app(
     # Innermost: inside the HTTP metrics and every middleware below.
     app.add_middleware(
         DirectRoute,
-        path="/infer",
-        endpoint=embed.infer,
+        endpoints={"/infer": embed.infer, "/v1/embeddings": embed.embeddings},
         exception_handlers=app.exception_handlers,
     )
     Instrumentator(

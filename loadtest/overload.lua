@@ -1,28 +1,33 @@
--- wrk script for loadtest/overload_bench.py: a closed-loop flood of /infer with a rotating
--- ~12-word sentence, each connection resending as soon as it has any answer (429s included:
--- what naive orchestrator retry loops do). Prints one RESULT line of JSON with the counts by
--- class and the latency percentiles of all answers.
+-- wrk script for loadtest/overload_bench.py: a closed-loop flood of /infer (or of the path
+-- given after `--`: /infer or /v1/embeddings) with a rotating ~12-word sentence, each
+-- connection resending as soon as it has any answer (429s included: what naive orchestrator
+-- retry loops do). Prints one RESULT line of JSON with the counts by class and the latency
+-- percentiles of all answers.
 local words = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "a",
   "small", "bird", "sings", "near", "river", "bank", "under", "bright", "morning", "sun", "and",
   "children", "play", "games", "in", "green", "park"}
-local bodies = {}
-math.randomseed(7)
-for i = 1, 256 do
-  local sentence = {}
-  for j = 1, 12 do sentence[j] = words[math.random(#words)] end
-  bodies[i] = '{"inputs": "' .. table.concat(sentence, " ") .. '"}'
-end
+-- The field holding the text, by path.
+local text_field = {["/infer"] = "inputs", ["/v1/embeddings"] = "input"}
 
 local threads = {}
 function setup(thread) table.insert(threads, thread) end
 
 function init(args)
   ok, throttled, unavailable, server_error, other, next_body = 0, 0, 0, 0, 0, 0
+  path = args[1] or "/infer"
+  local field = text_field[path] or error("no request body for " .. path)
+  bodies = {}
+  math.randomseed(7)
+  for i = 1, 256 do
+    local sentence = {}
+    for j = 1, 12 do sentence[j] = words[math.random(#words)] end
+    bodies[i] = '{"' .. field .. '": "' .. table.concat(sentence, " ") .. '"}'
+  end
 end
 
 function request()
   next_body = next_body % #bodies + 1
-  return wrk.format("POST", "/infer", {["Content-Type"] = "application/json"}, bodies[next_body])
+  return wrk.format("POST", path, {["Content-Type"] = "application/json"}, bodies[next_body])
 end
 
 function response(status, headers, body)

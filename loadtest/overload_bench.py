@@ -120,11 +120,12 @@ class HealthProbe:
         self._thread.join(timeout=15)
 
 
-def run_wrk(url: str, connections: int, duration_s: float) -> dict[str, Any]:
+def run_wrk(url: str, connections: int, duration_s: float, path: str = "/infer") -> dict[str, Any]:
+    """wrk flooding `path` (/infer or /v1/embeddings) with `SCRIPT`; its RESULT counts."""
     threads = 1 if connections <= 64 else 2
     command = [
         "wrk", f"-t{threads}", f"-c{connections}", f"-d{duration_s:g}s", "--timeout", "10s",
-        "-s", str(SCRIPT), url,
+        "-s", str(SCRIPT), url, "--", path,
     ]  # fmt: skip
     output = subprocess.run(
         command, capture_output=True, text=True, check=True, timeout=duration_s + 60

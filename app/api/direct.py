@@ -1,14 +1,15 @@
-"""POST /infer without FastAPI's per-request routing machinery.
+"""The hot POST routes (`/infer`, `/v1/embeddings`) without FastAPI's per-request routing
+machinery.
 
 Before an endpoint runs, FastAPI takes each request through its router (the routes matched
 in turn, through the included routers), an exit stack, its body-limit and telemetry
 middleware and dependency solving: ~110 us of a front end's ~360 us per admitted `/infer`
 (measured with the null engine, docs/BENCHMARKS.md, "The direct /infer route").
 `DirectRoute`, the innermost middleware (inside the HTTP metrics, so requests are counted as
-before), hands a POST to its path straight to the endpoint function the FastAPI route runs,
-which reads its own body (`api/common.py::json_body`), and answers any exception with the
-app's own exception handlers, as FastAPI's would. The FastAPI route stays registered: it
-documents the endpoint and answers its other methods.
+before), hands a POST to one of its paths straight to the endpoint function that path's
+FastAPI route runs, which reads its own body (`api/common.py::json_body`), and answers any
+exception with the app's own exception handlers, as FastAPI's would. The FastAPI routes stay
+registered: they document the endpoints and answer their other methods.
 
 Front-end event loop thread only.
 """
@@ -33,22 +34,22 @@ class DirectRoute:
     def __init__(
         self,
         app: ASGIApp,
-        path: str,
-        endpoint: Endpoint,
+        endpoints: Mapping[str, Endpoint],
         exception_handlers: Mapping[Any, ExceptionHandler],
     ) -> None:
+        """`endpoints`: the endpoint function of each path's `POST` route, by path."""
         self.app = app
-        self.path = path
-        self.endpoint = endpoint
+        self.endpoints = dict(endpoints)
         self.exception_handlers = exception_handlers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+        endpoint = self.endpoints.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive, send)
         try:
-            response = await self.endpoint(request)
+            response = await endpoint(request)
         except Exception as error:
             handler = self._handler_for(error)
             if handler is None:

@@ -98,10 +98,12 @@ def _asks_a_generate_model(service: Service, body: Any) -> bool:
     return chosen in service.model_names() and service.model_task(chosen) == "generate"
 
 
-def _validated(schema: type[Schema], body: Any) -> Schema:
-    """`body` as `schema`, or the 422 FastAPI itself would answer."""
+def _validated(schema: type[Schema], body: Any, *, from_attributes: bool = False) -> Schema:
+    """`body` as `schema`, or the 422 FastAPI itself would answer. `from_attributes=True`
+    validates as FastAPI validates a parameter typed as the model (the message for a body
+    that is not an object differs); without it, as a `Body()` validated afterwards."""
     try:
-        return schema.model_validate(body)
+        return schema.model_validate(body, from_attributes=from_attributes)
     except ValidationError as error:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
         raise RequestValidationError(errors) from None
@@ -145,8 +147,36 @@ async def _infer_embed(request: Request, body: InferRequest) -> Response:
     )
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS)
-async def embeddings(request: Request, body: EmbeddingsRequest) -> Response:
+async def embeddings_request(request: Request) -> EmbeddingsRequest:
+    """The body of a /v1/embeddings request, or the exception FastAPI raised for a parameter
+    typed `EmbeddingsRequest` (tested against FastAPI itself)."""
+    return _validated(EmbeddingsRequest, await json_body(request), from_attributes=True)
+
+
+# /v1/embeddings reads its own body; the document names its schema as FastAPI did (the
+# component: api/openapi.py).
+EMBEDDINGS_BODY_DOC = {
+    "requestBody": {
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingsRequest"}}
+        },
+        "required": True,
+    }
+}
+
+
+@router.post(
+    "/v1/embeddings",
+    response_model=EmbeddingsResponse,
+    responses=ERRORS,
+    openapi_extra=EMBEDDINGS_BODY_DOC,
+)
+async def embeddings(request: Request) -> Response:
+    # OpenAI's embeddings (no docstring: it would become the operation's description).
+    # Served by `api/direct.py`; reads its own body, answering every body as FastAPI did for
+    # a parameter typed `EmbeddingsRequest`, so the FastAPI route and the direct one run the
+    # same code.
+    body = await embeddings_request(request)
     texts = [body.input] if isinstance(body.input, str) else body.input
     if (too_many := too_many_inputs(service_of(request), len(texts), "input")) is not None:
         return too_many

@@ -7,6 +7,8 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
 - the list forms of `inputs` / `input` get `maxItems` = `STEADY_MAX_INPUTS_PER_REQUEST`;
 - `dimensions` of /v1/embeddings is narrowed to the served models' output widths once they
   are loaded (until then the document is rebuilt on each request and not cached);
+- /v1/embeddings reads its own body (to be served by `api/direct.py`): its request schema
+  is the component FastAPI writes for an `EmbeddingsRequest` body parameter, as before;
 - /infer's body is either request model (it is validated by the named model's task); the
   generation routes, and /infer's generation form, are documented only when a generate
   model is served (chat: one with a chat template), `model` narrowed to those models.
@@ -21,10 +23,11 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from app.generation.tokenizer import GenerationTokenizer
-from app.schemas import InferRequest
+from app.schemas import EmbeddingsRequest, InferRequest
 from app.schemas_generation import GenerateInferRequest
 from app.service import Service
 
@@ -41,6 +44,28 @@ def _add_component(components: dict[str, Any], model: type[BaseModel]) -> None:
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(schema.pop("$defs", {}))
     components[model.__name__] = schema
+
+
+def _body_components(*models: type[BaseModel]) -> dict[str, Any]:
+    """The components FastAPI writes for `models` as the body parameter of a route, for the
+    routes that read their own body (`api/direct.py`): their document stays the one FastAPI
+    gave them when it read the body itself."""
+    routes = []
+    for model in models:
+
+        async def takes(body: Any) -> None:
+            """Never called: documents `model` as a body."""
+
+        takes.__annotations__ = {"body": model, "return": None}
+        routes.append(APIRoute(f"/{model.__name__}", takes, methods=["POST"]))
+    document = get_openapi(title="", version="", routes=routes)
+    components: dict[str, Any] = document["components"]["schemas"]
+    # The throwaway routes' own 422 answer, which the real routes do not document.
+    return {
+        name: schema
+        for name, schema in components.items()
+        if name not in ("HTTPValidationError", "ValidationError")
+    }
 
 
 def _narrow_model(component: dict[str, Any], models: list[str], default: str) -> None:
@@ -111,7 +136,12 @@ def install_openapi(app: FastAPI, service: Service) -> None:
             title=app.title, version=app.version, openapi_version=app.openapi_version,
             routes=app.routes,
         )  # fmt: skip
-        components = document["components"]["schemas"]
+        # In FastAPI's order (by name), as when it read /v1/embeddings' body itself.
+        fastapi_components = document["components"]["schemas"]
+        components = dict(
+            sorted({**fastapi_components, **_body_components(EmbeddingsRequest)}.items())
+        )
+        document["components"]["schemas"] = components
         _add_component(components, InferRequest)
         _add_component(components, GenerateInferRequest)
         names = service.model_names()

@@ -50,3 +50,6 @@ def test_the_front_end_cost_bench_measures_both_paths(tmp_path: Path) -> None:
     assert admitted > 0 and refused > 0
     # Refusing from headers skips parsing, tokenizing and serialising: it must cost less.
     assert refused_us < admitted_us
+    # The OpenAI route's bodies are accepted (`measure` raises on any 4xx).
+    embeddings_us, embeddings = frontend_cost.measure(0.0, 1.0, log, "/v1/embeddings")
+    assert embeddings > 0 and embeddings_us > 0

@@ -1,4 +1,5 @@
-"""`POST /infer` served by `api/direct.py` answers exactly as the FastAPI route it bypasses,
+"""`POST /infer` and `POST /v1/embeddings` served by `api/direct.py` answer exactly as the
+FastAPI routes they bypass,
 for well-formed requests and for every kind of client mistake (the in-process engine and the
 gated fake model: the point is the HTTP contract, not the numbers)."""
 
@@ -6,13 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from fastapi import FastAPI
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.direct import DirectRoute
 from tests.integration.test_scheduling import start
-from tests.support.infer_bodies import REQUESTS
+from tests.support.infer_bodies import EMBEDDINGS_REQUESTS, REQUESTS
+
+BODIES = {"/infer": REQUESTS, "/v1/embeddings": EMBEDDINGS_REQUESTS}
 
 
 def without_direct_route(app: FastAPI) -> None:
@@ -32,12 +36,12 @@ class RouterCalls:
         await self.app(scope, receive, send)
 
 
-async def answers(prepare: Any = None) -> list[tuple[int, str | None, Any]]:
+async def answers(path: str, prepare: Any = None) -> list[tuple[int, str | None, Any]]:
     async with start(prepare=prepare) as harness:
         results = []
-        for content_type, body in REQUESTS:
+        for content_type, body in BODIES[path]:
             response = await harness.client.post(
-                "/infer", content=body, headers={"content-type": content_type}
+                path, content=body, headers={"content-type": content_type}
             )
             results.append(
                 (response.status_code, response.headers.get("content-type"), response.json())
@@ -46,22 +50,23 @@ async def answers(prepare: Any = None) -> list[tuple[int, str | None, Any]]:
         counted = sum(
             float(line.rsplit(" ", 1)[1])
             for line in metrics.splitlines()
-            if line.startswith("http_requests_total{") and 'handler="/infer"' in line
+            if line.startswith("http_requests_total{") and f'handler="{path}"' in line
         )
-        assert counted == len(REQUESTS), "every /infer request counted in the HTTP metrics"
+        assert counted == len(BODIES[path]), f"every {path} request counted in the HTTP metrics"
         return results
 
 
-async def test_the_direct_route_answers_as_the_fastapi_route() -> None:
-    direct = await answers()
-    through_fastapi = await answers(prepare=without_direct_route)
-    for sent, ours, theirs in zip(REQUESTS, direct, through_fastapi, strict=True):
+@pytest.mark.parametrize("path", list(BODIES))
+async def test_the_direct_route_answers_as_the_fastapi_route(path: str) -> None:
+    direct = await answers(path)
+    through_fastapi = await answers(path, prepare=without_direct_route)
+    for sent, ours, theirs in zip(BODIES[path], direct, through_fastapi, strict=True):
         assert ours == theirs, sent
     statuses = {status for status, _, _ in direct}
     assert {200, 400, 413, 422} <= statuses, direct  # the list covers success and mistakes
 
 
-async def test_infer_skips_the_fastapi_router_and_other_routes_do_not() -> None:
+async def test_the_direct_routes_skip_the_fastapi_router_and_other_routes_do_not() -> None:
     routed: list[str] = []
 
     def count_router_calls(app: FastAPI) -> None:
@@ -69,11 +74,17 @@ async def test_infer_skips_the_fastapi_router_and_other_routes_do_not() -> None:
 
     async with start(prepare=count_router_calls) as harness:
         assert (await harness.client.post("/infer", json={"inputs": "x"})).status_code == 200
+        sent = await harness.client.post("/v1/embeddings", json={"input": "x"})
+        assert sent.status_code == 200
         assert (await harness.client.get("/v1/models")).status_code == 200
-    assert routed == ["/v1/models"]
+        # Another method on a direct path goes on to FastAPI (which refuses it).
+        assert (await harness.client.get("/v1/embeddings")).status_code == 405
+    assert routed == ["/v1/models", "/v1/embeddings"]
     routed.clear()
     async with start(
         prepare=lambda app: (without_direct_route(app), count_router_calls(app))
     ) as harness:
         assert (await harness.client.post("/infer", json={"inputs": "x"})).status_code == 200
-    assert routed == ["/infer"]
+        sent = await harness.client.post("/v1/embeddings", json={"input": "x"})
+        assert sent.status_code == 200
+    assert routed == ["/infer", "/v1/embeddings"]

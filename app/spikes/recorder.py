@@ -1,5 +1,6 @@
 """Which requests are slow, and what is kept of them: a bounded ring of reports (newest
-first for GET /debug/slow), one structured log line each, and
+first for GET /debug/slow), one structured log line each (at most `LOG_LINES_PER_S` a
+second: past that, the next line counts the reports it did not log), and
 `steadyserve_slow_requests_total{cause}` by the top cause.
 
 A request is slow past `slow_request_ms`, or, with `slow_request_p99_multiple` set, past
@@ -26,6 +27,10 @@ log = logging.getLogger("app.spikes")
 
 P99_WINDOW = 1000
 P99_REFRESH_EVERY = 100
+# Log lines a second, per front end. Under overload nearly every admitted request is slow:
+# a line each (a log record, its JSON, a write) took ~10 % of a flooded front end's time
+# (py-spy at 5,000 connections, docs/BENCHMARKS.md), for lines that say the same thing.
+LOG_LINES_PER_S = 10
 
 
 class RunningP99:
@@ -100,6 +105,9 @@ class SlowRequestRecorder:
         self._p99 = RunningP99()
         self._ids = itertools.count(1)
         self._clock = clock
+        self._log_second = -1.0  # the whole second the lines counted below were logged in
+        self._logged_this_second = 0
+        self._unlogged = 0  # reports not logged since the last line
 
     def threshold_s(self) -> float:
         if self.p99_multiple is None or self._p99.value is None:
@@ -128,8 +136,22 @@ class SlowRequestRecorder:
         )
         self._reports.append(report)
         self._metrics.slow_requests.labels(report.top_cause).inc()
-        log.warning("slow request %s", json.dumps(_log_fields(report), separators=(",", ":")))
+        self._log(report)
         return report
+
+    def _log(self, report: SlowReport) -> None:
+        second = float(int(report.at))
+        if second != self._log_second:
+            self._log_second, self._logged_this_second = second, 0
+        if self._logged_this_second >= LOG_LINES_PER_S:
+            self._unlogged += 1
+            return
+        self._logged_this_second += 1
+        fields = _log_fields(report)
+        if self._unlogged:
+            fields = {**fields, "unlogged_before": self._unlogged}
+            self._unlogged = 0
+        log.warning("slow request %s", json.dumps(fields, separators=(",", ":")))
 
     def recent(self, limit: int | None = None) -> list[SlowReport]:
         """Newest first."""

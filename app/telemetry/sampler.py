@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from app.metrics import Metrics
 from app.telemetry.cpu import CpuProbe
 from app.telemetry.gc_pauses import GENERATIONS, GcPauseProbe
 from app.telemetry.loop_lag import LoopLagMonitor
-from app.telemetry.probe import Probe, ProbeSet, Readings, is_counter
+from app.telemetry.probe import Cached, Probe, ProbeSet, Readings, is_counter
 from app.telemetry.throttling import CgroupThrottleProbe
 
 PUBLISH_EVERY_S = 0.25
 # A tick's readings stand for "now" for this long (two ticks of the 10 ms loop monitor).
 SNAPSHOT_FRESH_S = 0.02
+# A fresh read stands for "now" this long (reads of the same loop turn: see `read`).
+READ_SHARED_S = 0.001
 
 
 def process_wide_probes() -> tuple[LoopLagMonitor, GcPauseProbe, list[Probe]]:
@@ -42,6 +44,7 @@ class ProcessTelemetry:
         gc: GcPauseProbe | None = None,
         publishes_container: bool = True,
         own_ticker: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`publishes_container`: this process counts the container-wide figures (cgroup
         throttling) in the metrics; exactly one process of a server should. `own_ticker`
@@ -58,6 +61,8 @@ class ProcessTelemetry:
         self._published: Readings = {}
         self._latest: Readings = {}
         self._latest_at = 0.0
+        self._clock = clock
+        self._shared_read = Cached(self.probes.read, READ_SHARED_S, clock)
         self._next_publish = 0.0
         if loop is not None:
             histogram = metrics.loop_lag.labels(role)
@@ -102,7 +107,10 @@ class ProcessTelemetry:
             await asyncio.sleep(seconds)
 
     def read(self) -> Readings:
-        return self.probes.read()
+        """Every probe now. Callers within `READ_SHARED_S` of a read share it: slow requests
+        that finish in one event-loop turn (under overload, dozens at once) read the probes
+        once, not once each."""
+        return dict(self._shared_read.read())
 
     def snapshot(self) -> Readings:
         """The readings of the loop monitor's last tick while that is at most
@@ -110,14 +118,14 @@ class ProcessTelemetry:
         reading them itself (reading every probe per request cost ~5 % of throughput);
         read afresh otherwise (no tick yet, or the loop was held up since the last one,
         when whatever held it must not be counted against the next request)."""
-        if self._latest and time.monotonic() - self._latest_at <= SNAPSHOT_FRESH_S:
+        if self._latest and self._clock() - self._latest_at <= SNAPSHOT_FRESH_S:
             return self._latest
         return self.probes.read()
 
     def _on_tick(self, observe: object, lag: float) -> None:
         observe(lag)  # type: ignore[operator]
         self._latest = self.probes.read()
-        now = self._latest_at = time.monotonic()
+        now = self._latest_at = self._clock()
         if now >= self._next_publish:
             self._next_publish = now + PUBLISH_EVERY_S
             self.publish()

@@ -12,7 +12,7 @@ import pytest
 from app.engine.protocol import BatchTrace, EngineTrace
 from app.metrics import Metrics
 from app.spikes.attribution import CAUSES, RequestFacts, attribute
-from app.spikes.recorder import RunningP99, SlowRequestRecorder
+from app.spikes.recorder import LOG_LINES_PER_S, RunningP99, SlowRequestRecorder
 from app.spikes.table import render_table
 
 FRONT, ENGINE = 100, 200
@@ -261,3 +261,30 @@ def test_spikes_table_renders_reports() -> None:
     assert "POST /infer" in lines[2] and "queueing 298" in lines[2]
     assert lines[2].endswith("queued 298 ms behind 900 inputs")
     assert render_table({"reports": []}).endswith("(no slow requests)")
+
+
+def test_log_lines_are_capped_per_second_and_the_next_line_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    metrics = Metrics()
+    recorder = SlowRequestRecorder(
+        metrics, slow_after_s=0.1, p99_multiple=None, keep=100, clock=lambda: now[0]
+    )
+    with caplog.at_level(logging.WARNING, logger="app.spikes"):
+        for _ in range(LOG_LINES_PER_S + 15):  # a flood's worth within one second
+            recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=1))
+            now[0] += 0.5 / (LOG_LINES_PER_S + 15)
+        assert len(caplog.records) == LOG_LINES_PER_S
+        now[0] = 101.2
+        recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=1))
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == LOG_LINES_PER_S + 1
+    assert '"unlogged_before":15' in lines[-1]
+    assert not any("unlogged_before" in line for line in lines[:-1])
+    # Every report is still kept and counted.
+    assert len(recorder.recent()) == LOG_LINES_PER_S + 16
+    assert (
+        metrics.registry.get_sample_value("steadyserve_slow_requests_total", {"cause": "queueing"})
+        == LOG_LINES_PER_S + 16
+    )

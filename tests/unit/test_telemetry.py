@@ -19,7 +19,7 @@ from app.telemetry.gpu import NvmlProbe, throttle_reason_names
 from app.telemetry.loop_lag import LoopLagMonitor
 from app.telemetry.probe import Cached, FakeProbe, ProbeSet, changes
 from app.telemetry.procfile import ProcFile
-from app.telemetry.sampler import ProcessTelemetry
+from app.telemetry.sampler import READ_SHARED_S, ProcessTelemetry
 from app.telemetry.schedstat import thread_runqueue_wait_s
 from app.telemetry.shapes import ShapeTracker
 from app.telemetry.throttling import read_throttling
@@ -213,3 +213,26 @@ def test_a_proc_file_is_reread_through_its_open_descriptor(tmp_path: Path) -> No
     assert file.text() == "nr_periods 2\n"
     file.close()
     assert ProcFile(tmp_path / "absent").text() is None
+
+
+class CountingProbe(FakeProbe):
+    def __init__(self, values: dict[str, float]) -> None:
+        super().__init__(values)
+        self.reads = 0
+
+    def read(self) -> dict[str, float]:
+        self.reads += 1
+        return dict(super().read())
+
+
+def test_reads_within_a_millisecond_share_one_reading_of_the_probes() -> None:
+    now = [10.0]
+    probe = CountingProbe({"a_total": 1.0})
+    telemetry = ProcessTelemetry("frontend", Metrics(), [probe], clock=lambda: now[0])
+    first = telemetry.read()
+    probe.add(a_total=1)
+    now[0] += READ_SHARED_S / 2  # the same loop turn: shared
+    assert telemetry.read() == first == {"a_total": 1.0}
+    now[0] += READ_SHARED_S  # later: read again
+    assert telemetry.read() == {"a_total": 2.0}
+    assert probe.reads == 2

@@ -16,11 +16,10 @@ Front-end event loop thread only.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from starlette._utils import is_async_callable
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -54,10 +53,9 @@ class DirectRoute:
             handler = self._handler_for(error)
             if handler is None:
                 raise  # a fault of the server's: answered 500 by ServerTimingMiddleware
-            if is_async_callable(handler):
-                response = await handler(request, error)
-            else:
-                response = await run_in_threadpool(handler, request, error)  # type: ignore[arg-type]
+            # The app's handlers are coroutines; a plain function's answer is used as is.
+            answer = handler(request, error)
+            response = await answer if inspect.isawaitable(answer) else answer
         await response(scope, receive, send)
 
     def _handler_for(self, error: Exception) -> ExceptionHandler | None:

@@ -90,8 +90,9 @@ class Settings(BaseSettings):
         default=1.0,
         ge=0,
         description="After a 429/503 with Retry-After, the front end reads that connection's "
-        "next request no sooner than Retry-After or this, whichever is shorter (0: at once). "
-        "A client that honours Retry-After never notices; one that resends at once can no "
+        "next request no sooner than Retry-After or this, whichever is shorter (0: at once; "
+        "a proxy's connections, which carry other clients' requests, are never paused). A "
+        "client that honours Retry-After never notices; one that resends at once can no "
         "longer make refusals crowd out admitted work.",
     )
     body_read_timeout_s: float = Field(

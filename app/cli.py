@@ -108,21 +108,15 @@ def _configure_logging(level: str) -> None:
     )
 
 
-def run_uvicorn(
-    app: FastAPI,
-    settings: Settings,
-    sockets: list[socket.socket] | None = None,
-    in_process_tree: bool = False,
-) -> int:
-    """Serve `app` until drained; 0 unless the server is unhealthy. In the process tree the
-    parent asks for the drain (SIGUSR1) and SIGTERM/SIGINT are ignored, so that a signal
-    sent to the whole process group does not count twice."""
+def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """How a front end runs uvicorn: refusals written by the HTTP protocol itself, before
+    any ASGI machinery runs (`api/shedding.py`), connection limits and keep-alive from
+    `settings`."""
     from app.api.shedding import shedding_protocol  # the server's code: loaded to serve only
 
     service: Service = app.state.service
-    config = uvicorn.Config(
+    return uvicorn.Config(
         app,
-        # Refusals are written by the HTTP protocol itself, before any ASGI machinery runs.
         http=shedding_protocol(service, app.state.shed_paths, settings.refused_read_pause_s),
         host=settings.host,
         port=settings.port,
@@ -136,6 +130,19 @@ def run_uvicorn(
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
+
+
+def run_uvicorn(
+    app: FastAPI,
+    settings: Settings,
+    sockets: list[socket.socket] | None = None,
+    in_process_tree: bool = False,
+) -> int:
+    """Serve `app` until drained; 0 unless the server is unhealthy. In the process tree the
+    parent asks for the drain (SIGUSR1) and SIGTERM/SIGINT are ignored, so that a signal
+    sent to the whole process group does not count twice."""
+    service: Service = app.state.service
+    config = uvicorn_config(app, settings)
     drain_signals, ignored_signals = (
         ((signal.SIGUSR1,), (signal.SIGTERM, signal.SIGINT))
         if in_process_tree

@@ -11,12 +11,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import uvicorn
 from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
-from app.api.shedding import shedding_protocol
-from app.main import SHED_PATHS
+from app.cli import uvicorn_config
 from tests.integration.test_scheduling import Harness, start
 
 ONE_MIB = 1 << 20
@@ -34,8 +32,9 @@ class Listener:
 
 
 @contextlib.asynccontextmanager
-async def listening(harness: Harness, read_pause_s: float) -> AsyncIterator[Listener]:
-    """The harness's app behind `shedding_protocol` on 127.0.0.1."""
+async def listening(harness: Harness) -> AsyncIterator[Listener]:
+    """The harness's app on 127.0.0.1 with the HTTP protocol a front end runs
+    (`cli.uvicorn_config`), counting the requests that reach the ASGI app."""
     app = harness.client._transport.app  # type: ignore[attr-defined]
     state = ServerState()
     listener = Listener(port=0, state=state)
@@ -44,9 +43,10 @@ async def listening(harness: Harness, read_pause_s: float) -> AsyncIterator[List
         listener.app_calls += 1
         await app(scope, receive, send)
 
-    protocol = shedding_protocol(harness.service, SHED_PATHS, read_pause_s)
-    config = uvicorn.Config(counting_app, lifespan="off", http=protocol, log_level="warning")
+    config = uvicorn_config(app, harness.service.settings)
+    config.app, config.lifespan, config.log_level = counting_app, "off", "warning"
     config.load()
+    protocol = config.http_protocol_class
     server = await asyncio.get_running_loop().create_server(
         lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0
     )
@@ -90,10 +90,12 @@ async def overload(harness: Harness) -> asyncio.Task[object]:
 
 
 async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
-    async with start(max_queue_delay_ms=50, max_body_bytes=ONE_MIB) as harness:
+    async with start(
+        max_queue_delay_ms=50, max_body_bytes=ONE_MIB, refused_read_pause_s=0.0
+    ) as harness:
         holder = await harness.hold_the_worker()
         queued = await overload(harness)
-        async with listening(harness, read_pause_s=0.0) as listener:
+        async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             # Only the headers: the 1 MiB they announce is never sent.
             writer.write(post(b"", declared_length=ONE_MIB - 1))
@@ -114,10 +116,10 @@ async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
 
 async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None:
     pause_s = 0.3
-    async with start(max_queue_delay_ms=50) as harness:
+    async with start(max_queue_delay_ms=50, refused_read_pause_s=pause_s) as harness:
         holder = await harness.hold_the_worker()
         queued = await overload(harness)
-        async with listening(harness, read_pause_s=pause_s) as listener:
+        async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             request = post(b'{"inputs": "resent at once"}')
             writer.write(request)
@@ -137,7 +139,7 @@ async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None
 
 async def test_requests_the_protocol_admits_are_counted_in_once() -> None:
     async with start() as harness:
-        async with listening(harness, read_pause_s=1.0) as listener:
+        async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             for text in ("one", "two", "three"):
                 writer.write(post(json.dumps({"inputs": text}).encode()))
@@ -152,10 +154,10 @@ async def test_requests_the_protocol_admits_are_counted_in_once() -> None:
 
 
 async def test_a_connection_from_a_proxy_is_never_paused() -> None:
-    async with start(max_queue_delay_ms=50) as harness:
+    async with start(max_queue_delay_ms=50, refused_read_pause_s=1.0) as harness:
         holder = await harness.hold_the_worker()
         queued = await overload(harness)
-        async with listening(harness, read_pause_s=1.0) as listener:
+        async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             # What the shipped Envoy adds (use_remote_address: true).
             request = post(b'{"inputs": "one of many clients"}', extra_headers=PROXIED)

@@ -322,7 +322,7 @@ class GenerationHost:
                     finish = FinishReason.EOS
                     break
                 fresh.append(token)
-                if len(sequence.generated) + len(fresh) >= sequence.sampling.max_new_tokens:
+                if len(fresh) >= sequence.remaining:  # `generated` is extended below
                     finish = FinishReason.LENGTH
                     break
             sequence.generated.extend(fresh)

@@ -120,11 +120,11 @@ class ProcessTelemetry:
         when whatever held it must not be counted against the next request)."""
         if self._latest and self._clock() - self._latest_at <= SNAPSHOT_FRESH_S:
             return self._latest
-        return self.probes.read()
+        return self.read()
 
     def _on_tick(self, observe: object, lag: float) -> None:
         observe(lag)  # type: ignore[operator]
-        self._latest = self.probes.read()
+        self._latest = self.read()
         now = self._latest_at = self._clock()
         if now >= self._next_publish:
             self._next_publish = now + PUBLISH_EVERY_S

@@ -12,9 +12,8 @@ from app.telemetry.sampler import ProcessTelemetry
 def test_a_request_quick_in_the_engine_gets_no_trace_and_a_long_one_its_changes() -> None:
     now = [0.0]
     device = FakeProbe({"cuda_alloc_retries_total": 0.0, "gpu_sm_clock_hertz": 1.9e9})
-    tracer = ProbeTracer(
-        ProcessTelemetry("engine", Metrics(), [device]), lambda: now[0], min_engine_s=0.05
-    )
+    telemetry = ProcessTelemetry("engine", Metrics(), [device], clock=lambda: now[0])
+    tracer = ProbeTracer(telemetry, lambda: now[0], min_engine_s=0.05)
 
     quick = tracer.arrive(queue_depth=3)
     now[0] = 0.049

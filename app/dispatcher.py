@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import torch
 
+from app.settings import Settings, default_frontend_processes
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)
@@ -45,15 +46,42 @@ def plan_threads(
     cpus: int,
 ) -> ThreadPlan:
     """Two compute threads by default, so one batch is copied in and out while the other
-    computes, and the CPU quota shared among their torch teams (on 2 CPUs, 2 x 1 thread
-    served ~15-20 % more than 1 x 2 at a lower p99: docs/BENCHMARKS.md). Inter-op gets 1:
-    each compute thread runs one batch at a time."""
+    computes, and the engine's CPUs (`engine_cpus`) shared among their torch teams. With one
+    CPU for the engine, one compute thread: a second would only take the batches the first
+    leaves, too small to pay for themselves (on 2 CPUs, 1 x 1 served 874-1009 req/s at p99/p50
+    1.13-1.24 against 2 x 1's 801-811 at 1.44-1.54, whose batches averaged 15 rows instead of
+    32: docs/BENCHMARKS.md). Inter-op gets 1: each compute thread runs one batch at a time."""
     compute = compute_threads or min(2, cpus)
     return ThreadPlan(
         compute_threads=compute,
         torch_intra_op=torch_threads or max(1, cpus // compute),
         torch_inter_op=torch_interop_threads or 1,
     )
+
+
+def engine_cpus(cpus: int, frontend_processes: int) -> int:
+    """The CPUs the engine's compute threads divide among them: the quota less one per
+    front-end process (at least one). Front ends parse and answer while batches run; torch
+    threads counted on the whole quota would be the incidents' thread starvation, between
+    processes instead of within one."""
+    return max(1, cpus - frontend_processes)
+
+
+def engine_thread_plan(settings: Settings, cpus: int) -> ThreadPlan:
+    """The engine's threads under `settings` on a CPU quota of `cpus`: what the engine runs
+    and what `steadyserve check-config` counts."""
+    return plan_threads(
+        compute_threads=settings.dispatcher_threads,
+        torch_threads=settings.torch_threads,
+        torch_interop_threads=settings.torch_interop_threads,
+        cpus=engine_cpus(cpus, settings.frontend_processes(cpus)),
+    )
+
+
+def default_thread_plan(cpus: int) -> ThreadPlan:
+    """`engine_thread_plan` with every thread setting left unset, for load tools that start
+    a server on `cpus` CPUs and name its layout."""
+    return plan_threads(None, None, None, engine_cpus(cpus, default_frontend_processes(cpus)))
 
 
 _interop_configured = False

@@ -191,13 +191,13 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         description="Threads that run the model (batches in flight at once); defaults to 2, "
-        "or 1 with a single CPU.",
+        "or 1 when the engine has a single CPU (the quota less one per front-end process).",
     )
     torch_threads: int | None = Field(
         default=None,
         ge=1,
         description="torch intra-op threads per dispatcher thread; defaults to the cgroup CPU "
-        "quota divided among the dispatcher threads.",
+        "quota less one CPU per front-end process, divided among the dispatcher threads.",
     )
     torch_interop_threads: int | None = Field(
         default=None, ge=1, description="torch inter-op threads; defaults to 1."
@@ -329,7 +329,12 @@ class Settings(BaseSettings):
     def frontend_processes(self, cpus: int) -> int:
         if self.engine == "inprocess":
             return 1
-        return self.frontend_workers or max(1, min(8, cpus // 2))
+        return self.frontend_workers or default_frontend_processes(cpus)
+
+
+def default_frontend_processes(cpus: int) -> int:
+    """Front ends when `frontend_workers` is unset: half the CPUs, at least 1, at most 8."""
+    return max(1, min(8, cpus // 2))
 
 
 def export_cuda_alloc_conf(settings: Settings) -> str:

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.dispatcher import plan_threads
+from app.dispatcher import default_thread_plan
 from app.telemetry.cgroup import available_cpus
 from loadtest.bodies import LengthDistribution, sentence
 from loadtest.cli import ProgressPrinter, execute, run_event_loop
@@ -356,7 +356,7 @@ def measure_steadyserve(
     port = _free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/infer")
     command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    plan = plan_threads(None, None, None, cpus=options.threads)
+    plan = default_thread_plan(options.threads)
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from app.dispatcher import plan_threads
+from app.dispatcher import default_thread_plan
 from app.telemetry.cgroup import available_cpus
 from loadtest.bench import (
     REPO_ROOT,
@@ -133,7 +133,7 @@ def measure_v2(
 ) -> PhaseOutcome:
     port = _free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer")
-    plan = plan_threads(None, None, None, cpus=options.threads)
+    plan = default_thread_plan(options.threads)
     spec = {
         "name": MODEL,
         "task": "tensor",

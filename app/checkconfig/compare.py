@@ -24,7 +24,7 @@ from app.checkconfig.sources import (
     read_k8s,
     settings_from_environment,
 )
-from app.dispatcher import plan_threads
+from app.dispatcher import engine_thread_plan
 from app.settings import Settings
 
 
@@ -188,16 +188,11 @@ def check_overlay(
 def _check_thread_budget(where: str, settings: Settings, cpu_limit: Any) -> list[str]:
     """Dispatcher threads x torch threads each must fit in the CPU limit: more is the
     thread-starvation pattern of the incidents (CFS throttling as tail latency). Counts
-    are the server's own: `plan_threads` on the CPUs the limit gives the pod."""
+    are the server's own: `engine_thread_plan` on the CPUs the limit gives the pod."""
     if cpu_limit is None:
         return [f"{where}.cpu_limit: none set; thread counts cannot be derived from it"]
     cpus = cpu_count(cpu_limit)
-    plan = plan_threads(
-        compute_threads=settings.dispatcher_threads,
-        torch_threads=settings.torch_threads,
-        torch_interop_threads=settings.torch_interop_threads,
-        cpus=cpus,
-    )
+    plan = engine_thread_plan(settings, cpus)
     used = plan.compute_threads * plan.torch_intra_op
     if used <= cpus:
         return []

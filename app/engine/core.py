@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from app.admission import Rejected, RejectReason
 from app.batcher import ComputeSlots
-from app.dispatcher import Dispatcher, plan_threads
+from app.dispatcher import Dispatcher, engine_thread_plan
 from app.engine.health import BatchHealth
 from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost, RequestTracer
 from app.engine.loading import load_hosts
@@ -69,12 +69,7 @@ class EngineCore:
             # default before anything (the compute threads' streams included) touches it.
             self._cuda_alloc_conf = export_cuda_alloc_conf(settings)
         self.dispatcher = Dispatcher(
-            plan_threads(
-                compute_threads=settings.dispatcher_threads,
-                torch_threads=settings.torch_threads,
-                torch_interop_threads=settings.torch_interop_threads,
-                cpus=available_cpus(),
-            ),
+            engine_thread_plan(settings, available_cpus()),
             self.device,
         )
         self.slots = ComputeSlots(self.dispatcher.capacity)

@@ -129,7 +129,8 @@ def test_torch_threads_times_dispatcher_threads_over_the_cpu_limit_fails(
     )
     replace_once(
         deploy_copy / "baseline.yaml",
-        "null  # derived: cpu_limit / dispatcher_threads = 4\n      dispatcher_threads: 2",
+        "null  # derived: (cpu_limit - 4 front ends) / dispatcher_threads = 2\n"
+        "      dispatcher_threads: 2",
         "8\n      dispatcher_threads: 2",
     )
     assert check(deploy_copy) == 1

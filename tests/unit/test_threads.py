@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.dispatcher import plan_threads
+from app.dispatcher import default_thread_plan, engine_thread_plan, plan_threads
+from app.settings import Settings
 from app.telemetry.cgroup import available_cpus, cgroup_cpu_quota
 
 
@@ -47,3 +48,24 @@ def test_threads_default_to_the_quota_not_the_host() -> None:
     assert (single.compute_threads, single.torch_intra_op) == (1, 1)
     explicit = plan_threads(1, torch_threads=3, torch_interop_threads=2, cpus=2)
     assert (explicit.compute_threads, explicit.torch_intra_op, explicit.torch_inter_op) == (1, 3, 2)
+
+
+def test_the_engine_leaves_one_cpu_to_each_front_end() -> None:
+    # 2 CPUs: one front end, so one compute thread with one torch thread (2 x 1 would
+    # oversubscribe the CPUs the front end answers on, and take half-empty batches).
+    two = engine_thread_plan(Settings(), cpus=2)
+    assert (two.compute_threads, two.torch_intra_op) == (1, 1)
+    # 16 CPUs: 8 front ends leave 8, shared by 2 compute threads.
+    sixteen = engine_thread_plan(Settings(), cpus=16)
+    assert (sixteen.compute_threads, sixteen.torch_intra_op) == (2, 4)
+    # Front ends counted as configured, the in-process front end as one.
+    one_frontend = engine_thread_plan(Settings(frontend_workers=1), cpus=8)
+    assert (one_frontend.compute_threads, one_frontend.torch_intra_op) == (2, 3)
+    inprocess = engine_thread_plan(Settings(engine="inprocess", frontend_workers=4), cpus=4)
+    assert (inprocess.compute_threads, inprocess.torch_intra_op) == (2, 1)
+    # Never fewer than one CPU, and explicit settings win.
+    single = engine_thread_plan(Settings(), cpus=1)
+    assert (single.compute_threads, single.torch_intra_op) == (1, 1)
+    explicit = engine_thread_plan(Settings(dispatcher_threads=2, torch_threads=3), cpus=2)
+    assert (explicit.compute_threads, explicit.torch_intra_op) == (2, 3)
+    assert default_thread_plan(16) == sixteen

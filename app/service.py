@@ -15,9 +15,10 @@ tokenized on a small thread pool. It never imports torch: the model lives in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar, TypeVarTuple
 
@@ -119,6 +120,9 @@ class Service:
         # when shedding, so a burst between two status messages is not all let through.
         self._sent_since_status = 0
         self._status_seen_at = -1.0
+        # Requests let in that are at the engine (sent, not yet answered): the rest of those
+        # in flight are still being read or tokenized, work the engine has not seen yet.
+        self._at_engine = 0
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -201,11 +205,15 @@ class Service:
             return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
-        # The engine's queue as last published, plus what this front end sent since. Not
-        # this front end's own event-loop lag: under a closed-loop flood the cheap refusals
-        # themselves keep the loop busy, and counting that lag refused nearly everything,
-        # collapsing goodput (measured: docs/BENCHMARKS.md).
-        backlog = status.backlog_s + self._sent_since_status * status.seconds_per_input
+        # The engine's queue as last published, plus what this front end sent since and what
+        # it let in but has not sent yet (one input each, at least): without the latter, a
+        # burst of connections resending at once all passed here, had their bodies read and
+        # tokenized, and were then refused by the engine. Not this front end's own
+        # event-loop lag: under a closed-loop flood the cheap refusals themselves keep the
+        # loop busy, and counting that lag refused nearly everything, collapsing goodput
+        # (measured: docs/BENCHMARKS.md).
+        unsent = max(0, self.admission.inflight - self._at_engine)
+        backlog = status.backlog_s + (self._sent_since_status + unsent) * status.seconds_per_input
         verdict = delay_verdict(
             DelayEstimate(backlog_s=backlog, own_compute_s=0.0),
             deadline,
@@ -230,10 +238,16 @@ class Service:
             raise UnknownModel(chosen, self.model_names())
         return chosen
 
-    def sent(self, inputs: int) -> None:
-        """`inputs` were sent to the engine (counted into its backlog until it next
-        publishes its status)."""
+    @contextlib.contextmanager
+    def at_engine(self, inputs: int) -> Iterator[None]:
+        """Wrap a request's time at the engine, from sending its `inputs` (counted into the
+        engine's backlog until it next publishes its status) to its last answer."""
         self._sent_since_status += inputs
+        self._at_engine += 1
+        try:
+            yield
+        finally:
+            self._at_engine -= 1
 
     def model_info(self, name: str) -> ModelInfo | None:
         """What the engine published about the model, once it has loaded it."""
@@ -279,14 +293,14 @@ class Service:
         outcome = "error"
         try:
             request = Submit(self.engine.next_request_id(), model, deadline, payload)
-            self.sent(inputs)
-            async for output in self.engine.stream(request):
-                timer.add("queue", output.queue_s)
-                timer.add("compute", output.compute_s)
-                timer.engine_trace = output.trace
-                if output.final:
-                    outcome = "ok"
-                    return output.payload
+            with self.at_engine(inputs):
+                async for output in self.engine.stream(request):
+                    timer.add("queue", output.queue_s)
+                    timer.add("compute", output.compute_s)
+                    timer.engine_trace = output.trace
+                    if output.final:
+                        outcome = "ok"
+                        return output.payload
             raise EngineUnavailable("the engine's stream ended without an output")
         except Rejected as rejection:
             outcome = "rejected"

@@ -203,12 +203,12 @@ class TextGeneration:
             self._sequence(prepared, index, timer, incremental)
             for index in range(len(prepared.prompt_ids))
         ]
-        self.service.sent(len(sequences))
         outcome = "error"
         try:
-            async with contextlib.aclosing(_merge(sequences)) as batches:
-                async for batch in batches:
-                    yield batch
+            with self.service.at_engine(len(sequences)):
+                async with contextlib.aclosing(_merge(sequences)) as batches:
+                    async for batch in batches:
+                        yield batch
             outcome = "ok"
         except Rejected as rejection:
             deadline = rejection.reason is RejectReason.DEADLINE

@@ -2,7 +2,8 @@
 connection floods whose clients resend at once after a 429, then its engine killed with
 SIGKILL under load.
 
-For each connection count it reports 2xx goodput (and its ratio to the first, lowest
+Right after the first (lowest) connection count, requests at 0.7x and 3x its goodput in an
+open loop. For each connection count it reports 2xx goodput (and its ratio to the first, lowest
 count), the answers by class, latency percentiles of all answers (under a flood nearly all
 are 429s), the slowest `/healthz` seen while the flood ran (probed every 100 ms), the CPU the
 front ends and the engine used per answer, and the cores other processes used meanwhile (the
@@ -245,6 +246,17 @@ def measure_open_loop(server: Server, rate: float, duration_s: float) -> dict[st
     }
 
 
+def _run_open_loops(
+    server: Server, capacity: float, duration_s: float, report: dict[str, Any]
+) -> None:
+    for share in (0.7, 3.0):
+        _log(f"open loop at {share:g}x the first flood's goodput ({capacity:.0f}/s)")
+        report.setdefault("open_loop", []).append(
+            {"share": share, **measure_open_loop(server, share * capacity, duration_s)}
+        )
+        server.wait_ready(60)
+
+
 def start_server(port: int, env: dict[str, str], log_path: Path) -> Server:
     probe_port = _free_port()
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "STEADY_HEALTH_PORT": str(probe_port), **env}
@@ -340,21 +352,18 @@ def main(argv: list[str] | None = None) -> int:
             "floods": [],
         }
         run_wrk(server.base_url, 64, 3)  # warm the connections and the compute estimates
-        for connections in (int(c) for c in options.connections.split(",")):
+        open_s = parse_duration(options.open_duration)
+        for index, connections in enumerate(int(c) for c in options.connections.split(",")):
             _log(f"{connections} connections for {options.duration}")
             flood = measure_flood(server, connections, parse_duration(options.duration))
             report["floods"].append(flood)
             _log(json.dumps(flood))
             server.wait_ready(60)
-        capacity = report["floods"][0]["ok_per_s"]
-        open_s = parse_duration(options.open_duration)
-        if open_s > 0:
-            for share in (0.7, 3.0):
-                _log(f"open loop at {share:g}x the first flood's goodput ({capacity:.0f}/s)")
-                report.setdefault("open_loop", []).append(
-                    {"share": share, **measure_open_loop(server, share * capacity, open_s)}
-                )
-                server.wait_ready(60)
+            if index == 0 and open_s > 0:
+                # Sized from the first flood and run before the larger ones, whose
+                # aftermath (thousands of connections closing, paused clients) would
+                # otherwise be measured as the open loop's tail.
+                _run_open_loops(server, flood["ok_per_s"], open_s, report)
         report["resident_mb_after"] = tree_resident_mb(server.process.pid)
         kill_s = parse_duration(options.kill_duration)
         if kill_s > 0:

@@ -22,6 +22,7 @@ def test_the_overload_bench_floods_and_kills_the_engine(tmp_path: Path) -> None:
             "--connections", "32,256",
             "--duration", "2s",
             "--kill-duration", "6s",
+            "--open-duration", "2s",
             "--env", "STEADY_LENGTH_BUCKETS=[16,32]",
             "--env", "STEADY_MAX_BATCH_SIZE=8",
             "--out", str(tmp_path),
@@ -36,6 +37,11 @@ def test_the_overload_bench_floods_and_kills_the_engine(tmp_path: Path) -> None:
         assert flood["server_error"] == 0
         assert flood["frontend_cpu_us_per_answer"] > 0
         assert flood["probe_port_failures"] == 0
+    # The open loops ran (at 0.7x and 3x of the first flood's goodput) and were answered.
+    assert [run["share"] for run in report["open_loop"]] == [0.7, 3.0]
+    for run in report["open_loop"]:
+        assert run["ok"] > 0
+        assert run["other"] == 0
     kill = report["engine_kill"]
     assert kill["new_engine_pid"] != kill["killed_engine_pid"]
     assert kill["server_error"] == 0

@@ -206,8 +206,9 @@ class Service:
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
         # The engine's queue as last published, plus what this front end sent since and what
-        # it let in but has not sent yet (one input each, at least): without the latter, a
-        # burst of connections resending at once all passed here, had their bodies read and
+        # it let in but has not sent yet (one input each, at least), plus the least the
+        # engine adds for a request's own batch: without the last two, a burst of
+        # connections resending at once all passed here, had their bodies read and
         # tokenized, and were then refused by the engine. Not this front end's own
         # event-loop lag: under a closed-loop flood the cheap refusals themselves keep the
         # loop busy, and counting that lag refused nearly everything, collapsing goodput
@@ -215,7 +216,7 @@ class Service:
         unsent = max(0, self.admission.inflight - self._at_engine)
         backlog = status.backlog_s + (self._sent_since_status + unsent) * status.seconds_per_input
         verdict = delay_verdict(
-            DelayEstimate(backlog_s=backlog, own_compute_s=0.0),
+            DelayEstimate(backlog_s=backlog, own_compute_s=status.least_own_compute_s),
             deadline,
             now,
             self.settings.max_queue_delay_ms / 1000,

@@ -189,6 +189,7 @@ class EngineCore:
             state = "ready"
         # Hosts whose requests add nothing to the shared backlog (generation) report 0.
         per_input = [cost for host in self.hosts.values() if (cost := host.seconds_per_input()) > 0]
+        own = [cost for host in self.hosts.values() if (cost := host.least_own_compute_s()) > 0]
         healthy = self._startup_error is None and self.health.healthy
         return EngineStatus(
             engine_id=self.engine_id,
@@ -201,6 +202,7 @@ class EngineCore:
             seconds_per_input=min(per_input, default=0.0) / self.slots.capacity,
             queued_inputs=self.queued_inputs(),
             published_at=self._clock(),
+            least_own_compute_s=min(own, default=0.0),
             models={name: host.info() for name, host in self.hosts.items()},
             problem=self._startup_error or self.health.problem,
         )

@@ -104,6 +104,11 @@ class ModelHost(Protocol):
         """What one more queued input of the smallest shape adds to `backlog_seconds`."""
         ...
 
+    def least_own_compute_s(self) -> float:
+        """The compute `admit` adds for the smallest request's own batch on top of the
+        backlog (one input of the smallest shape); 0 when it adds none."""
+        ...
+
     def queued_inputs(self) -> int: ...
 
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:

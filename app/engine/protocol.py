@@ -196,7 +196,9 @@ class EngineStatus(msgspec.Struct, frozen=True):
 
     `backlog_s`: predicted seconds before a newly queued input starts computing;
     `seconds_per_input`: what one more queued input adds to it (full batches of the
-    smallest length bucket, all workers busy).
+    smallest length bucket, all workers busy); `least_own_compute_s`: the least the engine
+    adds for a request's own batch when it admits it (one input of the smallest shape),
+    which front ends add too, so that what they let in the engine does not then refuse.
     """
 
     engine_id: str
@@ -209,6 +211,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     seconds_per_input: float
     queued_inputs: int
     published_at: float
+    least_own_compute_s: float = 0.0
     models: dict[str, ModelInfo] = {}
     problem: str | None = None  # why it is failed or unhealthy, for /readyz and /healthz
 

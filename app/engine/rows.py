@@ -134,6 +134,12 @@ class BatchedHost:
         scheduler = self.batcher.scheduler
         return scheduler.seconds_per_input(scheduler.policy.length_buckets[0])
 
+    def least_own_compute_s(self) -> float:
+        policy = self.batcher.scheduler.policy
+        smallest = policy.length_buckets[0]
+        shape = BatchShape(policy.padded_batch(smallest, 1), smallest)
+        return self.batcher.scheduler.estimated_compute(shape)
+
     def queued_inputs(self) -> int:
         return self.batcher.scheduler.depth
 

@@ -344,8 +344,15 @@ async def test_embedding_and_generation_models_side_by_side(tiny_causal_lm: Path
         assert len(generated.token_ids) == 4
         status = engine.status()
         assert status is not None
-        # The embedding model's cost per input, not the generation host's 0.
+        # The embedding model's cost per input, not the generation host's 0, and the
+        # compute its admission adds for a one-input batch of its smallest shape.
         assert status.seconds_per_input > 0
+        shapes = (await engine.debug("pool"))["minilm"]["shapes"]  # type: ignore[index]
+        one_input = next(s for s in shapes if (s["batch"], s["length"]) == (1, 16))
+        assert status.least_own_compute_s * 1000 == pytest.approx(
+            one_input["estimated_compute_ms"], abs=0.001
+        )
+        assert status.least_own_compute_s > 0
         assert {name: info.task for name, info in status.models.items()} == {
             "minilm": "embed",
             "tiny": "generate",
@@ -386,6 +393,7 @@ async def test_sequences_waiting_for_a_cache_slot_add_nothing_to_the_shared_back
         assert status.queued_inputs == 1
         assert status.backlog_s == 0.0
         assert status.seconds_per_input == 0.0  # nor does each generate request sent
+        assert status.least_own_compute_s == 0.0  # nor its admission, on top of the backlog
         await running.aclose()
         assert len((await waiting).token_ids) == 3
     finally:

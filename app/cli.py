@@ -112,12 +112,16 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """How a front end runs uvicorn: refusals written by the HTTP protocol itself, before
     any ASGI machinery runs (`api/shedding.py`), connection limits and keep-alive from
     `settings`."""
-    from app.api.shedding import shedding_protocol  # the server's code: loaded to serve only
+    from app.api.refusal_budget import RefusalBudget  # the server's code: loaded to serve only
+    from app.api.shedding import shedding_protocol
 
     service: Service = app.state.service
+    budget = RefusalBudget(settings.refusals_at_once_per_admission)
     return uvicorn.Config(
         app,
-        http=shedding_protocol(service, app.state.shed_paths, settings.refused_read_pause_s),
+        http=shedding_protocol(
+            service, app.state.shed_paths, settings.refused_read_pause_s, budget
+        ),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level.lower(),

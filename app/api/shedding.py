@@ -8,7 +8,8 @@ module only answers that verdict, in one of two places:
 - `shedding_protocol(...)`: uvicorn's httptools protocol, which `steadyserve serve` runs. It
   writes the refusal to the socket as soon as the request's headers are parsed: no asyncio
   task, no ASGI scope handed on, no middleware, and the body is discarded as it arrives.
-  Then it stops reading that connection until its Retry-After has passed (at most
+  Then, unless admissions have paid for the refusal (`api/refusal_budget.py`), it stops
+  reading that connection until its Retry-After has passed (at most
   `refused_read_pause_s`). Under a closed-loop flood (clients resending the moment they are
   refused) refusals are otherwise most of what a front end does: each refused connection
   is ready again at once, so every event-loop turn, which admitted requests wait in, grows
@@ -38,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.admission import Rejected, RejectReason
 from app.api.common import envoy_timeout_in
 from app.api.errors import REJECTION_STATUS
+from app.api.refusal_budget import RefusalBudget
 from app.service import Service
 
 # Scope key set by the protocol on a request it admitted: the middleware must not count it
@@ -142,11 +144,12 @@ def came_through_a_proxy(headers: Sequence[tuple[bytes, bytes]]) -> bool:
 
 
 def shedding_protocol(
-    service: Service, paths: Collection[str], read_pause_s: float
+    service: Service, paths: Collection[str], read_pause_s: float, budget: RefusalBudget
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (pass it as `uvicorn.Config(http=...)`), refusing what
     `service.shed` refuses as soon as a request's headers are parsed, and pausing reads of
-    a refused connection for its Retry-After, at most `read_pause_s`. A request it admits
+    a refused connection for its Retry-After, at most `read_pause_s`, when `budget` has no
+    refusal to answer at once (admissions earn them). A request it admits
     goes on through the ASGI app marked `ADMITTED`, so `SheddingMiddleware` must wrap that
     app (it calls `Service.leave`)."""
     shed_paths = frozenset(path.encode() for path in paths)
@@ -188,6 +191,7 @@ def shedding_protocol(
             rejection = service.shed(envoy_timeout_in(self.headers))
             if rejection is None:
                 self.scope[ADMITTED] = True  # type: ignore[literal-required]
+                budget.admitted()
                 return False
             self._send_refusal(rejection, started)
             return True
@@ -214,7 +218,12 @@ def shedding_protocol(
                 self.transport.close()
             self.on_response_complete()
             pause_s = min(rejection.retry_after_whole_s or 0, read_pause_s)
-            if keep_alive and pause_s > 0 and not came_through_a_proxy(self.headers):
+            if (
+                keep_alive
+                and pause_s > 0
+                and not came_through_a_proxy(self.headers)
+                and not budget.answer_at_once()
+            ):
                 self.flow.pause_reading()
                 self.loop.call_later(pause_s, self._resume_after_refusal)
 

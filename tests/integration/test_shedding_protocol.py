@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from starlette.types import Receive, Scope, Send
@@ -89,6 +89,18 @@ async def overload(harness: Harness) -> asyncio.Task[object]:
     return queued  # type: ignore[return-value]
 
 
+def front_end_sees_the_overload(harness: Harness) -> Callable[[], bool]:
+    """Whether the engine status the front end sheds by shows a backlog over the delay
+    budget (as `overload` makes it)."""
+    budget_s = harness.service.settings.max_queue_delay_ms / 1000
+
+    def sees() -> bool:
+        status = harness.service.engine_status()
+        return status is not None and status.backlog_s > budget_s
+
+    return sees
+
+
 async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
     async with start(
         max_queue_delay_ms=50, max_body_bytes=ONE_MIB, refused_read_pause_s=0.0
@@ -116,7 +128,9 @@ async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
 
 async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None:
     pause_s = 0.3
-    async with start(max_queue_delay_ms=50, refused_read_pause_s=pause_s) as harness:
+    async with start(
+        max_queue_delay_ms=50, refused_read_pause_s=pause_s, refusals_at_once_per_admission=0
+    ) as harness:
         holder = await harness.hold_the_worker()
         queued = await overload(harness)
         async with listening(harness) as listener:
@@ -132,6 +146,30 @@ async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None
             writer.close()
         assert (first, second) == (429, 429)
         assert waited >= pause_s, waited
+        harness.release()
+        assert (await holder).status_code == 200
+        await queued
+
+
+async def test_refusals_earned_by_admissions_are_answered_without_a_pause() -> None:
+    async with start(
+        max_queue_delay_ms=50, refused_read_pause_s=1.0, refusals_at_once_per_admission=2
+    ) as harness:
+        async with listening(harness) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            writer.write(post(b'{"inputs": "admitted: earns two refusals at once"}'))
+            assert (await read_answer(reader))[0] == 200
+            holder = await harness.hold_the_worker()
+            queued = await overload(harness)
+            await harness.until(front_end_sees_the_overload(harness), "the backlog published")
+            statuses, reading = [], []
+            for _ in range(3):  # what an open-loop client's next requests meet
+                writer.write(post(b'{"inputs": "refused"}'))
+                statuses.append((await read_answer(reader))[0])
+                reading.append(listener.connections_reading())
+            writer.close()
+        assert statuses == [429, 429, 429]
+        assert reading == [[True], [True], [False]]  # the third was not paid for: paused
         harness.release()
         assert (await holder).status_code == 200
         await queued

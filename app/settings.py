@@ -89,8 +89,9 @@ class Settings(BaseSettings):
     refused_read_pause_s: float = Field(
         default=1.0,
         ge=0,
-        description="After a 429/503 with Retry-After, the front end reads that connection's "
-        "next request no sooner than Retry-After or this, whichever is shorter (0: at once; "
+        description="After a 429/503 with Retry-After that admissions have not paid for "
+        "(`refusals_at_once_per_admission`), the front end reads that connection's next "
+        "request no sooner than Retry-After or this, whichever is shorter (0: at once; "
         "a proxy's connections, which carry other clients' requests, are never paused). A "
         "client that honours Retry-After never notices; one that resends at once can no "
         "longer make refusals crowd out admitted work.",

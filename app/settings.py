@@ -100,9 +100,9 @@ class Settings(BaseSettings):
         default=5.0,
         ge=0,
         description="Refused requests answered without pausing their connection, earned per "
-        "admitted request (64 admissions' worth banked). An open loop at up to 6x capacity "
-        "is never paused; a closed-loop flood outruns it and is paused as "
-        "`refused_read_pause_s` says. 0: every refused connection is paused.",
+        "admitted request (a few dozen admissions' worth can be banked). An open loop at "
+        "up to 6x capacity is never paused; a closed-loop flood outruns it and is paused "
+        "as `refused_read_pause_s` says. 0: every refused connection is paused.",
     )
     body_read_timeout_s: float = Field(
         default=5.0,

@@ -11,8 +11,8 @@ So refusals are paid for by admissions: each admitted request earns `per_admissi
 refusals answered at once (at most `BANKED_ADMISSIONS` admissions' worth banked); a
 refusal with nothing to spend pauses its connection. A refusal costs the front end about a
 tenth of an admission, so refusals answered at once stay a bounded share of its work
-whatever the number of connections.
-With nothing admitted (engine down, draining) every refusal pauses, as before.
+whatever the number of connections. With nothing admitted (engine down, draining) every
+refusal pauses, as before.
 
 Pure (no clock, no I/O); one instance per front-end process, used on its event loop thread.
 """
@@ -25,14 +25,13 @@ BANKED_ADMISSIONS = 64
 
 
 class RefusalBudget:
+    """One front end's earned refusals; `admitted` and `answer_at_once` are called from its
+    HTTP protocol (`api/shedding.py`) for each request it decides on."""
+
     def __init__(self, per_admission: float, banked_admissions: int = BANKED_ADMISSIONS) -> None:
         self.per_admission = per_admission
         self.burst = per_admission * banked_admissions
         self._balance = 0.0  # nothing admitted yet, nothing earned
-
-    @property
-    def balance(self) -> float:
-        return self._balance
 
     def admitted(self) -> None:
         """A request was admitted: it earns `per_admission` refusals, up to `burst`."""

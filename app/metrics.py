@@ -78,6 +78,12 @@ class Metrics:
             ["model", "reason"],
             registry=r,
         )
+        self.refusals_paused = Counter(
+            "steadyserve_refusals_paused",
+            "Refusals after which the front end paused reading their connection (admissions "
+            "had not paid for answering them at once: api/refusal_budget.py).",
+            registry=r,
+        )
         self.inflight = Gauge(
             "steadyserve_inflight_requests",
             "Admitted and not yet answered (all front ends).",

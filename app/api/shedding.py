@@ -226,6 +226,7 @@ def shedding_protocol(
             ):
                 self.flow.pause_reading()
                 self.loop.call_later(pause_s, self._resume_after_refusal)
+                service.metrics.refusals_paused.inc()
 
         def _resume_after_refusal(self) -> None:
             if not self.transport.is_closing():

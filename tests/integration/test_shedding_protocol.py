@@ -170,6 +170,8 @@ async def test_refusals_earned_by_admissions_are_answered_without_a_pause() -> N
             writer.close()
         assert statuses == [429, 429, 429]
         assert reading == [[True], [True], [False]]  # the third was not paid for: paused
+        metrics = (await harness.client.get("/metrics")).text
+        assert "steadyserve_refusals_paused_total 1.0" in metrics
         harness.release()
         assert (await holder).status_code == 200
         await queued

@@ -29,6 +29,7 @@ class GenerationSequence:
     slot: int | None = None
     started: float | None = None  # joined the batch
     first_token_at: float | None = None
+    last_output_at: float | None = None  # when its previous output was made
     generated: list[int] = field(default_factory=list)
 
     @property
@@ -50,14 +51,18 @@ class GenerationSequence:
         now: float,
         tracer: RequestTracer,
     ) -> Output:
-        """Its next output message: `token_ids`, and with `finish` its last (traced)."""
+        """Its next output message: `token_ids`, and with `finish` its last (traced). Its
+        compute is the time since the previous output (since it joined the batch, for the
+        first), so a front end that sums its outputs' compute counts each step once."""
         started = self.started if self.started is not None else now
+        since = self.last_output_at if self.last_output_at is not None else started
+        self.last_output_at = now
         final = finish is not None
         return Output(
             self.request.request_id,
             final=final,
             payload=TokensOutput(token_ids, len(self.prompt), finish),
             queue_s=started - self.arrived,
-            compute_s=now - started,
+            compute_s=now - since,
             trace=tracer.finish(self.arrival_trace, None) if final else None,
         )

@@ -153,6 +153,10 @@ class EngineTrace(msgspec.Struct, frozen=True):
 
 
 class Output(msgspec.Struct, frozen=True, tag="output"):
+    """One message of a request's answer (the last `final`). `queue_s`: how long the
+    request waited before it started computing; `compute_s`: the compute this output covers,
+    since the request's previous output (a request's outputs sum to its compute)."""
+
     request_id: int
     final: bool
     payload: OutputPayload

@@ -117,6 +117,16 @@ class PreparedGeneration:
     arrived_at: float
 
 
+@dataclass(slots=True)
+class _SequenceTime:
+    """What one sequence spent in the engine, from its outputs: waiting before it joined the
+    running batch, then computing (each output's compute covers the time since the previous
+    one)."""
+
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+
+
 class TextGeneration:
     def __init__(self, service: Service) -> None:
         self.service = service
@@ -199,8 +209,9 @@ class TextGeneration:
         (the same text). Raises what the engine answers (`Rejected`, `DeadlineExceeded`,
         `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it (or cancel its task)
         to cancel the engine requests still running."""
+        times = [_SequenceTime() for _ in prepared.prompt_ids]
         sequences = [
-            self._sequence(prepared, index, timer, incremental)
+            self._sequence(prepared, index, times[index], incremental)
             for index in range(len(prepared.prompt_ids))
         ]
         outcome = "error"
@@ -221,16 +232,22 @@ class TextGeneration:
             outcome = "cancelled"
             raise
         finally:
+            # The sequences ran side by side: the request's queue and compute phases are
+            # those of the one that took longest, not their sum.
+            slowest = max(times, key=lambda time: time.queue_s + time.compute_s)
+            timer.add("queue", slowest.queue_s)
+            timer.add("compute", slowest.compute_s)
             elapsed = self.service.clock() - prepared.arrived_at
             self.service.metrics.request_duration.labels(
                 prepared.model, "generate", outcome
             ).observe(elapsed)
 
     async def _sequence(
-        self, prepared: PreparedGeneration, index: int, timer: PhaseTimer, incremental: bool
+        self, prepared: PreparedGeneration, index: int, spent: _SequenceTime, incremental: bool
     ) -> AsyncGenerator[list[GenerationEvent], None]:
         """One prompt's sequence: each batch of engine outputs (one or more tokens that
-        arrived together) becomes at most one piece, plus the end once it is known."""
+        arrived together) becomes at most one piece, plus the end once it is known; what it
+        spent in the engine goes to `spent`."""
         tokenizer = self.tokenizer(prepared.model)
         prompt_ids = prepared.prompt_ids[index]
         request = Submit(
@@ -261,9 +278,9 @@ class TextGeneration:
                             f"{prepared.model} answered generation with {type(payload)}"
                         )
                     if first:
-                        timer.add("queue", output.queue_s)
+                        spent.queue_s = output.queue_s
                         first = False
-                    timer.add("compute", output.compute_s)
+                    spent.compute_s += output.compute_s
                     generated += len(payload.token_ids)
                     if stops is None:
                         token_ids.extend(payload.token_ids)

@@ -131,6 +131,30 @@ async def test_completions_greedy_equals_generate_for_16_concurrent_requests(
         assert answer["usage"]["completion_tokens"] == want.completion_tokens
 
 
+async def test_server_timing_counts_a_sequences_compute_once(
+    client: httpx.AsyncClient, expected: list[Expected]
+) -> None:
+    # The engine streams a sequence's tokens in one output per step, and a request's
+    # sequences run side by side: its compute is its longest sequence's, each step once.
+    longest = sorted(range(len(expected)), key=lambda i: expected[i].completion_tokens)[-2:]
+    assert all(expected[i].completion_tokens >= 10 for i in longest)
+    body = {
+        "model": "tiny",
+        "prompt": [PROMPTS[i] for i in longest],
+        "max_tokens": max(NEW_TOKENS[i] for i in longest),
+        "temperature": 0,
+    }
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    phases = {
+        name: float(duration.removeprefix("dur="))
+        for name, duration in (
+            entry.split(";") for entry in response.headers["server-timing"].split(", ")
+        )
+    }
+    assert 0 < phases["compute"] <= phases["total"], phases
+
+
 async def test_the_openai_client_gets_the_same_whole_and_streamed(
     base_url: str, expected: list[Expected]
 ) -> None:

@@ -90,8 +90,8 @@ def final_output(
         request.request_id,
         final=True,
         payload=payload,
-        queue_s=max(r.queue_wait_s for r in results),
-        compute_s=max(r.compute_s for r in results),
+        queue_s=slowest.queue_wait_s,
+        compute_s=slowest.compute_s,
         trace=tracer.finish(arrival, slowest.batch),
     )
 

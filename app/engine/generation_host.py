@@ -3,7 +3,8 @@
 Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), joins the
 running batch at the next step with its prompt (prefill), then gets one token per step until
 EOS or `max_new_tokens`; each dispatch streams the new tokens as an `Output`, the last one
-`final` with its `FinishReason`. Sequences join and leave between dispatches; a dispatch is
+`final` with its `FinishReason` (a request that does not stream gets only that last one,
+with every token). Sequences join and leave between dispatches; a dispatch is
 one prefill forward for the joiners and one batched decode forward for the rest, run on a
 dispatcher compute thread inside one of the compute slots every model shares, so embedding
 batches and generation steps interleave without oversubscribing the CPU/GPU.
@@ -163,6 +164,7 @@ class GenerationHost:
             request=request,
             prompt=list(payload.prompt_ids),
             sampling=payload.sampling,
+            streams=payload.stream,
             emit=emit,
             generator=new_generator(payload.sampling.seed),
             arrived=self._context.clock(),
@@ -307,9 +309,9 @@ class GenerationHost:
     def _advance(
         self, sequences: list[GenerationSequence], tokens: list[list[int]]
     ) -> list[tuple[GenerationSequence, Output]]:
-        """Give each sequence its new tokens (one output with all of them), and end those at
-        EOS (not sent) or at their length, freeing their slots for the next step; returns the
-        outputs to send."""
+        """Give each sequence its new tokens (one output with all of them, for a sequence that
+        streams), and end those at EOS (not sent) or at their length, freeing their slots for
+        the next step; returns the outputs to send."""
         now = self._context.clock()
         eos = self.runner.eos_token_ids
         outbox: list[tuple[GenerationSequence, Output]] = []
@@ -334,7 +336,7 @@ class GenerationHost:
                 self._tokens_counter.inc(len(fresh))
             if finish is not None:
                 outbox.append((sequence, self._finish(sequence, fresh, finish, now)))
-            else:
+            elif sequence.streams:
                 outbox.append((sequence, sequence.output(fresh, None, now, self._context.tracer)))
         return outbox
 
@@ -346,7 +348,8 @@ class GenerationHost:
         if produced > 1 and sequence.first_token_at is not None:
             per_token = (now - sequence.first_token_at) / (produced - 1)
             self._context.metrics.time_per_output_token.labels(self.name).observe(per_token)
-        output = sequence.output(token_ids, reason, now, self._context.tracer)
+        sent = token_ids if sequence.streams else sequence.generated
+        output = sequence.output(sent, reason, now, self._context.tracer)
         self._drop(sequence)
         return output
 

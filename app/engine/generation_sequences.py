@@ -21,6 +21,7 @@ class GenerationSequence:
     request: Submit
     prompt: list[int]
     sampling: SamplingParams
+    streams: bool  # False: only its final output is sent, with every token
     emit: Emit
     generator: torch.Generator
     arrived: float

@@ -38,10 +38,13 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
     """One prompt's token ids (the front end tokenized it, chat template applied) and how
-    to continue it. A request with several prompts is several `Submit`s."""
+    to continue it. A request with several prompts is several `Submit`s. `stream` false:
+    nobody reads the text before the end (a whole answer, no stop strings to watch for),
+    so the engine sends only the final output, with every token."""
 
     prompt_ids: list[int]
     sampling: SamplingParams
+    stream: bool = True
 
 
 class TensorData(msgspec.Struct, frozen=True):

@@ -205,10 +205,10 @@ class TextGeneration:
         """Every sequence's pieces as they come (sequences interleaved), each followed by
         its `SequenceEnd`, in batches: the events that became known together (a batch never
         mixes sequences, and holds one piece at most). `incremental` False: nobody reads the
-        text before the end, so a sequence without stop strings is decoded once, at its end
-        (the same text). Raises what the engine answers (`Rejected`, `DeadlineExceeded`,
-        `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it (or cancel its task)
-        to cancel the engine requests still running."""
+        text before the end, so a sequence without stop strings is sent by the engine in one
+        output and decoded once (the same text). Raises what the engine answers (`Rejected`,
+        `DeadlineExceeded`, `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it
+        (or cancel its task) to cancel the engine requests still running."""
         times = [_SequenceTime() for _ in prepared.prompt_ids]
         sequences = [
             self._sequence(prepared, index, times[index], incremental)
@@ -250,15 +250,18 @@ class TextGeneration:
         spent in the engine goes to `spent`."""
         tokenizer = self.tokenizer(prepared.model)
         prompt_ids = prepared.prompt_ids[index]
+        stops = StopMatcher(prepared.sampling.stops) if prepared.sampling.stops else None
+        # Tokens before the end are read only to stream text or to watch for a stop string;
+        # otherwise the engine sends one output, at the end (one message, not one per step).
+        reads_as_it_goes = incremental or stops is not None
         request = Submit(
             self.service.engine.next_request_id(),
             prepared.model,
             prepared.deadline,
-            GeneratePayload(prompt_ids, _engine_sampling(prepared, index)),
+            GeneratePayload(prompt_ids, _engine_sampling(prepared, index), stream=reads_as_it_goes),
         )
-        stops = StopMatcher(prepared.sampling.stops) if prepared.sampling.stops else None
         detokenizer: IncrementalDetokenizer | WholeText
-        if incremental or stops is not None:
+        if reads_as_it_goes:
             detokenizer = IncrementalDetokenizer(tokenizer.decode)
         else:
             detokenizer = WholeText(tokenizer.decode)

@@ -70,13 +70,13 @@ async def started(settings: Settings) -> InProcessEngine:
 
 
 async def generate(
-    engine: InProcessEngine, prompt_ids: list[int], sampling: SamplingParams
+    engine: InProcessEngine, prompt_ids: list[int], sampling: SamplingParams, stream: bool = True
 ) -> Generated:
     request = Submit(
         engine.next_request_id(),
         "tiny",
         time.monotonic() + 120,
-        GeneratePayload(prompt_ids, sampling),
+        GeneratePayload(prompt_ids, sampling, stream=stream),
     )
     return await collect(engine.stream(request))
 
@@ -167,6 +167,25 @@ async def test_greedy_equals_generate_one_prompt_at_a_time(
     assert registry.get_sample_value("steadyserve_kv_cache_usage_ratio", labels) == 0
     # The cache preallocated at start-up served every sequence: nothing was reallocated.
     assert storage == [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
+
+
+async def test_a_sequence_that_does_not_stream_gets_one_output_with_every_token(
+    engine: InProcessEngine, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    tokenizer, model = reference
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS[:8]]
+    results = await asyncio.gather(
+        *(
+            generate(engine, prompt, SamplingParams(max_new_tokens=24), stream=False)
+            for prompt in prompts
+        )
+    )
+    for prompt, result in zip(prompts, results, strict=True):
+        expected = expected_greedy(model, prompt, 24)
+        assert result.outputs == 1
+        assert result.token_ids == expected.token_ids, prompt
+        assert result.finish_reason is expected.finish_reason
+    assert {result.finish_reason for result in results} >= {FinishReason.LENGTH}
 
 
 async def test_warm_up_ran_prefill_and_decode_shapes_before_ready(engine: InProcessEngine) -> None:

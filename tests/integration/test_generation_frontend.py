@@ -391,3 +391,18 @@ async def test_outputs_that_arrive_together_are_one_piece_with_the_same_text_and
     _, stopped_usage = texts_and_usage(answers[1][1])
     if not stream:  # the stop is at the same output: the same tokens counted
         assert stopped_usage is not None and stopped_usage["completion_tokens"] < 200
+
+
+async def test_the_engine_streams_only_what_is_read_as_it_comes(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    # A whole answer without stop strings needs only the engine's final output; a stream,
+    # or a stop string to watch for, needs every step's tokens.
+    engine = engine_of(app)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4}
+    for extra, streams in (({}, False), ({"stop": ["zzz"]}, True), ({"stream": True}, True)):
+        response = await client.post("/v1/completions", json={**body, **extra})
+        assert response.status_code == 200, response.text
+        payload = engine.submitted[-1].payload
+        assert isinstance(payload, GeneratePayload)
+        assert payload.stream is streams, extra

@@ -77,18 +77,6 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     return int(status_line.split()[1]), headers, body
 
 
-async def overload(harness: Harness) -> asyncio.Task[object]:
-    """With the worker held, let the engine believe a batch takes a second and queue one
-    input: 250 ms of work, five times the delay budget (Retry-After: 1). Returns the queued
-    request (the holder is released by the caller)."""
-    scheduler = harness.engine.hosts["fake"].batcher.scheduler
-    for shape in scheduler.policy.shapes():
-        scheduler.record_compute(shape, 1.0)
-    queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
-    await harness.until(lambda: scheduler.depth == 1, "one input queued")
-    return queued  # type: ignore[return-value]
-
-
 def front_end_sees_the_overload(harness: Harness) -> Callable[[], bool]:
     """Whether the engine status the front end sheds by shows a backlog over the delay
     budget (as `overload` makes it)."""
@@ -99,6 +87,21 @@ def front_end_sees_the_overload(harness: Harness) -> Callable[[], bool]:
         return status is not None and status.backlog_s > budget_s
 
     return sees
+
+
+async def overload(harness: Harness) -> asyncio.Task[object]:
+    """With the worker held, let the engine believe a batch takes a second and queue one
+    input: 250 ms of work, five times the delay budget (Retry-After: 1). Returns the queued
+    request (the holder is released by the caller)."""
+    scheduler = harness.engine.hosts["fake"].batcher.scheduler
+    for shape in scheduler.policy.shapes():
+        scheduler.record_compute(shape, 1.0)
+    queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
+    await harness.until(lambda: scheduler.depth == 1, "one input queued")
+    # What the front end sheds by is the engine's published status: wait for the one that
+    # shows the queued input, or a request sent now would be let in on the one before.
+    await harness.until(front_end_sees_the_overload(harness), "the backlog published")
+    return queued  # type: ignore[return-value]
 
 
 async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
@@ -161,7 +164,6 @@ async def test_refusals_earned_by_admissions_are_answered_without_a_pause() -> N
             assert (await read_answer(reader))[0] == 200
             holder = await harness.hold_the_worker()
             queued = await overload(harness)
-            await harness.until(front_end_sees_the_overload(harness), "the backlog published")
             statuses, reading = [], []
             for _ in range(3):  # what an open-loop client's next requests meet
                 writer.write(post(b'{"inputs": "refused"}'))

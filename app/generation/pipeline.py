@@ -234,7 +234,7 @@ class TextGeneration:
         finally:
             # The sequences ran side by side: the request's queue and compute phases are
             # those of the one that took longest, not their sum.
-            slowest = max(times, key=lambda time: time.queue_s + time.compute_s)
+            slowest = max(times, key=lambda spent: spent.queue_s + spent.compute_s)
             timer.add("queue", slowest.queue_s)
             timer.add("compute", slowest.compute_s)
             elapsed = self.service.clock() - prepared.arrived_at

@@ -140,6 +140,9 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "outlier_consecutive_gateway_failure": lambda p: _dig(
         p.cluster, "outlier_detection.consecutive_gateway_failure"
     ),
+    "outlier_enforcing_consecutive_gateway_failure": lambda p: _dig(
+        p.cluster, "outlier_detection.enforcing_consecutive_gateway_failure"
+    ),
     "outlier_base_ejection_time_s": lambda p: _dig(
         p.cluster, "outlier_detection.base_ejection_time"
     ),

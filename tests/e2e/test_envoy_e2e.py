@@ -245,9 +245,13 @@ def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> Non
             timeout=15,
             what="Envoy's health check to mark the terminated replica",
         )
+        # What Envoy did about the refusals, to tell a failure's cause (retries exhausted,
+        # a retry on the draining replica again, or the retry budget) from its stats.
+        retries = envoy.stats("cluster.steadyserve.upstream_rq_retry")
+        answered = envoy.stats("cluster.steadyserve.upstream_rq_5")
     outcomes = Counter(load.outcomes)
     assert exit_code == 0, leaving.log()
-    assert outcomes == Counter({200: len(load.outcomes)}), outcomes
+    assert outcomes == Counter({200: len(load.outcomes)}), (outcomes, retries, answered)
 
 
 @contextlib.contextmanager

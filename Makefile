@@ -46,9 +46,9 @@ pytest: setup-dev tools
 test: lint typecheck pytest
 
 bench: setup-dev
+	bash tools/ensure-tools.sh --bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overhead
-	tools/ensure-tools.sh
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overload_bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost --path /v1/embeddings

@@ -1,6 +1,7 @@
-"""The comparison bench behind ``make bench``: raw model limit vs naive server vs steadyserve.
+"""The comparison bench behind ``make bench``: raw model limit vs naive server vs TorchServe vs
+steadyserve.
 
-Three phases, back to back in one invocation, all with the bundled all-MiniLM-L6-v2 and the
+Four phases, back to back in one invocation, all with the bundled all-MiniLM-L6-v2 and the
 same dtype, on ~12-word sentences, one per request, each using the same CPUs (``--threads``,
 default: the CPUs this process may use):
 
@@ -12,12 +13,18 @@ default: the CPUs this process may use):
 2. **naive**: `loadtest.naive_server` in a child process: one worker computing one request
    at a time with ``--threads`` torch threads (the server a user writes first), driven by
    the generator in closed loop with N connections for the duration.
-3. **steadyserve**: ``python -m app.cli serve`` in a child process with its own default
-   thread layout (dispatcher threads x torch threads per dispatcher thread = the CPUs; on
-   2 CPUs 2 x 1), driven the same way. ``--steady-env`` overrides settings.
+3. **torchserve**: TorchServe with server-side batching (``loadtest/torchserve_phase.py``):
+   one Python worker with ``--threads`` torch threads computing what the raw phase computes,
+   batches of up to N requests formed within ``--torchserve-delay``, driven the same way.
+   It needs Java (``tools/ensure-tools.sh --bench``).
+4. **steadyserve**: ``python -m app.cli serve`` in a child process with its own default
+   layout for ``--threads`` CPUs (front ends, dispatcher threads x torch threads per
+   dispatcher thread; on 2 CPUs one front end and 1 x 1), driven the same way.
+   ``--steady-env`` overrides settings.
 
-It prints req/s, p50/p95/p99 and the ratios (steadyserve/raw, steadyserve/naive, p99/p50
-for each), and writes each phase's report.json and plots plus bench.json under --out.
+It prints req/s, p50/p95/p99 and the ratios (steadyserve/raw, steadyserve/naive,
+steadyserve/torchserve, p99/p50 for each), and writes each phase's report.json and plots
+plus bench.json under --out.
 
 ``python -m loadtest.bench [--duration 20s] [--connections 64] [--threads N]``
 """
@@ -25,6 +32,7 @@ for each), and writes each phase's report.json and plots plus bench.json under -
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,6 +50,7 @@ from typing import Any
 
 from app.dispatcher import default_thread_plan
 from app.telemetry.cgroup import available_cpus
+from loadtest import torchserve_phase
 from loadtest.bodies import LengthDistribution, sentence
 from loadtest.cli import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
@@ -50,11 +59,12 @@ from loadtest.proctree import cpu_seconds, descendants, tree_resident_mb
 from loadtest.report import Summary, format_table, summarize, write_json, write_plots
 from loadtest.runner import Mode, Recorder, RunConfig, RunResult
 from loadtest.stages import Stage, parse_duration
+from loadtest.torchserve_phase import TorchServeLayout
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # How long the raw phase times single requests for its latency figures (at most).
 RAW_SINGLE_REQUEST_S = 10.0
-PHASES = ("raw", "naive", "steadyserve")
+PHASES = ("raw", "naive", "torchserve", "steadyserve")
 
 
 @dataclass
@@ -256,19 +266,53 @@ def measure_server(
     target: Target,
     out_dir: Path,
     layout: str = "",
+    ready_url: str | None = None,
+    cwd: Path = REPO_ROOT,
+    own_process_group: bool = False,
 ) -> PhaseOutcome:
-    """Start `command`, wait for it to be ready, drive it, stop it; `layout` (its thread
-    layout) goes into the phase's description."""
+    """Start `command`, wait until `ready_url` (default: its /readyz) answers 200, drive it,
+    stop it; `layout` (its thread layout) goes into the phase's description. A server whose
+    launcher does not pass SIGTERM on to what it starts (TorchServe's) runs in its own
+    process group, which is signalled as a whole."""
     phase_dir = out_dir / name
     phase_dir.mkdir(parents=True, exist_ok=True)
     log_path = phase_dir / "server.log"
     started = time.monotonic()
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT
+            command,
+            cwd=cwd,
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_process_group,
         )
+
+    def group_alive() -> bool:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def stop(signal_number: int) -> None:
+        if own_process_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal_number)
+        else:
+            process.send_signal(signal_number)
+
+    def wait_stopped(timeout_s: float) -> None:
+        """The server and, in its own group, everything it started have exited."""
+        process.wait(timeout=timeout_s)
+        give_up_at = time.monotonic() + timeout_s
+        while own_process_group and group_alive():
+            if time.monotonic() > give_up_at:
+                raise subprocess.TimeoutExpired(command, timeout_s)
+            time.sleep(0.1)  # polling the group: no handle to wait on its members
+
     try:
-        ready_url = f"http://127.0.0.1:{port}/readyz"
+        ready_url = ready_url or f"http://127.0.0.1:{port}/readyz"
         give_up_at = started + options.ready_timeout_s
         while _http_status(ready_url) != 200:
             if process.poll() is not None:
@@ -297,13 +341,13 @@ def measure_server(
         server_cores = foreign.cores_of(process.pid)
         rss_after = tree_resident_mb(process.pid)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+        if process.poll() is None or own_process_group:
+            stop(signal.SIGTERM)
             try:
-                process.wait(timeout=30)
+                wait_stopped(30)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+                stop(signal.SIGKILL)
+                wait_stopped(10)
     description = f"{name}{layout}, {options.connections} connections"
     summary = summarize(result, target.path, description)
     write_json(summary, result, phase_dir / "report.json")
@@ -341,6 +385,47 @@ def measure_naive(options: argparse.Namespace, payloads_for: Any, out_dir: Path)
     layout = f" 1x{options.threads} threads"
     return measure_server(
         "naive", command, env, port, options, payloads_for(target), target, out_dir, layout
+    )
+
+
+def measure_torchserve(
+    options: argparse.Namespace, payloads_for: Any, out_dir: Path
+) -> PhaseOutcome:
+    """TorchServe with batching (`loadtest/torchserve_phase.py`): --torchserve-workers
+    workers sharing --threads torch threads, batches of up to --connections requests within
+    --torchserve-delay."""
+    workers = options.torchserve_workers
+    layout = TorchServeLayout(
+        inference_port=_free_port(),
+        management_port=_free_port(),
+        metrics_port=_free_port(),
+        batch_size=options.connections,
+        max_batch_delay_ms=options.torchserve_delay_ms,
+        workers=workers,
+        threads_per_worker=max(1, options.threads // workers),
+        dtype=options.dtype,
+    )
+    phase_dir = out_dir / "torchserve"
+    phase_dir.mkdir(parents=True, exist_ok=True)
+    command = torchserve_phase.prepare(layout, phase_dir)
+    target = Target.parse(f"http://127.0.0.1:{layout.inference_port}{layout.inference_path}")
+    description = (
+        f" {workers}x{layout.threads_per_worker} threads, batch {layout.batch_size} "
+        f"within {layout.max_batch_delay_ms} ms"
+    )
+    return measure_server(
+        "torchserve",
+        command,
+        torchserve_phase.environment(layout, dict(os.environ)),
+        layout.inference_port,
+        options,
+        payloads_for(target),
+        target,
+        out_dir,
+        description,
+        ready_url=layout.ready_url,
+        cwd=phase_dir,
+        own_process_group=True,
     )
 
 
@@ -392,12 +477,12 @@ def _figure(value: float | None, digits: int = 1) -> str:
 
 def comparison_table(outcomes: dict[str, PhaseOutcome]) -> tuple[str, dict[str, float | None]]:
     lines = [
-        f"{'phase':<40} {'req/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
+        f"{'phase':<72} {'req/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
         f"{'p99/p50':>8} {'errors':>8}"
     ]
     for outcome in outcomes.values():
         lines.append(
-            f"{outcome.description:<40} {outcome.throughput_rps:9.1f} "
+            f"{outcome.description:<72} {outcome.throughput_rps:9.1f} "
             f"{_figure(outcome.p50_ms):>8} {_figure(outcome.p95_ms):>8} "
             f"{_figure(outcome.p99_ms):>8} {_figure(outcome.tail_ratio, 2):>8} "
             f"{outcome.error_rate:8.2%}"
@@ -410,10 +495,16 @@ def comparison_table(outcomes: dict[str, PhaseOutcome]) -> tuple[str, dict[str, 
     ratios: dict[str, float | None] = {
         "steadyserve/raw": _ratio(rate("steadyserve"), rate("raw")),
         "steadyserve/naive": _ratio(rate("steadyserve"), rate("naive")),
+        "steadyserve/torchserve": _ratio(rate("steadyserve"), rate("torchserve")),
     }
     for outcome in outcomes.values():
         ratios[f"{outcome.name} p99/p50"] = outcome.tail_ratio
-    targets = {"steadyserve/raw": 0.8, "steadyserve/naive": 4.0, "steadyserve p99/p50": 1.5}
+    targets = {
+        "steadyserve/raw": 0.8,
+        "steadyserve/naive": 4.0,
+        "steadyserve/torchserve": 1.6,
+        "steadyserve p99/p50": 1.5,
+    }
     lines.append("")
     for name, value in ratios.items():
         line = f"{name:<24} {_figure(value, 2):>6}"
@@ -473,6 +564,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep", default="2s", help="Raw phase: time per batch size.")
     parser.add_argument("--ready-timeout", default="300s")
     parser.add_argument(
+        "--torchserve-delay",
+        default="10ms",
+        help="TorchServe's maxBatchDelay: how long it waits to fill a batch.",
+    )
+    parser.add_argument(
+        "--torchserve-workers",
+        type=int,
+        default=1,
+        help="TorchServe's Python workers; they share --threads torch threads.",
+    )
+    parser.add_argument(
         "--steady-env",
         action="append",
         default=[],
@@ -489,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     options.warmup_s = parse_duration(options.warmup)
     options.sweep_seconds = parse_duration(options.sweep)
     options.ready_timeout_s = parse_duration(options.ready_timeout)
+    options.torchserve_delay_ms = round(parse_duration(options.torchserve_delay) * 1000)
     options.batch_sizes = [int(size) for size in options.batch_sizes.split(",")]
     phases = [phase.strip() for phase in options.phases.split(",") if phase.strip()]
     unknown = set(phases) - set(PHASES)
@@ -516,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                 outcomes[phase] = measure_raw(options, sentences, out_dir)
             elif phase == "naive":
                 outcomes[phase] = measure_naive(options, payloads_for, out_dir)
+            elif phase == "torchserve":
+                outcomes[phase] = measure_torchserve(options, payloads_for, out_dir)
             else:
                 outcomes[phase] = measure_steadyserve(options, payloads_for, out_dir)
         except (RuntimeError, TimeoutError, OSError) as error:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Make sure every system tool the tests drive is on the PATH; `make test` runs this first.
+# `tools/ensure-tools.sh --bench` (run by `make bench`) also provides what only the benches
+# drive.
 #
 # Each entry is "COMMAND DEBIAN_PACKAGE". To add a tool, add a line here: nothing else
 # needs to change. Python tools (Envoy, kubectl, hadolint, kubernetes-validate, schemathesis)
@@ -15,6 +17,13 @@ TOOLS=(
     "hey hey"              # tests/e2e: the hey load scenario
     "wrk wrk"              # tests/e2e and make bench: the connection-flood benches
 )
+# Only the benches need these (`make bench`), so `make test` never installs them.
+BENCH_TOOLS=(
+    "java openjdk-17-jre-headless"  # loadtest/bench.py: TorchServe's front end is Java
+)
+if [[ "${1:-}" == "--bench" ]]; then
+    TOOLS+=("${BENCH_TOOLS[@]}")
+fi
 
 missing_commands=()
 missing_packages=()
@@ -39,7 +48,7 @@ describe() {
 
 if [[ $EUID -ne 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
     {
-        echo "ensure-tools: the tests need these tools, which are not on the PATH:"
+        echo "ensure-tools: these tools are needed but not on the PATH:"
         describe
         if [[ $EUID -ne 0 ]]; then
             echo "Install them (e.g. sudo apt-get install ${missing_packages[*]}) and re-run."

@@ -62,3 +62,38 @@ def test_a_missing_tool_without_apt_is_named_with_its_package(tmp_path: Path) ->
     for tool in absent:
         assert f"{tool} (Debian package {tools[tool]})" in result.stderr
     assert f"{present} (" not in result.stderr
+
+
+def listed_bench_tools() -> dict[str, str]:
+    """The tools only `make bench` asks for (`--bench`), read from the script."""
+    body = SCRIPT.read_text().split("BENCH_TOOLS=(", 1)[1].split(")", 1)[0]
+    return dict(re.findall(r'^\s*"(\S+) (\S+)"', body, flags=re.MULTILINE))
+
+
+def test_bench_tools_are_asked_for_only_with_bench(tmp_path: Path) -> None:
+    for tool in listed_tools():
+        fake = tmp_path / tool
+        fake.write_text("#!/bin/sh\n")
+        fake.chmod(0o755)
+    assert run_with_path(tmp_path).returncode == 0  # `make test` needs no bench tool
+    bash = shutil.which("bash")
+    assert bash is not None
+    result = subprocess.run(
+        [bash, str(SCRIPT), "--bench"],
+        env={"PATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 1
+    bench_tools = listed_bench_tools()
+    assert bench_tools
+    for tool, package in bench_tools.items():
+        assert f"{tool} (Debian package {package})" in result.stderr
+
+
+def test_every_bench_tool_is_one_a_bench_drives() -> None:
+    loadtest_text = "\n".join(p.read_text() for p in (REPO_ROOT / "loadtest").rglob("*.py"))
+    for tool in listed_bench_tools():
+        assert re.search(rf'which\("{tool}"\)', loadtest_text), tool

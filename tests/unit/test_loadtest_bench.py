@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from loadtest.bench import PhaseOutcome, bench_sentences, comparison_table
+from loadtest.torchserve_phase import TorchServeLayout
 
 
 def _phase(name: str, rps: float, p50: float, p99: float) -> PhaseOutcome:
@@ -27,6 +30,42 @@ def test_ratios_and_target_marks() -> None:
     assert "(target <= 1.5: met)" in table
 
 
+def test_torchserve_ratio_has_the_issue_target() -> None:
+    outcomes = {
+        "torchserve": _phase("torchserve", 600.0, 90.0, 200.0),
+        "steadyserve": _phase("steadyserve", 1020.0, 60.0, 70.0),
+    }
+    table, ratios = comparison_table(outcomes)
+    assert ratios["steadyserve/torchserve"] == pytest.approx(1.7)
+    assert "steadyserve/torchserve     1.70   (target >= 1.6: met)" in table
+    outcomes["steadyserve"] = _phase("steadyserve", 900.0, 60.0, 70.0)
+    assert "(target >= 1.6: NOT met)" in comparison_table(outcomes)[0]
+
+
+def test_torchserve_config_batches_as_the_bench_asks() -> None:
+    layout = TorchServeLayout(
+        inference_port=9101,
+        management_port=9102,
+        metrics_port=9103,
+        batch_size=64,
+        max_batch_delay_ms=10,
+        workers=2,
+        threads_per_worker=1,
+        dtype="bfloat16",
+    )
+    lines = dict(line.split("=", 1) for line in layout.config_properties().splitlines())
+    assert lines["inference_address"] == "http://127.0.0.1:9101"
+    assert lines["management_address"] == "http://127.0.0.1:9102"
+    assert lines["metrics_address"] == "http://127.0.0.1:9103"
+    model = json.loads(lines["models"])["minilm"]["1.0"]
+    assert model["batchSize"] == 64
+    assert model["maxBatchDelay"] == 10
+    assert model["minWorkers"] == model["maxWorkers"] == 2
+    assert lines["load_models"] == model["marName"] == "minilm.mar"
+    assert layout.ready_url == "http://127.0.0.1:9101/ping"
+    assert layout.inference_path == "/predictions/minilm"
+
+
 def test_missed_targets_are_marked_and_missing_phases_give_no_ratio() -> None:
     outcomes = {
         "raw": _phase("raw", 1000.0, 40.0, 50.0),
@@ -35,6 +74,7 @@ def test_missed_targets_are_marked_and_missing_phases_give_no_ratio() -> None:
     table, ratios = comparison_table(outcomes)
     assert ratios["steadyserve/raw"] == pytest.approx(0.5)
     assert ratios["steadyserve/naive"] is None
+    assert ratios["steadyserve/torchserve"] is None
     assert "(target >= 0.8: NOT met)" in table
     assert "(target <= 1.5: NOT met)" in table
 

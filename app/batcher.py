@@ -274,6 +274,7 @@ class Batcher(Generic[RowT, OutT]):
             if not isinstance(error, Exception):
                 raise
         finally:
+            self.scheduler.finished(batch)
             self._running_batches -= 1
             self._slots.give()
             self._on_batch_done(failure)

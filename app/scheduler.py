@@ -143,6 +143,9 @@ class Scheduler:
         self._cancelled: set[int] = set()
         self._depth = 0
         self._compute = _ComputeEstimate()
+        # Batches handed out by `poll` and not yet `finished`: when each should end, by its
+        # first input's id (an input is in one batch only).
+        self._running_until: dict[int, float] = {}
 
     @property
     def depth(self) -> int:
@@ -171,12 +174,23 @@ class Scheduler:
         rows = self.policy.max_batch(length_bucket)
         return self._compute.get(BatchShape(rows, length_bucket)) / rows
 
-    def backlog_seconds(self) -> float:
-        """Compute time of everything queued, run in full batches on one worker: the work a
-        new input waits behind (the caller divides among workers)."""
-        return sum(
+    def backlog_seconds(self, now: float) -> float:
+        """The compute a new input waits behind, on one worker (the caller divides among
+        workers): what is left of the running batches (their estimated compute from when
+        they started, at least 0) and everything queued, run in full batches.
+
+        Counting the running batches is what keeps an admitted request's wait within the
+        delay budget under overload: without them the budget let a request wait up to a
+        whole batch longer than it said."""
+        running = sum(max(0.0, until - now) for until in self._running_until.values())
+        return running + sum(
             len(queue) * self.seconds_per_input(length) for length, queue in self._queues.items()
         )
+
+    def finished(self, batch: Batch) -> None:
+        """A batch `poll` handed out has ended (computed or failed): its remaining compute
+        leaves the backlog."""
+        self._running_until.pop(batch.items[0].item_id, None)
 
     def expire(self, now: float) -> Decision:
         """Call while every worker is busy: drops cancelled and hopeless inputs only, and
@@ -193,7 +207,8 @@ class Scheduler:
         return Decision(batch=None, expired=expired, cancelled=cancelled, wake_at=wake_at)
 
     def poll(self, now: float) -> Decision:
-        """Call when a dispatcher worker is free: returns the batch to run now, if any."""
+        """Call when a dispatcher worker is free: returns the batch to run now, if any; the
+        caller reports its end with `finished`."""
         expired, cancelled = self._drop_dead(now)
         best: tuple[float, int, CloseReason] | None = None
         wake_at: float | None = None
@@ -208,6 +223,8 @@ class Scheduler:
             elif wake_at is None or ready_at < wake_at:
                 wake_at = ready_at
         batch = None if best is None else self._take(best[1], best[2])
+        if batch is not None:
+            self._running_until[batch.items[0].item_id] = now + self.estimated_compute(batch.shape)
         return Decision(
             batch=batch,
             expired=expired,

@@ -170,8 +170,10 @@ class EngineCore:
 
     # --- status -------------------------------------------------------------------------
     def backlog_seconds(self) -> float:
-        """Queued work of every model, divided among the compute threads they share."""
-        total = sum(host.backlog_seconds() for host in self.hosts.values())
+        """Running and queued work of every model, divided among the compute threads they
+        share."""
+        now = self._clock()
+        total = sum(host.backlog_seconds(now) for host in self.hosts.values())
         return total / self.slots.capacity
 
     def queued_inputs(self) -> int:

@@ -110,7 +110,7 @@ class GenerationHost:
         """Predicted seconds before a sequence queued now gets a KV-cache slot."""
         return self._wait_steps() * self._step_s
 
-    def backlog_seconds(self) -> float:
+    def backlog_seconds(self, now: float) -> float:
         """None of the engine's shared backlog: generation holds one compute slot at a time
         and gives it back between steps, and its sequences wait for KV-cache slots, which no
         other model's work needs; that wait is applied to generate requests in `admit`.

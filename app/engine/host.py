@@ -95,9 +95,9 @@ class ModelHost(Protocol):
         """Begin serving (after warm-up)."""
         ...
 
-    def backlog_seconds(self) -> float:
-        """Predicted compute seconds of this model's queued work (not yet divided among
-        compute threads)."""
+    def backlog_seconds(self, now: float) -> float:
+        """Predicted compute seconds of this model's running and queued work (not yet
+        divided among compute threads)."""
         ...
 
     def seconds_per_input(self) -> float:

@@ -201,7 +201,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
 class EngineStatus(msgspec.Struct, frozen=True):
     """What the engine publishes every few milliseconds (front ends shed load from it).
 
-    `backlog_s`: predicted seconds before a newly queued input starts computing;
+    `backlog_s`: predicted seconds before a newly queued input starts computing (what is
+    left of the running batches and the queued work, divided among the compute threads);
     `seconds_per_input`: what one more queued input adds to it (full batches of the
     smallest length bucket, all workers busy); `least_own_compute_s`: the least the engine
     adds for a request's own batch when it admits it (one input of the smallest shape),

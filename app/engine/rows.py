@@ -127,8 +127,8 @@ class BatchedHost:
     def start(self) -> None:
         self.batcher.start()
 
-    def backlog_seconds(self) -> float:
-        return self.batcher.scheduler.backlog_seconds()
+    def backlog_seconds(self, now: float) -> float:
+        return self.batcher.scheduler.backlog_seconds(now)
 
     def seconds_per_input(self) -> float:
         scheduler = self.batcher.scheduler

@@ -21,6 +21,7 @@ from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
 from app.model_specs import ModelSpec
+from app.scheduler import BatchShape
 from app.service import Service
 from app.settings import Settings
 from app.timing import PhaseTimer
@@ -339,3 +340,19 @@ async def test_a_failing_batch_loop_fails_queued_requests_and_recovers(
     assert recovered.status_code == 200
     assert harness.engine.queued_inputs() == 0
     assert harness.service.admission.inflight == 0
+
+
+async def test_a_running_batch_is_in_the_backlog_until_it_ends(harness: Harness) -> None:
+    """Admission weighs what is left of the running batches: the engine's backlog holds a
+    batch's estimated compute while the model runs it, and drops it once it ends, whether
+    or not it ran as long as estimated."""
+    scheduler = harness.engine.hosts["fake"].batcher.scheduler
+    # Pretend one-row batches of the smallest bucket take 10 s, so the held one is "long".
+    for _ in range(30):  # the moving average reaches ~10 s
+        scheduler.record_compute(BatchShape(1, 8), 10.0)
+    assert harness.engine.backlog_seconds() == 0.0
+    holder = await harness.hold_the_worker()
+    assert harness.engine.backlog_seconds() > 9.0
+    harness.release()
+    assert (await holder).status_code == 200
+    assert harness.engine.backlog_seconds() == 0.0

@@ -38,12 +38,35 @@ def test_backlog_is_queued_inputs_at_the_measured_full_batch_cost_per_bucket() -
     # Full batches: 8 rows of 16 tokens take 40 ms; 4 rows of 64 (256 tokens) take 80 ms.
     scheduler.record_compute(BatchShape(8, 16), 0.040)
     scheduler.record_compute(BatchShape(4, 64), 0.080)
-    assert scheduler.backlog_seconds() == 0.0
+    assert scheduler.backlog_seconds(now=0.0) == 0.0
     _queue(scheduler, 16, 12)
     _queue(scheduler, 64, 2)
     assert scheduler.seconds_per_input(16) == pytest.approx(0.005)
     assert scheduler.seconds_per_input(64) == pytest.approx(0.020)
-    assert scheduler.backlog_seconds() == pytest.approx(12 * 0.005 + 2 * 0.020)
+    assert scheduler.backlog_seconds(now=0.0) == pytest.approx(12 * 0.005 + 2 * 0.020)
+
+
+def test_backlog_counts_what_is_left_of_running_batches_until_they_finish() -> None:
+    """A request admitted behind a running batch waits for what is left of it: counting
+    only the queue let admitted requests wait up to a batch longer than the budget."""
+    scheduler = Scheduler(POLICY)
+    scheduler.record_compute(BatchShape(8, 16), 0.040)
+    scheduler.record_compute(BatchShape(4, 16), 0.030)
+    _queue(scheduler, 16, 12)
+    first = scheduler.poll(now=1.000).batch  # 8 rows, estimated 40 ms
+    assert first is not None and first.shape == BatchShape(8, 16)
+    second = scheduler.poll(now=1.010).batch  # the 4 left, estimated 30 ms
+    assert second is not None and second.shape == BatchShape(4, 16)
+    # At 1.020: 20 ms left of the first, 20 ms of the second; nothing queued.
+    assert scheduler.backlog_seconds(now=1.020) == pytest.approx(0.040)
+    _queue(scheduler, 16, 2)
+    assert scheduler.backlog_seconds(now=1.020) == pytest.approx(0.040 + 2 * 0.005)
+    # Past its estimate, a batch still running adds nothing (it is not negative work).
+    assert scheduler.backlog_seconds(now=1.045) == pytest.approx(0.0 + 0.000 + 2 * 0.005)
+    scheduler.finished(first)
+    assert scheduler.backlog_seconds(now=1.030) == pytest.approx(0.010 + 2 * 0.005)
+    scheduler.finished(second)
+    assert scheduler.backlog_seconds(now=1.030) == pytest.approx(2 * 0.005)
 
 
 def test_health_turns_bad_after_consecutive_failures_and_one_success_clears_it() -> None:

@@ -82,6 +82,43 @@ class DelayEstimate:
         return self.backlog_s + self.own_compute_s
 
 
+@dataclass(frozen=True, slots=True)
+class BatchQueue:
+    """The queue a request would join, as admission sees it: `backlog_s` is every running
+    and queued batch's compute divided among the compute threads, counting each queued
+    input at the full-batch rate (`seconds_per_input`, already divided too); `queued` of
+    those inputs are in the request's own length bucket, whose full batch has `batch_rows`
+    rows and computes for `full_batch_s` (not divided)."""
+
+    backlog_s: float
+    queued: int
+    seconds_per_input: float
+    batch_rows: int
+    full_batch_s: float
+
+
+def batch_delay(queue: BatchQueue, rows: int, partial_batch_s: float) -> DelayEstimate:
+    """The wait of a request of `rows` inputs counted in whole batches: its last input runs
+    in batch number (queued + rows - 1) // batch_rows of its bucket, so the batches before
+    that one are ahead of it, not its queued inputs one by one. Behind a full batch, load
+    is what queued it, and the request's own batch fills behind it too: its own compute is
+    a full batch's. Otherwise it runs with what is queued, `partial_batch_s` (the caller's
+    estimate for that batch: the engine's for its padded shape, a front end's least).
+
+    Counting inputs one by one (`backlog_s` alone) admitted a request behind a long queue
+    and left out the inputs that fill its own batch after it: under overload an admitted
+    request waited up to a batch longer than the budget. Counting a full own batch for
+    every request refused requests of a loop that never queues a full batch (64
+    connections, batches of 32) behind a batch just started (docs/BENCHMARKS.md)."""
+    batch_rows = max(1, queue.batch_rows)
+    batches_ahead = (queue.queued + rows - 1) // batch_rows
+    inputs_linear_s = queue.queued * queue.seconds_per_input
+    batches_s = batches_ahead * batch_rows * queue.seconds_per_input
+    backlog = max(0.0, queue.backlog_s - inputs_linear_s) + batches_s
+    own = max(queue.full_batch_s, partial_batch_s) if batches_ahead > 0 else partial_batch_s
+    return DelayEstimate(backlog_s=backlog, own_compute_s=own)
+
+
 def delay_verdict(
     estimate: DelayEstimate, deadline: float, now: float, max_queue_delay_s: float
 ) -> Rejected | None:

@@ -187,6 +187,15 @@ class Scheduler:
             len(queue) * self.seconds_per_input(length) for length, queue in self._queues.items()
         )
 
+    def queued(self, length_bucket: int) -> int:
+        """Inputs queued in one length bucket (cancelled ones until the next `poll`)."""
+        return len(self._queues[length_bucket])
+
+    def full_batch(self, length_bucket: int) -> tuple[int, float]:
+        """A full batch of this bucket: its rows and its measured compute seconds."""
+        rows = self.policy.max_batch(length_bucket)
+        return rows, self._compute.get(BatchShape(rows, length_bucket))
+
     def finished(self, batch: Batch) -> None:
         """A batch `poll` handed out has ended (computed or failed): its remaining compute
         leaves the backlog."""

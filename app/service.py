@@ -25,9 +25,10 @@ from typing import TypeVar, TypeVarTuple
 from app.admission import (
     Admission,
     AdmissionLimits,
-    DelayEstimate,
+    BatchQueue,
     Rejected,
     RejectReason,
+    batch_delay,
     delay_verdict,
     resolve_deadline,
 )
@@ -213,10 +214,19 @@ class Service:
         # event-loop lag: under a closed-loop flood the cheap refusals themselves keep the
         # loop busy, and counting that lag refused nearly everything, collapsing goodput
         # (measured: docs/BENCHMARKS.md).
+        # Counted in whole batches as the engine counts them (`batch_delay`), from the
+        # published full batch; `least_own_compute_s` for a batch not yet full.
         unsent = max(0, self.admission.inflight - self._at_engine)
-        backlog = status.backlog_s + (self._sent_since_status + unsent) * status.seconds_per_input
+        sent = self._sent_since_status + unsent
+        queue = BatchQueue(
+            backlog_s=status.backlog_s + sent * status.seconds_per_input,
+            queued=status.queued_inputs + sent,
+            seconds_per_input=status.seconds_per_input,
+            batch_rows=status.batch_rows,
+            full_batch_s=status.full_batch_s,
+        )
         verdict = delay_verdict(
-            DelayEstimate(backlog_s=backlog, own_compute_s=status.least_own_compute_s),
+            batch_delay(queue, 1, status.least_own_compute_s),
             deadline,
             now,
             self.settings.max_queue_delay_ms / 1000,

@@ -160,9 +160,9 @@ class Settings(BaseSettings):
         default=100.0,
         gt=0,
         description="Admit a request only while its predicted wait (what is left of the "
-        "running batches and the queued work, at the measured compute rate, plus its own "
-        "batch) fits this and its deadline; beyond, 429 with Retry-After. Sized for a 150 ms "
-        "p99 SLO.",
+        "running batches and the full batches queued ahead of it, at the measured compute "
+        "rate, plus its own batch) fits this and its deadline; beyond, 429 with "
+        "Retry-After. Sized for a 150 ms p99 SLO.",
     )
     max_admission_wait_ms: float = Field(
         default=50.0,

@@ -192,6 +192,14 @@ class EngineCore:
         # Hosts whose requests add nothing to the shared backlog (generation) report 0.
         per_input = [cost for host in self.hosts.values() if (cost := host.seconds_per_input()) > 0]
         own = [cost for host in self.hosts.values() if (cost := host.least_own_compute_s()) > 0]
+        # Front ends count the queue in the full batches of the cheapest model per input,
+        # the one `seconds_per_input` describes.
+        cheapest = min(
+            (host for host in self.hosts.values() if host.seconds_per_input() > 0),
+            key=lambda host: host.seconds_per_input(),
+            default=None,
+        )
+        batch_rows, full_batch_s = (1, 0.0) if cheapest is None else cheapest.full_batch()
         healthy = self._startup_error is None and self.health.healthy
         return EngineStatus(
             engine_id=self.engine_id,
@@ -205,6 +213,8 @@ class EngineCore:
             queued_inputs=self.queued_inputs(),
             published_at=self._clock(),
             least_own_compute_s=min(own, default=0.0),
+            batch_rows=batch_rows,
+            full_batch_s=full_batch_s,
             models={name: host.info() for name, host in self.hosts.items()},
             problem=self._startup_error or self.health.problem,
         )
@@ -258,6 +268,7 @@ class EngineCore:
             now=self._clock(),
             max_queue=self.settings.max_queue,
             max_queue_delay_s=self.settings.max_queue_delay_ms / 1000,
+            workers=self.slots.capacity,
         )
         return host.admit(request, load)
 

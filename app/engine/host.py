@@ -36,13 +36,15 @@ ShapeDone = Callable[[int, int], None]  # (shapes warmed up so far, total) after
 class EngineLoad:
     """The whole engine's load when a request arrives, for a host's admission decision:
     inputs queued across every model, predicted seconds before newly queued work starts
-    (shared compute divided among the threads), the time now, and the settings' caps."""
+    (shared compute divided among the threads), the time now, the settings' caps, and the
+    compute threads the backlog is divided among."""
 
     queued_inputs: int
     backlog_s: float
     now: float
     max_queue: int
     max_queue_delay_s: float
+    workers: int = 1
 
 
 class RequestTracer(Protocol):
@@ -107,6 +109,11 @@ class ModelHost(Protocol):
     def least_own_compute_s(self) -> float:
         """The compute `admit` adds for the smallest request's own batch on top of the
         backlog (one input of the smallest shape); 0 when it adds none."""
+        ...
+
+    def full_batch(self) -> tuple[int, float]:
+        """A full batch of the smallest shape: its rows and compute seconds (`admit` counts
+        the queue in such batches); (1, 0.0) for a host that adds nothing to the backlog."""
         ...
 
     def queued_inputs(self) -> int: ...

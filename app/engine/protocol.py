@@ -206,7 +206,9 @@ class EngineStatus(msgspec.Struct, frozen=True):
     `seconds_per_input`: what one more queued input adds to it (full batches of the
     smallest length bucket, all workers busy); `least_own_compute_s`: the least the engine
     adds for a request's own batch when it admits it (one input of the smallest shape),
-    which front ends add too, so that what they let in the engine does not then refuse.
+    which front ends add too, so that what they let in the engine does not then refuse;
+    `batch_rows` and `full_batch_s`: the rows and compute of a full batch of that shape,
+    in which front ends count the queue as the engine does (`admission.batch_delay`).
     """
 
     engine_id: str
@@ -220,6 +222,8 @@ class EngineStatus(msgspec.Struct, frozen=True):
     queued_inputs: int
     published_at: float
     least_own_compute_s: float = 0.0
+    batch_rows: int = 1
+    full_batch_s: float = 0.0
     models: dict[str, ModelInfo] = {}
     problem: str | None = None  # why it is failed or unhealthy, for /readyz and /healthz
 

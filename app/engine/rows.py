@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
+from app.admission import BatchQueue, Rejected, RejectReason, batch_delay, delay_verdict
 from app.batcher import Batcher, ItemResult
 from app.buffers import SlotPool
 from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
@@ -32,9 +32,10 @@ def admit_rows(
     scheduler: Scheduler, load: EngineLoad, rows: int, longest: int, deadline: float
 ) -> Rejected | None:
     """None to queue `rows` inputs (the longest `longest` tokens or elements long); else
-    why not: the queue cap, or a predicted wait (the engine's backlog plus the request's
-    own batch) over the delay budget or past its deadline. A request that fits no length
-    bucket is let through: `submit` answers it 400."""
+    why not: the queue cap, or a predicted wait (the engine's backlog counted in whole
+    batches of the request's bucket, plus its own batch: `batch_delay`) over the delay
+    budget or past its deadline. A request that fits no length bucket is let through:
+    `submit` answers it 400."""
     if load.queued_inputs + rows > load.max_queue:
         return Rejected(
             RejectReason.QUEUE,
@@ -45,9 +46,20 @@ def admit_rows(
     bucket = policy.length_bucket_for(longest)
     if bucket is None:
         return None
-    batch_rows = min(rows, policy.max_batch(bucket))
-    own = scheduler.estimated_compute(BatchShape(policy.padded_batch(bucket, batch_rows), bucket))
-    estimate = DelayEstimate(backlog_s=load.backlog_s, own_compute_s=own)
+    full_rows, full_batch_s = scheduler.full_batch(bucket)
+    queue = BatchQueue(
+        backlog_s=load.backlog_s,
+        queued=scheduler.queued(bucket),
+        seconds_per_input=scheduler.seconds_per_input(bucket) / load.workers,
+        batch_rows=full_rows,
+        full_batch_s=full_batch_s,
+    )
+    # The rows of the batch its last input runs in, as queued so far.
+    last_batch_rows = (queue.queued + rows - 1) % full_rows + 1
+    partial_s = scheduler.estimated_compute(
+        BatchShape(policy.padded_batch(bucket, last_batch_rows), bucket)
+    )
+    estimate = batch_delay(queue, rows, partial_s)
     return delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s)
 
 
@@ -133,6 +145,10 @@ class BatchedHost:
     def seconds_per_input(self) -> float:
         scheduler = self.batcher.scheduler
         return scheduler.seconds_per_input(scheduler.policy.length_buckets[0])
+
+    def full_batch(self) -> tuple[int, float]:
+        scheduler = self.batcher.scheduler
+        return scheduler.full_batch(scheduler.policy.length_buckets[0])
 
     def least_own_compute_s(self) -> float:
         policy = self.batcher.scheduler.policy

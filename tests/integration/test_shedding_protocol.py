@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import httpx
 from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
@@ -89,27 +90,26 @@ def front_end_sees_the_overload(harness: Harness) -> Callable[[], bool]:
     return sees
 
 
-async def overload(harness: Harness) -> asyncio.Task[object]:
-    """With the worker held, let the engine believe a batch takes a second and queue one
-    input: 250 ms of work, five times the delay budget (Retry-After: 1). Returns the queued
-    request (the holder is released by the caller)."""
+async def overload(harness: Harness) -> asyncio.Task[httpx.Response]:
+    """Let the engine believe a batch takes ten seconds, then hold the worker in one: a
+    request sent now waits that long behind it, far beyond the delay budget, for as long
+    as any test here runs. Returns the held request (the caller releases it)."""
     scheduler = harness.engine.hosts["fake"].batcher.scheduler
     for shape in scheduler.policy.shapes():
-        scheduler.record_compute(shape, 1.0)
-    queued = asyncio.create_task(harness.client.post("/infer", json={"inputs": "waits"}))
-    await harness.until(lambda: scheduler.depth == 1, "one input queued")
+        for _ in range(30):  # the moving average reaches ~10 s
+            scheduler.record_compute(shape, 10.0)
+    holder = await harness.hold_the_worker()
     # What the front end sheds by is the engine's published status: wait for the one that
-    # shows the queued input, or a request sent now would be let in on the one before.
+    # shows the running batch, or a request sent now would be let in on the one before.
     await harness.until(front_end_sees_the_overload(harness), "the backlog published")
-    return queued  # type: ignore[return-value]
+    return holder
 
 
 async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
     async with start(
         max_queue_delay_ms=50, max_body_bytes=ONE_MIB, refused_read_pause_s=0.0
     ) as harness:
-        holder = await harness.hold_the_worker()
-        queued = await overload(harness)
+        holder = await overload(harness)
         async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             # Only the headers: the 1 MiB they announce is never sent.
@@ -126,7 +126,6 @@ async def test_the_protocol_refuses_from_the_headers_without_the_body() -> None:
         assert 'steadyserve_rejected_total{model="",reason="queue"} 1.0' in metrics
         harness.release()
         assert (await holder).status_code == 200
-        await queued
 
 
 async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None:
@@ -134,8 +133,7 @@ async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None
     async with start(
         max_queue_delay_ms=50, refused_read_pause_s=pause_s, refusals_at_once_per_admission=0
     ) as harness:
-        holder = await harness.hold_the_worker()
-        queued = await overload(harness)
+        holder = await overload(harness)
         async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             request = post(b'{"inputs": "resent at once"}')
@@ -151,7 +149,6 @@ async def test_a_refused_connection_is_read_again_only_after_the_pause() -> None
         assert waited >= pause_s, waited
         harness.release()
         assert (await holder).status_code == 200
-        await queued
 
 
 async def test_refusals_earned_by_admissions_are_answered_without_a_pause() -> None:
@@ -162,8 +159,7 @@ async def test_refusals_earned_by_admissions_are_answered_without_a_pause() -> N
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             writer.write(post(b'{"inputs": "admitted: earns two refusals at once"}'))
             assert (await read_answer(reader))[0] == 200
-            holder = await harness.hold_the_worker()
-            queued = await overload(harness)
+            holder = await overload(harness)
             statuses, reading = [], []
             for _ in range(3):  # what an open-loop client's next requests meet
                 writer.write(post(b'{"inputs": "refused"}'))
@@ -176,7 +172,6 @@ async def test_refusals_earned_by_admissions_are_answered_without_a_pause() -> N
         assert "steadyserve_refusals_paused_total 1.0" in metrics
         harness.release()
         assert (await holder).status_code == 200
-        await queued
 
 
 async def test_requests_the_protocol_admits_are_counted_in_once() -> None:
@@ -197,8 +192,7 @@ async def test_requests_the_protocol_admits_are_counted_in_once() -> None:
 
 async def test_a_connection_from_a_proxy_is_never_paused() -> None:
     async with start(max_queue_delay_ms=50, refused_read_pause_s=1.0) as harness:
-        holder = await harness.hold_the_worker()
-        queued = await overload(harness)
+        holder = await overload(harness)
         async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
             # What the shipped Envoy adds (use_remote_address: true).
@@ -213,4 +207,3 @@ async def test_a_connection_from_a_proxy_is_never_paused() -> None:
         assert (first, second) == (429, 429)
         harness.release()
         assert (await holder).status_code == 200
-        await queued

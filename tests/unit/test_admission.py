@@ -12,10 +12,12 @@ import pytest
 from app.admission import (
     Admission,
     AdmissionLimits,
+    BatchQueue,
     DelayEstimate,
     RateMeter,
     Rejected,
     RejectReason,
+    batch_delay,
     delay_verdict,
     resolve_deadline,
 )
@@ -187,3 +189,51 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
     assert rejected.retry_after_s == pytest.approx(0.1)
     assert not any(isinstance(o, Rejected) for o in outcomes[:4] + outcomes[5:])
     assert metrics.rejected.labels("m", "rate")._value.get() == 1
+
+
+# Batches of 32 rows computing in 32 ms (1 ms per input); one compute thread.
+def _queue(backlog_s: float, queued: int) -> BatchQueue:
+    return BatchQueue(
+        backlog_s=backlog_s, queued=queued, seconds_per_input=0.001, batch_rows=32,
+        full_batch_s=0.032,
+    )  # fmt: skip
+
+
+def test_inputs_queued_in_the_request_s_own_batch_are_not_ahead_of_it() -> None:
+    # A 64-connection loop: 20 ms left of the running batch, 31 queued, this is the 32nd.
+    # It runs in the next batch, with them: 20 ms, then that batch (here estimated 30 ms).
+    estimate = batch_delay(_queue(0.020 + 0.031, queued=31), rows=1, partial_batch_s=0.030)
+    assert estimate.backlog_s == pytest.approx(0.020)
+    assert estimate.own_compute_s == pytest.approx(0.030)
+    assert delay_verdict(estimate, deadline=10.0, now=0.0, max_queue_delay_s=0.1) is None
+
+
+def test_behind_a_full_batch_a_request_waits_for_it_and_a_full_batch_of_its_own() -> None:
+    # Overload: 70 queued behind 20 ms of running work. Two full batches are ahead of it;
+    # its own batch fills behind it before it runs: 20 + 64 + 32 = 116 ms, over the 100 ms
+    # budget. Counted input by input (20 + 70 ms, plus the 10 ms of the batch as queued so
+    # far) it would have been admitted to wait 116 ms.
+    estimate = batch_delay(_queue(0.020 + 0.070, queued=70), rows=1, partial_batch_s=0.010)
+    assert estimate.backlog_s == pytest.approx(0.020 + 2 * 0.032)
+    assert estimate.own_compute_s == pytest.approx(0.032)
+    verdict = delay_verdict(estimate, deadline=10.0, now=0.0, max_queue_delay_s=0.1)
+    assert verdict is not None and verdict.reason is RejectReason.QUEUE
+    assert verdict.retry_after_s == pytest.approx(0.016)
+
+
+def test_a_request_of_many_rows_waits_for_the_batches_before_its_last_row() -> None:
+    # 10 queued, 60 rows: its last row is row 70, in the third batch (rows 65-96).
+    estimate = batch_delay(_queue(0.010, queued=10), rows=60, partial_batch_s=0.008)
+    assert estimate.backlog_s == pytest.approx(2 * 0.032)
+    assert estimate.own_compute_s == pytest.approx(0.032)
+
+
+def test_without_a_batch_size_the_queue_counts_input_by_input() -> None:
+    # What a front end gets from an engine that publishes no full batch (generation only):
+    # batches of one row computing in no time, so the prediction is the linear one.
+    queue = BatchQueue(
+        backlog_s=0.050, queued=5, seconds_per_input=0.010, batch_rows=1, full_batch_s=0.0
+    )
+    estimate = batch_delay(queue, rows=1, partial_batch_s=0.004)
+    assert estimate.backlog_s == pytest.approx(0.050)
+    assert estimate.own_compute_s == pytest.approx(0.004)

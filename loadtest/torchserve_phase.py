@@ -8,7 +8,7 @@ gives it the bench's CPUs: by default one worker computing with all `--threads` 
 (as the raw phase and the naive server do; `--torchserve-workers` splits them), batches of
 up to the bench's connection count.
 
-Needs Java 11+ (`tools/ensure-tools.sh --bench` installs it) and the `torchserve` and
+Needs Java 17 (`tools/ensure-tools.sh --bench` installs it) and the `torchserve` and
 `torch-model-archiver` packages (the dev extra).
 """
 
@@ -87,7 +87,7 @@ def prepare(layout: TorchServeLayout, directory: Path) -> list[str]:
     in the foreground (run it with `directory` as its working folder: TorchServe writes its
     logs there). Raises RuntimeError when Java or TorchServe is missing."""
     if shutil.which("java") is None:
-        raise RuntimeError("TorchServe needs Java 11+: run tools/ensure-tools.sh --bench")
+        raise RuntimeError("TorchServe needs Java 17: run tools/ensure-tools.sh --bench")
     store = directory / "model-store"
     store.mkdir(parents=True, exist_ok=True)
     (store / f"{MODEL}.mar").unlink(missing_ok=True)

@@ -171,8 +171,8 @@ class Scheduler:
 
     def seconds_per_input(self, length_bucket: int) -> float:
         """Compute one queued input of this bucket costs when batches are full (measured)."""
-        rows = self.policy.max_batch(length_bucket)
-        return self._compute.get(BatchShape(rows, length_bucket)) / rows
+        rows, seconds = self.full_batch(length_bucket)
+        return seconds / rows
 
     def backlog_seconds(self, now: float) -> float:
         """The compute a new input waits behind, on one worker (the caller divides among

@@ -23,7 +23,14 @@ from app.admission import Rejected, RejectReason
 from app.batcher import ComputeSlots
 from app.dispatcher import Dispatcher, engine_thread_plan
 from app.engine.health import BatchHealth
-from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost, RequestTracer
+from app.engine.host import (
+    BatchCost,
+    Emit,
+    EngineContext,
+    EngineLoad,
+    ModelHost,
+    RequestTracer,
+)
 from app.engine.loading import load_hosts
 from app.engine.protocol import (
     EngineStatus,
@@ -47,6 +54,12 @@ from app.telemetry.sampler import ProcessTelemetry
 log = logging.getLogger(__name__)
 
 RequestKey = tuple[bytes, int]  # (front end, its request id): ids are unique per front end
+
+
+# What the status says of the shared backlog's cost while no model has measured one.
+_UNMEASURED = BatchCost(
+    seconds_per_input=0.0, batch_rows=1, full_batch_s=0.0, least_own_compute_s=0.0
+)
 
 
 class EngineCore:
@@ -189,17 +202,16 @@ class EngineCore:
             state = "warming_up"
         else:
             state = "ready"
-        # Hosts whose requests add nothing to the shared backlog (generation) report 0.
-        per_input = [cost for host in self.hosts.values() if (cost := host.seconds_per_input()) > 0]
-        own = [cost for host in self.hosts.values() if (cost := host.least_own_compute_s()) > 0]
-        # Front ends count the queue in the full batches of the cheapest model per input,
-        # the one `seconds_per_input` describes.
+        # Hosts whose requests add nothing to the shared backlog (generation) have no cost;
+        # a cost is 0 until warm-up has measured it. Front ends count the queue in the full
+        # batches of the cheapest model per input.
+        costs = [cost for host in self.hosts.values() if (cost := host.batch_cost()) is not None]
         cheapest = min(
-            (host for host in self.hosts.values() if host.seconds_per_input() > 0),
-            key=lambda host: host.seconds_per_input(),
-            default=None,
+            (cost for cost in costs if cost.seconds_per_input > 0),
+            key=lambda cost: cost.seconds_per_input,
+            default=_UNMEASURED,
         )
-        batch_rows, full_batch_s = (1, 0.0) if cheapest is None else cheapest.full_batch()
+        own = [cost.least_own_compute_s for cost in costs if cost.least_own_compute_s > 0]
         healthy = self._startup_error is None and self.health.healthy
         return EngineStatus(
             engine_id=self.engine_id,
@@ -209,12 +221,12 @@ class EngineCore:
             warmup_total=self._warmup_total,
             healthy=healthy,
             backlog_s=self.backlog_seconds(),
-            seconds_per_input=min(per_input, default=0.0) / self.slots.capacity,
+            seconds_per_input=cheapest.seconds_per_input / self.slots.capacity,
             queued_inputs=self.queued_inputs(),
             published_at=self._clock(),
             least_own_compute_s=min(own, default=0.0),
-            batch_rows=batch_rows,
-            full_batch_s=full_batch_s,
+            batch_rows=cheapest.batch_rows,
+            full_batch_s=cheapest.full_batch_s,
             models={name: host.info() for name, host in self.hosts.items()},
             problem=self._startup_error or self.health.problem,
         )

@@ -117,17 +117,10 @@ class GenerationHost:
         Counting it here would make front ends shed embedding requests for it."""
         return 0.0
 
-    def seconds_per_input(self) -> float:
-        """0: a generate request adds nothing to the shared backlog (`backlog_seconds`)."""
-        return 0.0
-
-    def full_batch(self) -> tuple[int, float]:
-        """(1, 0.0): generate requests are not counted in the shared backlog."""
-        return 1, 0.0
-
-    def least_own_compute_s(self) -> float:
-        """0: `admit` weighs a generate request by its wait for a KV-cache slot instead."""
-        return 0.0
+    def batch_cost(self) -> None:
+        """None: a generate request adds nothing to the shared backlog (`backlog_seconds`);
+        `admit` weighs it by its wait for a KV-cache slot instead."""
+        return None
 
     def queued_inputs(self) -> int:
         return len(self._waiting)

@@ -47,6 +47,19 @@ class EngineLoad:
     workers: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class BatchCost:
+    """A model's measured cost in its smallest shape (zeros until warm-up measured it):
+    what one more queued input adds to `backlog_seconds`, a full batch's rows and compute
+    seconds (`admit` counts the queue in such batches), and the least a request's own
+    batch adds on top of the backlog (one input)."""
+
+    seconds_per_input: float
+    batch_rows: int
+    full_batch_s: float
+    least_own_compute_s: float
+
+
 class RequestTracer(Protocol):
     """Builds a request's `EngineTrace` for slow-request reports (docs/SPIKES.md): `arrive`
     when it is queued (None while reports are off), `finish` when its last output goes."""
@@ -102,18 +115,9 @@ class ModelHost(Protocol):
         divided among compute threads)."""
         ...
 
-    def seconds_per_input(self) -> float:
-        """What one more queued input of the smallest shape adds to `backlog_seconds`."""
-        ...
-
-    def least_own_compute_s(self) -> float:
-        """The compute `admit` adds for the smallest request's own batch on top of the
-        backlog (one input of the smallest shape); 0 when it adds none."""
-        ...
-
-    def full_batch(self) -> tuple[int, float]:
-        """A full batch of the smallest shape: its rows and compute seconds (`admit` counts
-        the queue in such batches); (1, 0.0) for a host that adds nothing to the backlog."""
+    def batch_cost(self) -> BatchCost | None:
+        """What this model's requests cost the shared compute threads, for the engine's
+        status; None for a host whose requests add nothing to the shared backlog."""
         ...
 
     def queued_inputs(self) -> int: ...

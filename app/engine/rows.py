@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from app.admission import BatchQueue, Rejected, RejectReason, batch_delay, delay_verdict
 from app.batcher import Batcher, ItemResult
 from app.buffers import SlotPool
-from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
+from app.engine.host import BatchCost, Emit, EngineContext, EngineLoad, RequestTracer
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
@@ -50,7 +50,7 @@ def admit_rows(
     queue = BatchQueue(
         backlog_s=load.backlog_s,
         queued=scheduler.queued(bucket),
-        seconds_per_input=scheduler.seconds_per_input(bucket) / load.workers,
+        seconds_per_input=full_batch_s / full_rows / load.workers,
         batch_rows=full_rows,
         full_batch_s=full_batch_s,
     )
@@ -142,19 +142,18 @@ class BatchedHost:
     def backlog_seconds(self, now: float) -> float:
         return self.batcher.scheduler.backlog_seconds(now)
 
-    def seconds_per_input(self) -> float:
+    def batch_cost(self) -> BatchCost:
         scheduler = self.batcher.scheduler
-        return scheduler.seconds_per_input(scheduler.policy.length_buckets[0])
-
-    def full_batch(self) -> tuple[int, float]:
-        scheduler = self.batcher.scheduler
-        return scheduler.full_batch(scheduler.policy.length_buckets[0])
-
-    def least_own_compute_s(self) -> float:
-        policy = self.batcher.scheduler.policy
+        policy = scheduler.policy
         smallest = policy.length_buckets[0]
-        shape = BatchShape(policy.padded_batch(smallest, 1), smallest)
-        return self.batcher.scheduler.estimated_compute(shape)
+        rows, full_batch_s = scheduler.full_batch(smallest)
+        one_input = BatchShape(policy.padded_batch(smallest, 1), smallest)
+        return BatchCost(
+            seconds_per_input=full_batch_s / rows,
+            batch_rows=rows,
+            full_batch_s=full_batch_s,
+            least_own_compute_s=scheduler.estimated_compute(one_input),
+        )
 
     def queued_inputs(self) -> int:
         return self.batcher.scheduler.depth

@@ -57,18 +57,41 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int | None, dict[str, Any]]:
 
 
 PAUSED_REFUSALS = "steadyserve_refusals_paused_total"
+REJECTED = "steadyserve_rejected_total"
 
 
-def paused_refusals(base_url: str) -> float:
-    """How many refusals the server has answered by pausing their connection (its
-    /metrics): compared before and after a run, how many of the run's refusals its clients
-    resent faster than admissions paid for (`app/api/refusal_budget.py`)."""
+@dataclass(frozen=True)
+class RefusalCounts:
+    """The server's own refusal counters (its /metrics), compared before and after a run.
+
+    `paused`: refusals answered by pausing their connection, i.e. how many of the run's
+    refusals its clients resent faster than admissions paid for
+    (`app/api/refusal_budget.py`). `after_body`: refusals of requests that were let in
+    before the body was read, then refused by the token bucket or the engine (a model
+    label; shedding from headers has none): each cost the front end a body, a parse and
+    a tokenization, and the client as long."""
+
+    paused: float
+    after_body: float
+
+    def __sub__(self, earlier: RefusalCounts) -> RefusalCounts:
+        return RefusalCounts(self.paused - earlier.paused, self.after_body - earlier.after_body)
+
+
+def refusal_counts(base_url: str) -> RefusalCounts:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
         text = response.read().decode()
+    paused: float | None = None
+    after_body = 0.0
     for line in text.splitlines():
-        if line.startswith(PAUSED_REFUSALS + " "):
-            return float(line.split()[1])
-    raise RuntimeError(f"{PAUSED_REFUSALS} is not in {base_url}/metrics")
+        name, _, value = line.rpartition(" ")
+        if name == PAUSED_REFUSALS:
+            paused = float(value)
+        elif name.startswith(REJECTED + "{") and 'model=""' not in name:
+            after_body += float(value)
+    if paused is None:
+        raise RuntimeError(f"{PAUSED_REFUSALS} is not in {base_url}/metrics")
+    return RefusalCounts(paused, after_body)
 
 
 def lift_open_file_limit() -> int:
@@ -156,12 +179,12 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
     frontends = server.frontend_pids()
     cpu_before = {pid: cpu_seconds(pid) for pid in [engine, *frontends]}
     busy_before, own_before = _system_busy_s(), _own_cpu_s(server)
-    paused_before = paused_refusals(server.base_url)
+    refusals_before = refusal_counts(server.base_url)
     wall_started = time.monotonic()
     with HealthProbe(server.base_url) as probe, HealthProbe(server.probe_url) as probe_port:
         result = run_wrk(server.base_url, connections, duration_s)
     wall = time.monotonic() - wall_started
-    paused = paused_refusals(server.base_url) - paused_before
+    refusals = refusal_counts(server.base_url) - refusals_before
     own = _own_cpu_s(server) - own_before
     frontend_cpu = sum(cpu_seconds(p) - cpu_before[p] for p in frontends)
     engine_cpu = cpu_seconds(engine) - cpu_before[engine]
@@ -175,7 +198,8 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
         "ok_per_s": result["ok"] / seconds,
         "answers_per_s": answers / seconds,
         "throttled_share": result["throttled"] / answers if answers else 0.0,
-        "paused_refusals": paused,
+        "paused_refusals": refusals.paused,
+        "refused_after_body": refusals.after_body,
         "healthz_max_ms": healthz[-1] if healthz else None,
         "healthz_p99_ms": healthz[int(0.99 * (len(healthz) - 1))] if healthz else None,
         "healthz_failures": probe.failures,
@@ -245,9 +269,9 @@ def measure_open_loop(server: Server, rate: float, duration_s: float) -> dict[st
         connections=1024,
         timeout_s=30.0,
     )
-    paused_before = paused_refusals(server.base_url)
+    refusals_before = refusal_counts(server.base_url)
     result = run_event_loop(lambda: execute(config, target, payloads))
-    paused = paused_refusals(server.base_url) - paused_before
+    refusals = refusal_counts(server.base_url) - refusals_before
     recorder = result.recorder
     admitted = [
         (recorder.done[i] - recorder.scheduled[i]) * 1000
@@ -260,7 +284,8 @@ def measure_open_loop(server: Server, rate: float, duration_s: float) -> dict[st
         "sent": len(statuses),
         "ok": statuses.count(200),
         "throttled": statuses.count(429),
-        "paused_refusals": paused,
+        "paused_refusals": refusals.paused,
+        "refused_after_body": refusals.after_body,
         "other": len(statuses) - statuses.count(200) - statuses.count(429),
         "admitted_p50_ms": _percentile(admitted, 0.50),
         "admitted_p99_ms": _percentile(admitted, 0.99),
@@ -296,17 +321,19 @@ def markdown(report: dict[str, Any]) -> str:
     floods = report["floods"]
     base = floods[0]["ok_per_s"] or 1.0
     rows = [
-        "| connections | 2xx/s | vs first | 429 share | refusals that paused | 503 | 5xx | "
+        "| connections | 2xx/s | vs first | 429 share | refusals that paused | "
+        "refused after the body | 503 | 5xx | "
         "socket errors | "
         "p50 / p99 ms (all answers) | /healthz max ms: traffic port / probe port | "
         "front-end CPU us/answer | engine cores | other processes' cores |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for f in floods:
         errors = f["connect_errors"] + f["read_errors"] + f["write_errors"] + f["timeouts"]
         rows.append(
             f"| {f['connections']} | {f['ok_per_s']:.0f} | {f['ok_per_s'] / base:.2f} | "
-            f"{f['throttled_share']:.1%} | {f['paused_refusals']:.0f} | {f['unavailable']} | "
+            f"{f['throttled_share']:.1%} | {f['paused_refusals']:.0f} | "
+            f"{f['refused_after_body']:.0f} | {f['unavailable']} | "
             f"{f['server_error']} | {errors} | "
             f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['healthz_max_ms'] or 0:.1f} / "
             f"{f['probe_port_healthz_max_ms'] or 0:.1f} | "
@@ -317,14 +344,15 @@ def markdown(report: dict[str, Any]) -> str:
     if opened:
         lines_open = [
             "",
-            "| open loop | req/s sent | 2xx | 429 | refusals that paused | other | "
-            "admitted p50 / p99 ms |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| open loop | req/s sent | 2xx | 429 | refusals that paused | "
+            "refused after the body | other | admitted p50 / p99 ms |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for run in opened:
             lines_open.append(
                 f"| {run['share']:g}x goodput | {run['rate']:.0f} | {run['ok']} | "
-                f"{run['throttled']} | {run['paused_refusals']:.0f} | {run['other']} | "
+                f"{run['throttled']} | {run['paused_refusals']:.0f} | "
+                f"{run['refused_after_body']:.0f} | {run['other']} | "
                 f"{run['admitted_p50_ms'] or 0:.1f} / "
                 f"{run['admitted_p99_ms'] or 0:.1f} |"
             )

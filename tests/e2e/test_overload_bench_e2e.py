@@ -39,12 +39,14 @@ def test_the_overload_bench_floods_and_kills_the_engine(tmp_path: Path) -> None:
         assert flood["probe_port_failures"] == 0
         # Read from the server's own counter: never more than the refusals it answered.
         assert 0 <= flood["paused_refusals"] <= flood["throttled"] + flood["unavailable"]
+        assert 0 <= flood["refused_after_body"] <= flood["answers_per_s"] * flood["seconds"]
     # The open loops ran (at 0.7x and 3x of the first flood's goodput) and were answered.
     assert [run["share"] for run in report["open_loop"]] == [0.7, 3.0]
     for run in report["open_loop"]:
         assert run["ok"] > 0
         assert run["other"] == 0
         assert 0 <= run["paused_refusals"] <= run["throttled"]
+        assert 0 <= run["refused_after_body"] <= run["throttled"] + run["other"]
     kill = report["engine_kill"]
     assert kill["new_engine_pid"] != kill["killed_engine_pid"]
     assert kill["server_error"] == 0

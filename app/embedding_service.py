@@ -66,7 +66,6 @@ async def embed_texts(
         "embed",
         EmbedPayload(token_ids),
         cost=sum(len(ids) for ids in token_ids),
-        inputs=len(token_ids),
         deadline=deadline,
         arrived_at=now,
         timer=timer,

@@ -117,10 +117,6 @@ class Service:
         self._started = False  # tokenizers loaded and the engine connected
         self._idle = asyncio.Event()
         self._arrival = asyncio.Event()
-        # Inputs sent to the engine since its last published status: added to its backlog
-        # when shedding, so a burst between two status messages is not all let through.
-        self._sent_since_status = 0
-        self._status_seen_at = -1.0
         # Requests let in that are at the engine (sent, not yet answered): the rest of those
         # in flight are still being read or tokenized, work the engine has not seen yet.
         self._at_engine = 0
@@ -144,11 +140,7 @@ class Service:
             self._startup_error = f"front-end start-up failed: {type(error).__name__}"
 
     def engine_status(self) -> EngineStatus | None:
-        status = self.engine.status()
-        if status is not None and status.published_at != self._status_seen_at:
-            self._status_seen_at = status.published_at
-            self._sent_since_status = 0
-        return status
+        return self.engine.status()
 
     def readiness(self) -> Readiness:
         return readiness(
@@ -206,8 +198,9 @@ class Service:
             return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
-        # The engine's queue as last published, plus what this front end sent since and what
-        # it let in but has not sent yet (one input each, at least), plus the least the
+        # The engine's queue as last published, plus what this front end sent that it does
+        # not hold yet and what it let in but has not sent (one input each, at least; the
+        # requests still read or tokenized), plus the least the
         # engine adds for a request's own batch: without the last two, a burst of
         # connections resending at once all passed here, had their bodies read and
         # tokenized, and were then refused by the engine. Not this front end's own
@@ -217,7 +210,7 @@ class Service:
         # Counted in whole batches as the engine counts them (`batch_delay`), from the
         # published full batch; `least_own_compute_s` for a batch not yet full.
         unsent = max(0, self.admission.inflight - self._at_engine)
-        sent = self._sent_since_status + unsent
+        sent = self.engine.inputs_in_transit() + unsent
         queue = BatchQueue(
             backlog_s=status.backlog_s + sent * status.seconds_per_input,
             queued=status.queued_inputs + sent,
@@ -250,10 +243,9 @@ class Service:
         return chosen
 
     @contextlib.contextmanager
-    def at_engine(self, inputs: int) -> Iterator[None]:
-        """Wrap a request's time at the engine, from sending its `inputs` (counted into the
-        engine's backlog until it next publishes its status) to its last answer."""
-        self._sent_since_status += inputs
+    def at_engine(self) -> Iterator[None]:
+        """Wrap a request's time at the engine, from sending it to its last answer (from
+        then on the engine client counts its inputs until the engine's status holds them)."""
         self._at_engine += 1
         try:
             yield
@@ -287,7 +279,6 @@ class Service:
         payload: Payload,
         *,
         cost: int,
-        inputs: int,
         deadline: float,
         arrived_at: float,
         timer: PhaseTimer,
@@ -304,7 +295,7 @@ class Service:
         outcome = "error"
         try:
             request = Submit(self.engine.next_request_id(), model, deadline, payload)
-            with self.at_engine(inputs):
+            with self.at_engine():
                 async for output in self.engine.stream(request):
                     timer.add("queue", output.queue_s)
                     timer.add("compute", output.compute_s)

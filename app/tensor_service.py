@@ -77,7 +77,6 @@ async def infer_tensors(
         "tensor",
         checked.payload,
         cost=checked.shape.rows * checked.shape.length,
-        inputs=checked.shape.rows,
         deadline=deadline,
         arrived_at=now,
         timer=timer,

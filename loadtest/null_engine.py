@@ -47,7 +47,7 @@ class AlwaysReadyEngine(StreamingClient):
     engine_id = "double"
 
     def __init__(self, settings: Settings, backlog_s: float = 0.0) -> None:
-        super().__init__()
+        super().__init__(origin=b"double")
         self._settings = settings
         self._backlog_s = backlog_s
 
@@ -66,6 +66,8 @@ class AlwaysReadyEngine(StreamingClient):
             seconds_per_input=0.0,
             queued_inputs=0,
             published_at=time.monotonic(),
+            # It takes what is sent the moment it is sent: nothing is ever in transit.
+            taken_inputs={self.origin: self._sent_inputs},
             models={spec.name: self.model_info(spec) for spec in self._settings.models},
         )
 

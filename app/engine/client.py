@@ -26,6 +26,7 @@ from app.engine.protocol import (
     Output,
     Submit,
     ToEngine,
+    payload_inputs,
 )
 from app.failures import BatchFailed, DeadlineExceeded
 
@@ -91,6 +92,12 @@ class EngineClient(Protocol):
 
     def next_request_id(self) -> int: ...
 
+    def inputs_in_transit(self) -> int:
+        """Inputs this front end sent that the engine's last published status does not
+        hold yet (on their way, or taken since it was published): front ends add them to
+        the published backlog when shedding."""
+        ...
+
     def stream(self, request: Submit) -> AsyncGenerator[Output, None]:
         """The request's outputs, the last one `final`; raises `Rejected`,
         `DeadlineExceeded`, `EngineRefused`, `BatchFailed` or `EngineUnavailable`.
@@ -107,14 +114,37 @@ class EngineClient(Protocol):
 
 
 class StreamingClient:
-    """Per-request queues and their life cycle; subclasses provide the transport."""
+    """Per-request queues and their life cycle; subclasses provide the transport and the
+    engine's status. `origin` is how the engine knows this front end (its socket
+    identity), the key of its `EngineStatus.taken_inputs`."""
 
-    def __init__(self) -> None:
+    def __init__(self, origin: bytes) -> None:
+        self.origin = origin
         self._streams: dict[int, asyncio.Queue[FromEngine | _Lost]] = {}
         self._ids = itertools.count(1)
+        # Inputs sent to the engine whose status was current at the time (a new engine
+        # starts counting from zero, and what the old one took died with it).
+        self._sent_inputs = 0
+        self._sent_to: str | None = None
+
+    def status(self) -> EngineStatus | None:
+        raise NotImplementedError
 
     def next_request_id(self) -> int:
         return next(self._ids)
+
+    def inputs_in_transit(self) -> int:
+        status = self.status()
+        if status is None or status.engine_id != self._sent_to:
+            return 0
+        return max(0, self._sent_inputs - status.taken_inputs.get(self.origin, 0))
+
+    def _count_sent(self, request: Submit) -> None:
+        status = self.status()
+        engine_id = status.engine_id if status is not None else None
+        if engine_id != self._sent_to:
+            self._sent_to, self._sent_inputs = engine_id, 0
+        self._sent_inputs += payload_inputs(request.payload)
 
     def _send(self, message: ToEngine) -> None:
         """Hand a message to the engine without blocking; raise `EngineUnavailable` if it
@@ -148,6 +178,7 @@ class StreamingClient:
         finished = False
         try:
             self._send(request)
+            self._count_sent(request)
             while not finished:
                 batch: list[Output] = []
                 error: Exception | None = None

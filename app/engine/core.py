@@ -37,6 +37,7 @@ from app.engine.protocol import (
     Failure,
     FailureKind,
     Submit,
+    payload_inputs,
 )
 from app.engine.reports import config_report
 from app.engine.tracing import NO_TRACES, ProbeTracer
@@ -89,6 +90,9 @@ class EngineCore:
         self.health = BatchHealth(settings.unhealthy_after_failed_batches)
         self.hosts: dict[str, ModelHost] = {}
         self._requests: dict[RequestKey, asyncio.Task[None]] = {}
+        # Inputs taken from each front end (one entry per front-end process it has served),
+        # published so each front end knows which of its sends the status holds.
+        self._taken_inputs: dict[bytes, int] = {}
         self._warmup_done = 0
         self._warmup_total = 0
         self._ready = False
@@ -227,6 +231,7 @@ class EngineCore:
             least_own_compute_s=min(own, default=0.0),
             batch_rows=cheapest.batch_rows,
             full_batch_s=cheapest.full_batch_s,
+            taken_inputs=dict(self._taken_inputs),
             models={name: host.info() for name, host in self.hosts.items()},
             problem=self._startup_error or self.health.problem,
         )
@@ -247,6 +252,8 @@ class EngineCore:
     def submit(self, origin: bytes, request: Submit, emit: Emit) -> None:
         """Admit `request` and hand it to its model's host; its answer goes to `emit` (a
         stream of `Output` ending with a final one, or one `Failure`)."""
+        taken = self._taken_inputs.get(origin, 0) + payload_inputs(request.payload)
+        self._taken_inputs[origin] = taken
         rejection = self._admit(request)
         if rejection is not None:
             self.metrics.rejected.labels(request.model, rejection.reason.value).inc()

@@ -68,6 +68,18 @@ class TensorPayload(msgspec.Struct, frozen=True, tag="tensor"):
 Payload = EmbedPayload | GeneratePayload | TensorPayload
 
 
+def payload_inputs(payload: Payload) -> int:
+    """The inputs a request adds to the engine's queue, counted the same way by the front
+    end that sends it and the engine that takes it (`EngineStatus.taken_inputs`): an
+    embedding's texts, a tensor request's rows, one generation prompt."""
+    if isinstance(payload, EmbedPayload):
+        return len(payload.token_ids)
+    if isinstance(payload, TensorPayload):
+        shape = payload.inputs[0].shape if payload.inputs else []
+        return shape[0] if shape else 1
+    return 1
+
+
 class Submit(msgspec.Struct, frozen=True, tag="submit"):
     request_id: int
     model: str
@@ -208,7 +220,10 @@ class EngineStatus(msgspec.Struct, frozen=True):
     adds for a request's own batch when it admits it (one input of the smallest shape),
     which front ends add too, so that what they let in the engine does not then refuse;
     `batch_rows` and `full_batch_s`: the rows and compute of a full batch of that shape,
-    in which front ends count the queue as the engine does (`admission.batch_delay`).
+    in which front ends count the queue as the engine does (`admission.batch_delay`);
+    `taken_inputs`: the inputs (`payload_inputs`) this engine has taken from each front
+    end, by its socket identity, admitted or not: what a front end sent beyond that is on
+    its way and not in `backlog_s` yet, so it adds that itself.
     """
 
     engine_id: str
@@ -224,6 +239,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     least_own_compute_s: float = 0.0
     batch_rows: int = 1
     full_batch_s: float = 0.0
+    taken_inputs: dict[bytes, int] = {}
     models: dict[str, ModelInfo] = {}
     problem: str | None = None  # why it is failed or unhealthy, for /readyz and /healthz
 

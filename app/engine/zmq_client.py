@@ -115,11 +115,11 @@ class ZmqEngineClient(StreamingClient):
     def __init__(
         self, addresses: EngineAddresses, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        super().__init__()
+        self._identity = f"fe-{os.getpid()}-{id(self):x}".encode()
+        super().__init__(origin=self._identity)
         self._addresses = addresses
         self._clock = clock
         self._context = zmq.asyncio.Context()
-        self._identity = f"fe-{os.getpid()}-{id(self):x}".encode()
         self._requests: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._subscriber = StatusSubscriber(

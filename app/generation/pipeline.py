@@ -216,7 +216,7 @@ class TextGeneration:
         ]
         outcome = "error"
         try:
-            with self.service.at_engine(len(sequences)):
+            with self.service.at_engine():
                 async with contextlib.aclosing(_merge(sequences)) as batches:
                     async for batch in batches:
                         yield batch

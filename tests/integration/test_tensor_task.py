@@ -211,3 +211,21 @@ async def test_a_draining_server_sheds_v2_requests_with_the_protocol_s_error(
     assert set(response.json()) == {"error"} and "draining" in response.json()["error"]
     assert "shed;dur=" in response.headers["server-timing"]
     assert service.admission.inflight == 0
+
+
+async def test_the_engine_publishes_the_inputs_it_took_from_each_front_end(
+    client: httpx.AsyncClient,
+) -> None:
+    """Refused or not, what the engine took is counted per front end, in the units the
+    front ends count what they send (a tensor request's rows, an embedding's texts)."""
+    core = core_of(client)
+    answers: list[FromEngine] = []
+    before = core.status().taken_inputs
+    bad = TensorData("features", "FP32", [3, 8], b"\0" * 16)  # 16 bytes for 96
+    core.submit(b"front-a", Submit(1, "mlp", 1e12, TensorPayload([bad])), answers.append)
+    core.submit(b"front-b", Submit(1, "mlp", 1e12, EmbedPayload([[1], [2]])), answers.append)
+    core.submit(b"front-b", Submit(2, "mlp", 1e12, EmbedPayload([[3]])), answers.append)
+    taken = core.status().taken_inputs
+    assert taken[b"front-a"] - before.get(b"front-a", 0) == 3
+    assert taken[b"front-b"] - before.get(b"front-b", 0) == 3
+    assert len(answers) == 3  # all refused, at once

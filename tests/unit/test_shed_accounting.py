@@ -5,10 +5,14 @@ engine (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import pytest
+
 from app.admission import RejectReason
-from app.engine.protocol import EngineStatus, ModelInfo
+from app.engine.client import EngineUnavailable
+from app.engine.protocol import EmbedPayload, EngineStatus, ModelInfo, Submit, ToEngine
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
 from app.service import Service
@@ -21,13 +25,17 @@ BUDGET_MS = 100.0
 
 
 class PublishedStatus(AlwaysReadyEngine):
-    """An engine whose status the test publishes by hand (event loop thread only)."""
+    """An engine whose status the test publishes by hand, and which never answers what it
+    is sent (event loop thread only)."""
 
     def __init__(self, settings: Settings, least_own_compute_s: float) -> None:
         super().__init__(settings)
         self.backlog_s = 0.0
         self.published_at = 1.0
         self.least_own_compute_s = least_own_compute_s
+        self.taken = 0  # inputs the published status says the engine took from us
+        self.a_submit_sent = asyncio.Event()
+        self.connected = True
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(task=spec.task, output_width=384, max_input_tokens=256)
@@ -42,8 +50,19 @@ class PublishedStatus(AlwaysReadyEngine):
                 "seconds_per_input": SECONDS_PER_INPUT,
                 "published_at": self.published_at,
                 "least_own_compute_s": self.least_own_compute_s,
+                "taken_inputs": {self.origin: self.taken},
             }
         )
+
+    def publish(self, backlog_s: float, taken: int) -> None:
+        self.backlog_s, self.taken = backlog_s, taken
+        self.published_at += 1.0
+
+    def _send(self, message: ToEngine) -> None:
+        if not self.connected:
+            raise EngineUnavailable("no engine is connected")
+        if isinstance(message, Submit):
+            self.a_submit_sent.set()
 
 
 async def started_service(least_own_compute_s: float = 0.0) -> tuple[Service, PublishedStatus]:
@@ -73,21 +92,44 @@ async def test_requests_let_in_but_not_yet_sent_count_as_queued_work() -> None:
     assert let_in(service) == 11
 
 
-async def test_sent_requests_count_until_the_engine_publishes_them_then_leaving_frees_room() -> (
-    None
-):
+async def send_one(service: Service, engine: PublishedStatus) -> asyncio.Task[None]:
+    """Send one input of a request `shed` let in, as the routes do; the engine never
+    answers it. Returns once it is sent; cancel the task to end it."""
+
+    async def at_engine() -> None:
+        request = Submit(engine.next_request_id(), "m", 1e12, EmbedPayload([[1, 2]]))
+        with service.at_engine():
+            async for _ in engine.stream(request):
+                pass
+
+    engine.a_submit_sent.clear()
+    task = asyncio.create_task(at_engine())
+    await engine.a_submit_sent.wait()
+    return task
+
+
+async def test_sent_requests_count_until_the_engine_publishes_that_it_took_them() -> None:
     service, engine = await started_service()
     assert let_in(service) == 11
-    with service.at_engine(1), service.at_engine(1):
-        # Sent: still counted (the engine has not published them yet), so still full.
-        assert service.shed(None) is not None
-        # The engine publishes a status that holds the two sent: the same total.
-        engine.backlog_s, engine.published_at = 2 * SECONDS_PER_INPUT, 2.0
-        assert service.shed(None) is not None
+    sent = [await send_one(service, engine), await send_one(service, engine)]
+    # Sent but not taken by the engine: still counted, so still full.
+    assert engine.inputs_in_transit() == 2
+    assert service.shed(None) is not None
+    # A status published before the engine took them holds none of them: they still
+    # count (counting only what was sent since the last status let 2 more in here).
+    engine.publish(backlog_s=0.0, taken=0)
+    assert service.shed(None) is not None
+    # The engine took them: its backlog holds them now, the same total.
+    engine.publish(backlog_s=2 * SECONDS_PER_INPUT, taken=2)
+    assert engine.inputs_in_transit() == 0
+    assert service.shed(None) is not None
+    for task in sent:
+        task.cancel()
+    await asyncio.gather(*sent, return_exceptions=True)
     service.leave()
     service.leave()
     # Answered and gone: the engine's next status no longer holds them, 9 wait unsent.
-    engine.backlog_s, engine.published_at = 0.0, 3.0
+    engine.publish(backlog_s=0.0, taken=2)
     assert let_in(service) == 2
 
 
@@ -98,3 +140,23 @@ async def test_the_engines_least_own_compute_counts_as_the_engine_counts_it() ->
     # for 7 queued inputs of 10 ms after the first.
     service, _ = await started_service(least_own_compute_s=0.030)
     assert let_in(service) == 8
+
+
+async def test_what_the_old_engine_was_sent_is_not_in_transit_to_a_new_one() -> None:
+    service, engine = await started_service()
+    sent = await send_one(service, engine)
+    assert engine.inputs_in_transit() == 1
+    engine.engine_id = "its-replacement"  # its status counts what it took from zero
+    assert engine.inputs_in_transit() == 0
+    sent.cancel()
+    await asyncio.gather(sent, return_exceptions=True)
+
+
+async def test_a_request_that_could_not_be_sent_is_not_in_transit() -> None:
+    _, engine = await started_service()
+    engine.connected = False
+    request = Submit(engine.next_request_id(), "m", 1e12, EmbedPayload([[1], [2]]))
+    with pytest.raises(EngineUnavailable):
+        async for _ in engine.stream(request):
+            pass
+    assert engine.inputs_in_transit() == 0

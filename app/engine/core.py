@@ -209,7 +209,10 @@ class EngineCore:
         # Hosts whose requests add nothing to the shared backlog (generation) have no cost;
         # a cost is 0 until warm-up has measured it. Front ends count the queue in the full
         # batches of the cheapest model per input.
-        costs = [cost for host in self.hosts.values() if (cost := host.batch_cost()) is not None]
+        batching = [
+            (host, cost) for host in self.hosts.values() if (cost := host.batch_cost()) is not None
+        ]
+        costs = [cost for _, cost in batching]
         cheapest = min(
             (cost for cost in costs if cost.seconds_per_input > 0),
             key=lambda cost: cost.seconds_per_input,
@@ -226,7 +229,9 @@ class EngineCore:
             healthy=healthy,
             backlog_s=self.backlog_seconds(),
             seconds_per_input=cheapest.seconds_per_input / self.slots.capacity,
-            queued_inputs=self.queued_inputs(),
+            # Only what waits for a batch: generate prompts waiting for a KV slot are not
+            # in the batches front ends count the queue in.
+            queued_inputs=sum(host.queued_inputs() for host, _ in batching),
             published_at=self._clock(),
             least_own_compute_s=min(own, default=0.0),
             batch_rows=cheapest.batch_rows,

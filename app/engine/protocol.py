@@ -71,13 +71,14 @@ Payload = EmbedPayload | GeneratePayload | TensorPayload
 def payload_inputs(payload: Payload) -> int:
     """The inputs a request adds to the engine's queue, counted the same way by the front
     end that sends it and the engine that takes it (`EngineStatus.taken_inputs`): an
-    embedding's texts, a tensor request's rows, one generation prompt."""
+    embedding's texts, a tensor request's rows. A generation prompt waits for a KV slot,
+    not in the batch queue the published backlog describes: none."""
     if isinstance(payload, EmbedPayload):
         return len(payload.token_ids)
     if isinstance(payload, TensorPayload):
         shape = payload.inputs[0].shape if payload.inputs else []
         return shape[0] if shape else 1
-    return 1
+    return 0
 
 
 class Submit(msgspec.Struct, frozen=True, tag="submit"):
@@ -219,6 +220,8 @@ class EngineStatus(msgspec.Struct, frozen=True):
     smallest length bucket, all workers busy); `least_own_compute_s`: the least the engine
     adds for a request's own batch when it admits it (one input of the smallest shape),
     which front ends add too, so that what they let in the engine does not then refuse;
+    `queued_inputs`: the inputs waiting for a batch (of every model that batches; not the
+    generate prompts waiting for a KV slot);
     `batch_rows` and `full_batch_s`: the rows and compute of a full batch of that shape,
     in which front ends count the queue as the engine does (`admission.batch_delay`);
     `taken_inputs`: the inputs (`payload_inputs`) this engine has taken from each front

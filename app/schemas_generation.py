@@ -29,15 +29,24 @@ StopStrings = NonEmptyText | StopList | None
 Finish = Literal["stop", "length"]
 
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions
+# The largest integer the engine protocol (msgpack) and torch's generators take: beyond it a
+# request would fail in the front end's encoder, a 500 for a client's mistake.
+INT64_MAX = 2**63 - 1
 
 
 class GenerateParameters(StrictModel):
-    max_new_tokens: int = Field(default=20, ge=1, description="Most tokens to generate.")
+    max_new_tokens: int = Field(
+        default=20, ge=1, le=INT64_MAX, description="Most tokens to generate."
+    )
     do_sample: StrictBool = Field(default=False, description="Sample; greedy (argmax) when false.")
     temperature: float = Field(default=1.0, gt=0, le=100, description="With do_sample.")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus filter, with do_sample.")
-    top_k: int = Field(default=0, ge=0, description="Top-k filter (0: off), with do_sample.")
-    seed: int | None = Field(default=None, ge=0, description="Makes sampling reproducible.")
+    top_k: int = Field(
+        default=0, ge=0, le=INT64_MAX, description="Top-k filter (0: off), with do_sample."
+    )
+    seed: int | None = Field(
+        default=None, ge=0, le=INT64_MAX, description="Makes sampling reproducible."
+    )
     stop: StopList = Field(
         default_factory=list, description="Stop strings: the text ends before one."
     )
@@ -79,8 +88,10 @@ class OpenAISampling(StrictModel):
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0, description="Not OpenAI's: top-k filter, 0 is off.")
-    seed: int | None = Field(default=None, ge=0)
+    top_k: int = Field(
+        default=0, ge=0, le=INT64_MAX, description="Not OpenAI's: top-k filter, 0 is off."
+    )
+    seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
     stop: StopStrings = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -102,7 +113,7 @@ class OpenAISampling(StrictModel):
 
 class CompletionRequest(OpenAISampling):
     prompt: Prompts
-    max_tokens: int | None = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1, le=INT64_MAX)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
@@ -132,9 +143,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated by OpenAI.")
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=INT64_MAX, description="Deprecated by OpenAI."
+    )
     max_completion_tokens: int | None = Field(
-        default=None, ge=1, description="Most tokens to generate; the model's room if unset."
+        default=None,
+        ge=1,
+        le=INT64_MAX,
+        description="Most tokens to generate; the model's room if unset.",
     )
 
     def max_new_tokens(self) -> int | None:

@@ -363,3 +363,24 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_cache(
         whole = {"model": "tiny", "prompt": "Hello", "max_tokens": SLOT_TOKENS - 8}
         after = await client.post("/v1/completions", json=whole, timeout=60)
         assert after.status_code == 200, after.text
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/completions", {"prompt": "Hello", "seed": 2**64}),
+        ("/v1/completions", {"prompt": "Hello", "top_k": 2**64}),
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 2**64}),
+        ("/v1/chat/completions", {"messages": [], "max_completion_tokens": 2**64}),
+        ("/infer", {"inputs": "Hello", "parameters": {"seed": 2**64, "do_sample": True}}),
+        ("/infer", {"inputs": "Hello", "parameters": {"max_new_tokens": 2**64}}),
+    ],
+)
+async def test_integers_beyond_int64_are_a_client_error_not_a_500(
+    client: httpx.AsyncClient, route: str, body: dict[str, object]
+) -> None:
+    """msgpack and torch's generators take 64-bit integers: a larger one used to reach the
+    protocol's encoder and fail there (500)."""
+    response = await client.post(route, json={"model": "tiny", **body})
+    assert response.status_code in (400, 422), response.text
+    assert "error" in response.json() or "detail" in response.json()

@@ -66,7 +66,7 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The prompt text for `messages`, ending with the assistant's turn opened.
-        Raises `ChatTemplateError` when the template refuses them."""
+        Raises `ChatTemplateError` when the template refuses them or fails on them."""
         try:
             return self._template.render(
                 messages=[dict(message) for message in messages],
@@ -77,6 +77,12 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"the chat template failed: {error}") from error
+        except (TypeError, ValueError, LookupError, ArithmeticError) as error:
+            # Messages may carry any field (templates read `name`, `tool_calls`...): one of
+            # the wrong type fails inside the template, and that is the client's mistake.
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {error}"
+            ) from error
 
 
 def _token_text(value: object) -> str | None:

@@ -150,6 +150,22 @@ def test_a_template_that_refuses_the_messages_raises_a_client_error() -> None:
         template.render([{"role": "system", "content": "be brief"}])
 
 
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("{% for call in messages[0].tool_calls %}{{ call }}{% endfor %}", {"tool_calls": 5}),
+        ("{{ messages[0].content + 1 }}", {"content": "text"}),
+        ("{{ 10 // messages[0].weight }}", {"weight": 0}),
+    ],
+)
+def test_a_template_failing_on_a_clients_fields_is_a_template_error(
+    source: str, message: dict[str, object]
+) -> None:
+    """Answered 400 like a template's own refusal; a plain TypeError was a 500."""
+    with pytest.raises(ChatTemplateError, match="failed on these messages"):
+        ChatTemplate(source, {}).render([{"role": "user", **message}])
+
+
 def test_templates_load_from_the_file_or_the_tokenizer_config(tmp_path: Path) -> None:
     assert load_chat_template(tmp_path) is None
     config = {"eos_token": {"content": "</s>"}, "chat_template": "{{ eos_token }}"}

@@ -71,12 +71,11 @@ async def gather_rows(
 ) -> list[ItemResult[OutT]] | None:
     """Every row's result, in order; or None once the request was answered with its
     failure (deadline passed in the queue, failed batch) or cancelled by its front end
-    (which expects no answer; its queued rows are dropped)."""
+    (which expects no answer). Either way its rows still queued are dropped: nobody
+    would read what they compute."""
     try:
         return await asyncio.gather(*futures)
     except asyncio.CancelledError:
-        for future in futures:
-            future.cancel()
         return None
     except DeadlineExceeded:
         metrics.rejected.labels(request.model, RejectReason.DEADLINE.value).inc()
@@ -85,6 +84,9 @@ async def gather_rows(
     except BatchFailed as error:
         emit(Failure(request.request_id, FailureKind.FAILED, f"batch failed: {error}"))
         return None
+    finally:
+        for future in futures:
+            future.cancel()  # a no-op for those already done
 
 
 def final_output(

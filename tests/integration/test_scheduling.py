@@ -306,6 +306,27 @@ async def test_out_of_memory_splits_the_batch_and_answers_everyone(harness: Harn
     assert (await holder).status_code == 200
 
 
+async def test_a_failed_batch_drops_the_rest_of_its_request(harness: Harness) -> None:
+    """A request answered with its first batch's failure must not have its other inputs
+    computed afterwards, for nobody."""
+    holder = await harness.hold_the_worker()
+    five = ["a", "b", "c", "d", "qqqqqqqqq"]  # 4 rows per batch: the last one runs second
+    failing = asyncio.create_task(harness.client.post("/infer", json={"inputs": five}))
+    scheduler = harness.engine.hosts["fake"].batcher.scheduler
+    await harness.until(lambda: scheduler.depth == 5, "all five queued")
+    harness.runner.failure = RuntimeError("the device fell over")
+    harness.release()
+    assert (await holder).status_code == 200  # its batch was past the failure point
+    assert (await failing).status_code == 500
+    harness.runner.failure = None
+    # One worker: anything of the failed request still queued would run before this.
+    assert (await harness.client.post("/infer", json={"inputs": "yy"})).status_code == 200
+    computed = [row for batch in harness.runner.batches for row in batch]
+    assert [1, 9, 2] not in computed
+    assert harness.runner.failed_batches == 1
+    assert harness.engine.queued_inputs() == 0
+
+
 async def test_a_request_failing_at_submission_leaves_no_counts_behind(harness: Harness) -> None:
     # The fake tokenizer does not enforce the limit, so the second input fits no bucket:
     # the engine refuses it whole, as the client's mistake.

@@ -32,6 +32,7 @@ class GatedRunner:
         self.batch_threads: list[str] = []  # the compute thread of each recorded batch
         self.out_of_memory_above_rows: int | None = None
         self.failure: Exception | None = None  # raised by every batch while set
+        self.failed_batches = 0
         self.busy_s = 0.0  # simulated compute time of every batch, after the gate opens
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -40,6 +41,7 @@ class GatedRunner:
             for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
         ]
         if self.failure is not None:
+            self.failed_batches += 1
             raise self.failure
         real_rows = [r for r in rows if r != [self.pad_token_id]]
         if self.out_of_memory_above_rows and len(real_rows) > self.out_of_memory_above_rows:

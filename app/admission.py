@@ -62,14 +62,6 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True, slots=True)
-class Ticket:
-    """An admitted request and when it must be answered by."""
-
-    admitted_at: float
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True)
 class DelayEstimate:
     """Predicted seconds of queued work ahead of a request (already divided among the compute
     threads) and of the request's own batch."""
@@ -220,14 +212,13 @@ class Admission:
         self.inflight -= 1
         self._requests_completed.record(1, now)
 
-    def admit(self, deadline: float, now: float) -> Ticket:
-        """Admit a request after its body was read and tokenized, or raise `Rejected`; the
-        caller has already passed the token bucket."""
+    def admit(self, deadline: float, now: float) -> None:
+        """Admit a request after its body was read and tokenized, or raise `Rejected`
+        (draining, or its deadline passed)."""
         if self.draining:
             raise self.draining_rejection()
         if deadline <= now:
             raise Rejected(RejectReason.DEADLINE, "deadline passed before admission")
-        return Ticket(admitted_at=now, deadline=deadline)
 
     @staticmethod
     def draining_rejection() -> Rejected:

@@ -1,9 +1,12 @@
 """The asyncio side of admission: aiolimiter's token bucket in front of `Admission`'s caps.
 
 A request pays one bucket token per model token it carries (a long input costs what it
-computes, not one unit). When the bucket is short it waits, at most `max_wait_s` and never
-past its deadline, then is turned away with reason `rate`. Then the in-flight cap decides
-(`admission.py`). Every rejection is counted here, where the decision is made. Front-end
+computes, not one unit), once draining and its deadline have let it through
+(`Admission.admit`), so a request refused for those takes nothing from the bucket. When the
+bucket is short it waits, at most `max_wait_s` and never past its deadline, then is turned
+away with reason `rate`. The bucket meters what the front end passes on to the engine,
+whatever the engine then answers. (The in-flight cap is decided earlier, from the headers:
+`Service.shed`.) Every rejection is counted here, where the decision is made. Front-end
 event loop thread only.
 """
 
@@ -14,7 +17,7 @@ from collections.abc import Callable
 
 from aiolimiter import AsyncLimiter
 
-from app.admission import Admission, Rejected, Ticket
+from app.admission import Admission, Rejected
 from app.metrics import Metrics
 
 
@@ -45,12 +48,14 @@ class AdmissionGate:
         """Whether `n_tokens` could be taken now without waiting."""
         return bool(self._limiter.has_capacity(n_tokens))
 
-    async def admit(self, model: str, n_tokens: int, deadline: float) -> Ticket:
-        """Wait for `n_tokens` bucket tokens, then pass the in-flight cap; raises
-        `Rejected` (already counted)."""
+    async def admit(self, model: str, n_tokens: int, deadline: float) -> None:
+        """Pass draining and the deadline, then take `n_tokens` bucket tokens, waiting for
+        them within the deadline and `max_wait_s`; raises `Rejected` (already counted)."""
         started = self._clock()
-        if self.admission.draining:  # before waiting for tokens it will not need
-            raise self.reject(self.admission.draining_rejection(), model)
+        try:  # before taking tokens a refused request would waste
+            self.admission.admit(deadline, started)
+        except Rejected as refused:
+            raise self.reject(refused, model) from None
         if self._limiter.has_capacity(n_tokens):
             await self._limiter.acquire(n_tokens)
         else:
@@ -60,9 +65,4 @@ class AdmissionGate:
             except TimeoutError:
                 rejection = self.admission.rate_limited(n_tokens, self.rate_per_s)
                 raise self.reject(rejection, model) from None
-        try:
-            ticket = self.admission.admit(deadline, self._clock())
-        except Rejected as rejection:
-            raise self.reject(rejection, model) from None
         self._metrics.admission_wait.labels(model).observe(self._clock() - started)
-        return ticket

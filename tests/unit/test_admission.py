@@ -191,6 +191,31 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
     assert metrics.rejected.labels("m", "rate")._value.get() == 1
 
 
+def test_a_request_refused_for_its_deadline_or_draining_takes_no_bucket_tokens(
+    virtual_loop: VirtualClockLoop,
+) -> None:
+    admission = Admission(AdmissionLimits(100, 5.0, 30.0))
+    gate = AdmissionGate(
+        admission, rate_per_s=100.0, burst=40, max_wait_s=0.0, metrics=Metrics(),
+        clock=virtual_loop.time,
+    )  # fmt: skip
+
+    async def scenario() -> list[RejectReason]:
+        reasons: list[RejectReason] = []
+        for draining, deadline in ((False, virtual_loop.now), (True, virtual_loop.now + 5)):
+            admission.draining = draining
+            try:
+                await gate.admit("m", 40, deadline=deadline)
+            except Rejected as rejection:
+                reasons.append(rejection.reason)
+        admission.draining = False
+        await gate.admit("m", 40, deadline=virtual_loop.now + 5)  # the whole bucket is left
+        return reasons
+
+    reasons = virtual_loop.run_until_complete(scenario())
+    assert reasons == [RejectReason.DEADLINE, RejectReason.DRAINING]
+
+
 # Batches of 32 rows computing in 32 ms (1 ms per input); one compute thread.
 def _queue(backlog_s: float, queued: int) -> BatchQueue:
     return BatchQueue(

@@ -46,7 +46,7 @@ from app.engine.protocol import TensorOutput
 from app.failures import BatchFailed, DeadlineExceeded
 from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
-from app.service import Service
+from app.service import Service, WrongTask
 from app.tensor_service import SentTensor, check_tensors, infer_tensors
 from app.tensors import TensorError, from_json, to_json
 from app.timing import PhaseTimer
@@ -117,10 +117,13 @@ def _metadata(service: Service, spec: ModelSpec) -> dict[str, Any]:
         inputs = [{"name": EMBED_INPUT, "datatype": "BYTES", "shape": [-1]}]
         outputs = [{"name": EMBED_OUTPUT, "datatype": "FP32", "shape": [-1, width]}]
         platform = "steadyserve_embedding"
-    else:
+    elif spec.task == "tensor":
         inputs = [t.model_dump() for t in spec.inputs]
         outputs = [t.model_dump() for t in spec.outputs]
         platform = "torch_export" if spec.source.endswith(".pt2") else "pytorch_libtorch"
+    else:  # generate: served by /infer and the OpenAI routes, no v2 tensors in or out
+        inputs, outputs = [], []
+        platform = f"steadyserve_{spec.task}"
     return {
         "name": spec.name,
         "versions": ["1"],
@@ -202,7 +205,7 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
         return _rejected(rejection)
     except DeadlineExceeded:
         return v2_error("deadline passed before the request was computed", 504)
-    except (TensorError, InputTooLong, EngineRefused) as error:
+    except (TensorError, InputTooLong, EngineRefused, WrongTask) as error:
         return v2_error(str(error), 400)
     except EngineUnavailable as error:
         return v2_error(str(error), 503, {"Retry-After": "1"})

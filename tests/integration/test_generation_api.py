@@ -384,3 +384,17 @@ async def test_integers_beyond_int64_are_a_client_error_not_a_500(
     response = await client.post(route, json={"model": "tiny", **body})
     assert response.status_code in (400, 422), response.text
     assert "error" in response.json() or "detail" in response.json()
+
+
+async def test_the_v2_protocol_describes_a_generate_model_and_refuses_tensors_for_it(
+    client: httpx.AsyncClient,
+) -> None:
+    """In the protocol's own error shape (`{"error": str}`), not /infer's."""
+    metadata = await client.get("/v2/models/tiny")
+    assert metadata.status_code == 200
+    assert metadata.json()["platform"] == "steadyserve_generate"
+    assert metadata.json()["inputs"] == []
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+    response = await client.post("/v2/models/tiny/infer", json=body)
+    assert response.status_code == 400
+    assert response.json() == {"error": "model 'tiny' does 'generate', not 'tensor'"}

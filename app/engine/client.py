@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import Protocol
 
@@ -30,8 +32,14 @@ from app.engine.protocol import (
 )
 from app.failures import BatchFailed, DeadlineExceeded
 
+log = logging.getLogger(__name__)
+
 # After the engine is lost, clients retry once a new one had time to start.
 RETRY_AFTER_ENGINE_LOST_S = 1.0
+# The engine answers every request by its deadline (expiry is a 504 from the engine), give or
+# take a batch or a multi-step run in flight; a stream silent this long after its deadline
+# was lost by a fault, and its client must not wait for its own timeout.
+ANSWER_GRACE_S = 5.0
 
 
 class EngineRefused(Exception):
@@ -100,7 +108,8 @@ class EngineClient(Protocol):
 
     def stream(self, request: Submit) -> AsyncGenerator[Output, None]:
         """The request's outputs, the last one `final`; raises `Rejected`,
-        `DeadlineExceeded`, `EngineRefused`, `BatchFailed` or `EngineUnavailable`.
+        `DeadlineExceeded` (also when the engine stays silent `ANSWER_GRACE_S` past the
+        deadline: a lost request), `EngineRefused`, `BatchFailed` or `EngineUnavailable`.
         Leaving the loop early (or being cancelled) cancels the request in the engine."""
         ...
 
@@ -126,6 +135,7 @@ class StreamingClient:
         # starts counting from zero, and what the old one took died with it).
         self._sent_inputs = 0
         self._sent_to: str | None = None
+        self.answer_grace_s = ANSWER_GRACE_S
 
     def status(self) -> EngineStatus | None:
         raise NotImplementedError
@@ -176,13 +186,21 @@ class StreamingClient:
         queue: asyncio.Queue[FromEngine | _Lost] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
+        loop = asyncio.get_running_loop()
+        left_s = max(0.0, request.deadline - time.monotonic())
+        give_up_at = loop.time() + left_s + self.answer_grace_s
         try:
             self._send(request)
             self._count_sent(request)
             while not finished:
                 batch: list[Output] = []
                 error: Exception | None = None
-                message = await queue.get()
+                try:
+                    async with asyncio.timeout_at(give_up_at):
+                        message = await queue.get()
+                except TimeoutError:
+                    log.error("the engine never answered request %d; giving up", request_id)
+                    raise DeadlineExceeded("the engine did not answer by the deadline") from None
                 while True:
                     if isinstance(message, _Lost):
                         error = engine_lost()

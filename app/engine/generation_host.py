@@ -13,8 +13,9 @@ With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins
 to that many decode steps in a row (multi-step decoding), never past the step at which a
 running sequence reaches its length, so the per-step turn of the event loop (collecting the
 step, building the next rows, one `Output` per sequence) is paid once per dispatch. An
-arrival that could take a free slot, or a sequence cancelled or expired, interrupts the run
-after its current step.
+arrival that could take a free slot, or a running sequence cancelled, interrupts the run
+after its current step; a deadline is checked between dispatches, so an expiry is noticed
+up to that many steps late.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
@@ -69,6 +70,9 @@ class GenerationHost:
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
         self._waiting: deque[GenerationSequence] = deque()
         self._running: dict[int, GenerationSequence] = {}  # by slot
+        # Outputs of the last step, sent while the next one computes; kept here so that a
+        # loop that fails in between still sends them (those sequences are done).
+        self._outbox: list[tuple[GenerationSequence, Output]] = []
         self._step_s = 0.0  # smoothed seconds per step while busy
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
@@ -213,13 +217,13 @@ class GenerationHost:
             except Exception as error:
                 log.exception("%s: generation loop failed; restarting it", self.name)
                 self._context.record_batch(error)
+                self._send_outbox()
                 for sequence in [*self._waiting, *self._running.values()]:
                     self._fail(sequence, FailureKind.FAILED, f"generation failed: {error}")
 
     async def _loop(self) -> None:
         """Each turn starts the next step, then sends the previous step's outputs while it
         computes (the sending overlaps the compute instead of adding to every step)."""
-        outbox: list[tuple[GenerationSequence, Output]] = []
         while True:
             self._expire(self._context.clock())
             sequences = self._next_step() if self._context.slots.free > 0 else []
@@ -228,9 +232,7 @@ class GenerationHost:
                 if sequences
                 else None
             )
-            for sequence, output in outbox:
-                sequence.emit(output)
-            outbox = []
+            self._send_outbox()
             if step is None:
                 if self._closing and not self._running and not self._waiting:
                     return
@@ -246,7 +248,12 @@ class GenerationHost:
                         self._fail(sequence, FailureKind.FAILED, f"generation step failed: {error}")
                 continue
             self._record_step(result)
-            outbox = self._advance(sequences, result.tokens)
+            self._outbox = self._advance(sequences, result.tokens)
+
+    def _send_outbox(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for sequence, output in outbox:
+            sequence.emit(output)
 
     def _next_step(self) -> list[GenerationSequence]:
         """The next step's sequences: those joining now (prefill), then those decoding."""

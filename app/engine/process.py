@@ -24,8 +24,11 @@ from app.engine.protocol import (
     Cancel,
     DebugQuery,
     DebugReply,
+    Failure,
+    FailureKind,
     FromEngine,
     Submit,
+    ToEngine,
     decode_to_engine,
     encode,
     encode_batch,
@@ -98,19 +101,33 @@ class EngineServer:
             self._context.destroy(linger=0)
 
     async def _receive(self) -> None:
+        """Take every front end's messages. One that fails (a bug, or a message this engine
+        cannot read) is logged and, where it has an id, answered with a failure: it must
+        not end this loop, which would leave every later request unanswered while the
+        status still says ready."""
         while True:
             origin, data = await self._router.recv_multipart()
-            message = decode_to_engine(data)
-            if isinstance(message, Submit):
-                self.core.submit(origin, message, self._emitter(origin))
-            elif isinstance(message, Cancel):
-                self.core.cancel(origin, message.request_id)
-            elif isinstance(message, DebugQuery):
-                try:
-                    report = self.core.debug_report(message.what)
-                except ValueError as error:
-                    report = {"error": str(error)}
-                self._emitter(origin)(DebugReply(message.request_id, report))
+            message: ToEngine | None = None
+            try:
+                message = decode_to_engine(data)
+                self._handle(origin, message)
+            except Exception as error:
+                log.exception("engine: a message from %r failed", origin)
+                if isinstance(message, Submit | DebugQuery):
+                    failure = Failure(message.request_id, FailureKind.FAILED, f"engine: {error}")
+                    self._emitter(origin)(failure)
+
+    def _handle(self, origin: bytes, message: ToEngine) -> None:
+        if isinstance(message, Submit):
+            self.core.submit(origin, message, self._emitter(origin))
+        elif isinstance(message, Cancel):
+            self.core.cancel(origin, message.request_id)
+        elif isinstance(message, DebugQuery):
+            try:
+                report = self.core.debug_report(message.what)
+            except ValueError as error:
+                report = {"error": str(error)}
+            self._emitter(origin)(DebugReply(message.request_id, report))
 
     async def _publish(self) -> None:
         loop = asyncio.get_running_loop()

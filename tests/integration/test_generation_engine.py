@@ -21,6 +21,8 @@ from transformers import AutoTokenizer, PreTrainedModel
 from app.admission import Rejected, RejectReason
 from app.engine.client import EngineRefused
 from app.engine.core import EngineCore
+from app.engine.generation_host import GenerationHost
+from app.engine.generation_sequences import GenerationSequence
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     EmbedOutput,
@@ -480,3 +482,38 @@ async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
     assert head_tokens + rest.token_ids == first_expected.token_ids
     assert rest.sizes[0] < 60, f"the run in flight went on to its end: {rest.sizes}"
     assert joined.token_ids == expected_greedy(model, second_prompt, 10).token_ids
+
+
+async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step's outputs wait while the next step starts; a loop that fails there
+    (a bug) must still send them: those sequences are finished and removed, so nothing
+    else would ever answer them."""
+    engine = await started(settings_for(tiny_causal_lm))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    original = host._next_step
+    failures = iter([RuntimeError("a bug between steps")])
+
+    def fail_once_all_are_done() -> list[GenerationSequence]:
+        if not host._running and not host._waiting and (error := next(failures, None)):
+            raise error
+        return original()
+
+    monkeypatch.setattr(host, "_next_step", fail_once_all_are_done)
+    engine.answer_grace_s = 0.0  # a lost answer fails at the deadline, not hangs
+    try:
+        request = Submit(
+            engine.next_request_id(),
+            "tiny",
+            time.monotonic() + 30,
+            GeneratePayload([1, 40, 41], SamplingParams(max_new_tokens=3)),
+        )
+        finished = await collect(engine.stream(request))
+        assert finished.finish_reason is not None  # its final output arrived
+        assert next(failures, None) is None  # the loop did fail after the last step
+        again = await generate(engine, [1, 50, 51], SamplingParams(max_new_tokens=2))
+        assert again.finish_reason is not None  # and was restarted
+    finally:
+        await engine.close()

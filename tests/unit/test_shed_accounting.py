@@ -1,18 +1,22 @@
 """Shedding before the body is read counts the work this front end has let in but the
 engine has not seen yet: without it, a burst of connections resending at once all pass on a
 stale published backlog, have their bodies read and tokenized, and are then refused by the
-engine (docs/BENCHMARKS.md)."""
+engine (docs/BENCHMARKS.md). Also the engine client's side of it: what it counts in
+transit, and a request the engine never answers."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from app.admission import RejectReason
 from app.engine.client import EngineUnavailable
-from app.engine.protocol import EmbedPayload, EngineStatus, ModelInfo, Submit, ToEngine
+from app.engine.protocol import Cancel, EmbedPayload, EngineStatus, ModelInfo, Submit, ToEngine
+from app.failures import DeadlineExceeded
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
 from app.service import Service
@@ -36,6 +40,7 @@ class PublishedStatus(AlwaysReadyEngine):
         self.taken = 0  # inputs the published status says the engine took from us
         self.a_submit_sent = asyncio.Event()
         self.connected = True
+        self.on_cancel: Callable[[Cancel], None] = lambda cancel: None
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(task=spec.task, output_width=384, max_input_tokens=256)
@@ -63,6 +68,8 @@ class PublishedStatus(AlwaysReadyEngine):
             raise EngineUnavailable("no engine is connected")
         if isinstance(message, Submit):
             self.a_submit_sent.set()
+        elif isinstance(message, Cancel):
+            self.on_cancel(message)
 
 
 async def started_service(least_own_compute_s: float = 0.0) -> tuple[Service, PublishedStatus]:
@@ -160,3 +167,17 @@ async def test_a_request_that_could_not_be_sent_is_not_in_transit() -> None:
         async for _ in engine.stream(request):
             pass
     assert engine.inputs_in_transit() == 0
+
+
+async def test_a_request_the_engine_never_answers_ends_after_its_deadline() -> None:
+    """A lost request (an engine fault) gives up past its deadline instead of holding its
+    client until the client's own timeout; the engine is told to drop it."""
+    _, engine = await started_service()
+    engine.answer_grace_s = 0.0
+    cancels: list[Cancel] = []
+    engine.on_cancel = cancels.append
+    request = Submit(engine.next_request_id(), "m", time.monotonic(), EmbedPayload([[1]]))
+    with pytest.raises(DeadlineExceeded, match="did not answer"):
+        async for _ in engine.stream(request):
+            pass
+    assert cancels == [Cancel(request.request_id)]

@@ -39,7 +39,8 @@ class Metrics:
         r = self.registry
         self.request_duration = Histogram(
             "steadyserve_request_duration_seconds",
-            "Admission to response of admitted requests, by model, task and outcome.",
+            "Admitted requests from their route to the engine's answer (tokenizing, token "
+            "bucket and engine; not serialising), by model, task and outcome.",
             ["model", "task", "outcome"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
@@ -86,7 +87,7 @@ class Metrics:
         )
         self.inflight = Gauge(
             "steadyserve_inflight_requests",
-            "Admitted and not yet answered (all front ends).",
+            "Admitted (let in from the headers) and not yet answered (all front ends).",
             registry=r,
             multiprocess_mode="livesum",
         )

@@ -245,8 +245,8 @@ class Settings(BaseSettings):
         ge=1,
         description="Decode steps one generate model runs per compute dispatch when no "
         "sequence joins (multi-step decoding; 1: off): each sequence's tokens of those steps "
-        "go out in one message; an arrival, cancel or expiry ends the run after its current "
-        "step.",
+        "go out in one message; an arrival or a cancel ends the run after its current step, "
+        "an expired deadline is noticed when the run ends.",
     )
     generate_max_waiting: int = Field(
         default=64,

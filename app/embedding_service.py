@@ -16,8 +16,16 @@ import numpy.typing as npt
 
 from app.engine.protocol import EmbedOutput, EmbedPayload
 from app.models.tokenizer import InputTooLong, TextTokenizer
-from app.service import MAX_CHARS_PER_TOKEN, Service, WrongTask
+from app.service import MAX_CHARS_PER_TOKEN, Service
 from app.timing import PhaseTimer
+
+
+class NonFiniteOutput(Exception):
+    """The model gave a NaN or infinite value: a fault of the server's (answered 500), never
+    rendered, since JSON has no NaN (orjson would write `null`)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"{model} produced a non-finite value (NaN or infinity)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +59,11 @@ async def embed_texts(
 ) -> EmbedResult:
     """Tokenize, admit, compute in the engine and return one vector per text.
 
-    Raises `Rejected` (429/503/504), `InputTooLong`, `DeadlineExceeded`, `EngineRefused`
-    or `BatchFailed`. Cancelling the caller's task (client gone) cancels the request in
-    the engine, dropping its queued inputs.
+    Raises `Rejected` (429/503/504), `InputTooLong`, `DeadlineExceeded`, `EngineRefused`,
+    `BatchFailed` or `NonFiniteOutput`. Cancelling the caller's task (client gone) cancels
+    the request in the engine, dropping its queued inputs.
     """
-    if (task := service.model_task(model)) != "embed":
-        raise WrongTask(model, task, "embed")
+    service.require_task(model, "embed")
     now, deadline = service.begin(model, timeout_ms, envoy_timeout_ms)
     token_ids = await _tokenize(service, service.tokenizers[model], texts, truncate)
     tokenized_at = service.clock()
@@ -73,6 +80,8 @@ async def embed_texts(
     if not isinstance(payload, EmbedOutput):  # a server fault: answered 500
         raise TypeError(f"{model} answered an embedding with {type(payload)}")
     vectors = _vectors(payload)
+    if not np.isfinite(vectors).all():
+        raise NonFiniteOutput(model)
     return EmbedResult(
         model=model,
         vectors=_normalize_rows(vectors) if normalize else vectors.copy(),

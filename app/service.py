@@ -165,6 +165,13 @@ class Service:
     def model_task(self, name: str) -> str:
         return self.model_spec(name).task
 
+    def require_task(self, name: str, task: str) -> ModelSpec:
+        """The spec of served model `name`; raises `WrongTask` (400) unless it does `task`."""
+        spec = self.model_spec(name)
+        if spec.task != task:
+            raise WrongTask(name, spec.task, task)
+        return spec
+
     def model_spec(self, name: str) -> ModelSpec:
         return next(spec for spec in self.settings.models if spec.name == name)
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from app.engine.protocol import TensorData, TensorOutput, TensorPayload
-from app.service import Service, WrongTask
+from app.service import Service
 from app.tensors import RequestShape, TensorError, check_request, check_size
 from app.timing import PhaseTimer
 
@@ -34,9 +34,7 @@ def check_tensors(
 ) -> CheckedTensors:
     """The payload for `model`'s engine; raises `WrongTask` or `TensorError` (400, naming
     the input at fault) before anything is queued."""
-    spec = service.model_spec(model)
-    if spec.task != "tensor":
-        raise WrongTask(model, spec.task, "tensor")
+    spec = service.require_task(model, "tensor")
     shape = check_request(spec.inputs, {n: (t.datatype, t.shape) for n, t in tensors.items()})
     settings = service.settings
     if shape.rows > settings.max_inputs_per_request:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 from typing import Any, TypeVar
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
@@ -27,20 +26,12 @@ from app.schemas import (
     ModelList,
 )
 from app.schemas_generation import GenerateInferRequest, GenerateInferResponse
-from app.service import Service, WrongTask
+from app.service import Service
 from app.timing import PhaseTimer
 
 router = APIRouter()
 
 Schema = TypeVar("Schema", bound=BaseModel)
-
-
-class NonFiniteOutput(Exception):
-    """The model gave a NaN or infinite value: a fault of the server's (answered 500), never
-    rendered, since JSON has no NaN (orjson would write `null`)."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(f"{model} produced a non-finite value (NaN or infinity)")
 
 
 async def _embed(
@@ -54,8 +45,6 @@ async def _embed(
     service = service_of(request)
     timer: PhaseTimer = request.state.server_timing
     chosen = service.resolve_model(model)
-    if (task := service.model_task(chosen)) != "embed":
-        raise WrongTask(chosen, task, "embed")
     work = embed_texts(
         service,
         chosen,
@@ -66,10 +55,7 @@ async def _embed(
         envoy_timeout_ms=envoy_timeout_ms(request),
         timer=timer,
     )
-    result = await run_until_disconnect(request, work)
-    if not np.isfinite(result.vectors).all():
-        raise NonFiniteOutput(result.model)
-    return result
+    return await run_until_disconnect(request, work)
 
 
 # /infer's body is read once and validated by the model's task (the document names both).
@@ -182,6 +168,7 @@ async def embeddings(request: Request) -> Response:
         return too_many
     service = service_of(request)
     model = service.resolve_model(body.model)
+    service.require_task(model, "embed")  # before `dimensions`: a width of another task
     width = service.output_width(model)
     if body.dimensions is not None and width is not None and body.dimensions != width:
         return error_response(

@@ -15,8 +15,8 @@ from starlette.responses import Response
 
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
-from app.api.embed import NonFiniteOutput
 from app.api.responses import error_response
+from app.embedding_service import NonFiniteOutput
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
 from app.generation.chat import ChatTemplateError

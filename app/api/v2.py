@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -28,7 +27,6 @@ from app import __version__
 from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
 from app.api.common import envoy_timeout_ms
-from app.api.embed import NonFiniteOutput
 from app.api.errors import REJECTION_STATUS
 from app.api.responses import service_of
 from app.api.v2_codec import (
@@ -40,7 +38,7 @@ from app.api.v2_codec import (
     parse_infer_request,
     split_bytes_elements,
 )
-from app.embedding_service import embed_texts
+from app.embedding_service import NonFiniteOutput, embed_texts
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.engine.protocol import TensorOutput
 from app.failures import BatchFailed, DeadlineExceeded
@@ -302,8 +300,6 @@ async def _embed(
         timer=timer,
     )
     result = await run_until_disconnect(request, work)
-    if not np.isfinite(result.vectors).all():
-        raise NonFiniteOutput(result.model)
     if not wanted:
         return []
     vectors = result.vectors.astype("<f2" if datatype == "FP16" else "<f4", copy=False)

@@ -398,3 +398,15 @@ async def test_the_v2_protocol_describes_a_generate_model_and_refuses_tensors_fo
     response = await client.post("/v2/models/tiny/infer", json=body)
     assert response.status_code == 400
     assert response.json() == {"error": "model 'tiny' does 'generate', not 'tensor'"}
+
+
+async def test_embeddings_of_a_generate_model_name_the_task_whatever_the_dimensions(
+    client: httpx.AsyncClient,
+) -> None:
+    """Not "dimensions=8 is not supported; tiny gives <its vocabulary size>"."""
+    for extra in ({}, {"dimensions": 8}):
+        response = await client.post(
+            "/v1/embeddings", json={"model": "tiny", "input": "Hi", **extra}
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "model 'tiny' does 'generate', not 'embed'"

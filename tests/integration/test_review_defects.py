@@ -82,6 +82,14 @@ async def test_a_non_finite_vector_is_a_500_not_a_null() -> None:
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "non_finite_output"
         assert "outputs" not in response.json()
+        # One check serves every route that renders embeddings.
+        openai = await client.post("/v1/embeddings", json={"input": "anything"})
+        assert openai.status_code == 500
+        assert openai.json()["error"]["type"] == "non_finite_output"
+        text = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["anything"]}
+        v2 = await client.post("/v2/models/fake/infer", json={"inputs": [text]})
+        assert v2.status_code == 500
+        assert "non-finite" in v2.json()["error"]
 
 
 async def test_outputs_keep_fp32_precision_whatever_the_weights_dtype() -> None:

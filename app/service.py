@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar, TypeVarTuple
 
 from app.admission import (
@@ -76,6 +77,16 @@ class WrongTask(Exception):
 
     def __init__(self, model: str, task: str, wanted: str) -> None:
         super().__init__(f"model {model!r} does {task!r}, not {wanted!r}")
+
+
+@dataclass  # not frozen: the request's code marks it as it ends
+class Outcome:
+    """How a request at the engine ended, for its duration's label (`Service.at_engine`)."""
+
+    name: str = "error"
+
+    def ok(self) -> None:
+        self.name = "ok"
 
 
 class Service:
@@ -250,14 +261,31 @@ class Service:
         return chosen
 
     @contextlib.contextmanager
-    def at_engine(self) -> Iterator[None]:
-        """Wrap a request's time at the engine, from sending it to its last answer (from
-        then on the engine client counts its inputs until the engine's status holds them)."""
+    def at_engine(self, model: str, task: str, arrived_at: float) -> Iterator[Outcome]:
+        """Wrap an admitted request's time at the engine, from sending it to its last
+        answer. While in it, shedding counts it as sent (its inputs are then the engine
+        client's to count until the engine's status holds them). On the way out its
+        duration since `arrived_at` is observed by model, `task` and outcome: "ok" once the
+        caller called `outcome.ok()`, else named by what ended it (a refusal, a deadline,
+        a cancellation or client gone, any other error)."""
         self._at_engine += 1
+        outcome = Outcome()
         try:
-            yield
+            yield outcome
+        except Rejected as rejection:
+            deadline = rejection.reason is RejectReason.DEADLINE
+            outcome.name = "deadline" if deadline else "rejected"
+            raise
+        except DeadlineExceeded:
+            outcome.name = "deadline"
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome.name = "cancelled"
+            raise
         finally:
             self._at_engine -= 1
+            elapsed = self._clock() - arrived_at
+            self.metrics.request_duration.labels(model, task, outcome.name).observe(elapsed)
 
     def model_info(self, name: str) -> ModelInfo | None:
         """What the engine published about the model, once it has loaded it."""
@@ -299,34 +327,16 @@ class Service:
         await self.gate.admit(model, cost, deadline)
         admitted_at = self._clock()
         timer.add("admission", admitted_at - started)
-        outcome = "error"
-        try:
-            request = Submit(self.engine.next_request_id(), model, deadline, payload)
-            with self.at_engine():
-                async for output in self.engine.stream(request):
-                    timer.add("queue", output.queue_s)
-                    timer.add("compute", output.compute_s)
-                    timer.engine_trace = output.trace
-                    if output.final:
-                        outcome = "ok"
-                        return output.payload
+        request = Submit(self.engine.next_request_id(), model, deadline, payload)
+        with self.at_engine(model, task, arrived_at) as outcome:
+            async for output in self.engine.stream(request):
+                timer.add("queue", output.queue_s)
+                timer.add("compute", output.compute_s)
+                timer.engine_trace = output.trace
+                if output.final:
+                    outcome.ok()
+                    return output.payload
             raise EngineUnavailable("the engine's stream ended without an output")
-        except Rejected as rejection:
-            outcome = "rejected"
-            if rejection.reason is RejectReason.DEADLINE:
-                outcome = "deadline"
-            raise
-        except DeadlineExceeded:
-            outcome = "deadline"
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            finished = self._clock()
-            self.metrics.request_duration.labels(model, task, outcome).observe(
-                finished - arrived_at
-            )
 
     async def run_tokenizer(
         self, chars: int, work: Callable[[*Args], Result], *args: *Args

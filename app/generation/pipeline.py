@@ -18,10 +18,8 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from app.admission import Rejected, RejectReason
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit, TokensOutput
-from app.failures import DeadlineExceeded
 from app.generation.detokenize import IncrementalDetokenizer, WholeText
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
@@ -214,33 +212,18 @@ class TextGeneration:
             self._sequence(prepared, index, times[index], incremental)
             for index in range(len(prepared.prompt_ids))
         ]
-        outcome = "error"
         try:
-            with self.service.at_engine():
+            with self.service.at_engine(prepared.model, "generate", prepared.arrived_at) as outcome:
                 async with contextlib.aclosing(_merge(sequences)) as batches:
                     async for batch in batches:
                         yield batch
-            outcome = "ok"
-        except Rejected as rejection:
-            deadline = rejection.reason is RejectReason.DEADLINE
-            outcome = "deadline" if deadline else "rejected"
-            raise
-        except DeadlineExceeded:
-            outcome = "deadline"
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
+                outcome.ok()
         finally:
             # The sequences ran side by side: the request's queue and compute phases are
             # those of the one that took longest, not their sum.
             slowest = max(times, key=lambda spent: spent.queue_s + spent.compute_s)
             timer.add("queue", slowest.queue_s)
             timer.add("compute", slowest.compute_s)
-            elapsed = self.service.clock() - prepared.arrived_at
-            self.service.metrics.request_duration.labels(
-                prepared.model, "generate", outcome
-            ).observe(elapsed)
 
     async def _sequence(
         self, prepared: PreparedGeneration, index: int, spent: _SequenceTime, incremental: bool

@@ -7,13 +7,14 @@ transit, and a request the engine never answers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from app.admission import RejectReason
+from app.admission import Rejected, RejectReason
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import Cancel, EmbedPayload, EngineStatus, ModelInfo, Submit, ToEngine
 from app.failures import DeadlineExceeded
@@ -105,7 +106,7 @@ async def send_one(service: Service, engine: PublishedStatus) -> asyncio.Task[No
 
     async def at_engine() -> None:
         request = Submit(engine.next_request_id(), "m", 1e12, EmbedPayload([[1, 2]]))
-        with service.at_engine():
+        with service.at_engine("m", "embed", time.monotonic()):
             async for _ in engine.stream(request):
                 pass
 
@@ -181,3 +182,30 @@ async def test_a_request_the_engine_never_answers_ends_after_its_deadline() -> N
         async for _ in engine.stream(request):
             pass
     assert cancels == [Cancel(request.request_id)]
+
+
+async def test_a_request_at_the_engine_is_timed_by_how_it_ended() -> None:
+    service, _ = await started_service()
+    endings: list[tuple[BaseException | None, str]] = [
+        (None, "ok"),
+        (Rejected(RejectReason.QUEUE, "full", 1.0), "rejected"),
+        (Rejected(RejectReason.DEADLINE, "late"), "deadline"),
+        (DeadlineExceeded("late in the queue"), "deadline"),
+        (asyncio.CancelledError(), "cancelled"),
+        (RuntimeError("a fault"), "error"),
+    ]
+    for error, _ in endings:
+        with (
+            contextlib.suppress(BaseException),
+            service.at_engine("m", "embed", time.monotonic()) as outcome,
+        ):
+            if error is not None:
+                raise error
+            outcome.ok()
+    assert service._at_engine == 0
+    for name in ("ok", "rejected", "deadline", "cancelled", "error"):
+        labels = {"model": "m", "task": "embed", "outcome": name}
+        count = service.metrics.registry.get_sample_value(
+            "steadyserve_request_duration_seconds_count", labels
+        )
+        assert count == sum(1 for _, want in endings if want == name), name

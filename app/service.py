@@ -206,14 +206,24 @@ class Service:
         if self.admission.draining and self.admission.inflight == 0:
             self._idle.set()
 
+    def _ready_status(self) -> EngineStatus | None:
+        """The engine's status while this front end can serve (started, engine ready)."""
+        status = self.engine_status()
+        if status is None or status.state != "ready" or not self._started:
+            return None
+        return status
+
+    @staticmethod
+    def _not_ready() -> Rejected:
+        return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
+
     def _shed_reason(self, envoy_timeout_ms: float | None) -> Rejected | None:
         """None once the request is let in and counted in flight (the caller must then
         call `leave`); else why not."""
         if self.admission.draining:
             return self.admission.draining_rejection()
-        status = self.engine_status()
-        if status is None or status.state != "ready" or not self._started:
-            return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
+        if (status := self._ready_status()) is None:
+            return self._not_ready()
         now = self._clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
         # The engine's queue as last published, plus what this front end sent that it does
@@ -301,10 +311,8 @@ class Service:
         now = self._clock()
         if self.admission.draining:
             raise self.gate.reject(self.admission.draining_rejection(), model)
-        status = self.engine_status()
-        if status is None or status.state != "ready":
-            rejection = Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
-            raise self.gate.reject(rejection, model)
+        if self._ready_status() is None:
+            raise self.gate.reject(self._not_ready(), model)
         return now, resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)
 
     async def compute(

@@ -103,8 +103,7 @@ class Service:
         self.metrics = metrics
         self.engine = engine
         self._tokenizer_loader = tokenizer_loader
-        self._clock = clock
-        self.clock = clock  # the same clock for the pipelines built on this service
+        self.clock = clock  # also the clock of the pipelines built on this service
         self.admission = Admission(
             AdmissionLimits(
                 max_inflight=settings.max_inflight,
@@ -201,7 +200,7 @@ class Service:
 
     def leave(self) -> None:
         """A request that `shed` let in was answered (whatever the outcome)."""
-        self.admission.leave(self._clock())
+        self.admission.leave(self.clock())
         self.metrics.inflight.dec()
         if self.admission.draining and self.admission.inflight == 0:
             self._idle.set()
@@ -224,7 +223,7 @@ class Service:
             return self.admission.draining_rejection()
         if (status := self._ready_status()) is None:
             return self._not_ready()
-        now = self._clock()
+        now = self.clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
         # The engine's queue as last published, plus what this front end sent that it does
         # not hold yet and what it let in but has not sent (one input each, at least; the
@@ -294,7 +293,7 @@ class Service:
             raise
         finally:
             self._at_engine -= 1
-            elapsed = self._clock() - arrived_at
+            elapsed = self.clock() - arrived_at
             self.metrics.request_duration.labels(model, task, outcome.name).observe(elapsed)
 
     def model_info(self, name: str) -> ModelInfo | None:
@@ -308,7 +307,7 @@ class Service:
         """A request's arrival time and deadline; raises `Rejected` (counted) while
         draining or without a ready engine. Any task's first step."""
         self._arrival.set()
-        now = self._clock()
+        now = self.clock()
         if self.admission.draining:
             raise self.gate.reject(self.admission.draining_rejection(), model)
         if self._ready_status() is None:
@@ -331,9 +330,9 @@ class Service:
         `task` and outcome. Raises `Rejected` (429/503/504), `DeadlineExceeded`,
         `EngineRefused` or `BatchFailed`. Cancelling the caller's task (client gone)
         cancels the request in the engine, dropping its queued inputs."""
-        started = self._clock()
+        started = self.clock()
         await self.gate.admit(model, cost, deadline)
-        admitted_at = self._clock()
+        admitted_at = self.clock()
         timer.add("admission", admitted_at - started)
         request = Submit(self.engine.next_request_id(), model, deadline, payload)
         with self.at_engine(model, task, arrived_at) as outcome:
@@ -368,12 +367,12 @@ class Service:
     async def wait_drained(self, timeout_s: float, quiet_s: float) -> bool:
         """True when every admitted request was answered and no new one arrived for
         `quiet_s`, all within `timeout_s`."""
-        give_up_at = self._clock() + timeout_s
+        give_up_at = self.clock() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             # Nothing new is admitted while draining, but clients may still be arriving to
             # hear 503: wait until none has for `quiet_s`, within the drain timeout.
-            while (remaining := give_up_at - self._clock()) > 0:
+            while (remaining := give_up_at - self.clock()) > 0:
                 self._arrival.clear()
                 try:
                     await asyncio.wait_for(self._arrival.wait(), min(quiet_s, remaining))

@@ -167,11 +167,6 @@ def split_bytes_elements(raw: bytes) -> list[bytes]:
     return elements
 
 
-def join_bytes_elements(elements: Sequence[bytes]) -> bytes:
-    """BYTES elements as binary data (each a 4-byte little-endian length, then itself)."""
-    return b"".join(struct.pack("<I", len(element)) + element for element in elements)
-
-
 @dataclass(frozen=True, slots=True)
 class OutputTensor:
     """One output to send: `raw` goes as binary data, else `data` (JSON values)."""

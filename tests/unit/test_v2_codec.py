@@ -16,7 +16,6 @@ from app.api.v2_codec import (
     OutputTensor,
     V2Error,
     encode_response,
-    join_bytes_elements,
     parse_infer_request,
     split_bytes_elements,
 )
@@ -109,6 +108,12 @@ def test_binary_data_must_match_the_declared_sizes() -> None:
     extra, length = binary_body(header, b"\0" * 20)
     with pytest.raises(V2Error, match="4 bytes of binary data belong to no input"):
         parse_infer_request(extra, length)
+
+
+def join_bytes_elements(elements: list[bytes]) -> bytes:
+    """BYTES elements as a client sends them in binary data (each a 4-byte little-endian
+    length, then itself)."""
+    return b"".join(struct.pack("<I", len(element)) + element for element in elements)
 
 
 def test_bytes_elements_round_trip_and_malformed_ones_are_refused() -> None:

@@ -54,7 +54,13 @@ class _Lost:
     """Queued to every open stream when the engine goes away with their requests."""
 
 
+class _Silent:
+    """Queued to a stream its engine left unanswered `ANSWER_GRACE_S` past its deadline."""
+
+
 _LOST = _Lost()
+_SILENT = _Silent()
+Queued = FromEngine | _Lost | _Silent
 
 
 def failure_error(failure: Failure) -> Exception:
@@ -129,7 +135,7 @@ class StreamingClient:
 
     def __init__(self, origin: bytes) -> None:
         self.origin = origin
-        self._streams: dict[int, asyncio.Queue[FromEngine | _Lost]] = {}
+        self._streams: dict[int, asyncio.Queue[Queued]] = {}
         self._ids = itertools.count(1)
         # Inputs sent to the engine whose status was current at the time (a new engine
         # starts counting from zero, and what the old one took died with it).
@@ -183,27 +189,25 @@ class StreamingClient:
 
     async def stream_batches(self, request: Submit) -> AsyncGenerator[list[Output], None]:
         request_id = request.request_id
-        queue: asyncio.Queue[FromEngine | _Lost] = asyncio.Queue()
+        queue: asyncio.Queue[Queued] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
-        loop = asyncio.get_running_loop()
-        left_s = max(0.0, request.deadline - time.monotonic())
-        give_up_at = loop.time() + left_s + self.answer_grace_s
+        # One timer per request (not one per read): cheap on the front end's hot path.
+        left_s = max(0.0, request.deadline - time.monotonic()) + self.answer_grace_s
+        silent = asyncio.get_running_loop().call_later(left_s, queue.put_nowait, _SILENT)
         try:
             self._send(request)
             self._count_sent(request)
             while not finished:
                 batch: list[Output] = []
                 error: Exception | None = None
-                try:
-                    async with asyncio.timeout_at(give_up_at):
-                        message = await queue.get()
-                except TimeoutError:
-                    log.error("the engine never answered request %d; giving up", request_id)
-                    raise DeadlineExceeded("the engine did not answer by the deadline") from None
+                message = await queue.get()
                 while True:
                     if isinstance(message, _Lost):
                         error = engine_lost()
+                    elif isinstance(message, _Silent):  # the engine may still hold it: cancel
+                        log.error("the engine never answered request %d; giving up", request_id)
+                        raise DeadlineExceeded("the engine did not answer by the deadline")
                     elif isinstance(message, Failure):
                         error = failure_error(message)
                     elif isinstance(message, Output):
@@ -217,6 +221,7 @@ class StreamingClient:
                 if error is not None:
                     raise error
         finally:
+            silent.cancel()
             del self._streams[request_id]
             if not finished:
                 # Without an engine there is nothing to cancel.
@@ -225,7 +230,7 @@ class StreamingClient:
 
     async def debug(self, what: str) -> dict[str, object]:
         request_id = self.next_request_id()
-        queue: asyncio.Queue[FromEngine | _Lost] = asyncio.Queue()
+        queue: asyncio.Queue[Queued] = asyncio.Queue()
         self._streams[request_id] = queue
         try:
             self._send(DebugQuery(request_id, what))

@@ -18,14 +18,14 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import orjson
 
 from app.batchclient.client import BatchClient
-from app.batchclient.items import Failure, InvalidLine, Item, Success
+from app.batchclient.items import Failure, InvalidLine, Item, ItemId, Success
 from app.batchclient.journal import (
     CorruptJournal,
     IdSet,
@@ -129,11 +129,17 @@ def count_lines(path: Path) -> int:
 
 @dataclass
 class _Source:
-    """Reads INPUT lazily, skipping ids already done; invalid lines go to errors at once."""
+    """Reads INPUT lazily. A line whose id is in OUTPUT or its errors already (`resumed`: a
+    previous run finished it) is skipped; an invalid line, and a line whose id an earlier
+    line of this run already has, goes to errors at once. So within a run every line ends
+    up once in OUTPUT or errors, none skipped silently. (A line without an id has its line
+    number: explicit integer ids and id-less lines can collide, and then the later line is
+    a `duplicate_id` error.)"""
 
     path: Path
-    done: IdSet
+    resumed: IdSet
     errors: Journal
+    seen: IdSet = field(default_factory=IdSet)
     skipped: int = 0
     invalid: int = 0
 
@@ -145,26 +151,32 @@ class _Source:
                 try:
                     item = Item.from_line(line, line_number)
                 except InvalidLine as error:
-                    if line_number in self.done:
-                        self.skipped += 1
-                        continue
-                    self.done.add(line_number)
-                    self.invalid += 1
-                    failure = Failure(
-                        line_number,
-                        None,
-                        {"type": "invalid_line", "message": str(error)},
-                        attempts=0,
-                        retryable=False,
-                        line=line_number,
-                    )
-                    self.errors.append([failure.json_line()])
+                    self._refuse(line_number, line_number, "invalid_line", str(error))
                     continue
-                if item.id in self.done:
+                if item.id in self.resumed:
                     self.skipped += 1
-                    continue
-                self.done.add(item.id)
-                yield item
+                elif item.id in self.seen:
+                    message = f"line {line_number}: id {item.id!r} is already an earlier line's"
+                    self._refuse(item.id, line_number, "duplicate_id", message)
+                else:
+                    self.seen.add(item.id)
+                    yield item
+
+    def _refuse(self, item_id: ItemId, line_number: int, kind: str, message: str) -> None:
+        if item_id in self.resumed:  # recorded by a previous run
+            self.skipped += 1
+            return
+        self.seen.add(item_id)
+        self.invalid += 1
+        failure = Failure(
+            item_id,
+            None,
+            {"type": kind, "message": message},
+            attempts=0,
+            retryable=False,
+            line=line_number,
+        )
+        self.errors.append([failure.json_line()])
 
 
 async def run_job(args: argparse.Namespace, stream: TextIO) -> int:

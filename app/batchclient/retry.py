@@ -24,7 +24,8 @@ class Outcome:
 
 def classify_status(status: int) -> Outcome:
     """2xx keep; 429 and 503 retry (429 also cuts concurrency); 504 is the server's deadline,
-    i.e. a queue too long: retry and cut; other 5xx retry; other 4xx fail at once."""
+    i.e. a queue too long: retry and cut; other 5xx and 408 (the server gave up reading the
+    body) retry; other 4xx fail at once."""
     if 200 <= status < 300:
         return Outcome(Verdict.SUCCESS, congestion=False)
     if status in (429, 504):

@@ -1,10 +1,14 @@
-"""The batch command's option parsing."""
+"""The batch command's option parsing, and how it reads INPUT."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import orjson
 import pytest
 
-from app.batchclient.cli import parse_headers
+from app.batchclient.cli import _Source, parse_headers
+from app.batchclient.journal import IdSet, Journal
 
 
 def test_header_option_parsing() -> None:
@@ -15,3 +19,43 @@ def test_header_option_parsing() -> None:
     for bad in ("no colon", ": empty name", "X: a\r\nInjected: 1"):
         with pytest.raises(ValueError):
             parse_headers([bad])
+
+
+LINES = [
+    b'{"id": 2, "inputs": "a"}',
+    b"not json",  # its id is its line number, 2: taken, yet it must reach errors
+    b'{"inputs": "b"}',  # id 3
+    b'{"id": 3, "inputs": "c"}',  # id 3 again: an error, not skipped
+    b'{"id": "x", "inputs": "d"}',
+]
+
+
+def read(tmp_path: Path, resumed: list[int | str]) -> tuple[_Source, list[object], list[dict]]:
+    source_path = tmp_path / "input.jsonl"
+    source_path.write_bytes(b"\n".join(LINES) + b"\n")
+    done = IdSet()
+    for item_id in resumed:
+        done.add(item_id)
+    errors = Journal(tmp_path / "errors.jsonl")
+    source = _Source(source_path, done, errors)
+    sent = [item.id for item in source.items()]
+    errors.close()
+    written = errors.path.read_bytes().splitlines() if errors.path.exists() else []
+    return source, sent, [orjson.loads(line) for line in written]
+
+
+def test_every_line_is_sent_or_an_error_even_when_ids_collide(tmp_path: Path) -> None:
+    source, sent, errors = read(tmp_path, resumed=[])
+    assert sent == [2, 3, "x"]
+    assert [(e["id"], e["line"], e["error"]["type"]) for e in errors] == [
+        (2, 2, "invalid_line"),
+        (3, 4, "duplicate_id"),
+    ]
+    assert (source.invalid, source.skipped) == (2, 0)
+
+
+def test_a_resumed_run_skips_the_ids_a_previous_run_finished(tmp_path: Path) -> None:
+    source, sent, errors = read(tmp_path, resumed=[2, 3])
+    assert sent == ["x"]
+    assert errors == []
+    assert (source.invalid, source.skipped) == (0, 4)

@@ -193,6 +193,9 @@ class BatchClient:
         while True:
             attempt_number += 1
             attempt = await self._attempt(request)
+            if attempt is None:  # stopped before it was sent
+                self._counters.lines_unfinished += len(request.items)
+                return None
             outcome = (
                 classify_status(attempt.status)
                 if attempt.status is not None
@@ -212,7 +215,8 @@ class BatchClient:
                     singles = request.split()
                     for index, single in enumerate(singles):
                         answered = await self._complete(single)
-                        if answered is None:  # stopped: the rest stay unfinished too
+                        if answered is None:  # stopped: the rest stay unfinished too;
+                            # the singles answered before are yielded
                             self._counters.lines_unfinished += len(singles) - index - 1
                             return split or None
                         split.extend(answered)
@@ -225,26 +229,37 @@ class BatchClient:
                 return None
             self._counters.retries += 1
             delay = policy.delay_s(attempt_number, attempt.retry_after_s, self._rng)
-            await self._wait(asyncio.sleep(delay))
+            if not await self._wait(asyncio.sleep(delay)):
+                self._counters.lines_unfinished += len(request.items)
+                return None
 
-    async def _wait(self, awaitable: Any) -> None:
-        """Await something before a request is sent: ``stop`` may cancel it."""
+    async def _wait(self, awaitable: Any) -> bool:
+        """Await something before a request is sent; False when ``stop`` ended the wait
+        (nothing is sent then, and what this task already holds is still yielded)."""
         task = asyncio.current_task()
         assert task is not None
         self._waiting.add(task)
         try:
             await awaitable
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            task.uncancel()  # stop's cancellation, handled here
+            return False
         finally:
             self._waiting.discard(task)
+        return True
 
-    async def _attempt(self, request: Request) -> Attempt:
-        """One POST once the window and the rate limit allow it."""
-        await self._wait(self._window.acquire())
+    async def _attempt(self, request: Request) -> Attempt | None:
+        """One POST once the window and the rate limit allow it; None when stopped before
+        it was sent."""
+        if not await self._wait(self._window.acquire()):
+            return None
         try:
-            if self._limiter is not None:
-                await self._wait(self._limiter.acquire())
+            if self._limiter is not None and not await self._wait(self._limiter.acquire()):
+                return None
             if self._stopping:
-                raise asyncio.CancelledError  # stopped while waiting for a token
+                return None  # stopped while waiting for a token
             task = asyncio.current_task()
             assert task is not None
             self._sending.add(task)

@@ -1,0 +1,49 @@
+"""`BatchClient.stop` while a refused pack is being resent one item at a time: the singles
+already answered are yielded, the rest are unfinished, and each item is counted once. A
+scripted transport (`_post`), no server: the point is the client's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from app.batchclient import BatchClient, ClientOptions, Item, Success
+from app.batchclient.attempt import Attempt
+from app.batchclient.items import Request
+
+
+class ScriptedClient(BatchClient):
+    """Refuses any pack (413); answers a single once the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__("http://127.0.0.1:9", ClientOptions(concurrency=4, inputs_per_request=3))
+        self.single_in_flight = asyncio.Event()
+        self.answer_single = asyncio.Event()
+
+    async def _post(self, request: Request) -> Attempt:
+        ticket = self.controller.on_send()
+        if len(request.items) > 1:
+            error = orjson.dumps({"error": {"type": "too_large", "message": "pack refused"}})
+            return Attempt(413, error, None, 0.001, ticket)
+        self.single_in_flight.set()
+        await self.answer_single.wait()
+        body = orjson.dumps({"model": "m", "outputs": [[0.0]], "usage": {"inputs": 1}})
+        return Attempt(200, body, None, 0.001, ticket)
+
+
+async def test_stop_during_a_split_pack_yields_what_was_answered() -> None:
+    items = [Item(index, {"inputs": f"text {index}"}) for index in range(3)]
+    async with ScriptedClient() as client:
+
+        async def run() -> list[object]:
+            return [result async for result in client.infer_many(items)]
+
+        running = asyncio.create_task(run())
+        await client.single_in_flight.wait()  # the first single is being answered
+        client.stop()
+        client.answer_single.set()
+        results = await running
+    assert [r.id for r in results if isinstance(r, Success)] == [0]
+    stats = client.stats()
+    assert (stats.lines_ok, stats.lines_failed, stats.lines_unfinished) == (1, 0, 2)

@@ -267,7 +267,9 @@ class BatchClient:
                 attempt = await self._post(request)
             finally:
                 self._sending.discard(task)
-            self._pace(attempt, in_flight=self._window.in_flight)
+            # Those actually sent, this one included; not those holding a window slot while
+            # they wait for a rate token, which say nothing about the server's capacity.
+            self._pace(attempt, in_flight=len(self._sending) + 1)
         finally:
             self._window.release()
         return attempt

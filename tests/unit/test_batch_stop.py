@@ -1,6 +1,7 @@
-"""`BatchClient.stop` while a refused pack is being resent one item at a time: the singles
-already answered are yielded, the rest are unfinished, and each item is counted once. A
-scripted transport (`_post`), no server: the point is the client's bookkeeping."""
+"""The batch client's bookkeeping, with a scripted transport (`_post`) and no server:
+`stop` while a refused pack is being resent one item at a time (the singles already
+answered are yielded, the rest are unfinished, each item counted once), and what the
+concurrency controller is told is in flight."""
 
 from __future__ import annotations
 
@@ -47,3 +48,24 @@ async def test_stop_during_a_split_pack_yields_what_was_answered() -> None:
     assert [r.id for r in results if isinstance(r, Success)] == [0]
     stats = client.stats()
     assert (stats.lines_ok, stats.lines_failed, stats.lines_unfinished) == (1, 0, 2)
+
+
+class InstantClient(BatchClient):
+    """Answers every request at once, so at most one is ever on the wire."""
+
+    async def _post(self, request: Request) -> Attempt:
+        ticket = self.controller.on_send()
+        body = orjson.dumps({"model": "m", "outputs": [[0.0]], "usage": {"inputs": 1}})
+        return Attempt(200, body, None, 0.001, ticket)
+
+
+async def test_requests_held_back_by_the_rate_do_not_grow_the_concurrency_limit() -> None:
+    """Waiting for a rate token, requests hold window slots; counting them as in flight
+    made every success look like a full window, and the limit grew to its maximum."""
+    options = ClientOptions(concurrency=64, rate=500.0)
+    async with InstantClient("http://127.0.0.1:9", options) as client:
+        items = [Item(index, {"inputs": "x"}) for index in range(12)]
+        answered = [result async for result in client.infer_many(items)]
+    assert len(answered) == 12
+    start = 8  # the controller's initial limit
+    assert client.controller.snapshot().highest_limit == start

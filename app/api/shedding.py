@@ -160,6 +160,10 @@ def shedding_protocol(
 
         def on_message_begin(self) -> None:
             self._discarding = False
+            # A refusal completes its response inside the parser (`_send_refusal`), which
+            # arms uvicorn's keep-alive timer; a request that begins in the same read means
+            # the connection is not idle, and the timer would close it mid-answer.
+            self._unset_keepalive_if_required()
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:

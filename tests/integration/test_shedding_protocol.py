@@ -9,7 +9,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from starlette.types import Receive, Scope, Send
@@ -19,6 +19,7 @@ from app.cli import uvicorn_config
 from tests.integration.test_scheduling import Harness, start
 
 ONE_MIB = 1 << 20
+HELD_PATH = "/test-held"  # answered by the listener itself once the test releases it
 PROXIED = "x-forwarded-for: 10.0.0.7\r\nx-envoy-attempt-count: 1\r\n"
 
 
@@ -27,6 +28,8 @@ class Listener:
     port: int
     state: ServerState  # the server's connections
     app_calls: int = 0  # requests that reached the ASGI app
+    held_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    release_held: asyncio.Event = field(default_factory=asyncio.Event)
 
     def connections_reading(self) -> list[bool]:
         return [connection.transport.is_reading() for connection in self.state.connections]
@@ -42,6 +45,13 @@ async def listening(harness: Harness) -> AsyncIterator[Listener]:
 
     async def counting_app(scope: Scope, receive: Receive, send: Send) -> None:
         listener.app_calls += 1
+        if scope["type"] == "http" and scope["path"] == HELD_PATH:
+            listener.held_arrived.set()
+            await listener.release_held.wait()
+            headers = [(b"content-length", b"4")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"held"})
+            return
         await app(scope, receive, send)
 
     config = uvicorn_config(app, harness.service.settings)
@@ -205,5 +215,26 @@ async def test_a_connection_from_a_proxy_is_never_paused() -> None:
             second, _, _ = await read_answer(reader)
             writer.close()
         assert (first, second) == (429, 429)
+        harness.release()
+        assert (await holder).status_code == 200
+
+
+async def test_a_refusal_leaves_no_idle_timer_on_the_request_read_after_it() -> None:
+    """A refusal completes its response inside the parser's callback, which arms uvicorn's
+    keep-alive timer (it closes an idle connection); a request pipelined behind it in the
+    same read is not idle, and the timer would close its connection mid-answer."""
+    async with start(max_queue_delay_ms=50, refused_read_pause_s=0.0) as harness:
+        holder = await overload(harness)
+        async with listening(harness) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            held = f"GET {HELD_PATH} HTTP/1.1\r\nhost: test\r\n\r\n".encode()
+            writer.write(post(b'{"inputs": "refused"}') + held)  # one read
+            assert (await read_answer(reader))[0] == 429
+            await listener.held_arrived.wait()
+            [connection] = listener.state.connections
+            assert connection.timeout_keep_alive_task is None  # type: ignore[attr-defined]
+            listener.release_held.set()
+            assert (await read_answer(reader))[::2] == (200, b"held")
+            writer.close()
         harness.release()
         assert (await holder).status_code == 200

@@ -18,6 +18,7 @@ PROMETHEUS_RULE = DEPLOY / "k8s" / "base" / "prometheusrule.yaml"
 REQUIRED_ALERTS = {
     "SteadyserveP99AboveSLO",
     "SteadyserveFastShareBelowObjective",
+    "SteadyserveTimeToFirstTokenAboveObjective",
     "SteadyserveRejectingOverCapacity",
     "SteadyserveWarmupIncomplete",
     "SteadyserveGpuClockLow",

@@ -248,6 +248,13 @@ def _check_circuit_breakers(baseline: Baseline, envoy: Mapping[str, Any]) -> lis
                 f"envoy.{key}: {envoy[key]} is not capacity.replica_inflight x "
                 f"hpa_max_replicas ({fleet_inflight})"
             )
+    target = baseline.k8s.get("hpa_inflight_per_pod")
+    if target is not None and float(target) >= replica_inflight:
+        differences.append(
+            f"k8s.hpa_inflight_per_pod: {target} is not under capacity.replica_inflight "
+            f"({replica_inflight}): replicas would shed (and Envoy answer the overflow) before "
+            "the HPA adds any"
+        )
     pending = envoy["circuit_breaker_max_pending_requests"]
     if not isinstance(pending, int) or pending > replica_inflight:
         differences.append(

@@ -266,6 +266,21 @@ def test_replica_capacity_above_the_replica_admission_cap_is_refused(
     assert "envoy.circuit_breaker_max_connections: 1024 is not" in out
 
 
+def test_an_hpa_target_a_replica_cannot_reach_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At 256 per pod (the old target) a replica sheds at ~128 and Envoy lets 128 per
+    replica through: the in-flight metric could never add a replica."""
+    baseline, hpa = deploy_copy / "baseline.yaml", deploy_copy / "k8s" / "base" / "hpa.yaml"
+    replace_once(baseline, 'hpa_inflight_per_pod: "96"', 'hpa_inflight_per_pod: "256"')
+    replace_once(hpa, 'averageValue: "96"', 'averageValue: "256"')
+    assert check(deploy_copy) == 1
+    assert (
+        "k8s.hpa_inflight_per_pod: 256 is not under capacity.replica_inflight (128)"
+        in capsys.readouterr().out
+    )
+
+
 def test_pending_queue_larger_than_a_replica_is_refused(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

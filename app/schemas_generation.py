@@ -9,7 +9,7 @@ their no-op value, so a request is never silently served differently than asked.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     StrictBool,
     field_validator,
+    model_validator,
 )
 
 from app.schemas import NonEmptyText, StrictModel, strings_only
@@ -99,7 +100,24 @@ class OpenAISampling(StrictModel):
     user: str | None = None
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
-    logprobs: Literal[False] | None = None
+    logprobs: Literal[False] | None = Field(
+        default=None, description="Log probabilities are not served: false or null only."
+    )
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, value: object) -> object:
+        # Exactly false or null: /v1/completions' `logprobs: 0` asks for the chosen tokens'
+        # log probabilities, and would otherwise pass as false.
+        if value is not None and value is not False:
+            raise ValueError("log probabilities are not served: logprobs must be false or null")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> Self:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -39,7 +39,9 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 def _param(location: tuple[int | str, ...]) -> str | None:
-    parts = [str(p) for p in location if p != "body"]
+    # pydantic names the member of a union it tried ("constrained-str", "list[...]") in the
+    # location: not a field of the request.
+    parts = [str(p) for p in location if p != "body" and (isinstance(p, int) or p.isidentifier())]
     if not parts:
         return None
     text = parts[0]
@@ -53,7 +55,10 @@ async def _validation_error(request: Request, error: Exception) -> Response:
     errors = error.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return error_response(400, "invalid_json", "request body is not valid JSON")
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    # For a union (`stop`: a string or a list), the member whose type the input has says
+    # what is wrong ("at most 4 items"), not the one it is not ("a valid string").
+    said = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
+    first = (said or errors or [{"msg": "invalid request", "loc": ()}])[0]
     param = _param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request"))
     if first.get("type") == "missing" and param:

@@ -189,6 +189,21 @@ async def test_a_route_asked_of_a_model_of_another_task_is_a_400(
     assert embedded.json()["error"]["param"] == "parameters.max_new_tokens"
 
 
+async def test_a_union_field_is_refused_for_what_is_wrong_with_the_member_sent(
+    client: httpx.AsyncClient,
+) -> None:
+    """`stop` is a string or a list: five strings are refused for the list's length, not as
+    "not a valid string", and the param is the field, without pydantic's member tag."""
+    stops = ["a", "b", "c", "d", "e"]
+    response = await client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hi", "stop": stops}
+    )
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["param"] == "stop"
+    assert "at most 4 items" in error["message"]
+
+
 async def test_a_prompt_and_new_tokens_over_the_sequence_limit_is_a_400_naming_it(
     client: httpx.AsyncClient,
 ) -> None:

@@ -211,13 +211,14 @@ def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
     envoy = read_envoy(envoy_config)
     settings = baseline.settings
     differences = []
-    route_timeout_s = envoy["route_timeout_s"]
     max_timeout_s = float(settings.get("max_timeout_ms", _default("max_timeout_ms"))) / 1000
-    if isinstance(route_timeout_s, float) and route_timeout_s > max_timeout_s:
-        differences.append(
-            f"envoy.route_timeout_s: {route_timeout_s} exceeds the server's max_timeout_ms "
-            f"({max_timeout_s * 1000:g}): the server would cut Envoy's deadline short"
-        )
+    for key in ("route_timeout_s", "completions_route_timeout_s", "chat_route_timeout_s"):
+        timeout_s = envoy[key]
+        if isinstance(timeout_s, float) and timeout_s > max_timeout_s:
+            differences.append(
+                f"envoy.{key}: {timeout_s} exceeds the server's max_timeout_ms "
+                f"({max_timeout_s * 1000:g}): the server would cut Envoy's deadline short"
+            )
     keep_alive_s = float(settings.get("keep_alive_timeout_s", _default("keep_alive_timeout_s")))
     upstream_idle_s = envoy["upstream_idle_timeout_s"]
     if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:

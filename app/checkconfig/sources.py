@@ -60,7 +60,9 @@ class _EnvoyParts:
     config: Any
     listener: Any
     hcm: Any
-    route: Any
+    route: Any  # the catch-all route ("/")
+    completions_route: Any
+    chat_route: Any
     cluster: Any
     upstream_http: Any
 
@@ -73,14 +75,25 @@ def _envoy_parts(config: Any) -> _EnvoyParts:
     cluster = _named(_dig(resources, "clusters"), UPSTREAM_CLUSTER, "cluster")
     # The extension's name contains dots, so it cannot be a step of a `_dig` path.
     protocol_options = cluster.get("typed_extension_protocol_options") or {}
+    routes = _dig(hcm, "route_config.virtual_hosts.0.routes") or []
     return _EnvoyParts(
         config=config,
         listener=listener,
         hcm=hcm,
-        route=_dig(hcm, "route_config.virtual_hosts.0.routes.0.route"),
+        route=_route(routes, {"prefix": "/"}),
+        completions_route=_route(routes, {"path": "/v1/completions"}),
+        chat_route=_route(routes, {"path": "/v1/chat/completions"}),
         cluster=cluster,
         upstream_http=protocol_options.get(UPSTREAM_HTTP_OPTIONS),
     )
+
+
+def _route(routes: list[Any], match: Mapping[str, str]) -> Any:
+    """The route of the entry that matches exactly `match`; None if there is none."""
+    for entry in routes:
+        if isinstance(entry, dict) and entry.get("match") == match:
+            return entry.get("route")
+    return None
 
 
 def _names(items: Any) -> Any:
@@ -100,6 +113,8 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "downstream_stream_idle_timeout_s": lambda p: _dig(p.hcm, "stream_idle_timeout"),
     "downstream_request_headers_timeout_s": lambda p: _dig(p.hcm, "request_headers_timeout"),
     "route_timeout_s": lambda p: _dig(p.route, "timeout"),
+    "completions_route_timeout_s": lambda p: _dig(p.completions_route, "timeout"),
+    "chat_route_timeout_s": lambda p: _dig(p.chat_route, "timeout"),
     "retry_on": lambda p: _dig(p.route, "retry_policy.retry_on"),
     "retriable_status_codes": lambda p: _dig(p.route, "retry_policy.retriable_status_codes"),
     "num_retries": lambda p: _dig(p.route, "retry_policy.num_retries"),

@@ -281,6 +281,19 @@ def test_an_hpa_target_a_replica_cannot_reach_is_refused(
     )
 
 
+def test_a_generation_route_longer_than_the_server_allows_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The OpenAI generation routes share one route (a YAML alias): both are named."""
+    replace_once(deploy_copy / "envoy" / "envoy.yaml", " timeout: 60s\n", " timeout: 90s\n")
+    for key in ("completions_route_timeout_s", "chat_route_timeout_s"):
+        replace_once(deploy_copy / "baseline.yaml", f"{key}: 60.0", f"{key}: 90.0")
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    for key in ("completions_route_timeout_s", "chat_route_timeout_s"):
+        assert f"envoy.{key}: 90.0 exceeds the server's max_timeout_ms (60000)" in out
+
+
 def test_pending_queue_larger_than_a_replica_is_refused(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

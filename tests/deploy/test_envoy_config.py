@@ -103,19 +103,33 @@ def echo_upstream() -> Iterator[int]:
 def test_route_timeout_reaches_the_server_as_its_deadline_header(
     tmp_path: Path, echo_upstream: int
 ) -> None:
+    """/infer gets the catch-all route's timeout; the OpenAI generation routes their own,
+    longer one (an answer lasts as long as the tokens it asks for)."""
     listener, stats, admin = free_ports(3)
     config = local_envoy_config(listener, stats, admin, [echo_upstream])
-    route_timeout_ms = 1000 * float(
-        config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
-            "typed_config"
-        ]["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["timeout"].rstrip("s")
-    )
+    routes = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]["route_config"]["virtual_hosts"][0]["routes"]
+
+    def timeout_ms(match: dict[str, str]) -> float:
+        timeout = next(r["route"]["timeout"] for r in routes if r["match"] == match)
+        return 1000 * float(timeout.rstrip("s"))
+
+    expected = {
+        "/infer": timeout_ms({"prefix": "/"}),
+        "/v1/completions": timeout_ms({"path": "/v1/completions"}),
+        "/v1/chat/completions": timeout_ms({"path": "/v1/chat/completions"}),
+    }
+    assert expected["/infer"] < expected["/v1/completions"]
+    seen = {}
     with running_envoy(tmp_path, config) as envoy:
         connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
-        status, _, body = post_json(connection, "/infer", b'{"inputs": "x"}')
+        for path in expected:
+            status, _, body = post_json(connection, path, b'{"inputs": "x"}')
+            assert status == 200
+            seen[path] = float(json.loads(body)["x-envoy-expected-rq-timeout-ms"])
         connection.close()
-    assert status == 200
-    assert float(json.loads(body)["x-envoy-expected-rq-timeout-ms"]) == route_timeout_ms
+    assert seen == expected
 
 
 def test_stats_listener_exposes_only_metrics_and_readiness(

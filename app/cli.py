@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import math
 import signal
 import socket
 import sys
@@ -126,7 +127,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=False,
-        timeout_keep_alive=int(settings.keep_alive_timeout_s),
+        timeout_keep_alive=math.ceil(settings.keep_alive_timeout_s),
         limit_concurrency=settings.max_connections,
         backlog=settings.listen_backlog,
         # A backstop only: by the time uvicorn shuts down, the drain has already waited for

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,10 +95,13 @@ def create_app(
     engine_addresses: EngineAddresses | None = None,
     frontend_processes: int = 1,
     engine: EngineClient | None = None,
+    on_started: Callable[[bool], None] | None = None,
 ) -> FastAPI:
     """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
     `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling); `engine`
-    replaces the engine connection altogether (the null engine of the front-end bench)."""
+    replaces the engine connection altogether (the null engine of the front-end bench).
+    `on_started(ok)` is called on the event loop once the front end's start-up (tokenizers,
+    engine connection) has succeeded or failed."""
     metrics = Metrics()
     supervisor: EngineSupervisor | None = None
     if engine is None:
@@ -125,6 +128,11 @@ def create_app(
             supervisor.start()
         startup = asyncio.create_task(service.start(), name="startup")
         app.state.startup_task = startup
+        if on_started is not None:
+            report = on_started
+            startup.add_done_callback(
+                lambda task: None if task.cancelled() else report(service.started)
+            )
         try:
             yield
         finally:

@@ -27,14 +27,16 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-from app.engine.supervisor import EngineSupervisor, next_backoff, wait_for_exit
-from app.engine.zmq_client import EngineAddresses, StatusSubscriber
+from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
+from app.engine.zmq_client import STATUS_WENT_STALE, EngineAddresses, StatusSubscriber
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.settings import Settings
@@ -82,9 +84,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def run_frontend_process(settings: Settings, addresses: EngineAddresses, processes: int) -> None:
-    """Entry point of one front-end process."""
+def run_frontend_process(
+    settings: Settings, addresses: EngineAddresses, processes: int, started: EventType
+) -> None:
+    """Entry point of one front-end process. Sets `started` once its start-up succeeded (the
+    supervisor's probes count it as serving from then on); a start-up that fails ends the
+    process (exit status 1), which the supervisor restarts with backoff."""
     die_with_parent()
+    # Until uvicorn installs its handlers: a drain asked for during start-up is a clean
+    # exit, and the group's SIGTERM/SIGINT are the parent's to handle.
+    signal.signal(DRAIN_OR_STOP, lambda signum, frame: sys.exit(0))
+    for ignored in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(ignored, signal.SIG_IGN)
     # Imported here: the parent never needs uvicorn's app stack.
     from app.cli import run_uvicorn
     from app.main import create_app
@@ -93,7 +104,16 @@ def run_frontend_process(settings: Settings, addresses: EngineAddresses, process
     # Below the engine: a flood of connections must not take CPU from admitted work.
     os.nice(settings.frontend_nice)
     sock = listening_socket(settings.host, settings.port, settings.listen_backlog)
-    app = create_app(settings, engine_addresses=addresses, frontend_processes=processes)
+
+    def on_started(ok: bool) -> None:
+        if ok:
+            started.set()
+        else:  # drain and exit: run_uvicorn returns 1 for a failed start-up
+            os.kill(os.getpid(), DRAIN_OR_STOP)
+
+    app = create_app(
+        settings, engine_addresses=addresses, frontend_processes=processes, on_started=on_started
+    )
     sys.exit(run_uvicorn(app, settings, sockets=[sock], in_process_tree=True))
 
 
@@ -106,13 +126,16 @@ class ProcessTree:
         self.addresses = EngineAddresses.in_directory(run_dir)
         self.frontend_count = settings.frontend_processes(available_cpus())
         self._context = multiprocessing.get_context("spawn")
-        self.engine = EngineSupervisor(settings, self.addresses, on_exit=_forget_metrics_of)
+        self.engine = EngineSupervisor(settings, self.addresses, on_exit=self._engine_exited)
         self.frontends: list[BaseProcess] = []
+        self._frontends_started: list[EventType] = []
         self._stopping = False
         self._forced = False
         self._stop_requested = asyncio.Event()
         self._zmq = zmq.asyncio.Context()
-        self._engine_status = StatusSubscriber(self._zmq, self.addresses.status)
+        self._engine_status = StatusSubscriber(
+            self._zmq, self.addresses.status, on_lost=self._engine_lost
+        )
         self._probes = (
             ProbeListener(settings.host, settings.health_port, self._answer_probe)
             if settings.health_port is not None
@@ -125,25 +148,50 @@ class ProcessTree:
         engine_process = self.engine.process
         alive = engine_process is not None and engine_process.is_alive()
         engine = self._engine_status.status() if alive else None
-        can_serve = any(process.is_alive() for process in self.frontends)
+        if engine is not None and engine_process is not None and engine.pid != engine_process.pid:
+            engine = None  # a dead engine's last word: its replacement has not spoken yet
+        can_serve = any(
+            process.is_alive() and started.is_set()
+            for process, started in zip(self.frontends, self._frontends_started, strict=True)
+        )
         ready = readiness(engine, None, self._stopping, can_serve)
         return probe_response(path, ready, liveness(engine, None))
 
-    def _spawn_frontend(self) -> BaseProcess:
+    def _engine_exited(self, pid: int) -> None:
+        _forget_metrics_of(pid)
+        self._engine_status.forget()
+
+    def _engine_lost(self, why: str) -> None:
+        """An engine whose status went silent while its process lives has a hung event loop
+        (seen at the next probe): kill it, and the supervisor starts a fresh one."""
+        process = self.engine.process
+        if why != STATUS_WENT_STALE or self._stopping:
+            return
+        if process is not None and process.is_alive():
+            log.error("engine %s published nothing for a while: killing it", process.pid)
+            process.kill()
+
+    def _spawn_frontend(self, index: int) -> None:
+        started = self._context.Event()
         process = self._context.Process(
             target=run_frontend_process,
-            args=(self.settings, self.addresses, self.frontend_count),
+            args=(self.settings, self.addresses, self.frontend_count, started),
             name="steadyserve-frontend",
         )
         process.start()
-        return process
+        if index == len(self.frontends):
+            self.frontends.append(process)
+            self._frontends_started.append(started)
+        else:
+            self.frontends[index], self._frontends_started[index] = process, started
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self.engine.start()
-        self.frontends = [self._spawn_frontend() for _ in range(self.frontend_count)]
+        for index in range(self.frontend_count):
+            self._spawn_frontend(index)
         self._engine_status.start()
         if self._probes is not None:
             await self._probes.start()
@@ -201,11 +249,14 @@ class ProcessTree:
         backoff: float | None = None
         while True:
             process = self.frontends[index]
+            spawned = time.monotonic()
             await wait_for_exit(process)
             if self._stopping:
                 return
             assert process.pid is not None
             _forget_metrics_of(process.pid)
+            if time.monotonic() - spawned >= STABLE_AFTER_S:
+                backoff = None
             first, longest = self.settings.engine_restart_backoff_s
             backoff = next_backoff(backoff, first, longest)
             log.error(
@@ -217,7 +268,7 @@ class ProcessTree:
             await asyncio.sleep(backoff)
             if self._stopping:
                 return
-            self.frontends[index] = self._spawn_frontend()
+            self._spawn_frontend(index)
 
 
 def _forget_metrics_of(pid: int) -> None:

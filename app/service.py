@@ -149,6 +149,11 @@ class Service:
             log.exception("front-end start-up failed")
             self._startup_error = f"front-end start-up failed: {type(error).__name__}"
 
+    @property
+    def started(self) -> bool:
+        """Start-up (tokenizers loaded, engine connected) succeeded."""
+        return self._started
+
     def engine_status(self) -> EngineStatus | None:
         return self.engine.status()
 

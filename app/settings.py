@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     log_level: str = Field(default="info", description="Python logging level.")
     keep_alive_timeout_s: float = Field(
         default=75.0,
-        gt=0,
+        ge=1,  # uvicorn takes whole seconds: under 1 would close every idle connection at once
         description="Idle keep-alive connections are closed after this; keep it above the "
         "proxy's upstream idle timeout so the proxy, not the server, closes idle connections.",
     )
@@ -112,8 +112,8 @@ class Settings(BaseSettings):
     )
     engine_restart_backoff_s: tuple[float, float] = Field(
         default=(1.0, 30.0),
-        description="First and longest wait before restarting an engine that died; doubles "
-        "per consecutive death, reset once an engine has been ready for a minute.",
+        description="First and longest wait before restarting an engine (or a front end) "
+        "that died; doubles per consecutive death, reset once one has run for a minute.",
     )
     unhealthy_after_failed_batches: int = Field(
         default=5,
@@ -325,6 +325,14 @@ class Settings(BaseSettings):
             raise ValueError(f"default_model {self.default_model!r} is not among {names}")
         if self.max_batch_tokens < buckets[0]:
             raise ValueError("max_batch_tokens must hold at least one input of the smallest bucket")
+        first, longest = self.engine_restart_backoff_s
+        if not 0 < first <= longest:
+            raise ValueError(
+                "engine_restart_backoff_s must be (first, longest) with 0 < first <= longest: "
+                "a zero wait restarts a crashing process in a tight loop"
+            )
+        if self.health_port is not None and self.health_port == self.port:
+            raise ValueError("health_port must differ from port (it carries no traffic)")
         if self.generate_max_batch_tokens < self.generate_slot_tokens:
             raise ValueError(
                 "generate_max_batch_tokens must hold one full slot (generate_slot_tokens), "

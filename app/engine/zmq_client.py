@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 # must not take a live engine for a hung one and fail its requests.
 STATUS_INTERVAL_S = 0.005
 STALE_AFTER_S = 10.0
+# Why a status subscriber reports its engine lost (`on_lost`).
+STATUS_WENT_STALE = "its status went stale"
+NEW_ENGINE = "a new engine replaced it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +97,7 @@ class StatusSubscriber:
             return None
         if self._clock() - self._received_at > STALE_AFTER_S:
             self._status = None
-            self._on_lost("its status went stale")
+            self._on_lost(STATUS_WENT_STALE)
         return self._status
 
     def forget(self) -> None:
@@ -106,7 +109,7 @@ class StatusSubscriber:
             status = decode_status(await socket.recv())
             previous = self._status
             if previous is not None and previous.engine_id != status.engine_id:
-                self._on_lost("a new engine replaced it")
+                self._on_lost(NEW_ENGINE)
             self._status = status
             self._received_at = self._clock()
 

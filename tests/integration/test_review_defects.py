@@ -112,3 +112,26 @@ async def test_warm_up_runs_every_shape_on_every_compute_thread() -> None:
             threads_by_shape.setdefault((len(rows), len(rows[0])), set()).add(thread)
         assert {(s.batch, s.length) for s in shapes} == set(threads_by_shape)
         assert all(len(threads) == 2 for threads in threads_by_shape.values()), threads_by_shape
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_a_front_end_reports_how_its_start_up_ended(fails: bool) -> None:
+    """What the supervisor's probes count a front end by (and a failed one exits on)."""
+    loader = GatedLoader()
+
+    def tokenizer(spec: ModelSpec, largest: int) -> object:
+        if fails:
+            raise OSError("no tokenizer files in the cache")
+        return loader.tokenizer(spec, largest)
+
+    reports: list[bool] = []
+    app = create_app(
+        Settings(**BASE),  # type: ignore[arg-type]
+        loader=loader,
+        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
+        on_started=reports.append,
+    )
+    async with app.router.lifespan_context(app):
+        await app.state.startup_task
+        assert reports == [not fails]
+        assert app.state.service.started is not fails

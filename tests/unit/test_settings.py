@@ -32,6 +32,10 @@ def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) ->
         {"max_inputs_per_request": 100, "rate_limit_burst": 50},
         {"default_model": "missing"},
         {"models": ({"name": "x"}, {"name": "x"})},
+        {"engine_restart_backoff_s": (0.0, 0.0)},  # a crashing process respawned at once
+        {"engine_restart_backoff_s": (60.0, 5.0)},
+        {"health_port": 8000, "port": 8000},  # the probe listener takes the traffic port
+        {"keep_alive_timeout_s": 0.5},  # uvicorn's whole seconds: 0, every idle one closed
     ],
 )
 def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:

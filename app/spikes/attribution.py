@@ -7,6 +7,7 @@ Causes and how each is detected are listed in docs/SPIKES.md (kept in step with 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -138,13 +139,22 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         evidence.append(f"other processes took {others:.1f} cores")
     causes.append(Cause("cpu_contention", contention, "; ".join(evidence)))
 
-    throttled = max((p.get("cgroup_throttled_seconds_total", 0.0) for _, p in processes), default=0)
+    throttled_cpu = max(
+        (p.get("cgroup_throttled_seconds_total", 0.0) for _, p in processes), default=0
+    )
     periods = max((p.get("cgroup_throttled_periods_total", 0.0) for _, p in processes), default=0)
+    # The kernel sums the throttled time of every CPU of the quota: wall time is at most
+    # that over the quota's CPUs (all of them throttled at once).
+    quota = max((p.get("cgroup_quota_cpus", 0.0) for _, p in processes), default=0)
+    cpus = max(1, math.ceil(quota))
+    throttled = throttled_cpu / cpus
+    over = f" ({_ms(throttled_cpu)} of CPU time over {cpus} CPUs)" if cpus > 1 else ""
     causes.append(
         Cause(
             "cgroup_throttled",
             min(throttled, facts.total_s),
-            f"cgroup throttled {_ms(throttled)} in {int(periods)} CFS periods during this request",
+            f"cgroup throttled {_ms(throttled)}{over} in {int(periods)} CFS periods during "
+            "this request",
         )
     )
 

@@ -1,9 +1,12 @@
 """CPU throttling of this container by its cgroup quota (the CFS bandwidth controller).
 
 cgroup v2 `cpu.stat` has `nr_periods`, `nr_throttled` and `throttled_usec`; v1 has the same
-counts and `throttled_time` in nanoseconds under `cpu,cpuacct/` (or `cpu/`). Outside a
-limited cgroup the counters stay at zero; where there is no such file the probe reads
-nothing. The root is an argument so tests can point it at a fake tree.
+counts and `throttled_time` in nanoseconds under `cpu,cpuacct/` (or `cpu/`). The kernel
+adds each CPU's throttled time to that total (`unthrottle_cfs_rq`), so it is CPU time: a
+20 ms throttle of a 4-CPU quota counts up to 80 ms. The probe also reads the quota
+(`cgroup_quota_cpus`, a level), which turns it back into wall time. Outside a limited
+cgroup the counters stay at zero; where there is no such file the probe reads nothing. The
+root is an argument so tests can point it at a fake tree.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from app.telemetry.cgroup import CGROUP_ROOT
+from app.telemetry.cgroup import CGROUP_ROOT, cgroup_cpu_quota
 from app.telemetry.probe import Cached
 from app.telemetry.procfile import ProcFile
 
@@ -77,17 +80,22 @@ class CgroupThrottleProbe:
     def __init__(self, root: Path = CGROUP_ROOT, max_age_s: float = 0.01) -> None:
         self._root = root
         self._source: tuple[ProcFile, Parser] | None = None
+        self._quota: float | None = None
         self._looked = False
         self._cached = Cached(self._read, max_age_s)
 
     def _read(self) -> dict[str, float]:
         if not self._looked:
             self._source, self._looked = _find(self._root), True
+            self._quota = cgroup_cpu_quota(self._root)
         if self._source is None:
             return {}
         file, parse = self._source
         text = file.text()
-        return (parse(text) or {}) if text is not None else {}
+        readings = (parse(text) or {}) if text is not None else {}
+        if readings and self._quota is not None:
+            readings["cgroup_quota_cpus"] = self._quota
+        return readings
 
     def read(self) -> Mapping[str, float]:
         return self._cached.read()

@@ -124,6 +124,22 @@ def test_cgroup_throttling() -> None:
     assert evidence == "cgroup throttled 42 ms in 3 CFS periods during this request"
 
 
+def test_cgroup_throttling_is_wall_time_not_the_sum_over_the_quotas_cpus() -> None:
+    """A 20 ms throttle of a 4-CPU quota: the kernel counts 80 ms (each CPU's share), which
+    outranked this request's 60 ms garbage collection."""
+    throttled = {
+        "cgroup_throttled_seconds_total": 0.080,
+        "cgroup_throttled_periods_total": 1,
+        "cgroup_quota_cpus": 3.5,
+    }
+    gc = {"gc_gen2_pause_seconds_total": 0.060, "gc_gen2_collections_total": 1}
+    assert top(facts(phases={"compute": 0.06}, engine_probes={**throttled, **gc}))[0] == "gc_pause"
+    alone = facts(phases={"compute": 0.06}, engine_probes=throttled)
+    causes = {cause.name: cause for cause in attribute(alone)}
+    assert round(causes["cgroup_throttled"].seconds * 1000) == 20
+    assert "(80 ms of CPU time over 4 CPUs)" in causes["cgroup_throttled"].evidence
+
+
 def test_queueing_behind_inputs() -> None:
     name, ms, evidence = top(facts(phases={"queue": 0.302, "compute": 0.02}, depth=900))
     assert (name, ms) == ("queueing", 300)

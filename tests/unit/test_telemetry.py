@@ -58,6 +58,12 @@ def test_cgroup_v2_throttling(tmp_path: Path) -> None:
     }
 
 
+def test_cgroup_throttling_carries_the_quota_that_makes_it_wall_time(tmp_path: Path) -> None:
+    (tmp_path / "cpu.stat").write_text("nr_periods 50\nnr_throttled 7\nthrottled_usec 80000\n")
+    (tmp_path / "cpu.max").write_text("350000 100000\n")
+    assert read_throttling(tmp_path)["cgroup_quota_cpus"] == 3.5
+
+
 def test_cgroup_v1_throttling(tmp_path: Path) -> None:
     (tmp_path / "cpu,cpuacct").mkdir()
     (tmp_path / "cpu,cpuacct" / "cpu.stat").write_text(

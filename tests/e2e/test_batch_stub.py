@@ -132,9 +132,9 @@ def test_429_and_503_wait_for_retry_after(tmp_path: Path) -> None:
         for earlier, later in itertools.pairwise(arrivals)
     ]
     assert len(gaps) >= 5  # several items were refused at least once
-    # Retry-After: 1 is a floor; the jitter spreads retries over at most 1.5 s.
+    # Retry-After: 1 is a floor (the jitter's ceiling is the unit test's to check: a retry
+    # may arrive late on a busy machine for reasons of its own).
     assert min(gaps) >= 1.0
-    assert max(gaps) < 1.5 + 0.5
 
 
 def test_the_client_never_exceeds_its_rate(tmp_path: Path) -> None:
@@ -306,9 +306,13 @@ def test_leaving_the_loop_early_ends_every_request() -> None:
                 async for _ in results:
                     taken += 1
                     if taken == 20:
-                        # Let answers fill the queue, so that some tasks wait to hand theirs
-                        # over; leaving the block closes the generator: nothing may be left.
-                        await asyncio.sleep(0.5)
+                        # Until the server has answered a full queue's worth (2 x 16) more,
+                        # so that some tasks wait to hand theirs over; leaving the block
+                        # closes the generator: nothing may be left.
+                        give_up_at = time.monotonic() + 5
+                        while len(server.inputs_seen) < taken + 2 * 16:
+                            assert time.monotonic() < give_up_at, "the queue never filled"
+                            await asyncio.sleep(0.001)  # the server answers meanwhile
                         break
             return len(asyncio.all_tasks() - before)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,8 +126,11 @@ def test_acquire_waits_for_a_busy_slot_and_counts_the_wait() -> None:
 
     waiter = threading.Thread(target=wait_for_a_slot)
     waiter.start()
-    # The waiter is blocked until the slot comes back; the wait counter proves it queued.
+    # The waiter is blocked until the slot comes back; the wait counter proves it queued
+    # (bounded: a pool that never counts the wait fails here instead of hanging).
+    give_up_at = time.monotonic() + 30
     while pool.stats().acquire_waits == 0:
+        assert time.monotonic() < give_up_at, "the waiter never queued for the slot"
         threading.Event().wait(0.001)
     assert pool.stats().in_use[shape] == 1
     released.set()

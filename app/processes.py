@@ -66,6 +66,11 @@ def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
+# Engine restarts without it ever being seen ready before the supervisor's /healthz says the
+# pod should be restarted: an engine that crash-loops (a model that cannot load, a device
+# that fails) would otherwise leave it NotReady forever, live in Kubernetes' eyes.
+RESTARTS_BEFORE_UNHEALTHY = 5
+
 # How the parent talks to its children: drain (front ends) or stop (the engine). Children
 # ignore SIGTERM and SIGINT, which may reach the whole process group at once.
 DRAIN_OR_STOP = signal.SIGUSR1
@@ -129,6 +134,7 @@ class ProcessTree:
         self.engine = EngineSupervisor(settings, self.addresses, on_exit=self._engine_exited)
         self.frontends: list[BaseProcess] = []
         self._frontends_started: list[EventType] = []
+        self._restarts_when_last_ready = 0
         self._stopping = False
         self._forced = False
         self._stop_requested = asyncio.Event()
@@ -154,8 +160,17 @@ class ProcessTree:
             process.is_alive() and started.is_set()
             for process, started in zip(self.frontends, self._frontends_started, strict=True)
         )
+        if engine is not None and engine.state == "ready":
+            self._restarts_when_last_ready = self.engine.restarts
         ready = readiness(engine, None, self._stopping, can_serve)
-        return probe_response(path, ready, liveness(engine, None))
+        return probe_response(path, ready, liveness(engine, self._crash_loop()))
+
+    def _crash_loop(self) -> str | None:
+        """Why the pod should be restarted, if its engine keeps dying without being ready."""
+        restarts = self.engine.restarts - self._restarts_when_last_ready
+        if restarts < RESTARTS_BEFORE_UNHEALTHY:
+            return None
+        return f"the engine restarted {restarts} times without becoming ready"
 
     def _engine_exited(self, pid: int) -> None:
         _forget_metrics_of(pid)

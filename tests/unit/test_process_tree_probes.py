@@ -12,7 +12,7 @@ import pytest
 
 from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import STALE_AFTER_S
-from app.processes import ProcessTree
+from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree
 from app.settings import Settings
 
 
@@ -81,3 +81,20 @@ async def test_an_engine_alive_but_silent_is_killed(tree: ProcessTree) -> None:
     hear(tree, ready_status(111), seconds_ago=STALE_AFTER_S + 1)
     assert tree._answer_probe("/readyz")[0] == 503
     assert engine.killed  # the supervisor starts a fresh one
+
+
+async def test_an_engine_that_keeps_dying_before_ready_makes_the_pod_unhealthy(
+    tree: ProcessTree,
+) -> None:
+    tree.engine.process = StandIn(111)  # type: ignore[assignment]
+    hear(tree, ready_status(111))
+    assert tree._answer_probe("/healthz")[0] == 200  # seen ready
+    tree._engine_status.forget()
+    tree.engine.restarts += RESTARTS_BEFORE_UNHEALTHY - 1
+    assert tree._answer_probe("/healthz")[0] == 200  # restarting: readiness covers it
+    tree.engine.restarts += 1
+    status, body = tree._answer_probe("/healthz")
+    assert status == 503 and b"without becoming ready" in body
+    tree.engine.process = StandIn(222)  # type: ignore[assignment]
+    hear(tree, ready_status(222))  # a replacement that made it
+    assert tree._answer_probe("/healthz")[0] == 200

@@ -193,7 +193,8 @@ class StreamingClient:
         self._streams[request_id] = queue
         finished = False
         # One timer per request (not one per read): cheap on the front end's hot path.
-        left_s = max(0.0, request.deadline - time.monotonic()) + self.answer_grace_s
+        # (Bounded: an event loop's timer takes no infinite delay.)
+        left_s = min(max(0.0, request.deadline - time.monotonic()), 86_400.0) + self.answer_grace_s
         silent = asyncio.get_running_loop().call_later(left_s, queue.put_nowait, _SILENT)
         try:
             self._send(request)

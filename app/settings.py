@@ -323,8 +323,11 @@ class Settings(BaseSettings):
             raise ValueError("model names must be unique")
         if self.default_model is not None and self.default_model not in names:
             raise ValueError(f"default_model {self.default_model!r} is not among {names}")
-        if self.max_batch_tokens < buckets[0]:
-            raise ValueError("max_batch_tokens must hold at least one input of the smallest bucket")
+        if self.max_batch_tokens < buckets[-1]:
+            raise ValueError(
+                "max_batch_tokens must hold one input of the largest length bucket "
+                "(a batch of one such input would exceed it)"
+            )
         first, longest = self.engine_restart_backoff_s
         if not 0 < first <= longest:
             raise ValueError(

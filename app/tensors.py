@@ -32,6 +32,17 @@ class TensorError(ValueError):
     the tensor."""
 
 
+class NotJsonNumbers(ValueError):
+    """An output with NaN or infinity: JSON has no such numbers (orjson would write null);
+    binary output carries them."""
+
+
+# The kinds of JSON values each datatype takes (numpy's `dtype.kind` of what was sent):
+# integers for INT64, booleans for BOOL, any number for the floating types. Nothing is
+# coerced: a string, a fraction for INT64 or a number for BOOL is the client's mistake.
+_JSON_KINDS = {"FP16": "iuf", "BF16": "iuf", "FP32": "iuf", "INT64": "iu", "BOOL": "b"}
+
+
 def element_count(shape: Sequence[int]) -> int:
     count = 1
     for size in shape:
@@ -136,13 +147,25 @@ def bf16_to_float32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
 
 def from_json(datatype: str, shape: Sequence[int], data: Any) -> bytes:
     """The bytes of a tensor sent as JSON numbers (flat or nested, row-major); raises
-    `TensorError` when they are not numbers of the right count."""
+    `TensorError` when they are not values of the datatype (`_JSON_KINDS`), do not fit it
+    (an INT64 beyond 64 bits, a finite number beyond FP16's range) or are not the shape's
+    count."""
     try:
-        array = np.asarray(data, dtype=np.float32 if datatype == "BF16" else NUMPY_DTYPES[datatype])
-    except (ValueError, TypeError, OverflowError) as error:
+        sent = np.asarray(data)
+    except (ValueError, TypeError) as error:
         raise TensorError(f"data is not {datatype} values: {error}") from None
-    if array.dtype == object or array.size != element_count(shape):
-        raise TensorError(f"{array.size} values for shape {list(shape)}")
+    if sent.dtype == object:
+        raise TensorError(f"data is not {datatype} values (uneven nesting, or beyond 64 bits)")
+    if sent.size != element_count(shape):
+        raise TensorError(f"{sent.size} values for shape {list(shape)}")
+    if sent.size and sent.dtype.kind not in _JSON_KINDS[datatype]:
+        raise TensorError(f"data is not {datatype} values (got {sent.dtype.name})")
+    if sent.dtype.kind == "u" and sent.size and sent.max() > np.iinfo(np.int64).max:
+        raise TensorError(f"data is not {datatype} values: beyond 64-bit integers")
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        array = sent.astype(np.float32 if datatype == "BF16" else NUMPY_DTYPES[datatype])
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise TensorError(f"data does not fit {datatype} (beyond its range)")
     if datatype == "BF16":
         return bf16_bits(array).tobytes()
     return np.ascontiguousarray(array).tobytes()
@@ -153,5 +176,7 @@ def to_json(datatype: str, shape: Sequence[int], data: bytes) -> list[Any]:
     array = from_bytes(datatype, shape, data)
     if datatype == "BF16":
         array = bf16_to_float32(array)
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise NotJsonNumbers(f"{datatype} output with NaN or infinity: ask for binary output")
     values: list[Any] = array.reshape(-1).tolist()
     return values

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -46,7 +47,7 @@ from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
 from app.service import Service, WrongTask
 from app.tensor_service import SentTensor, check_tensors, infer_tensors
-from app.tensors import TensorError, from_json, to_json
+from app.tensors import NotJsonNumbers, TensorError, from_json, to_json
 from app.timing import PhaseTimer
 
 router = APIRouter()
@@ -209,7 +210,7 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
         return v2_error(str(error), 503, {"Retry-After": "1"})
     except BatchFailed as error:
         return v2_error(f"batch failed: {error}", 500)
-    except NonFiniteOutput as error:
+    except (NonFiniteOutput, NotJsonNumbers) as error:
         return v2_error(str(error), 500)
     rendering = time.perf_counter()
     content, header_length = encode_response(spec.name, parsed.id, outputs)
@@ -302,7 +303,10 @@ async def _embed(
     result = await run_until_disconnect(request, work)
     if not wanted:
         return []
-    vectors = result.vectors.astype("<f2" if datatype == "FP16" else "<f4", copy=False)
+    with np.errstate(over="ignore"):  # an overflow is refused just below
+        vectors = result.vectors.astype("<f2" if datatype == "FP16" else "<f4", copy=False)
+    if datatype == "FP16" and not np.isfinite(vectors).all():  # unnormalised, over 65504
+        raise V2Error("the embedding does not fit FP16: ask for FP32 or normalize")
     shape = tuple(vectors.shape)
     if parsed.wants_binary(EMBED_OUTPUT):
         return [OutputTensor(EMBED_OUTPUT, datatype, shape, raw=vectors.tobytes())]

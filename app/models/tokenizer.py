@@ -54,14 +54,30 @@ def _json(path: Path) -> dict[str, Any]:
     return loaded
 
 
+# Encoders whose position ids start after the padding id (`create_position_ids_from_input_ids`
+# in transformers): their first `pad_token_id + 1` positions are never an input's.
+_POSITIONS_AFTER_PADDING = frozenset(
+    {
+        "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "ibert",
+        "longformer", "mpnet", "roberta-prelayernorm", "markuplm", "luke",
+    }
+)  # fmt: skip
+
+
 def input_token_limit(directory: Path, largest_length_bucket: int, configured: int | None) -> int:
     """The longest input the model takes: the smallest of the largest length bucket, the
     model's positions, the tokenizer's limit, the length a sentence-transformers model was
     trained for, and the configured `max_input_tokens`."""
     limits = [largest_length_bucket]
-    positions = _json(directory / "config.json").get("max_position_embeddings")
+    config = _json(directory / "config.json")
+    positions = config.get("max_position_embeddings")
     if positions:
-        limits.append(int(positions))
+        # RoBERTa's family numbers positions from its padding id + 1: of its 514, 512 serve.
+        offset = 0
+        if config.get("model_type") in _POSITIONS_AFTER_PADDING:
+            pad = config.get("pad_token_id")
+            offset = (1 if pad is None else int(pad)) + 1
+        limits.append(int(positions) - offset)
     tokenizer_limit = _json(directory / "tokenizer_config.json").get("model_max_length")
     if tokenizer_limit and int(tokenizer_limit) < _NO_LIMIT:
         limits.append(int(tokenizer_limit))

@@ -135,3 +135,24 @@ async def test_a_front_end_reports_how_its_start_up_ended(fails: bool) -> None:
         await app.state.startup_task
         assert reports == [not fails]
         assert app.state.service.started is not fails
+
+
+async def test_an_embedding_over_fp16s_range_is_refused_as_fp16_not_sent_as_null() -> None:
+    async with app_with() as (client, _, runner):
+
+        def huge_forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return torch.full((input_ids.shape[0], runner.output_width), 1e6)
+
+        runner.forward = huge_forward  # type: ignore[method-assign]
+        text = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["anything"]}
+        body = {
+            "inputs": [text],
+            "parameters": {"output_datatype": "FP16", "normalize": False},
+        }
+        refused = await client.post("/v2/models/fake/infer", json=body)
+        assert refused.status_code == 400
+        assert "does not fit FP16" in refused.json()["error"]
+        body["parameters"] = {"output_datatype": "FP32", "normalize": False}
+        fine = await client.post("/v2/models/fake/infer", json=body)
+        assert fine.status_code == 200
+        assert fine.json()["outputs"][0]["data"][0] == 1e6

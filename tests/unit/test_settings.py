@@ -36,6 +36,7 @@ def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) ->
         {"engine_restart_backoff_s": (60.0, 5.0)},
         {"health_port": 8000, "port": 8000},  # the probe listener takes the traffic port
         {"keep_alive_timeout_s": 0.5},  # uvicorn's whole seconds: 0, every idle one closed
+        {"max_batch_tokens": 256},  # one input of the 512 bucket is 512 tokens
     ],
 )
 def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from app.model_specs import ModelSpec, TensorSpec
 from app.settings import Settings
 from app.tensors import (
+    NotJsonNumbers,
     TensorError,
     bf16_bits,
     bf16_to_float32,
@@ -71,6 +72,35 @@ def test_bytes_and_json_forms_agree() -> None:
         from_json("INT64", [1], ["seven"])
     with pytest.raises(TensorError, match="'x': 4 bytes of data for shape"):
         from_bytes("INT64", [1], b"\0" * 4, "x")
+
+
+@pytest.mark.parametrize(
+    "datatype,values",
+    [
+        ("INT64", [1.7, -2.9]),  # truncated to 1, -2
+        ("INT64", ["12"]),  # a string parsed as a number
+        ("FP32", ["1.5", "nan"]),  # NaN through a string: JSON has none
+        ("BOOL", [2, 0.5]),  # numbers taken as truthiness
+        ("BOOL", ["false"]),  # a non-empty string is True
+        ("INT64", [2**64]),  # beyond 64 bits
+        ("FP16", [70000.0]),  # beyond FP16: infinity
+    ],
+)
+def test_json_values_are_taken_as_sent_or_refused(datatype: str, values: list[object]) -> None:
+    """Nothing is coerced: numpy would have turned each of these into some other value."""
+    with pytest.raises(TensorError, match=f"{datatype}"):
+        from_json(datatype, [len(values)], values)
+
+
+def test_integers_are_numbers_for_the_floating_types() -> None:
+    assert to_json("FP32", [2], from_json("FP32", [2], [1, 2])) == [1.0, 2.0]
+    assert to_json("INT64", [0], from_json("INT64", [0], [])) == []
+
+
+def test_an_output_with_nan_or_infinity_is_not_rendered_as_json_null() -> None:
+    data = np.array([1.0, float("nan"), float("-inf")], dtype="<f4").tobytes()
+    with pytest.raises(NotJsonNumbers, match="ask for binary output"):
+        to_json("FP32", [3], data)
 
 
 def test_bfloat16_bits_round_to_nearest_even() -> None:

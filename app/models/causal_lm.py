@@ -108,6 +108,12 @@ class CausalLMRunner:
         self._mask_blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         self._base = self.model.base_model
         self._head = self.model.get_output_embeddings()
+        # What some models' own forward does to the head's output, which `logits` (base
+        # model + head, without that forward) must do too: Cohere multiplies, Granite
+        # divides, Gemma 2 and 3 soft-cap.
+        self._logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
+        self._logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)
+        self._softcap = getattr(config, "final_logit_softcapping", None)
         log.info(
             "%s: KV cache %d slots x %d tokens, %.1f MiB",
             name,
@@ -190,8 +196,14 @@ class CausalLMRunner:
             else:
                 last = torch.tensor([len(row.token_ids) - 1 for row in rows], device=self.device)
                 picked = hidden[torch.arange(len(rows), device=self.device), last]
-            logits: torch.Tensor = self._head(picked).float()
-            return logits
+            logits: torch.Tensor = self._head(picked)
+            if self._logit_scale != 1.0:
+                logits = logits * self._logit_scale
+            if self._logits_scaling != 1.0:
+                logits = logits / self._logits_scaling
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+            return logits.float()
 
     def step(self, rows: Sequence[StepRow]) -> list[int]:
         """Each row's next token (compute threads only, one step at a time)."""

@@ -1,6 +1,7 @@
 """The slot runner is not Qwen2-only: random Llama and Mistral (every layer a 6-token
 sliding window) models give model.generate's greedy tokens, with rows of different lengths
-prefilled together and decoded together past the window."""
+prefilled together and decoded together past the window; Granite, Cohere and Gemma 2 give
+their own forward's logits, scaling included."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    CohereConfig,
+    CohereForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -78,3 +85,34 @@ def test_greedy_equals_generate(build: object, tmp_path: Path) -> None:
                 eos_token_id=None,
             )
         assert tokens == output[0, len(prompt) :].tolist()
+
+
+def granite_scaled() -> PreTrainedModel:
+    return GraniteForCausalLM(GraniteConfig(**COMMON, logits_scaling=8.0))
+
+
+def cohere_scaled() -> PreTrainedModel:
+    return CohereForCausalLM(CohereConfig(**COMMON, logit_scale=0.0625))
+
+
+def gemma2_soft_capped() -> PreTrainedModel:
+    return Gemma2ForCausalLM(
+        Gemma2Config(**COMMON, head_dim=16, sliding_window=6, final_logit_softcapping=2.0)
+    )
+
+
+@pytest.mark.parametrize("build", [granite_scaled, cohere_scaled, gemma2_soft_capped])
+def test_logits_are_the_models_own_after_its_scaling(build: object, tmp_path: Path) -> None:
+    """Sampling reads the logits' scale: Cohere multiplies the head's output, Granite
+    divides it, Gemma 2 soft-caps it; without that, a sample is drawn many times too cold
+    or too hot (greedy tokens alone would not show it)."""
+    torch.manual_seed(0)
+    model = build().eval()  # type: ignore[operator]
+    model.save_pretrained(tmp_path)
+    runner = CausalLMRunner("m", str(tmp_path), torch.device("cpu"), torch.float32, 2, 64)
+    prompt = PROMPTS[0]
+    row = StepRow(0, prompt, 0, SamplingParams(max_new_tokens=1), new_generator(0))
+    ours = runner.logits([row])[0]
+    with torch.inference_mode():
+        theirs = model(torch.tensor([prompt])).logits[0, -1].float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

@@ -49,7 +49,9 @@ def choose_tokens(
     generators: Sequence[torch.Generator],
 ) -> list[int]:
     """The next token of each row of `logits` (rows, vocab): argmax for greedy rows, else a
-    draw from the filtered distribution with the row's generator."""
+    draw from the filtered distribution with the row's generator. A sampled row whose
+    logits hold NaN or infinity has no distribution to draw from: it takes its argmax, as a
+    greedy row does, instead of raising and failing every sequence of the step."""
     # max(dim).indices is argmax (the first of tied maxima, as argmax and generate take it)
     # at half the cost of argmax over a step's rows on the CPU. tolist gives Python ints.
     chosen: list[int] = logits.max(dim=-1).indices.tolist()
@@ -58,5 +60,7 @@ def choose_tokens(
             continue
         filtered = filter_logits(logits[row].to("cpu", torch.float32), row_params)
         probabilities = filtered.softmax(-1)
+        if not bool(torch.isfinite(probabilities).all()):
+            continue
         chosen[row] = int(torch.multinomial(probabilities, 1, generator=generators[row]).item())
     return chosen

@@ -61,3 +61,14 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
     greedy = SamplingParams(max_new_tokens=1)
     generators = [new_generator(0), new_generator(0)]
     assert choose_tokens(tied, [greedy, greedy], generators) == [1, 0]
+
+
+def test_a_sampled_row_with_nan_logits_does_not_fail_the_rows_beside_it() -> None:
+    """torch.multinomial raises on NaN: the step's exception failed every sequence in it."""
+    logits = torch.stack([LOGITS, torch.tensor([0.1, float("nan"), 0.3, 0.2, 0.0])])
+    sample = SamplingParams(max_new_tokens=1, do_sample=True, seed=3)
+    generators = [new_generator(3), new_generator(3)]
+    chosen = choose_tokens(logits, [sample, sample], generators)
+    alone = choose_tokens(LOGITS.unsqueeze(0), [sample], [new_generator(3)])
+    assert chosen[0] == alone[0]  # the healthy row drew as it would have alone
+    assert chosen[1] == int(logits[1].max(dim=-1).indices)  # the broken one: its argmax

@@ -166,7 +166,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from app.models.base import resolve_source
-from app.models.embedding import mean_pool
+from app.models.pooling import mean_pool
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 
 base_url, min_cosine = sys.argv[1], float(sys.argv[2])

@@ -1,4 +1,5 @@
-"""Sentence embeddings from any Hugging Face encoder: attention-masked mean pooling.
+"""Sentence embeddings from any Hugging Face encoder, pooled as the model was trained to be
+(`models.pooling`: mean, CLS or last token; mean when the model does not say).
 
 Engine process only (it imports torch); the matching tokenizer is `models.tokenizer`.
 """
@@ -10,17 +11,11 @@ import logging
 import torch
 from transformers import AutoModel
 
+from app.models.pooling import POOLERS, pooling_mode
 from app.models.source import local_directory
 from app.models.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean of the token vectors the mask keeps, accumulated in fp32."""
-    mask = attention_mask.unsqueeze(-1).to(torch.float32)
-    summed = (hidden.to(torch.float32) * mask).sum(dim=1)
-    return summed / mask.sum(dim=1).clamp(min=1.0)
 
 
 class EmbeddingRunner:
@@ -42,7 +37,9 @@ class EmbeddingRunner:
         self.device = device
         self.dtype = dtype
         directory = local_directory(source)
-        log.info("loading %s from %s (%s, %s)", name, directory, device, dtype)
+        self.pooling = pooling_mode(directory)
+        self._pool = POOLERS[self.pooling]
+        log.info("loading %s from %s (%s, %s, %s)", name, directory, device, dtype, self.pooling)
         tokenizer = load_tokenizer(source, largest_length_bucket, max_input_tokens)
         self.max_input_tokens = tokenizer.max_input_tokens
         self.pad_token_id = tokenizer.pad_token_id
@@ -51,9 +48,9 @@ class EmbeddingRunner:
         self.output_width = int(self.model.config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Mean-pooled vectors of one padded batch (compute threads only)."""
+        """Pooled vectors of one padded batch (compute threads only)."""
         with torch.inference_mode():
             hidden = self.model(
                 input_ids=input_ids, attention_mask=attention_mask
             ).last_hidden_state
-            return mean_pool(hidden, attention_mask)
+            return self._pool(hidden, attention_mask)

@@ -14,7 +14,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_dtype
-from app.models.embedding import mean_pool
+from app.models.pooling import mean_pool
 from app.models.source import resolve_source
 from tests.support.server import http_status, running_server
 

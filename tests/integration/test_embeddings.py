@@ -20,7 +20,7 @@ from transformers import AutoModel, AutoTokenizer
 from app.main import create_app
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_device, resolve_dtype
-from app.models.embedding import mean_pool
+from app.models.pooling import mean_pool
 from app.models.source import resolve_source
 from app.settings import Settings
 from tests.support.asgi import serving

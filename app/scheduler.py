@@ -231,7 +231,10 @@ class Scheduler:
                     best = (oldest, length, reason)
             elif wake_at is None or ready_at < wake_at:
                 wake_at = ready_at
-        batch = None if best is None else self._take(best[1], best[2])
+        batch = None
+        if best is not None:
+            batch, late = self._take(best[1], best[2], now)
+            expired += late
         if batch is not None:
             self._running_until[batch.items[0].item_id] = now + self.estimated_compute(batch.shape)
         return Decision(
@@ -257,7 +260,12 @@ class Scheduler:
             return CloseReason.DEADLINE, now
         return None, min(max_wait_at, urgent_at)
 
-    def _take(self, length: int, reason: CloseReason) -> Batch:
+    def _take(
+        self, length: int, reason: CloseReason, now: float
+    ) -> tuple[Batch, tuple[WorkItem, ...]]:
+        """The batch this bucket closes now, and the inputs taken for it that would finish
+        after their deadline in the batch's shape (expired, not computed for nobody: a
+        larger batch computes slower than the one input `_drop_dead` judges by)."""
         queue = self._queues[length]
         rows = min(len(queue), self.policy.max_batch(length))
         if rows == len(queue):
@@ -271,8 +279,17 @@ class Scheduler:
             self._queues[length] = deque(i for i in queue if i.item_id not in chosen_ids)
             chosen.sort(key=lambda item: item.enqueued_at)
         self._depth -= rows
-        shape = BatchShape(self.policy.padded_batch(length, rows), length)
-        return Batch(shape=shape, items=tuple(chosen), reason=reason)
+        # One at a time, the earliest deadline first: a smaller batch computes faster, so
+        # the rest may then make it. One input alone always does (`_drop_dead` kept only
+        # those that finish alone in time).
+        late: list[WorkItem] = []
+        while True:
+            shape = BatchShape(self.policy.padded_batch(length, len(chosen)), length)
+            first = min(chosen, key=lambda i: i.deadline)
+            if len(chosen) == 1 or first.deadline >= now + self._compute.get(shape):
+                return Batch(shape=shape, items=tuple(chosen), reason=reason), tuple(late)
+            late.append(first)
+            chosen.remove(first)
 
     def _drop_dead(self, now: float) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:
         expired: list[WorkItem] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.model_specs import ModelSpec
@@ -27,7 +27,11 @@ class Settings(BaseSettings):
     # --- serving -----------------------------------------------------------------------
     host: str = Field(default="127.0.0.1", description="Address uvicorn binds.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port uvicorn binds.")
-    log_level: str = Field(default="info", description="Python logging level.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info",
+        description="Logging level (any case). Others are refused: uvicorn takes no `warn`, "
+        "and a front end that cannot start its server would restart forever.",
+    )
     keep_alive_timeout_s: float = Field(
         default=75.0,
         ge=1,  # uvicorn takes whole seconds: under 1 would close every idle connection at once
@@ -305,6 +309,11 @@ class Settings(BaseSettings):
         description="Enables /debug/* when set; requests must send "
         "`Authorization: Bearer <token>`.",
     )
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case_level(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:

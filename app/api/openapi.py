@@ -155,10 +155,18 @@ def install_openapi(app: FastAPI, service: Service) -> None:
         default = service.settings.default_model_name
         _document_generation(document, generating, chatting, default)
         _limit_text_lists(components, service.settings.max_inputs_per_request)
-        widths = [service.output_width(name) for name in service.model_names()]
-        known = sorted({width for width in widths if width is not None})
-        if len(known) == len(set(widths)):  # every model loaded
-            _narrow_dimensions(components, known)
+        names = service.model_names()
+        # `dimensions` is an embedding's width: a tensor model has none, a generate model's
+        # output width is its vocabulary.
+        widths = sorted(
+            width
+            for name in names
+            if service.model_task(name) == "embed"
+            and (width := service.output_width(name)) is not None
+        )
+        if all(service.model_info(name) is not None for name in names):  # every model loaded
+            if widths:
+                _narrow_dimensions(components, sorted(set(widths)))
             app.openapi_schema = document  # complete: nothing left to learn at run time
         return document
 

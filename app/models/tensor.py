@@ -59,16 +59,22 @@ class TensorModel:
 def load_tensor_model(spec: ModelSpec, device: torch.device) -> TensorModel:
     """Load `spec.source`: a `.pt2` file is a torch.export program, anything else a
     TorchScript file (compute threads only: it blocks)."""
-    path = Path(spec.source)
+    path = Path(spec.source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"{spec.name}: no model file at {path}")
     module: torch.nn.Module
-    if path.suffix == ".pt2":
-        program = torch.export.load(str(path))
-        module = program.module().to(device)
-    else:
-        module = torch.jit.load(  # type: ignore[no-untyped-call]
-            str(path), map_location=device
-        ).eval()
+    kind = "torch.export program (.pt2)" if path.suffix == ".pt2" else "TorchScript file"
+    try:
+        if path.suffix == ".pt2":
+            program = torch.export.load(str(path))
+            module = program.module().to(device)
+        else:
+            module = torch.jit.load(  # type: ignore[no-untyped-call]
+                str(path), map_location=device
+            ).eval()
+    except Exception as error:  # a state_dict, a pickle, a truncated file...
+        raise ValueError(
+            f"{spec.name}: {path} is not a {kind} (a state_dict cannot be served): {error}"
+        ) from error
     log.info("%s: loaded %s on %s", spec.name, path.name, device)
     return TensorModel(spec.name, module, device, spec.inputs, spec.outputs)

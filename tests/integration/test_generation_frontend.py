@@ -351,6 +351,9 @@ async def test_the_openapi_document_states_generation_for_the_generate_models(
         model = schemas[name]["properties"]["model"]  # the default model generates: optional
         assert model["anyOf"] == [{"type": "string", "enum": models}, {"type": "null"}]
     assert schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["maxItems"] == 64
+    # `dimensions` names the embedding model's width only, not a vocabulary size.
+    dimensions = schemas["EmbeddingsRequest"]["properties"]["dimensions"]["anyOf"][0]
+    assert dimensions["enum"] == [384]
 
 
 async def test_generations_are_never_reported_as_slow_requests(settings: Settings) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -29,6 +30,7 @@ from app.engine.protocol import (
 from app.engine.tensor_host import TensorHost
 from app.main import create_app
 from app.model_specs import ModelSpec
+from app.models.tensor import load_tensor_model
 from app.settings import Settings
 from tests.support.asgi import serving
 from tests.support.tensor_models import TensorModels, build_tensor_models
@@ -229,3 +231,21 @@ async def test_the_engine_publishes_the_inputs_it_took_from_each_front_end(
     assert taken[b"front-a"] - before.get(b"front-a", 0) == 3
     assert taken[b"front-b"] - before.get(b"front-b", 0) == 3
     assert len(answers) == 3  # all refused, at once
+
+
+async def test_a_state_dict_is_refused_at_load_naming_the_model_and_what_it_needed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2, 2)}, path)
+    spec = ModelSpec.model_validate(
+        {
+            "name": "scorer",
+            "task": "tensor",
+            "source": str(path),
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
+        }
+    )
+    with pytest.raises(ValueError, match=r"scorer: .* is not a TorchScript file"):
+        load_tensor_model(spec, torch.device("cpu"))

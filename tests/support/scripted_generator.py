@@ -44,7 +44,9 @@ class ScriptedGenerator(AlwaysReadyEngine):
         self.outputs_per_turn = 1  # outputs delivered together before the reader runs
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
-        return ModelInfo(spec.task, 0, self._max_sequence_tokens - 1)
+        # As the real engine reports them: an embedding's width, a generate model's vocabulary.
+        width = 384 if spec.task == "embed" else 500
+        return ModelInfo(spec.task, width, self._max_sequence_tokens - 1)
 
     async def close(self) -> None:
         for task in self._running.values():

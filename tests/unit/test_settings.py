@@ -37,6 +37,7 @@ def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) ->
         {"health_port": 8000, "port": 8000},  # the probe listener takes the traffic port
         {"keep_alive_timeout_s": 0.5},  # uvicorn's whole seconds: 0, every idle one closed
         {"max_batch_tokens": 256},  # one input of the 512 bucket is 512 tokens
+        {"log_level": "warn"},  # Python's logging takes it, uvicorn does not
     ],
 )
 def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:
@@ -49,3 +50,7 @@ def test_a_models_policy_stops_at_the_bucket_holding_its_longest_input() -> None
     assert policy_for(settings, 256).length_buckets == (16, 32, 64, 128, 256)
     assert policy_for(settings, 100).length_buckets == (16, 32, 64, 128)
     assert policy_for(settings, 512).length_buckets == (16, 32, 64, 128, 256, 512)
+
+
+def test_the_log_level_is_taken_in_any_case() -> None:
+    assert Settings(log_level="WARNING").log_level == "warning"  # type: ignore[arg-type]

@@ -187,7 +187,8 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         if torn:
             stream.write(f"batch: {path}: cut a torn last line ({torn} bytes); it is redone\n")
     done = IdSet()
-    resumed = read_ids(output, done) + read_ids(errors_path, done)
+    errors_before = read_ids(errors_path, done)
+    resumed = read_ids(output, done) + errors_before
     if resumed:
         stream.write(f"batch: resuming: {resumed:,} ids already in {output} or its errors\n")
     total = count_lines(args.input)
@@ -252,12 +253,15 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     display.close(final)
     document = summary(final, stopped_by[0] if stopped_by else None)
     document["peak_resident_mb"] = peak_resident_mb()
+    # A rerun skips what earlier runs put in the errors file: those lines are still not
+    # answered, and the exit status says so.
+    document["lines_in_errors_file"] = errors_before + errors_journal.lines_written
     stream.write("batch summary:\n" + summary_table(document) + "\n")
     if args.summary_json is not None:
         args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     if stopped_by:
         return 128 + int(signal.Signals[stopped_by[0]])
-    if document["lines_failed"] or document["lines_unfinished"]:
+    if document["lines_in_errors_file"] or document["lines_unfinished"]:
         return EXIT_SOME_ERRORS
     return EXIT_OK
 

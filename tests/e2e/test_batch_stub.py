@@ -104,6 +104,12 @@ def test_a_422_line_goes_to_errors_without_retries(tmp_path: Path) -> None:
         done = run_batch(source, f"http://127.0.0.1:{server.port}", out)
         invalid_texts = [t for t in server.inputs_seen if MARKER_INVALID in t]
         sent = {t: len(server.inputs_seen[t]) for t in invalid_texts}
+        # A rerun sends nothing (every id is done) and still says lines are in errors.
+        requests = sum(len(arrivals) for arrivals in server.inputs_seen.values())
+        rerun = run_batch(source, f"http://127.0.0.1:{server.port}", out)
+        assert sum(len(arrivals) for arrivals in server.inputs_seen.values()) == requests
+    assert rerun.returncode == 3, rerun.stderr
+    assert "lines_in_errors_file  5" in rerun.stderr
     assert done.returncode == 3
     assert len(sent) == 5 and set(sent.values()) == {1}, sent
     failed = read_lines(tmp_path / "out.errors.jsonl")

@@ -17,7 +17,7 @@ import asyncio
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -44,6 +44,26 @@ EXIT_SOME_ERRORS = 3
 TICK_S = 0.5
 
 
+def _at_least(least: float, kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of `kind` no smaller than `least` (a usage error, exit 2,
+    otherwise)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text} is under {least:g}")
+        return value
+
+    return parse
+
+
+_POSITIVE_INT = _at_least(1, int)
+_POSITIVE = _at_least(1e-9, float)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="steadyserve batch",
@@ -54,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="OUTPUT.jsonl (appended to)")
     parser.add_argument(
         "--concurrency",
-        type=int,
+        type=_POSITIVE_INT,
         default=128,
         help="most requests in flight; the client adapts between 1 and this (default 128)",
     )
@@ -63,15 +83,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep --concurrency in flight instead of adapting (for comparisons)",
     )
-    parser.add_argument("--rate", type=float, help="most requests per second, retries included")
+    parser.add_argument("--rate", type=_POSITIVE, help="most requests per second, retries included")
     parser.add_argument(
-        "--inputs-per-request", type=int, default=1, help="pack up to N inputs per request"
+        "--inputs-per-request",
+        type=_POSITIVE_INT,
+        default=1,
+        help="pack up to N inputs per request",
     )
     parser.add_argument(
-        "--timeout-ms", type=float, default=30000.0, help="per attempt (default 30000)"
+        "--timeout-ms", type=_POSITIVE, default=30000.0, help="per attempt (default 30000)"
     )
     parser.add_argument(
-        "--max-retries", type=int, default=8, help="retries of one request (default 8)"
+        "--max-retries",
+        type=_at_least(0, int),
+        default=8,
+        help="retries of one request (default 8)",
     )
     parser.add_argument(
         "--header",
@@ -88,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="bar on a terminal, periodic lines otherwise (auto)",
     )
     parser.add_argument(
-        "--progress-interval", type=float, default=10.0, help="seconds between progress lines"
+        "--progress-interval",
+        type=_POSITIVE,
+        default=10.0,
+        help="seconds between progress lines",
     )
     parser.add_argument("--seed", type=int, help="seed of the retry jitter")
     return parser
@@ -272,6 +301,9 @@ def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
     out = stream or sys.stderr
     try:
         parse_headers(args.header)
+    except ValueError as error:
+        parser.error(str(error))  # a usage error: exit 2
+    try:
         if not args.input.is_file():
             raise ValueError(f"{args.input} is not a file")
         return asyncio.run(run_job(args, out))

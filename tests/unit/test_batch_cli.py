@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from app.batchclient.cli import _Source, parse_headers
+from app.batchclient.cli import _Source, main, parse_headers
 from app.batchclient.journal import IdSet, Journal
 
 
@@ -59,3 +59,25 @@ def test_a_resumed_run_skips_the_ids_a_previous_run_finished(tmp_path: Path) -> 
     assert sent == ["x"]
     assert errors == []
     assert (source.invalid, source.skipped) == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--concurrency", "0"],
+        ["--inputs-per-request", "0"],
+        ["--rate", "0"],
+        ["--timeout-ms", "0"],
+        ["--max-retries", "-1"],
+        ["--progress-interval", "0"],
+        ["--header", "no colon"],
+    ],
+)
+def test_a_value_that_cannot_work_is_a_usage_error(tmp_path: Path, option: list[str]) -> None:
+    """Exit 2 (usage), as the command documents, not 1 (could not run) or a run."""
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"inputs": "x"}\n')
+    command = [str(source), "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit) as stopped:
+        main([*command, *option])
+    assert stopped.value.code == 2

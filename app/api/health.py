@@ -16,8 +16,18 @@ from app.service import Service
 
 router = APIRouter()
 
+_JSON = {"application/json": {"schema": {"type": "object"}}}
+_HEALTHZ: dict[int | str, dict[str, object]] = {
+    200: {"description": 'Leave it running: {"status": "ok"}', "content": _JSON},
+    503: {"description": 'Restart it: {"status": "unhealthy", "problem"}', "content": _JSON},
+}
+_READYZ: dict[int | str, dict[str, object]] = {
+    200: {"description": "Ready: every shape warmed up, not draining", "content": _JSON},
+    503: {"description": "Not ready (warming up, draining, no engine): why", "content": _JSON},
+}
 
-@router.get("/healthz")
+
+@router.get("/healthz", responses=_HEALTHZ)
 async def healthz(request: Request) -> Response:
     """200 while the server should be left running; 503 once start-up failed or the
     engine's batches keep failing (so it gets restarted). An engine that is restarting is
@@ -26,7 +36,7 @@ async def healthz(request: Request) -> Response:
     return _probe("/healthz", service)
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=_READYZ)
 async def readyz(request: Request) -> Response:
     """200 when the engine has warmed up every shape and the server is not draining; 503
     otherwise, saying why."""

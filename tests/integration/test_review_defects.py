@@ -156,3 +156,10 @@ async def test_an_embedding_over_fp16s_range_is_refused_as_fp16_not_sent_as_null
         fine = await client.post("/v2/models/fake/infer", json=body)
         assert fine.status_code == 200
         assert fine.json()["outputs"][0]["data"][0] == 1e6
+
+
+async def test_the_openapi_document_says_the_probes_answer_503_too() -> None:
+    async with app_with() as (client, _, _):
+        paths = (await client.get("/openapi.json")).json()["paths"]
+    for probe in ("/healthz", "/readyz"):
+        assert {"200", "503"} <= set(paths[probe]["get"]["responses"]), probe

@@ -24,6 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
+from pydantic import ValidationError
 
 from app.settings import Settings, settings_table
 
@@ -165,9 +166,25 @@ def run_uvicorn(
     return 0 if service.liveness() is None else 1
 
 
+def settings_problems(error: ValidationError) -> list[str]:
+    """One line per invalid setting, named as its environment variable (what an operator
+    set), or as the settings when the problem spans several."""
+    lines = []
+    for problem in error.errors():
+        location = problem.get("loc") or ()
+        name = f"STEADY_{str(location[0]).upper()}" if location else "settings"
+        lines.append(f"{name}: {problem.get('msg', 'invalid')}")
+    return lines
+
+
 def serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = Settings(**overrides)
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as error:
+        for line in settings_problems(error):
+            sys.stderr.write(f"steadyserve: {line}\n")
+        return 2
     if settings.engine == "process":
         from app.processes import serve_processes
 
@@ -202,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         "spikes", help="a server's recent slow-request reports as a table", add_help=False
     )
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("serve", "settings") and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return serve(args)
     if args.command == "settings":
         print(settings_table())

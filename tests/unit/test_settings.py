@@ -54,3 +54,27 @@ def test_a_models_policy_stops_at_the_bucket_holding_its_longest_input() -> None
 
 def test_the_log_level_is_taken_in_any_case() -> None:
     assert Settings(log_level="WARNING").log_level == "warning"  # type: ignore[arg-type]
+
+
+def test_serve_names_each_bad_setting_by_its_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line each, exit 2, instead of a pydantic traceback naming fields."""
+    from app.cli import main
+
+    monkeypatch.setenv("STEADY_MAX_BATCH_SIZE", "abc")
+    monkeypatch.setenv("STEADY_LOG_LEVEL", "warn")
+    assert main(["serve"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert {line.split(":")[1].strip() for line in lines} == {
+        "STEADY_MAX_BATCH_SIZE",
+        "STEADY_LOG_LEVEL",
+    }
+
+
+def test_settings_refuses_arguments_it_does_not_take() -> None:
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["settings", "--bogus", "x"])
+    assert stopped.value.code == 2

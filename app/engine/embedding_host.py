@@ -23,7 +23,14 @@ from app.engine.protocol import (
     ModelInfo,
     Submit,
 )
-from app.engine.rows import BatchedHost, admit_rows, final_output, gather_rows, record_pool
+from app.engine.rows import (
+    BatchedHost,
+    admit_rows,
+    answering,
+    final_output,
+    gather_rows,
+    record_pool,
+)
 from app.model_specs import ModelSpec
 from app.startup import policy_for
 
@@ -69,7 +76,9 @@ class EmbeddingHost(BatchedHost):
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
             return None
         arrival = self._context.tracer.arrive(self.queued_inputs() - len(futures))
-        return asyncio.create_task(self._answer(request, payload, futures, emit, arrival))
+        return answering(
+            asyncio.create_task(self._answer(request, payload, futures, emit, arrival)), futures
+        )
 
     async def _answer(
         self,

@@ -176,16 +176,16 @@ class GenerationHost:
         if self._table.free > 0:
             self._steps.interrupt()  # it can join at the next step
         self._wakeup.set()
-        return asyncio.create_task(self._answer(sequence))
+        task = asyncio.create_task(self._answer(sequence))
+        # On the task, not in it: a cancel that comes before the task first runs (its
+        # Submit and Cancel read in one turn) never reaches the coroutine's own code.
+        task.add_done_callback(lambda done: self._drop(sequence) if done.cancelled() else None)
+        return task
 
     async def _answer(self, sequence: GenerationSequence) -> None:
         """Lives as long as the sequence; cancelling it (the client went away) drops the
-        sequence and frees its slot at once."""
-        try:
-            await asyncio.shield(sequence.done)
-        except asyncio.CancelledError:
-            self._drop(sequence)
-            raise
+        sequence and frees its slot at once (its done-callback, `submit`)."""
+        await asyncio.shield(sequence.done)
 
     def _drop(self, sequence: GenerationSequence) -> None:
         """Forget a sequence wherever it is and give its slot back; no answer follows."""
@@ -272,15 +272,19 @@ class GenerationHost:
         return max(steps, 1)
 
     def _expire(self, now: float) -> None:
-        """Sequences past their deadline fail (504) and free their slots."""
-        for sequence in [*self._waiting, *self._running.values()]:
-            if sequence.request.deadline <= now:
-                self._context.metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
-                self._fail(
-                    sequence,
-                    FailureKind.DEADLINE,
-                    f"deadline passed after {len(sequence.generated)} generated tokens",
-                )
+        """Sequences past their deadline fail (504) and free their slots; the tokens they
+        were given in the last step go out first (a stream ends at its failure)."""
+        sequences = [*self._waiting, *self._running.values()]
+        expired = [sequence for sequence in sequences if sequence.request.deadline <= now]
+        if expired:
+            self._send_outbox()
+        for sequence in expired:
+            self._context.metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
+            self._fail(
+                sequence,
+                FailureKind.DEADLINE,
+                f"deadline passed after {len(sequence.generated)} generated tokens",
+            )
 
     def _join(self) -> list[GenerationSequence]:
         """Waiting sequences that take free slots for this step, oldest first, while the

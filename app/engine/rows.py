@@ -63,6 +63,22 @@ def admit_rows(
     return delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s)
 
 
+def answering(
+    task: asyncio.Task[None], futures: Sequence[asyncio.Future[Any]]
+) -> asyncio.Task[None]:
+    """`task`, which answers a request from its rows' `futures`, with its rows dropped when
+    it is cancelled, even before it first runs (its Submit and Cancel read in one engine
+    turn): `gather_rows` drops them only once it runs."""
+
+    def drop_rows(done: asyncio.Task[None]) -> None:
+        if done.cancelled():
+            for future in futures:
+                future.cancel()
+
+    task.add_done_callback(drop_rows)
+    return task
+
+
 async def gather_rows(
     futures: list[asyncio.Future[ItemResult[OutT]]],
     request: Submit,

@@ -28,7 +28,14 @@ from app.engine.protocol import (
     TensorOutput,
     TensorPayload,
 )
-from app.engine.rows import BatchedHost, admit_rows, final_output, gather_rows, record_pool
+from app.engine.rows import (
+    BatchedHost,
+    admit_rows,
+    answering,
+    final_output,
+    gather_rows,
+    record_pool,
+)
 from app.model_specs import ModelSpec
 from app.models.tensor import TensorModel, load_tensor_model
 from app.scheduler import BatchPolicy, BatchShape
@@ -122,7 +129,9 @@ class TensorHost(BatchedHost):
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
             return None
         arrival = self._context.tracer.arrive(self.queued_inputs() - len(futures))
-        return asyncio.create_task(self._answer(request, shape, futures, emit, arrival))
+        return answering(
+            asyncio.create_task(self._answer(request, shape, futures, emit, arrival)), futures
+        )
 
     async def _answer(
         self,

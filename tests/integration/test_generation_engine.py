@@ -517,3 +517,52 @@ async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(
         assert again.finish_reason is not None  # and was restarted
     finally:
         await engine.close()
+
+
+async def yield_until(condition: object, what: str) -> None:
+    """Yield to the event loop until `condition()` holds (bounded: fails, never hangs)."""
+    for _ in range(1000):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_a_cancel_read_in_the_same_turn_as_its_submit_drops_the_sequence(
+    tiny_causal_lm: Path,
+) -> None:
+    """The engine reads a front end's Submit and Cancel in one turn when its loop was busy:
+    the request's task is cancelled before it ever runs, and its sequence used to stay
+    queued, then take a slot and generate for nobody."""
+    engine = await started(settings_for(tiny_causal_lm, generate_slots=1))
+    try:
+        holder = engine.stream(submit(engine, [1, 40, 41], SamplingParams(max_new_tokens=200)))
+        await anext(holder)  # the only slot is taken: the next request waits
+        core, host = engine.core, engine.core.hosts["tiny"]
+        request = submit(engine, [1, 50, 51], SamplingParams(max_new_tokens=3))
+        core.submit(b"front", request, lambda message: None)
+        assert host.queued_inputs() == 1
+        core.cancel(b"front", request.request_id)  # same turn: its task has not run
+        await yield_until(lambda: host.queued_inputs() == 0, "the cancelled sequence dropped")
+        await holder.aclose()
+    finally:
+        await engine.close()
+
+
+async def test_an_expiring_stream_gets_its_last_tokens_before_its_failure(
+    tiny_causal_lm: Path,
+) -> None:
+    engine = await started(settings_for(tiny_causal_lm))
+    try:
+        host = engine.core.hosts["tiny"]
+        assert isinstance(host, GenerationHost)
+        received: list[object] = []
+        request = submit(engine, [1, 50, 51], SamplingParams(max_new_tokens=3))
+        engine.core.submit(b"front", request, received.append)
+        [sequence] = [s for s in host._waiting if s.request is request]
+        pending = Output(request.request_id, False, TokensOutput([7], 3), 0.0, 0.0)
+        host._outbox = [(sequence, pending)]  # the last step's, not sent yet
+        host._expire(request.deadline + 1)
+        assert [type(message).__name__ for message in received] == ["Output", "Failure"]
+    finally:
+        await engine.close()

@@ -19,6 +19,7 @@ from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.embedding_service import embed_texts
 from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
+from app.engine.protocol import EmbedPayload, Submit
 from app.main import create_app
 from app.model_specs import ModelSpec
 from app.scheduler import BatchShape
@@ -193,6 +194,25 @@ async def test_a_cancelled_request_leaves_the_queue_before_it_is_computed(
     computed = [row for batch in harness.runner.batches for row in batch]
     assert [1, 9, 5, 2] not in computed
     assert harness.service.admission.inflight == 0
+
+
+async def test_a_cancel_read_in_the_same_turn_as_its_submit_drops_the_rows(
+    harness: Harness,
+) -> None:
+    """Its task is cancelled before it ever runs (`gather_rows` never starts): the rows
+    used to stay queued and be computed for nobody."""
+    holder = await harness.hold_the_worker()
+    core = harness.engine
+    request = Submit(999, "fake", 1e12, EmbedPayload([[1, 5, 2]]))
+    core.submit(b"front", request, lambda message: None)
+    scheduler = core.hosts["fake"].batcher.scheduler
+    assert scheduler.depth == 1
+    core.cancel(b"front", request.request_id)  # same turn: its task has not run
+    await harness.until(lambda: core.queued_inputs() == 0, "the cancelled rows dropped")
+    harness.release()
+    assert (await holder).status_code == 200
+    computed = [row for batch in harness.runner.batches for row in batch]
+    assert [1, 5, 2] not in computed
 
 
 async def test_a_client_disconnect_cancels_the_work() -> None:

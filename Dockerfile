@@ -47,13 +47,16 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
-    HOME=/tmp
+    HOME=/tmp \
+    STEADY_HEALTH_PORT=8001
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 8000
+EXPOSE 8000 8001
 # Liveness only (/healthz): readiness (/readyz) is the orchestrator's decision, and a warming
-# replica must not be restarted. The slim image has no curl; Python is there anyway.
+# replica must not be restarted. On the supervisor's probe port, as Kubernetes probes it: it
+# carries no traffic, so a flood on 8000 cannot time the check out (and `serve --port` may
+# move the traffic port). The slim image has no curl; Python is there anyway.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2).status != 200)"]
+    CMD ["python", "-c", "import os, sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:' + os.environ['STEADY_HEALTH_PORT'] + '/healthz', timeout=2).status != 200)"]
 ENTRYPOINT ["steadyserve"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

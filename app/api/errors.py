@@ -143,7 +143,8 @@ async def _non_finite(request: Request, error: Exception) -> Response:
 
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, StarletteHTTPException)
-    kind = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    kinds = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_content_encoding"}
+    kind = kinds.get(error.status_code, "http_error")
     return error_response(error.status_code, kind, str(error.detail), headers=error.headers)
 
 

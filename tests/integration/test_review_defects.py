@@ -163,3 +163,17 @@ async def test_the_openapi_document_says_the_probes_answer_503_too() -> None:
         paths = (await client.get("/openapi.json")).json()["paths"]
     for probe in ("/healthz", "/readyz"):
         assert {"200", "503"} <= set(paths[probe]["get"]["responses"]), probe
+
+
+async def test_a_compressed_body_is_a_415_that_says_so() -> None:
+    """It used to be a bare 400 "There was an error parsing the body"."""
+    import gzip
+
+    async with app_with() as (client, _, _):
+        body = gzip.compress(b'{"inputs": "text"}')
+        headers = {"content-type": "application/json", "content-encoding": "gzip"}
+        response = await client.post("/infer", content=body, headers=headers)
+    assert response.status_code == 415
+    error = response.json()["error"]
+    assert error["type"] == "unsupported_content_encoding"
+    assert "'gzip'" in error["message"]

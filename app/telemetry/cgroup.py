@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 def _read(path: Path) -> str | None:
@@ -21,21 +22,55 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
-    """CPUs allowed by the quota (v2 `cpu.max`, else v1 `cpu.cfs_quota_us`), None if unlimited."""
-    v2 = _read(root / "cpu.max")
-    if v2 is not None:
-        quota, _, period = v2.partition(" ")
-        if quota == "max" or not period:
-            return None
-        return int(quota) / int(period)
-    for v1_dir in (root / "cpu,cpuacct", root / "cpu"):
-        quota_text = _read(v1_dir / "cpu.cfs_quota_us")
-        period_text = _read(v1_dir / "cpu.cfs_period_us")
-        if quota_text is not None and period_text is not None:
-            quota_us = int(quota_text)
-            return None if quota_us <= 0 else quota_us / int(period_text)
-    return None
+def _own_path(self_cgroup: Path, v2: bool) -> list[str]:
+    """This process's cgroup, relative to its hierarchy's root, as path parts (from
+    /proc/self/cgroup: `0::/path` on v2, `N:cpu,cpuacct:/path` on v1); none when unknown
+    or at the root (a container with its own cgroup namespace sees `/`)."""
+    for line in (_read(self_cgroup) or "").splitlines():
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if (v2 and controllers == "") or (not v2 and "cpu" in controllers.split(",")):
+            return [part for part in path.split("/") if part and part != ".."]
+    return []
+
+
+def _chain(base: Path, parts: list[str]) -> list[Path]:
+    """`base/parts...`, then each parent up to `base`: every cgroup whose limit applies."""
+    return [base.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _v2_quota(directory: Path) -> float | None:
+    text = _read(directory / "cpu.max")
+    if text is None:
+        return None
+    quota, _, period = text.partition(" ")
+    return None if quota == "max" or not period else int(quota) / int(period)
+
+
+def _v1_quota(directory: Path) -> float | None:
+    quota_text = _read(directory / "cpu.cfs_quota_us")
+    period_text = _read(directory / "cpu.cfs_period_us")
+    if quota_text is None or period_text is None or int(quota_text) <= 0:
+        return None
+    return int(quota_text) / int(period_text)
+
+
+def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float | None:
+    """CPUs allowed by the tightest quota on this process's cgroup and its ancestors (v2
+    `cpu.max`, else v1 `cpu.cfs_quota_us`), None if unlimited. Not only the root's: without
+    a cgroup namespace of its own (a systemd unit's `CPUQuota=`, `--cgroupns=host`) the
+    process's limit is set on its own cgroup, below the root."""
+    if (root / "cgroup.controllers").exists() or (root / "cpu.max").exists():
+        chains = [(_chain(root, _own_path(self_cgroup, v2=True)), _v2_quota)]
+    else:
+        parts = _own_path(self_cgroup, v2=False)
+        chains = [(_chain(root / name, parts), _v1_quota) for name in ("cpu,cpuacct", "cpu")]
+    quotas = [
+        quota
+        for directories, read in chains
+        for directory in directories
+        if (quota := read(directory)) is not None
+    ]
+    return min(quotas, default=None)
 
 
 def _affinity() -> int:

@@ -32,6 +32,31 @@ def test_cgroup_v1_quota_and_unlimited(tmp_path: Path) -> None:
     assert cgroup_cpu_quota(tmp_path) is None
 
 
+def test_the_quota_on_the_process_own_cgroup_counts_not_only_the_root(tmp_path: Path) -> None:
+    """A systemd unit's CPUQuota= (or a container sharing the host's cgroup namespace) is
+    set below the root: reading the root alone sized torch to every host core."""
+    root, self_cgroup = tmp_path / "cgroup", tmp_path / "self"
+    unit = root / "system.slice" / "steadyserve.service"
+    unit.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "cpu.max").write_text("max 100000\n")
+    (unit / "cpu.max").write_text("200000 100000\n")
+    self_cgroup.write_text("0::/system.slice/steadyserve.service\n")
+    assert cgroup_cpu_quota(root, self_cgroup) == 2.0
+    (root / "system.slice" / "cpu.max").write_text("150000 100000\n")  # a tighter parent
+    assert cgroup_cpu_quota(root, self_cgroup) == 1.5
+
+
+def test_the_v1_quota_on_the_process_own_cgroup(tmp_path: Path) -> None:
+    root, self_cgroup = tmp_path / "cgroup", tmp_path / "self"
+    own = root / "cpu,cpuacct" / "docker" / "abc"
+    own.mkdir(parents=True)
+    (own / "cpu.cfs_quota_us").write_text("300000\n")
+    (own / "cpu.cfs_period_us").write_text("100000\n")
+    self_cgroup.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
+    assert cgroup_cpu_quota(root, self_cgroup) == 3.0
+
+
 def test_no_cgroup_files_means_no_quota(tmp_path: Path) -> None:
     assert cgroup_cpu_quota(tmp_path) is None
     assert available_cpus(tmp_path, affinity=6) == 6

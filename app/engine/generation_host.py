@@ -329,17 +329,7 @@ class GenerationHost:
             if sequence.first_token_at is None:
                 sequence.first_token_at = now
                 self._first_token_histogram.observe(now - sequence.arrived)
-            fresh: list[int] = []
-            finish: FinishReason | None = None
-            for token in chosen:
-                if token in eos:
-                    finish = FinishReason.EOS
-                    break
-                fresh.append(token)
-                if len(fresh) >= sequence.remaining:  # `generated` is extended below
-                    finish = FinishReason.LENGTH
-                    break
-            sequence.generated.extend(fresh)
+            fresh, finish = sequence.take(chosen, eos)
             if fresh:
                 self._tokens_counter.inc(len(fresh))
             if finish is not None:
@@ -352,9 +342,7 @@ class GenerationHost:
         self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float
     ) -> Output:
         """End the sequence (its slot is free from now) and return its final output."""
-        produced = len(sequence.generated)
-        if produced > 1 and sequence.first_token_at is not None:
-            per_token = (now - sequence.first_token_at) / (produced - 1)
+        if (per_token := sequence.time_per_output_token(now)) is not None:
             self._context.metrics.time_per_output_token.labels(self.name).observe(per_token)
         sent = token_ids if sequence.streams else sequence.generated
         output = sequence.output(sent, reason, now, self._context.tracer)

@@ -37,6 +37,29 @@ class GenerationSequence:
     def remaining(self) -> int:
         return self.sampling.max_new_tokens - len(self.generated)
 
+    def take(self, chosen: list[int], eos: frozenset[int]) -> tuple[list[int], FinishReason | None]:
+        """Add the tokens a step (or a multi-step run) chose for it, up to EOS (not kept) or
+        its length; returns those kept and why it ended, if it did."""
+        fresh: list[int] = []
+        finish: FinishReason | None = None
+        for token in chosen:
+            if token in eos:
+                finish = FinishReason.EOS
+                break
+            fresh.append(token)
+            if len(fresh) >= self.remaining:  # `generated` is extended below
+                finish = FinishReason.LENGTH
+                break
+        self.generated.extend(fresh)
+        return fresh, finish
+
+    def time_per_output_token(self, now: float) -> float | None:
+        """Mean seconds between its generated tokens, once it has two."""
+        produced = len(self.generated)
+        if produced < 2 or self.first_token_at is None:
+            return None
+        return (now - self.first_token_at) / (produced - 1)
+
     def row(self) -> StepRow:
         """Its part of the next step: the prompt, or its last token at its position."""
         assert self.slot is not None

@@ -242,7 +242,7 @@ class Service:
         # Counted in whole batches as the engine counts them (`batch_delay`), from the
         # published full batch; `least_own_compute_s` for a batch not yet full.
         unsent = max(0, self.admission.inflight - self._at_engine)
-        sent = self.engine.inputs_in_transit() + unsent
+        sent = self.engine.inputs_in_transit(status) + unsent
         queue = BatchQueue(
             backlog_s=status.backlog_s + sent * status.seconds_per_input,
             queued=status.queued_inputs + sent,

@@ -69,7 +69,7 @@ class AlwaysReadyEngine(StreamingClient):
             models={spec.name: self.model_info(spec) for spec in self._settings.models},
         )
 
-    def inputs_in_transit(self) -> int:
+    def inputs_in_transit(self, status: EngineStatus) -> int:
         """It takes what is sent the moment it is sent: nothing is ever in transit."""
         return 0
 

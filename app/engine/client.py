@@ -106,9 +106,9 @@ class EngineClient(Protocol):
 
     def next_request_id(self) -> int: ...
 
-    def inputs_in_transit(self) -> int:
-        """Inputs this front end sent that the engine's last published status does not
-        hold yet (on their way, or taken since it was published): front ends add them to
+    def inputs_in_transit(self, status: EngineStatus) -> int:
+        """Inputs this front end sent that `status` (the engine's last published one) does
+        not hold yet (on their way, or taken since it was published): front ends add them to
         the published backlog when shedding."""
         ...
 
@@ -149,9 +149,8 @@ class StreamingClient:
     def next_request_id(self) -> int:
         return next(self._ids)
 
-    def inputs_in_transit(self) -> int:
-        status = self.status()
-        if status is None or status.engine_id != self._sent_to:
+    def inputs_in_transit(self, status: EngineStatus) -> int:
+        if status.engine_id != self._sent_to:
             return 0
         return max(0, self._sent_inputs - status.taken_inputs.get(self.origin, 0))
 

@@ -15,9 +15,10 @@ from tests.deploy.tools import DEPLOY, require_tool, run_tool
 from tests.support.registry import exported_names
 
 DASHBOARD = DEPLOY / "grafana" / "steadyserve.json"
-# Envoy's own stats, which the alerts use too (their names are Envoy's, checked against a
-# running Envoy in tests/e2e/test_envoy_e2e.py); every steadyserve name comes from the
-# server's registry.
+# Envoy's own stats, which the alerts use too (each checked against what a real Envoy running
+# the shipped config exports: tests/deploy/test_envoy_config.py::
+# test_stats_listener_exposes_only_metrics_and_readiness); every steadyserve name comes from
+# the server's registry.
 ENVOY_METRICS = {
     "envoy_http_downstream_cx_destroy_local_active_rq",
     "envoy_cluster_upstream_cx_destroy_local_with_active_rq",

@@ -195,29 +195,39 @@ def serve(args: argparse.Namespace) -> int:
     return run_uvicorn(create_app(settings), settings)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Sub-commands with a command line of their own, by the module that runs them. Each module has
+# `parse_arguments(argv)` (what its `main` parses, raising SystemExit on a usage error) and
+# `main(argv) -> int`; imported by name at call time: these tools are not needed to serve.
+DELEGATED = {
+    "check-config": "app.checkconfig",
+    "bench": "loadtest.cli",
+    "batch": "app.batchclient.cli",
+    "spikes": "app.spikes.table",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level command line: `serve` and `settings` parsed here, the others' arguments
+    left for their own modules (`DELEGATED`)."""
     parser = argparse.ArgumentParser(prog="steadyserve")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve the configured models over HTTP")
     serve_parser.add_argument("--host", help="overrides STEADY_HOST")
     serve_parser.add_argument("--port", type=int, help="overrides STEADY_PORT")
-    commands.add_parser(
-        "check-config",
-        help="compare settings, Envoy and k8s files with deploy/baseline.yaml",
-        add_help=False,
-    )
-    commands.add_parser(
-        "bench",
-        help="load generator (loadtest); `bench compare` runs the comparison",
-        add_help=False,
-    )
-    commands.add_parser(
-        "batch", help="push a JSONL file through /infer at the server's pace", add_help=False
-    )
     commands.add_parser("settings", help="print every setting as a Markdown table")
-    commands.add_parser(
-        "spikes", help="a server's recent slow-request reports as a table", add_help=False
-    )
+    delegated_help = {
+        "check-config": "compare settings, Envoy and k8s files with deploy/baseline.yaml",
+        "bench": "load generator (loadtest); `bench compare` runs the comparison",
+        "batch": "push a JSONL file through /infer at the server's pace",
+        "spikes": "a server's recent slow-request reports as a table",
+    }
+    for command, module in DELEGATED.items():
+        commands.add_parser(command, help=delegated_help.get(command, module), add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in ("serve", "settings") and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -226,19 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         print(settings_table())
         return 0
-    if args.command == "spikes":
-        from app.spikes.table import main as spikes_main
-
-        return spikes_main(rest)
-    if args.command == "check-config":
-        # Imported by name at call time: these tools are not needed to serve.
-        checkconfig = importlib.import_module("app.checkconfig")
-        return int(checkconfig.main(rest))
-    if args.command == "batch":
-        batch_cli = importlib.import_module("app.batchclient.cli")
-        return int(batch_cli.main(rest))
-    loadtest_cli = importlib.import_module("loadtest.cli")
-    return int(loadtest_cli.main(rest))
+    return int(importlib.import_module(DELEGATED[args.command]).main(rest))
 
 
 if __name__ == "__main__":

@@ -392,19 +392,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_subcommand(arguments: list[str]) -> list[str]:
+    """`run` is the sub-command when the first argument is an option."""
+    if arguments and arguments[0].startswith("-") and arguments[0] not in ("-h", "--help"):
+        return ["run", *arguments]
+    return arguments
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """The command line `main` runs (the comparison's, after `bench` or `compare`); SystemExit
+    (status 2) on a usage error."""
+    if argv and argv[0] in ("bench", "compare"):
+        from loadtest import bench
+
+        return bench.build_parser().parse_args(argv[1:])
+    return build_parser().parse_args(_with_subcommand(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     if arguments and arguments[0] in ("bench", "compare"):
         from loadtest import bench
 
         return bench.main(arguments[1:])
-    parser = build_parser()
     if not arguments:
-        parser.print_help(sys.stderr)
+        build_parser().print_help(sys.stderr)
         return EXIT_USAGE
-    if arguments[0].startswith("-") and arguments[0] not in ("-h", "--help"):
-        arguments.insert(0, "run")
-    options = parser.parse_args(arguments)
+    options = parse_arguments(arguments)
     try:
         handler: Callable[[argparse.Namespace], int] = options.handler
         return handler(options)

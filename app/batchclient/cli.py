@@ -295,14 +295,20 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line `main` runs; SystemExit (status 2) on a usage error."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    out = stream or sys.stderr
     try:
         parse_headers(args.header)
     except ValueError as error:
-        parser.error(str(error))  # a usage error: exit 2
+        parser.error(str(error))
+    return args
+
+
+def main(argv: list[str] | None = None, stream: TextIO | None = None) -> int:
+    args = parse_arguments(argv)
+    out = stream or sys.stderr
     try:
         if not args.input.is_file():
             raise ValueError(f"{args.input} is not a file")

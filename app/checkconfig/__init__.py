@@ -17,7 +17,7 @@ Single-threaded command-line code; nothing here runs inside the server.
 """
 
 from app.checkconfig.common import ConfigError
-from app.checkconfig.compare import main
+from app.checkconfig.compare import main, parse_arguments
 from app.checkconfig.kustomize import render_kustomization, strategic_merge
 
-__all__ = ["ConfigError", "main", "render_kustomization", "strategic_merge"]
+__all__ = ["ConfigError", "main", "parse_arguments", "render_kustomization", "strategic_merge"]

@@ -304,7 +304,8 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
     return differences
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line `main` runs; SystemExit (status 2) on a usage error."""
     parser = argparse.ArgumentParser(
         prog="steadyserve check-config",
         description="Compare settings, Envoy config and Kubernetes manifests with the baseline.",
@@ -312,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", type=Path, default=Path("deploy/baseline.yaml"))
     parser.add_argument("--envoy", type=Path, default=Path("deploy/envoy/envoy.yaml"))
     parser.add_argument("--k8s", type=Path, default=Path("deploy/k8s"))
-    arguments = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
     try:
         differences = run_checks(arguments.baseline, arguments.envoy, arguments.k8s)
     except ConfigError as error:

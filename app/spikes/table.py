@@ -57,13 +57,18 @@ def render_table(body: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    """The command line `main` runs; SystemExit (status 2) on a usage error."""
     parser = argparse.ArgumentParser(prog="steadyserve spikes", description=__doc__)
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--token", help="debug bearer token (default: STEADY_DEBUG_TOKEN)")
     parser.add_argument("--limit", type=int, default=20, help="reports to show (newest)")
     parser.add_argument("--json", action="store_true", help="print the raw JSON instead")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_arguments(argv)
     token = args.token or Settings().debug_token
     try:
         body = fetch_reports(args.url, token, args.limit)

@@ -3,11 +3,14 @@ so the image is linted and inspected, not built)."""
 
 from __future__ import annotations
 
+import json
 import re
+import tomllib
 from pathlib import Path
 
 import yaml
 
+from app.cli import build_parser
 from tests.deploy.tools import DEPLOY, require_tool, run_tool
 from tests.support.server import REPO_ROOT
 
@@ -58,8 +61,18 @@ def test_multi_stage_non_root_with_healthcheck_and_entry_point() -> None:
     kustomization = (DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text()
     port = envs.split("STEADY_HEALTH_PORT=")[1].split()[0]
     assert f"STEADY_HEALTH_PORT={port}" in kustomization
-    assert ("ENTRYPOINT", '["steadyserve"]') in final_stage
-    assert any(k == "CMD" and args.startswith('["serve"') for k, args in final_stage)
+    # The entry point is the console script the package installs, and its command line
+    # parses with the real CLI, as does the one the Kubernetes Deployment gives.
+    entry_point = json.loads(next(args for k, args in final_stage if k == "ENTRYPOINT"))
+    scripts = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entry_point == ["steadyserve"] and scripts["steadyserve"] == "app.cli:main"
+    command = json.loads([args for k, args in final_stage if k == "CMD"][-1])
+    deployment = yaml.safe_load(
+        (DEPLOY / "k8s" / "base" / "steadyserve-deployment.yaml").read_text()
+    )
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    for arguments in (command, container["args"]):
+        assert build_parser().parse_args(arguments).command == "serve"
     arguments = {args.split("=")[0] for keyword, args in steps if keyword == "ARG"}
     assert {"TORCH_VARIANT", "TORCH_INDEX_URL"} <= arguments
 

@@ -1,11 +1,15 @@
-"""The README's settings table is the one `steadyserve settings` prints, and the metrics the
-READMEs name are the server's."""
+"""The README's settings table is the one `steadyserve settings` prints, the metrics the
+READMEs name are the server's, and the commands it shows are the real Makefile's and CLI's."""
 
 from __future__ import annotations
 
+import importlib
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
+from app.cli import DELEGATED, build_parser
 from app.metrics import Metrics
 from app.settings import settings_table
 from tests.support.registry import exported_names
@@ -17,9 +21,48 @@ def test_readme_lists_every_setting_as_the_code_describes_it() -> None:
     assert settings_table() in README.read_text(), "run `steadyserve settings` and paste it"
 
 
-def test_readme_gives_the_two_commands() -> None:
+def _code() -> list[str]:
+    """The README's code, where its commands are: each fenced block, then each inline span."""
     text = README.read_text()
-    assert "make serve" in text and "make test" in text
+    fenced = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+    inline = re.findall(r"`([^`]+)`", re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S))
+    return [*fenced, *(span.replace("\n", " ") for span in inline)]
+
+
+def _command_lines() -> list[str]:
+    """Every line of the README's code, continuation lines joined, comments dropped."""
+    return [
+        line.split(" #")[0].strip()
+        for piece in _code()
+        for line in piece.replace("\\\n", " ").splitlines()
+    ]
+
+
+def test_every_make_target_the_readme_shows_is_the_makefile_s() -> None:
+    targets = {t for line in _command_lines() for t in re.findall(r"\bmake ([a-z][a-z-]*)", line)}
+    assert {"serve", "test"} <= targets  # the two commands a fresh machine starts from
+    for target in sorted(targets):
+        # make itself says whether the Makefile has the target; a dry run runs nothing.
+        result = subprocess.run(
+            ["make", "--dry-run", target], cwd=README.parent, capture_output=True, text=True
+        )
+        assert result.returncode == 0, f"make {target}: {result.stderr}"
+
+
+def test_every_steadyserve_command_the_readme_shows_parses_with_the_real_cli() -> None:
+    commands = [
+        shlex.split(line[match.end() :])
+        for line in _command_lines()
+        if (match := re.search(r"(^|\s)steadyserve(?= )", line))
+    ]
+    assert any(words[:1] == ["spikes"] and len(words) > 1 for words in commands)
+    for words in commands:
+        arguments, rest = build_parser().parse_known_args(words)  # an unknown command exits 2
+        if words[1:] and arguments.command in DELEGATED:
+            # Named with arguments: a whole command, parsed as its own module parses it.
+            importlib.import_module(DELEGATED[arguments.command]).parse_arguments(rest)
+        elif words[1:]:
+            build_parser().parse_args(words)
 
 
 def test_every_metric_a_readme_names_is_in_the_registry() -> None:

@@ -33,11 +33,19 @@ import contextlib
 import logging
 from collections import deque
 
+import msgspec
+
 from app.admission import Rejected, RejectReason
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
-from app.engine.kv_slots import SlotTable, payload_problem, start_verdict, steps_until_start
+from app.engine.kv_slots import (
+    SlotTable,
+    payload_problem,
+    start_verdict,
+    steps_until_start,
+    tokens_within,
+)
 from app.engine.protocol import (
     Failure,
     FailureKind,
@@ -143,9 +151,12 @@ class GenerationHost:
                 f"(cap generate_max_waiting={self._max_waiting})",
                 self._slot_wait_seconds() or None,
             )
+        sampling = payload.sampling
+        # Without a client-set limit it needs time for one token: `submit` fits the rest.
+        planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
         return start_verdict(
             wait_s=self._slot_wait_seconds() + load.backlog_s,
-            generate_s=payload.sampling.max_new_tokens * self._step_s,
+            generate_s=planned * self._step_s,
             deadline=request.deadline,
             now=load.now,
             max_queue_delay_s=load.max_queue_delay_s,
@@ -161,10 +172,19 @@ class GenerationHost:
         if problem is not None:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
+        sampling = payload.sampling
+        if sampling.fit_to_deadline:
+            fitted = tokens_within(
+                request.deadline - self._context.clock(),
+                self._slot_wait_seconds(),
+                self._step_s,
+                sampling.max_new_tokens,
+            )
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=max(1, fitted))
         sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),
-            sampling=payload.sampling,
+            sampling=sampling,
             streams=payload.stream,
             emit=emit,
             generator=new_generator(payload.sampling.seed),

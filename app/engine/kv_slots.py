@@ -90,6 +90,20 @@ def steps_until_start(
     return finishes[0]
 
 
+# Of the time a deadline leaves after the wait for a slot, the share a sequence without a
+# client-set limit plans to generate in: steps vary around the average the plan divides by.
+DEADLINE_FIT_SHARE = 0.9
+
+
+def tokens_within(time_left_s: float, wait_s: float, step_s: float, room: int) -> int:
+    """New tokens (at most `room`) a sequence starting after `wait_s` can generate at
+    `step_s` a step within `DEADLINE_FIT_SHARE` of `time_left_s`; `room` while no step
+    time is known yet."""
+    if step_s <= 0:
+        return room
+    return max(0, min(room, int((time_left_s - wait_s) * DEADLINE_FIT_SHARE / step_s)))
+
+
 def start_verdict(
     wait_s: float, generate_s: float, deadline: float, now: float, max_queue_delay_s: float
 ) -> Rejected | None:

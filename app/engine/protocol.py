@@ -26,7 +26,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """How one sequence picks its next tokens. `do_sample` false: greedy (argmax), the rest
     ignored. `top_k` 0 and `top_p` 1.0 disable those filters. `seed` makes sampling
     reproducible per request. Stop *strings* are the front end's: it detokenizes the stream,
-    and cancels the request once one appears; the engine stops at EOS or `max_new_tokens`."""
+    and cancels the request once one appears; the engine stops at EOS or `max_new_tokens`.
+    `fit_to_deadline`: the client set no limit, and `max_new_tokens` is the room its prompt
+    leaves; the engine lowers it to what the deadline leaves time for (the sequence then
+    ends with `length`), instead of refusing a request that might well stop at EOS soon."""
 
     max_new_tokens: int
     do_sample: bool = False
@@ -34,6 +37,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    fit_to_deadline: bool = False
 
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):

@@ -322,6 +322,7 @@ def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         seed=sampling.seed,
+        fit_to_deadline=sampling.max_new_tokens is None,
     )
 
 

@@ -566,3 +566,40 @@ async def test_an_expiring_stream_gets_its_last_tokens_before_its_failure(
         assert [type(message).__name__ for message in received] == ["Output", "Failure"]
     finally:
         await engine.close()
+
+
+async def test_a_sequence_without_a_client_set_limit_is_fitted_to_its_deadline(
+    tiny_causal_lm: Path,
+) -> None:
+    """A request asking for its prompt's whole room used to be refused 504 whenever room x
+    step time passed its deadline (every chat request without max_tokens on a slow model),
+    although it might stop at EOS soon. Without a client-set limit it is admitted on one
+    token's time and ends with `length` once the deadline's share of steps is spent."""
+    clock = ManualClock()
+    core = EngineCore(settings_for(tiny_causal_lm, warmup=False), Metrics(), clock=clock)
+    engine = InProcessEngine(core)
+    await engine.start()
+    await engine.wait_ready()
+    host = core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    host._step_s = 1.0  # as if each step took a second
+    room = SLOT_TOKENS - 3
+    try:
+
+        def request(fit: bool) -> Submit:
+            sampling = SamplingParams(max_new_tokens=room, fit_to_deadline=fit)
+            return Submit(
+                engine.next_request_id(),
+                "tiny",
+                clock.now + 5.5,
+                GeneratePayload([1, 40, 41], sampling),
+            )
+
+        with pytest.raises(Rejected) as refused:
+            await collect(engine.stream(request(fit=False)))
+        assert refused.value.reason is RejectReason.DEADLINE
+        fitted = await collect(engine.stream(request(fit=True)))
+        # 5.5 s x DEADLINE_FIT_SHARE at 1 s a step: 4 tokens (this prompt meets no EOS).
+        assert (len(fitted.token_ids), fitted.finish_reason) == (4, FinishReason.LENGTH)
+    finally:
+        await engine.close()

@@ -424,3 +424,18 @@ async def test_the_engine_streams_only_what_is_read_as_it_comes(
         payload = engine.submitted[-1].payload
         assert isinstance(payload, GeneratePayload)
         assert payload.stream is streams, extra
+
+
+async def test_only_a_request_without_max_tokens_lets_the_engine_fit_it_to_its_deadline(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """No `max_tokens`: the engine is sent the prompt's room, to be fitted to the deadline
+    (not refused for it); a client-set limit is kept as sent."""
+    for extra, fit in (({}, True), ({"max_tokens": 3}, False)):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **extra}
+        response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        payload = engine_of(app).submitted[-1].payload
+        assert isinstance(payload, GeneratePayload)
+        assert payload.sampling.fit_to_deadline is fit
+        assert (payload.sampling.max_new_tokens == 3) is not fit

@@ -41,7 +41,12 @@ class BodyGuardMiddleware:
             await self.app(scope, receive, send)
             return
         declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+        if (
+            declared is not None
+            and declared.isascii()
+            and declared.isdigit()
+            and int(declared) > self.max_body_bytes
+        ):
             await self._reject(scope, receive, send, 413)
             return
         seen = 0

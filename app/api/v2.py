@@ -188,7 +188,9 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
     _check_version(version)
     spec = _spec(service, name)
     header = request.headers.get(HEADER_LENGTH)
-    if header is not None and not header.isdigit():
+    # ASCII digits only, and few: str.isdigit() also accepts "²", and int() refuses a
+    # string of over 4,300 digits; either would have been a 500.
+    if header is not None and not (header.isascii() and header.isdigit() and len(header) <= 18):
         raise V2Error(f"{HEADER_LENGTH} must be a non-negative integer")
     body = await request.body()
     parsed = parse_infer_request(body, int(header) if header is not None else None)

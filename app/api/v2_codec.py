@@ -139,8 +139,11 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
     names = [i.name for i in inputs]
     if len(set(names)) != len(names):
         raise V2Error("an input is named twice")
+    listed_outputs = document.get("outputs") or []
+    if not isinstance(listed_outputs, list):
+        raise V2Error("outputs must be a list")
     outputs: list[RequestedOutput] = []
-    for entry in document.get("outputs") or []:
+    for entry in listed_outputs:
         output = _object(entry, "each output")
         name = _name(output, "output")
         output_parameters = _object(output.get("parameters", {}), f"output {name!r}: parameters")

@@ -301,6 +301,21 @@ def test_malformed_binary_framing_gets_400(server: ServerProcess) -> None:
     assert "features" in json.loads(raised.value.read())["error"]
 
 
+@pytest.mark.parametrize("length", ["\u00b2", "9" * 4400], ids=["superscript two", "4400 digits"])
+def test_a_header_length_that_is_no_integer_gets_400(server: ServerProcess, length: str) -> None:
+    """Both pass str.isdigit(); int() then refused them, and the request was a 500."""
+    request = urllib.request.Request(
+        f"{server.base_url}/v2/models/mlp/infer",
+        data=b"{}",
+        headers={"Inference-Header-Content-Length": length},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request, timeout=30)
+    assert raised.value.code == 400
+    assert "Inference-Header-Content-Length" in json.loads(raised.value.read())["error"]
+
+
 # --- the README's examples ------------------------------------------------------------
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -84,6 +84,7 @@ MALFORMED = {
     "duplicate": (f'{{"inputs": [{X}, {X}]}}'.encode(), None, "twice"),
     "id": (f'{{"id": 5, "inputs": [{X}]}}'.encode(), None, "id"),
     "header length": (b"{}", 10, "exceeds"),
+    "outputs not a list": (f'{{"inputs": [{X}], "outputs": 5}}'.encode(), None, "outputs"),
 }
 
 

@@ -68,11 +68,23 @@ class ChatTemplate:
         """The prompt text for `messages`, ending with the assistant's turn opened.
         Raises `ChatTemplateError` when the template refuses them or fails on them."""
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 messages=[dict(message) for message in messages],
+                # As transformers renders them: templates test `tools is not none`, and
+                # an undefined name is not none.
+                tools=None,
+                documents=None,
                 add_generation_prompt=True,
                 **self._special_tokens,
             )
+            # JSON may escape a lone surrogate ("\udc00"), which no tokenizer takes.
+            rendered.encode("utf-8")
+            return rendered
+        except UnicodeEncodeError as error:
+            raise ChatTemplateError(
+                f"the messages hold text that is not valid Unicode: {error.reason} at "
+                f"{error.object[error.start : error.end]!a}"
+            ) from None
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as error:

@@ -23,11 +23,18 @@ MESSAGES = [
 ]
 
 
+# Tests `tools` without an `is defined` guard: transformers renders it with tools=None.
+UNGUARDED_TOOLS = (
+    "{% if tools is not none %}[TOOLS] {{ tools | tojson }}{% endif %}"
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+)
+
+
 def test_templates_render_as_transformers_renders_them() -> None:
     backend = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1}, unk_token="[UNK]"))
     reference = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>")
     messages = MESSAGES[1:]  # STRICT refuses system messages
-    for source in (CHATML, STRICT):
+    for source in (CHATML, STRICT, UNGUARDED_TOOLS):
         ours = ChatTemplate(source, {"bos_token": "<s>"}).render(messages)
         theirs = reference.apply_chat_template(
             messages, chat_template=source, tokenize=False, add_generation_prompt=True

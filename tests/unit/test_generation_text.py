@@ -166,6 +166,16 @@ def test_a_template_failing_on_a_clients_fields_is_a_template_error(
         ChatTemplate(source, {}).render([{"role": "user", **message}])
 
 
+@pytest.mark.parametrize("field", ["content", "name"])
+def test_a_lone_surrogate_in_any_message_field_is_a_template_error(field: str) -> None:
+    """JSON lets a client send "\\udc00"; the tokenizer refused the rendered prompt with a
+    TypeError, answered 500."""
+    source = "{% for m in messages %}{{ m['name'] }}: {{ m['content'] }}{% endfor %}"
+    message = {"role": "user", "name": "ann", "content": "hi", field: "a\udc00"}
+    with pytest.raises(ChatTemplateError, match="not valid Unicode"):
+        ChatTemplate(source, {}).render([message])
+
+
 def test_templates_load_from_the_file_or_the_tokenizer_config(tmp_path: Path) -> None:
     assert load_chat_template(tmp_path) is None
     config = {"eos_token": {"content": "</s>"}, "chat_template": "{{ eos_token }}"}

@@ -33,6 +33,7 @@ OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/c
 # The largest integer the engine protocol (msgpack) and torch's generators take: beyond it a
 # request would fail in the front end's encoder, a 500 for a client's mistake.
 INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 
 
 class GenerateParameters(StrictModel):
@@ -83,6 +84,16 @@ class GenerateInferResponse(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
+    # OpenAI pads streamed chunks with random text unless this is false; none is added here.
+    include_obfuscation: StrictBool = False
+
+
+# OpenAI reads null as the default for these (the openai client sends null for a parameter
+# its caller passed as None).
+NULL_MEANS_DEFAULT = frozenset(
+    {"temperature", "top_p", "top_k", "stream", "n", "presence_penalty", "frequency_penalty",
+     "echo", "best_of"}
+)  # fmt: skip
 
 
 class OpenAISampling(StrictModel):
@@ -92,7 +103,7 @@ class OpenAISampling(StrictModel):
     top_k: int = Field(
         default=0, ge=0, le=INT64_MAX, description="Not OpenAI's: top-k filter, 0 is off."
     )
-    seed: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: StopStrings = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -103,6 +114,13 @@ class OpenAISampling(StrictModel):
     logprobs: Literal[False] | None = Field(
         default=None, description="Log probabilities are not served: false or null only."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in NULL_MEANS_DEFAULT}
+        return data
 
     @field_validator("logprobs", mode="before")
     @classmethod

@@ -305,6 +305,55 @@ async def test_the_openai_client_parses_every_answer_unchanged(app: FastAPI) -> 
             )
 
 
+async def test_what_the_openai_client_sends_for_parameters_passed_as_none_is_served(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """The client sends null for a parameter its caller passed as None, and OpenAI reads it
+    as the default; each was a 422. A negative seed is within OpenAI's range, and
+    `include_obfuscation: false` asks for nothing this server adds."""
+    import openai
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test/v1") as http:
+        openai_client = openai.AsyncOpenAI(
+            base_url="http://test/v1", api_key="none", http_client=http
+        )
+        nulls = {
+            "temperature": None,
+            "top_p": None,
+            "n": None,
+            "presence_penalty": None,
+            "frequency_penalty": None,
+        }
+        chat = await openai_client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=3,
+            stream=None,
+            seed=-5,
+            **nulls,
+        )
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        completion = await openai_client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=3,
+            echo=None,
+            **nulls,
+        )
+        assert completion.usage is not None and completion.usage.completion_tokens >= 1
+        stream = await openai_client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": False},
+        )
+        assert [chunk async for chunk in stream][-1].usage is not None
+    sent = engine_of(app).submitted[-3].payload
+    assert isinstance(sent, GeneratePayload) and sent.sampling.seed == -5
+
+
 async def test_eos_is_finish_reason_stop_on_every_path(
     client: httpx.AsyncClient, app: FastAPI
 ) -> None:

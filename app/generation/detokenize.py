@@ -5,7 +5,11 @@ alone gives U+FFFD. As vLLM and TGI do, the text is decoded over a short window 
 `prefix_offset`) and a piece is released only once the window's text has grown and does not
 end in an incomplete character; the decoded window's earlier part is subtracted, so a
 tokenizer that drops a leading space at the start of a decode still yields the right text.
-The pieces concatenate to `decode(all ids)`. One instance per sequence; any one thread.
+The window starts inside the prompt (its last `CONTEXT_TOKENS` tokens, as vLLM's does): a
+SentencePiece tokenizer (Llama 2, Mistral) drops the leading space of whatever a decode
+starts with, and the first generated word would lose the space that parts it from the
+prompt. The pieces concatenate to `decode(context + ids)` less `decode(context)`. One
+instance per sequence; any one thread.
 """
 
 from __future__ import annotations
@@ -16,17 +20,16 @@ REPLACEMENT_CHARACTER = "\ufffd"
 
 Decode = Callable[[Sequence[int]], str]
 
+# Prompt tokens a sequence's text is decoded after.
+CONTEXT_TOKENS = 5
+
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode) -> None:
+    def __init__(self, decode: Decode, prompt_ids: Sequence[int] = ()) -> None:
         self._decode = decode
-        self._ids: list[int] = []
+        self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0  # the window's start: text before it was released already
-        self._read_offset = 0  # tokens up to here are released as text
-
-    @property
-    def token_count(self) -> int:
-        return len(self._ids)
+        self._read_offset = len(self._ids)  # tokens up to here are released as text
 
     def add(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens complete (possibly empty: held until it is stable)."""
@@ -57,13 +60,10 @@ class WholeText:
     end: `add` keeps the ids and releases nothing, `flush` decodes them all once (the text
     the incremental pieces would have concatenated to). One instance per sequence."""
 
-    def __init__(self, decode: Decode) -> None:
+    def __init__(self, decode: Decode, prompt_ids: Sequence[int] = ()) -> None:
         self._decode = decode
+        self._context = list(prompt_ids[-CONTEXT_TOKENS:])
         self._ids: list[int] = []
-
-    @property
-    def token_count(self) -> int:
-        return len(self._ids)
 
     def add(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(token_ids)
@@ -71,4 +71,6 @@ class WholeText:
 
     def flush(self) -> str:
         ids, self._ids = self._ids, []
-        return self._decode(ids) if ids else ""
+        if not ids:
+            return ""
+        return self._decode(self._context + ids)[len(self._decode(self._context)) :]

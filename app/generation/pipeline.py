@@ -245,9 +245,9 @@ class TextGeneration:
         )
         detokenizer: IncrementalDetokenizer | WholeText
         if reads_as_it_goes:
-            detokenizer = IncrementalDetokenizer(tokenizer.decode)
+            detokenizer = IncrementalDetokenizer(tokenizer.decode, prompt_ids)
         else:
-            detokenizer = WholeText(tokenizer.decode)
+            detokenizer = WholeText(tokenizer.decode, prompt_ids)
         generated = 0
         first = True
         async with contextlib.aclosing(self.service.engine.stream_batches(request)) as outputs:

@@ -63,9 +63,30 @@ def test_whole_text_releases_nothing_until_the_end_then_the_full_decode(
     assert [whole.add(ids[start : start + 2]) for start in range(0, len(ids), 2)] == [""] * (
         (len(ids) + 1) // 2
     )
-    assert whole.token_count == len(ids)
     assert whole.flush() == byte_level.decode(ids) == text
     assert whole.flush() == ""
+
+
+def test_a_sentencepiece_continuation_keeps_the_space_that_parts_it_from_the_prompt() -> None:
+    """A Metaspace decoder (Llama 2, Mistral) drops the leading space of whatever a decode
+    starts with: the generated ids decoded alone gave "Paris." for "The capital is" ->
+    " Paris.", on the streamed and the whole path."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
+    tokenizer.train_from_iterator(["The capital is Paris. The capital is Rome."] * 20, trainer)
+    prompt = tokenizer.encode("The capital is").ids
+    generated = tokenizer.encode("The capital is Paris.").ids[len(prompt) :]
+    assert tokenizer.decode(generated) == "Paris."  # this test's premise: the space is lost
+    decode = _decode(tokenizer)
+    for step in (1, 2):
+        streamed = IncrementalDetokenizer(decode, prompt)  # type: ignore[arg-type]
+        pieces = [streamed.add(generated[i : i + step]) for i in range(0, len(generated), step)]
+        assert "".join(pieces) + streamed.flush() == " Paris."
+    whole = WholeText(decode, prompt)  # type: ignore[arg-type]
+    whole.add(generated)
+    assert whole.flush() == " Paris."
 
 
 def test_a_split_character_is_held_until_its_last_byte(byte_level: Tokenizer) -> None:

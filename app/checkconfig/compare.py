@@ -219,6 +219,16 @@ def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
                 f"envoy.{key}: {timeout_s} exceeds the server's max_timeout_ms "
                 f"({max_timeout_s * 1000:g}): the server would cut Envoy's deadline short"
             )
+    listener_idle_s = envoy["downstream_stream_idle_timeout_s"]
+    for route in ("route", "completions_route", "chat_route"):
+        timeout_s, idle_s = envoy[f"{route}_timeout_s"], envoy[f"{route}_idle_timeout_s"]
+        idle_s = listener_idle_s if idle_s is None else idle_s
+        if isinstance(timeout_s, float) and isinstance(idle_s, float) and idle_s < timeout_s:
+            differences.append(
+                f"envoy.{route}_idle_timeout_s: {idle_s} (the stream idle timeout it gets) is "
+                f"under its route timeout ({timeout_s}): an answer that sends nothing until it "
+                "is done (a whole generation) is reset first"
+            )
     keep_alive_s = float(settings.get("keep_alive_timeout_s", _default("keep_alive_timeout_s")))
     upstream_idle_s = envoy["upstream_idle_timeout_s"]
     if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:

@@ -115,6 +115,10 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "route_timeout_s": lambda p: _dig(p.route, "timeout"),
     "completions_route_timeout_s": lambda p: _dig(p.completions_route, "timeout"),
     "chat_route_timeout_s": lambda p: _dig(p.chat_route, "timeout"),
+    # None where a route keeps the listener's stream idle timeout.
+    "route_idle_timeout_s": lambda p: _dig(p.route, "idle_timeout"),
+    "completions_route_idle_timeout_s": lambda p: _dig(p.completions_route, "idle_timeout"),
+    "chat_route_idle_timeout_s": lambda p: _dig(p.chat_route, "idle_timeout"),
     "retry_on": lambda p: _dig(p.route, "retry_policy.retry_on"),
     "retriable_status_codes": lambda p: _dig(p.route, "retry_policy.retriable_status_codes"),
     "num_retries": lambda p: _dig(p.route, "retry_policy.num_retries"),

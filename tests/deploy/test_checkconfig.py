@@ -226,7 +226,8 @@ def test_upstream_idle_timeout_at_or_above_server_keep_alive_is_refused(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Changed in both places, so only the invariant between sources catches it."""
-    replace_once(deploy_copy / "envoy" / "envoy.yaml", "idle_timeout: 60s", "idle_timeout: 90s")
+    upstream_idle = "\n" + " " * 12 + "idle_timeout: "  # the cluster's (routes have theirs)
+    replace_once(deploy_copy / "envoy" / "envoy.yaml", upstream_idle + "60s", upstream_idle + "90s")
     replace_once(
         deploy_copy / "baseline.yaml",
         "upstream_idle_timeout_s: 60.0",
@@ -292,6 +293,23 @@ def test_a_generation_route_longer_than_the_server_allows_is_refused(
     out = capsys.readouterr().out
     for key in ("completions_route_timeout_s", "chat_route_timeout_s"):
         assert f"envoy.{key}: 90.0 exceeds the server's max_timeout_ms (60000)" in out
+
+
+def test_a_generation_route_reset_by_the_stream_idle_timeout_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without its own idle timeout a generation route keeps the listener's 30 s, and a
+    whole answer taking longer was reset before the route's 60 s."""
+    route_idle = " " * 28 + "idle_timeout: 60s\n"
+    replace_once(deploy_copy / "envoy" / "envoy.yaml", route_idle, "")
+    for key in ("completions_route_idle_timeout_s", "chat_route_idle_timeout_s"):
+        replace_once(deploy_copy / "baseline.yaml", f"{key}: 60.0", f"{key}: null")
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    for route in ("completions_route", "chat_route"):
+        assert (
+            f"envoy.{route}_idle_timeout_s: 30.0 (the stream idle timeout it gets) is under" in out
+        )
 
 
 def test_pending_queue_larger_than_a_replica_is_refused(

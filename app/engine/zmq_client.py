@@ -77,6 +77,9 @@ class StatusSubscriber:
         self._on_lost = on_lost
         self._status: EngineStatus | None = None
         self._received_at = 0.0
+        self._last_engine_id: str | None = None
+        # (engine id, when): an engine forgotten then, whose earlier statuses are not heard.
+        self._forgotten: tuple[str, float] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -101,17 +104,33 @@ class StatusSubscriber:
         return self._status
 
     def forget(self) -> None:
-        """The engine is gone: no status until a new one publishes."""
+        """The engine is gone: no status until a new one publishes. What it published
+        before now and this loop has not read yet (a loop running late reads them after
+        the disconnect) is not heard: it would bring a dead engine back as ready."""
         self._status = None
+        if self._last_engine_id is not None:
+            self._forgotten = (self._last_engine_id, self._clock())
+
+    def take(self, status: EngineStatus) -> None:
+        """A status as published (its `published_at` is the engine's monotonic clock, the
+        same clock as this process's on one machine)."""
+        forgotten = self._forgotten
+        if (
+            forgotten is not None
+            and status.engine_id == forgotten[0]
+            and status.published_at <= forgotten[1]
+        ):
+            return
+        previous = self._status
+        if previous is not None and previous.engine_id != status.engine_id:
+            self._on_lost(NEW_ENGINE)
+        self._status = status
+        self._last_engine_id = status.engine_id
+        self._received_at = self._clock()
 
     async def _receive(self, socket: zmq.asyncio.Socket) -> None:
         while True:
-            status = decode_status(await socket.recv())
-            previous = self._status
-            if previous is not None and previous.engine_id != status.engine_id:
-                self._on_lost(NEW_ENGINE)
-            self._status = status
-            self._received_at = self._clock()
+            self.take(decode_status(await socket.recv()))
 
 
 class ZmqEngineClient(StreamingClient):
@@ -175,10 +194,12 @@ class ZmqEngineClient(StreamingClient):
     def _send(self, message: ToEngine) -> None:
         if self._requests is None or self.status() is None:
             raise EngineUnavailable("no engine is connected")
-        try:
-            self._requests.send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            raise EngineUnavailable("no engine is connected") from None
+        # zmq.asyncio puts a failed send's error (zmq.Again: no engine connected, with
+        # IMMEDIATE) on the future it returns; it raises nothing.
+        sent = self._requests.send(encode(message), zmq.NOBLOCK)
+        assert isinstance(sent, asyncio.Future)
+        if sent.done() and sent.exception() is not None:
+            raise EngineUnavailable("no engine is connected")
 
     def _engine_gone(self, why: str) -> None:
         """Whatever was sent to the engine that went away will never be answered."""

@@ -289,6 +289,9 @@ class Service:
         except Rejected as rejection:
             deadline = rejection.reason is RejectReason.DEADLINE
             outcome.name = "deadline" if deadline else "rejected"
+            if rejection.reason is RejectReason.ENGINE_LOST:
+                # Decided here, by the engine client (the engine counts its own refusals).
+                self.metrics.rejected.labels(model, rejection.reason.value).inc()
             raise
         except DeadlineExceeded:
             outcome.name = "deadline"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.server import ServerProcess, free_port, running_server
 
@@ -82,6 +83,18 @@ class ClosedLoop:
             thread.join(timeout=60)
 
 
+def rejections(server: ServerProcess, reason: str) -> float:
+    """`steadyserve_rejected_total` for `reason`, over every model, from /metrics."""
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "steadyserve_rejected_total" and sample.labels["reason"] == reason
+    )
+
+
 def wait_for(condition: object, timeout: float, what: str) -> None:
     give_up_at = time.monotonic() + timeout
     while time.monotonic() < give_up_at:
@@ -116,6 +129,7 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
             answered_before = load.count(200)
             wait_for(lambda: load.count(200) >= answered_before + 40, 60, "answers again")
         second_engine = engine_pid(server)
+        engine_lost_counted = rejections(server, "engine_lost")
         log = server.log()
         assert server.process.poll() is None, log  # the server lived through it
     assert second_engine != first_engine
@@ -125,6 +139,9 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
     allowed = {(200, None), (503, "engine_lost"), (503, "not_ready")}
     assert set(outcomes) <= allowed, outcomes
     assert outcomes[(503, "engine_lost")] + outcomes[(503, "not_ready")] >= 1, outcomes
-    slowest = max(seconds for _, _, seconds in load.results)
-    assert slowest < TIMEOUT_MS / 1000 + 1.0, slowest
+    # Nothing waited for an answer that never came: the front end's guard against a silent
+    # engine would have answered it 504 (refused above) and logged it.
+    assert "never answered" not in log
+    # Each 503 engine_lost is counted once among the rejections, as the dashboard shows them.
+    assert engine_lost_counted == outcomes[(503, "engine_lost")], outcomes
     assert "restarting in" in log

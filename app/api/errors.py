@@ -141,10 +141,19 @@ async def _non_finite(request: Request, error: Exception) -> Response:
     return error_response(500, "non_finite_output", str(error))
 
 
+# The error type of an HTTP exception (Starlette's routing, a body that cannot be read), by
+# status; any other status is `HTTP_ERROR` (a body that is not valid UTF-8, 400).
+HTTP_ERROR_TYPES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    415: "unsupported_content_encoding",
+}
+HTTP_ERROR = "http_error"
+
+
 async def _http_error(request: Request, error: Exception) -> Response:
     assert isinstance(error, StarletteHTTPException)
-    kinds = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_content_encoding"}
-    kind = kinds.get(error.status_code, "http_error")
+    kind = HTTP_ERROR_TYPES.get(error.status_code, HTTP_ERROR)
     return error_response(error.status_code, kind, str(error.detail), headers=error.headers)
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from app.schemas import ErrorBody
 
 _ERROR_WHEN = {
-    400: "Malformed JSON (`invalid_json`); `dimensions` other than the model's width; "
+    400: "Malformed JSON (`invalid_json`) or a body that is not UTF-8 (`http_error`); "
+    "`dimensions` other than the model's width; "
     "generation asked of an embedding model, chat of a model without a chat template, or "
     "messages its template refuses (`invalid_request`); a prompt plus its new tokens over "
     "what one sequence holds (`context_length_exceeded`).",
@@ -14,6 +15,7 @@ _ERROR_WHEN = {
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
     "(`too_many_inputs`), an input over the model's token limit (`input_too_long`), or a "
     "generation needing more tokens than STEADY_RATE_LIMIT_BURST (`too_many_tokens`).",
+    415: "A compressed body (`unsupported_content_encoding`): send it uncompressed.",
     422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
     408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`).",
     429: "Over the token rate (`rate`), the in-flight cap (`inflight`), or a predicted wait "

@@ -250,8 +250,9 @@ def _check_circuit_breakers(baseline: Baseline, envoy: Mapping[str, Any]) -> lis
     differences = []
     if replica_inflight > max_inflight:
         differences.append(
-            f"capacity.replica_inflight: {replica_inflight} exceeds the replica's own "
-            f"max_inflight ({max_inflight})"
+            f"capacity.replica_inflight: {replica_inflight} exceeds max_inflight "
+            f"({max_inflight}), each front end's own cap: any one of a replica's front ends "
+            "may hold all of its requests"
         )
     for key in ("circuit_breaker_max_requests", "circuit_breaker_max_connections"):
         if envoy[key] != fleet_inflight:

@@ -262,7 +262,9 @@ def test_replica_capacity_above_the_replica_admission_cap_is_refused(
     replace_once(deploy_copy / "baseline.yaml", "replica_inflight: 128", "replica_inflight: 600")
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
-    assert "capacity.replica_inflight: 600 exceeds the replica's own max_inflight (512)" in out
+    assert (
+        "capacity.replica_inflight: 600 exceeds max_inflight (512), each front end's own cap" in out
+    )
     # The breakers no longer match the product either.
     assert "envoy.circuit_breaker_max_connections: 1024 is not" in out
 

@@ -268,7 +268,11 @@ class Settings(BaseSettings):
         description="Default for PYTORCH_CUDA_ALLOC_CONF when the environment sets none.",
     )
     drain_timeout_s: float = Field(
-        default=20.0, ge=0, description="On SIGTERM, how long admitted requests get to finish."
+        default=60.0,
+        ge=0,
+        description="On SIGTERM, how long admitted requests get to finish (as long as the "
+        "longest deadline a request may have, STEADY_MAX_TIMEOUT_MS: a generation admitted just "
+        "before the signal is not cut); the server exits as soon as nothing is in flight.",
     )
     drain_quiet_s: float = Field(
         default=1.0,

@@ -175,6 +175,17 @@ def check_overlay(
 
     # Invariants between sources, which no single baseline value can express.
     differences += _check_thread_budget(where, settings, k8s_actual["cpu_limit"])
+    routes = read_envoy(yaml.safe_load(envoy_file_text))
+    longest_route_s = max(
+        (t for k, t in routes.items() if k.endswith("route_timeout_s") and isinstance(t, float)),
+        default=0.0,
+    )
+    if settings.drain_timeout_s < longest_route_s:
+        differences.append(
+            f"{where}.settings.drain_timeout_s: {settings.drain_timeout_s} is under the longest "
+            f"Envoy route timeout ({longest_route_s}): a request admitted just before SIGTERM "
+            "may run that long, and the drain would cut it"
+        )
     grace = k8s_actual["termination_grace_period_s"] or 0
     pre_stop = k8s_actual["pre_stop_sleep_s"] or 0
     if grace <= pre_stop + settings.drain_timeout_s:

@@ -180,16 +180,16 @@ def test_grace_period_shorter_than_the_drain_is_refused(
     """Changed in both places, so only the invariant between sources catches it."""
     replace_once(
         deploy_copy / "k8s" / "base" / "steadyserve-deployment.yaml",
-        "terminationGracePeriodSeconds: 45",
-        "terminationGracePeriodSeconds: 25",
+        "terminationGracePeriodSeconds: 85",
+        "terminationGracePeriodSeconds: 65",
     )
     replace_once(
         deploy_copy / "baseline.yaml",
-        "termination_grace_period_s: 45",
-        "termination_grace_period_s: 25",
+        "termination_grace_period_s: 85",
+        "termination_grace_period_s: 65",
     )
     assert check(deploy_copy) == 1
-    assert "must exceed pre_stop_sleep_s (10) + drain_timeout_s (20.0)" in capsys.readouterr().out
+    assert "must exceed pre_stop_sleep_s (10) + drain_timeout_s (60.0)" in capsys.readouterr().out
 
 
 def test_unknown_setting_in_the_config_map_is_named(
@@ -342,3 +342,19 @@ def test_capacity_key_that_nothing_reads_is_an_error(
     err = capsys.readouterr().err
     assert "capacity.replica_inflights is not read" in err
     assert "capacity.replica_inflight is read by check-config but missing" in err
+
+
+def test_a_drain_shorter_than_the_longest_route_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A generation admitted just before SIGTERM may run its route's 60 s: a 20 s drain (and
+    a grace period sized for it) cut it. Changed everywhere, so only the invariant catches it."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "STEADY_DRAIN_TIMEOUT_S=60",
+        "STEADY_DRAIN_TIMEOUT_S=20",
+    )
+    replace_once(deploy_copy / "baseline.yaml", "drain_timeout_s: 60.0", "drain_timeout_s: 20.0")
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "settings.drain_timeout_s: 20.0 is under the longest Envoy route timeout (60.0)" in out

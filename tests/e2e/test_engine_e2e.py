@@ -15,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.server import ServerProcess, free_port, running_server
 
@@ -83,18 +82,6 @@ class ClosedLoop:
             thread.join(timeout=60)
 
 
-def rejections(server: ServerProcess, reason: str) -> float:
-    """`steadyserve_rejected_total` for `reason`, over every model, from /metrics."""
-    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "steadyserve_rejected_total" and sample.labels["reason"] == reason
-    )
-
-
 def wait_for(condition: object, timeout: float, what: str) -> None:
     give_up_at = time.monotonic() + timeout
     while time.monotonic() < give_up_at:
@@ -129,7 +116,9 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
             answered_before = load.count(200)
             wait_for(lambda: load.count(200) >= answered_before + 40, 60, "answers again")
         second_engine = engine_pid(server)
-        engine_lost_counted = rejections(server, "engine_lost")
+        engine_lost_counted = sum(
+            n for (_, reason), n in server.rejections().items() if reason == "engine_lost"
+        )
         log = server.log()
         assert server.process.poll() is None, log  # the server lived through it
     assert second_engine != first_engine

@@ -15,9 +15,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +64,18 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=10)
+
+    def rejections(self) -> Counter[tuple[str, str]]:
+        """`steadyserve_rejected_total` from its /metrics, by (model, reason); model "" for
+        requests refused before their body was read."""
+        with urllib.request.urlopen(f"{self.base_url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        counts: Counter[tuple[str, str]] = Counter()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "steadyserve_rejected_total":
+                    counts[(sample.labels["model"], sample.labels["reason"])] += int(sample.value)
+        return counts
 
 
 def http_status(url: str, timeout: float = 2.0) -> int | None:

@@ -65,7 +65,7 @@ def test_sigterm_under_load_loses_no_admitted_request(tmp_path: Path) -> None:
     refuses the connection. Every request sent must get 200, 503 or 504; a connection
     dropped mid-request is a lost request."""
     outcomes: list[str] = []
-    signalled_at: list[float] = []
+    answered_before_the_signal: list[int] = []
 
     async def client_loop(client: httpx.AsyncClient, worker: int) -> None:
         for attempt in range(10_000):
@@ -91,19 +91,19 @@ def test_sigterm_under_load_loses_no_admitted_request(tmp_path: Path) -> None:
                 if all(w.done() for w in workers):
                     break
             assert callable(server_terminate)
+            answered_before_the_signal.append(outcomes.count("200"))
             server_terminate()
-            signalled_at.append(time.monotonic())
             await asyncio.wait_for(asyncio.gather(*workers), timeout=60)
 
-    with running_server(tmp_path) as server:
+    # A budget no load here reaches: a 429 (shed as over capacity) is not what this tests.
+    with running_server(tmp_path, {"STEADY_MAX_QUEUE_DELAY_MS": "60000"}) as server:
         asyncio.run(load(server.terminate, server.base_url))
         exit_code = server.wait(timeout=60)
         log = server.log()
     assert exit_code == 0, log
-    assert signalled_at, "load never reached 100 answers"
+    assert answered_before_the_signal[0] >= 100, "load never reached 100 answers"
     allowed = {"200", "503", "504", "refused"}
     assert set(outcomes) <= allowed, sorted(set(outcomes) - allowed)
-    assert outcomes.count("200") >= 100
     assert "draining" in log and "drained" in log
 
 

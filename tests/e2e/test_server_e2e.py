@@ -14,8 +14,8 @@ from transformers import AutoModel, AutoTokenizer
 
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_dtype
-from app.models.pooling import mean_pool
 from app.models.source import resolve_source
+from tests.support.reference_pooling import masked_mean
 from tests.support.server import http_status, running_server
 
 pytestmark = pytest.mark.e2e
@@ -35,7 +35,7 @@ def reference_vectors(texts: list[str]) -> np.ndarray:
     model = AutoModel.from_pretrained(location, dtype=resolve_dtype("auto", torch.device("cpu")))
     with torch.inference_mode():
         encoded = tokenizer(texts, return_tensors="pt", padding=True)
-        pooled = mean_pool(model(**encoded).last_hidden_state, encoded["attention_mask"])
+        pooled = masked_mean(model(**encoded).last_hidden_state, encoded["attention_mask"])
     vectors = pooled.numpy()
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 

@@ -20,10 +20,10 @@ from transformers import AutoModel, AutoTokenizer
 from app.main import create_app
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_device, resolve_dtype
-from app.models.pooling import mean_pool
 from app.models.source import resolve_source
 from app.settings import Settings
 from tests.support.asgi import serving
+from tests.support.reference_pooling import masked_mean
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -68,7 +68,7 @@ def reference_vectors(
             encoded = tokenizer(text, return_tensors="pt", truncation=True, max_length=64)
             encoded = encoded.to(model.device)
             hidden = model(**encoded).last_hidden_state
-            rows.append(mean_pool(hidden, encoded["attention_mask"])[0].cpu().numpy())
+            rows.append(masked_mean(hidden, encoded["attention_mask"])[0].cpu().numpy())
     vectors = np.stack(rows)
     if normalize:
         vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)

@@ -67,13 +67,18 @@ def test_truncation_keeps_the_closing_special_token() -> None:
 
 def test_a_front_end_app_never_imports_torch() -> None:
     """Front ends hold a tokenizer, not the model: building a process-mode app (as each
-    front end does) must not load torch or transformers."""
+    front end does) and loading its models' tokenizers (as its start-up does) must not load
+    torch or transformers."""
     probe = (
         "import sys\n"
         "from app.main import create_app\n"
         "from app.engine.zmq_client import EngineAddresses\n"
+        "from app.service import load_model_tokenizer\n"
         "from app.settings import Settings\n"
-        "create_app(Settings(), engine_addresses=EngineAddresses('ipc:///x', 'ipc:///y'))\n"
+        "settings = Settings()\n"
+        "create_app(settings, engine_addresses=EngineAddresses('ipc:///x', 'ipc:///y'))\n"
+        "for spec in settings.models:\n"
+        "    load_model_tokenizer(spec, settings.length_buckets[-1])\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     result = subprocess.run(

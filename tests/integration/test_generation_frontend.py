@@ -488,3 +488,20 @@ async def test_only_a_request_without_max_tokens_lets_the_engine_fit_it_to_its_d
         assert isinstance(payload, GeneratePayload)
         assert payload.sampling.fit_to_deadline is fit
         assert (payload.sampling.max_new_tokens == 3) is not fit
+
+
+async def test_server_timing_counts_the_slowest_sequences_compute_once(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """A request's sequences run side by side: its compute is its slowest sequence's (each
+    output's compute added once), not the sum over its sequences."""
+    engine = engine_of(app)
+    engine.compute_s_per_output = 0.010
+    try:
+        body = {"model": "tiny", "prompt": ["Hello there", "Good morning"], "max_tokens": 4}
+        response = await client.post("/v1/completions", json=body)
+    finally:
+        engine.compute_s_per_output = 0.0
+    assert response.status_code == 200, response.text
+    phases = dict(entry.split(";dur=") for entry in response.headers["server-timing"].split(", "))
+    assert float(phases["compute"]) == pytest.approx(4 * 10.0, abs=0.1), phases

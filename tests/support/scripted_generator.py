@@ -42,6 +42,7 @@ class ScriptedGenerator(AlwaysReadyEngine):
         self.fail_after_tokens: int | None = None  # set: requests fail after this many
         self.eos_after_tokens: int | None = None  # set: sequences end (EOS) after this many
         self.outputs_per_turn = 1  # outputs delivered together before the reader runs
+        self.compute_s_per_output = 0.0  # the compute each output reports
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         # As the real engine reports them: an embedding's width, a generate model's vocabulary.
@@ -89,6 +90,7 @@ class ScriptedGenerator(AlwaysReadyEngine):
                     len(payload.prompt_ids),
                     reason if final else None,
                 )
-                self._deliver(Output(request.request_id, final, tokens, 0.0, 0.0))
+                compute_s = self.compute_s_per_output
+                self._deliver(Output(request.request_id, final, tokens, 0.0, compute_s))
         finally:
             self._running.pop(request.request_id, None)

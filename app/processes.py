@@ -35,6 +35,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from app.engine.protocol import FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import STATUS_WENT_STALE, EngineAddresses, StatusSubscriber
 from app.metrics import MULTIPROCESS_DIR_ENV
@@ -142,6 +143,8 @@ class ProcessTree:
         self._engine_status = StatusSubscriber(
             self._zmq, self.addresses.status, on_lost=self._engine_lost
         )
+        # The supervisor's own line to the engine, only to say a front end died (`run`).
+        self._engine_notices: zmq.asyncio.Socket | None = None
         self._probes = (
             ProbeListener(settings.host, settings.health_port, self._answer_probe)
             if settings.health_port is not None
@@ -205,6 +208,10 @@ class ProcessTree:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self.engine.start()
+        self._engine_notices = self._zmq.socket(zmq.DEALER)
+        self._engine_notices.setsockopt(zmq.IMMEDIATE, 1)
+        self._engine_notices.setsockopt(zmq.LINGER, 0)
+        self._engine_notices.connect(self.addresses.requests)
         for index in range(self.frontend_count):
             self._spawn_frontend(index)
         self._engine_status.start()
@@ -270,6 +277,7 @@ class ProcessTree:
                 return
             assert process.pid is not None
             _forget_metrics_of(process.pid)
+            self._tell_engine_frontend_gone(process.pid)
             if time.monotonic() - spawned >= STABLE_AFTER_S:
                 backoff = None
             first, longest = self.settings.engine_restart_backoff_s
@@ -284,6 +292,15 @@ class ProcessTree:
             if self._stopping:
                 return
             self._spawn_frontend(index)
+
+    def _tell_engine_frontend_gone(self, pid: int) -> None:
+        """The engine drops the work of the front end's requests (`FrontEndGone`); with no
+        engine connected there is nothing to drop (a new engine knows none of it)."""
+        assert self._engine_notices is not None
+        sent = self._engine_notices.send(encode(FrontEndGone(pid)), zmq.NOBLOCK)
+        assert isinstance(sent, asyncio.Future)
+        if sent.done() and sent.exception() is not None:
+            log.info("front end %d exited while no engine was connected", pid)
 
 
 def _forget_metrics_of(pid: int) -> None:

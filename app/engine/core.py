@@ -37,6 +37,7 @@ from app.engine.protocol import (
     Failure,
     FailureKind,
     Submit,
+    identity_pid,
     payload_inputs,
 )
 from app.engine.reports import config_report
@@ -301,6 +302,16 @@ class EngineCore:
         task = self._requests.pop((origin, request_id), None)
         if task is not None:
             task.cancel()
+
+    def frontend_gone(self, pid: int) -> None:
+        """Drop the work of every request the front-end process `pid` sent (it exited: no
+        one reads their answers) and forget the inputs it sent (`taken_inputs`)."""
+        orphans = [key for key in self._requests if identity_pid(key[0]) == pid]
+        for key in orphans:
+            self._requests.pop(key).cancel()
+        for origin in [o for o in self._taken_inputs if identity_pid(o) == pid]:
+            del self._taken_inputs[origin]
+        log.warning("front end %d exited: dropped the work of its %d requests", pid, len(orphans))
 
     # --- debug --------------------------------------------------------------------------
     def debug_report(self, what: str) -> dict[str, object]:

@@ -27,6 +27,7 @@ from app.engine.protocol import (
     Failure,
     FailureKind,
     FromEngine,
+    FrontEndGone,
     Submit,
     ToEngine,
     decode_to_engine,
@@ -122,6 +123,8 @@ class EngineServer:
             self.core.submit(origin, message, self._emitter(origin))
         elif isinstance(message, Cancel):
             self.core.cancel(origin, message.request_id)
+        elif isinstance(message, FrontEndGone):
+            self.core.frontend_gone(message.pid)
         elif isinstance(message, DebugQuery):
             try:
                 report = self.core.debug_report(message.what)

@@ -105,7 +105,28 @@ class DebugQuery(msgspec.Struct, frozen=True, tag="debug"):
     what: str
 
 
-ToEngine = Submit | Cancel | DebugQuery
+class FrontEndGone(msgspec.Struct, frozen=True, tag="frontend_gone"):
+    """From the supervisor: the front-end process `pid` exited on its own (a crash, a kill,
+    out of memory). Nobody will read the answers of what it sent, and it sends no `Cancel`:
+    the engine drops that work (its KV-cache slots included) and forgets what it took."""
+
+    pid: int
+
+
+ToEngine = Submit | Cancel | DebugQuery | FrontEndGone
+
+
+def frontend_identity(pid: int, unique: int) -> bytes:
+    """A front end's socket identity (the `origin` the engine knows its requests by): its
+    process id first, which is what the supervisor names in `FrontEndGone`."""
+    return f"fe-{pid}-{unique:x}".encode()
+
+
+def identity_pid(origin: bytes) -> int | None:
+    """The process id in a `frontend_identity`; None for any other identity."""
+    kind, _, rest = origin.partition(b"-")
+    pid = rest.partition(b"-")[0]
+    return int(pid) if kind == b"fe" and pid.isdigit() and pid.isascii() else None
 
 
 class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):

@@ -30,6 +30,7 @@ from app.engine.protocol import (
     decode_batch_from_engine,
     decode_status,
     encode,
+    frontend_identity,
 )
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class ZmqEngineClient(StreamingClient):
     def __init__(
         self, addresses: EngineAddresses, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        self._identity = f"fe-{os.getpid()}-{id(self):x}".encode()
+        self._identity = frontend_identity(os.getpid(), id(self))
         super().__init__(origin=self._identity)
         self._addresses = addresses
         self._clock = clock

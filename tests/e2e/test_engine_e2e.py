@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from loadtest.proctree import command_line, descendants
 from tests.support.server import ServerProcess, free_port, running_server
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +31,14 @@ def readyz(server: ServerProcess, port: int | None = None) -> tuple[int, dict[st
             return int(response.status), json.loads(response.read())
     except urllib.error.HTTPError as error:
         return int(error.code), json.loads(error.read())
+
+
+def serves(server: ServerProcess) -> bool:
+    """Ready on the traffic port; false while no front end listens (one per 2 CPUs)."""
+    try:
+        return readyz(server)[0] == 200
+    except urllib.error.URLError:
+        return False
 
 
 def engine_pid(server: ServerProcess) -> int:
@@ -134,3 +143,24 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
     # Each 503 engine_lost is counted once among the rejections, as the dashboard shows them.
     assert engine_lost_counted == outcomes[(503, "engine_lost")], outcomes
     assert "restarting in" in log
+
+
+def test_a_front_end_killed_is_reported_to_the_engine_and_replaced(tmp_path: Path) -> None:
+    """A front end that dies sends no Cancel for its requests: the supervisor tells the
+    engine (`FrontEndGone`), which drops their work, and starts a new front end."""
+    with running_server(tmp_path, {"STEADY_ENGINE_RESTART_BACKOFF_S": "[0.5, 5]"}) as server:
+        engine = engine_pid(server)
+        frontends = [
+            pid
+            for pid in descendants(server.process.pid)
+            if pid not in (server.process.pid, engine) and "spawn_main" in command_line(pid)
+        ]
+        assert frontends
+        os.kill(frontends[0], signal.SIGKILL)
+        wait_for(
+            lambda: f"front end {frontends[0]} exited: dropped the work" in server.log(),
+            30,
+            "the engine to hear of the dead front end",
+        )
+        wait_for(lambda: serves(server), 60, "a replacement front end to serve")
+        assert engine_pid(server) == engine  # the engine lived through it

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,11 +28,13 @@ from app.engine.protocol import (
     EmbedOutput,
     EmbedPayload,
     FinishReason,
+    FromEngine,
     GeneratePayload,
     Output,
     SamplingParams,
     Submit,
     TokensOutput,
+    frontend_identity,
 )
 from app.failures import DeadlineExceeded
 from app.metrics import Metrics
@@ -601,5 +603,53 @@ async def test_a_sequence_without_a_client_set_limit_is_fitted_to_its_deadline(
         fitted = await collect(engine.stream(request(fit=True)))
         # 5.5 s x DEADLINE_FIT_SHARE at 1 s a step: 4 tokens (this prompt meets no EOS).
         assert (len(fitted.token_ids), fitted.finish_reason) == (4, FinishReason.LENGTH)
+    finally:
+        await engine.close()
+
+
+async def test_a_dead_front_ends_sequences_free_their_slots_and_its_count_is_forgotten(
+    tiny_causal_lm: Path,
+) -> None:
+    """A front end that dies sends no Cancel: its sequences kept their KV-cache slots and
+    stepped on until their deadline. Told it is gone (`FrontEndGone`, by the supervisor),
+    the engine drops them and forgets what that front end sent; other front ends' work
+    goes on."""
+    core = EngineCore(settings_for(tiny_causal_lm, warmup=False), Metrics())
+    engine = InProcessEngine(core)
+    await engine.start()
+    await engine.wait_ready()
+    dead, alive = frontend_identity(4242, 1), frontend_identity(4343, 1)
+    outputs: dict[bytes, list[FromEngine]] = {dead: [], alive: []}
+    first_output, alive_finished = asyncio.Event(), asyncio.Event()
+
+    def emit_to(origin: bytes) -> Callable[[FromEngine], None]:
+        def emit(message: FromEngine) -> None:
+            outputs[origin].append(message)
+            first_output.set()
+            if origin == alive and isinstance(message, Output) and message.final:
+                alive_finished.set()
+
+        return emit
+
+    try:
+        for origin in (dead, alive):
+            request = Submit(
+                1,  # ids are unique per front end: the same id from two is two requests
+                "tiny",
+                time.monotonic() + 120,
+                GeneratePayload([1, 40, 41], SamplingParams(max_new_tokens=SLOT_TOKENS - 4)),
+            )
+            core.submit(origin, request, emit_to(origin))
+        await first_output.wait()
+        host = core.hosts["tiny"]
+        assert host.debug_report()["slots_held"] == 2
+        assert set(core.status().taken_inputs) == {dead, alive}
+        core.frontend_gone(4242)
+        assert set(core.status().taken_inputs) == {alive}
+        # Freed as its task's cancellation completes (the next turn of the loop).
+        await yield_until(lambda: host.debug_report()["slots_held"] == 1, "the slot freed")
+        emitted_to_the_dead = len(outputs[dead])
+        await asyncio.wait_for(alive_finished.wait(), 60)  # the other goes on to its end
+        assert len(outputs[dead]) == emitted_to_the_dead
     finally:
         await engine.close()

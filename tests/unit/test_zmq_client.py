@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from app.engine.client import EngineUnavailable
-from app.engine.protocol import EmbedPayload, EngineStatus, Submit
+from app.engine.protocol import (
+    EmbedPayload,
+    EngineStatus,
+    Submit,
+    frontend_identity,
+    identity_pid,
+)
 from app.engine.zmq_client import NEW_ENGINE, EngineAddresses, StatusSubscriber, ZmqEngineClient
 
 
@@ -66,3 +72,10 @@ def test_a_forgotten_engines_late_statuses_do_not_bring_it_back() -> None:
     # A replacement is heard, and reported as a new engine.
     subscriber.take(status("b", 100.3))
     assert subscriber.status() == status("b", 100.3) and lost == [NEW_ENGINE]
+
+
+def test_a_front_ends_identity_names_its_process() -> None:
+    """What the supervisor's `FrontEndGone(pid)` is matched against in the engine."""
+    assert identity_pid(frontend_identity(4242, 0xABC)) == 4242
+    for other in (b"", b"supervisor", b"fe-x-1", b"xx-12-1", "fe-\u00b2-1".encode()):
+        assert identity_pid(other) is None

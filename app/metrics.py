@@ -264,57 +264,70 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        # The GPU and CUDA allocator gauges are labelled by device: a gauge without labels
+        # exists at 0 in every process that builds `Metrics()` (front ends, a CPU engine),
+        # and the multiprocess min of that 0 and the engine's reading is 0 (a GPU clock
+        # "under 1 GHz" on every replica). Labelled, a series exists once the engine sets it.
         self.gpu_sm_clock = Gauge(
             "steadyserve_gpu_sm_clock_hertz",
             "GPU SM clock (NVML).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemin",
         )
         self.gpu_temperature = Gauge(
             "steadyserve_gpu_temperature_celsius",
             "GPU temperature (NVML).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemax",
         )
         self.gpu_power = Gauge(
             "steadyserve_gpu_power_watts",
             "GPU power draw (NVML).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemax",
         )
         self.gpu_throttle_reasons = Gauge(
             "steadyserve_gpu_throttle_reasons",
             "NVML clock-throttle reason bits (0 = running at full clocks; docs/SPIKES.md).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemax",
         )
         self.gpu_memory_used = Gauge(
             "steadyserve_gpu_memory_used_bytes",
             "GPU memory in use, all processes (NVML).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemax",
         )
         self.gpu_memory_free = Gauge(
             "steadyserve_gpu_memory_free_bytes",
             "GPU memory free (NVML).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemin",
         )
         self.cuda_reserved = Gauge(
             "steadyserve_cuda_allocator_reserved_bytes",
             "Bytes the CUDA caching allocator holds from the device.",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livesum",
         )
         self.cuda_allocated = Gauge(
             "steadyserve_cuda_allocator_allocated_bytes",
             "Bytes of tensors allocated through the CUDA caching allocator.",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livesum",
         )
         self.cuda_largest_free_block = Gauge(
             "steadyserve_cuda_allocator_largest_free_block_bytes",
             "Largest free block inside the allocator's reserved segments (sampled each second).",
+            ["gpu"],
             registry=r,
             multiprocess_mode="livemin",
         )

@@ -111,10 +111,13 @@ class EngineCore:
             self.cuda_context,
             NvmlProbe(index),
         ]
+        gpu = None if index is None else str(index)
         if self.settings.engine == "inprocess":
-            return ProcessTelemetry("engine", self.metrics, device_probes)
+            return ProcessTelemetry("engine", self.metrics, device_probes, gpu=gpu)
         # The engine process's status publisher (engine/process.py) ticks the loop monitor.
-        return ProcessTelemetry.for_process("engine", self.metrics, device_probes, own_ticker=False)
+        return ProcessTelemetry.for_process(
+            "engine", self.metrics, device_probes, own_ticker=False, gpu=gpu
+        )
 
     def _tracer(self) -> RequestTracer:
         if not self.settings.spike_reports:

@@ -45,11 +45,15 @@ class ProcessTelemetry:
         publishes_container: bool = True,
         own_ticker: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        gpu: str | None = None,
     ) -> None:
         """`publishes_container`: this process counts the container-wide figures (cgroup
         throttling) in the metrics; exactly one process of a server should. `own_ticker`
-        False: the process's periodic task ticks the loop monitor through `sleep`."""
+        False: the process's periodic task ticks the loop monitor through `sleep`. `gpu`:
+        the device index the GPU and CUDA allocator gauges are labelled with (the engine's,
+        on CUDA); None sets none of them."""
         self.role = role
+        self.gpu = gpu
         self.own_ticker = own_ticker
         self._running = False
         self.publishes_container = publishes_container
@@ -76,9 +80,12 @@ class ProcessTelemetry:
         extra: Iterable[Probe] = (),
         publishes_container: bool = True,
         own_ticker: bool = True,
+        gpu: str | None = None,
     ) -> ProcessTelemetry:
         loop, gc, probes = process_wide_probes()
-        return cls(role, metrics, [*probes, *extra], loop, gc, publishes_container, own_ticker)
+        return cls(
+            role, metrics, [*probes, *extra], loop, gc, publishes_container, own_ticker, gpu=gpu
+        )
 
     def start(self) -> None:
         # Counters are published by their increase from here on (a restarted process does
@@ -163,18 +170,20 @@ class ProcessTelemetry:
 
     def _set_levels(self, readings: Mapping[str, float]) -> None:
         m = self.metrics
-        gauges = {
-            "process_resident_bytes": m.process_resident.labels(self.role),
-            "gpu_sm_clock_hertz": m.gpu_sm_clock,
-            "gpu_temperature_celsius": m.gpu_temperature,
-            "gpu_power_watts": m.gpu_power,
-            "gpu_throttle_reasons": m.gpu_throttle_reasons,
-            "gpu_memory_used_bytes": m.gpu_memory_used,
-            "gpu_memory_free_bytes": m.gpu_memory_free,
-            "cuda_reserved_bytes": m.cuda_reserved,
-            "cuda_allocated_bytes": m.cuda_allocated,
-            "cuda_largest_free_block_bytes": m.cuda_largest_free_block,
-        }
+        gauges = {"process_resident_bytes": m.process_resident.labels(self.role)}
+        if self.gpu is not None:
+            device = {
+                "gpu_sm_clock_hertz": m.gpu_sm_clock,
+                "gpu_temperature_celsius": m.gpu_temperature,
+                "gpu_power_watts": m.gpu_power,
+                "gpu_throttle_reasons": m.gpu_throttle_reasons,
+                "gpu_memory_used_bytes": m.gpu_memory_used,
+                "gpu_memory_free_bytes": m.gpu_memory_free,
+                "cuda_reserved_bytes": m.cuda_reserved,
+                "cuda_allocated_bytes": m.cuda_allocated,
+                "cuda_largest_free_block_bytes": m.cuda_largest_free_block,
+            }
+            gauges |= {key: gauge.labels(self.gpu) for key, gauge in device.items()}
         for key, gauge in gauges.items():
             if key in readings:
                 gauge.set(readings[key])

@@ -155,7 +155,7 @@ def test_throttle_reason_names() -> None:
 def test_publishing_feeds_the_metrics_by_increase() -> None:
     metrics = Metrics()
     device = FakeProbe({"cuda_alloc_retries_total": 2.0, "gpu_sm_clock_hertz": 1.4e9})
-    telemetry = ProcessTelemetry("engine", metrics, [device])
+    telemetry = ProcessTelemetry("engine", metrics, [device], gpu="0")
     telemetry.start()  # counters count from here
     device.add(cuda_alloc_retries_total=3)
     device.set(gpu_sm_clock_hertz=810e6)
@@ -163,7 +163,22 @@ def test_publishing_feeds_the_metrics_by_increase() -> None:
     telemetry.publish()  # nothing new: nothing added
     registry = metrics.registry
     assert registry.get_sample_value("steadyserve_cuda_alloc_retries_total") == 3
-    assert registry.get_sample_value("steadyserve_gpu_sm_clock_hertz") == 810e6
+    assert registry.get_sample_value("steadyserve_gpu_sm_clock_hertz", {"gpu": "0"}) == 810e6
+
+
+def test_no_gpu_gauge_exists_until_the_engine_reads_its_gpu() -> None:
+    """Every process builds `Metrics()`; an unlabelled gauge was 0 in each (front ends, a
+    CPU engine), and the multiprocess minimum of those zeros and the engine's real clock
+    was 0: "SM clock under 1 GHz" on every serving replica."""
+    metrics = Metrics()
+    ProcessTelemetry("frontend", metrics, [FakeProbe({"gpu_sm_clock_hertz": 1.9e9})]).publish()
+    device_gauges = {
+        sample.name
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name.startswith(("steadyserve_gpu_", "steadyserve_cuda_allocator_"))
+    }
+    assert device_gauges == set()
 
 
 def test_probe_set_merges_readings() -> None:

@@ -22,6 +22,7 @@ from app.metrics import Metrics
 from app.model_specs import ModelSpec
 from app.service import Service
 from app.settings import Settings
+from app.timing import PhaseTimer
 from loadtest.null_engine import AlwaysReadyEngine
 
 # 10 ms per queued input against a 100 ms budget: ten inputs fit.
@@ -218,3 +219,23 @@ async def test_a_request_at_the_engine_is_timed_by_how_it_ended() -> None:
             "steadyserve_request_duration_seconds_count", labels
         )
         assert count == sum(1 for _, want in endings if want == name), name
+
+
+async def test_time_at_an_engine_that_answers_only_its_deadline_is_queue_time() -> None:
+    """No output came back to carry `queue_s`: the slow-request report called the whole
+    wait "unaccounted", in exactly the overload it is meant to explain."""
+    service, engine = await started_service()
+    engine.answer_grace_s = 0.0
+    timer = PhaseTimer()
+    now = time.monotonic()
+    with pytest.raises(DeadlineExceeded):
+        await service.compute(
+            service.resolve_model(None),
+            "embed",
+            EmbedPayload([[1]]),
+            cost=1,
+            deadline=now + 0.02,  # admitted, then never answered: given up at the deadline
+            arrived_at=now,
+            timer=timer,
+        )
+    assert set(timer.phases) == {"admission", "queue"}

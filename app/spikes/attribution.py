@@ -247,8 +247,11 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     serialise = facts.phases.get("serialise", 0.0)
     causes.append(Cause("serialise", serialise, f"rendering the answer took {_ms(serialise)}"))
 
+    # The wait for a buffer slot comes after the queue phase ends and before compute starts:
+    # it is in the gap, and already a cause of its own.
+    buffer_wait = batch.acquire_wait_s if batch is not None else 0.0
     gap = facts.total_s - sum(facts.phases.values())
-    unaccounted = max(0.0, gap - gc_total - blocked_total - starved_loop)
+    unaccounted = max(0.0, gap - gc_total - blocked_total - starved_loop - buffer_wait)
     causes.append(
         Cause(
             "unaccounted",

@@ -147,9 +147,19 @@ def test_queueing_behind_inputs() -> None:
 
 
 def test_buffer_wait() -> None:
-    name, ms, evidence = top(facts(trace=batch(acquire_wait_s=0.03)))
+    """The wait for a buffer slot falls between the queue and compute phases, in the gap
+    outside them: it is buffer_wait, not also unaccounted (which outranked it)."""
+    phases = {"tokenize": 0.0002, "admission": 0.0, "queue": 0.001, "compute": 0.02}
+    request = facts(
+        total_s=sum(phases.values()) + 0.03 + 0.003,  # the wait, and 3 ms of HTTP and hops
+        phases=phases,
+        trace=batch(acquire_wait_s=0.03),
+    )
+    name, ms, evidence = top(request)
     assert (name, ms) == ("buffer_wait", 30)
     assert evidence == "waited 30 ms for a buffer slot of shape (4, 64)"
+    causes = {cause.name: round(cause.seconds * 1000) for cause in attribute(request)}
+    assert causes["unaccounted"] == 3
 
 
 def test_unwarmed_shape_without_an_estimate_is_all_set_up() -> None:

@@ -19,8 +19,10 @@ class PhaseTimer:
     phases: dict[str, float] = field(default_factory=dict)
     # The engine's side of the request (batch, probes), for a slow-request report.
     engine_trace: EngineTrace | None = None
-    # False for a generation: its time is the length its client asked for, so it is never
-    # judged slow (nor counted in the p99 that judgement uses).
+    # False where the request's time is its client's doing, so it is never judged slow (nor
+    # counted in the p99 that judgement uses): a generation (as long as the tokens asked
+    # for), a body refused for arriving too slowly or too large (the app's answer to it is
+    # not even what the client got).
     latency_bound: bool = True
 
     def add(self, phase: str, seconds: float) -> None:

@@ -54,10 +54,18 @@ class BodyGuardMiddleware:
         body_done = False
         give_up_at = asyncio.get_running_loop().time() + self.read_timeout_s
 
+        def refuse(status: int) -> Message:
+            nonlocal refused
+            refused = status
+            timer: PhaseTimer | None = scope.get("state", {}).get("server_timing")
+            if timer is not None:
+                timer.latency_bound = False  # the client's slowness or size, not a slow request
+            return {"type": "http.disconnect"}
+
         async def guarded_receive() -> Message:
             # Stop reading at the limit or the timeout. The app sees a disconnect; whatever
             # it answers (frameworks turn a broken body into a 400) is replaced below.
-            nonlocal seen, refused, body_done
+            nonlocal seen, body_done
             if refused is not None:
                 return {"type": "http.disconnect"}
             if body_done:
@@ -66,14 +74,12 @@ class BodyGuardMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, remaining))
             except TimeoutError:
-                refused = 408
-                return {"type": "http.disconnect"}
+                return refuse(408)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 body_done = not message.get("more_body", False)
                 if seen > self.max_body_bytes:
-                    refused = 413
-                    return {"type": "http.disconnect"}
+                    return refuse(413)
             return message
 
         async def guarded_send(message: Message) -> None:

@@ -184,7 +184,10 @@ class SlotPool(Generic[SlotT]):
             return
         with self._condition:
             self._free[slot.shape].append(slot)
-            self._condition.notify()
+            # Every waiter: one condition serves every shape, and the first waiter may want
+            # another shape's slot (notify() woke it alone, and the waiter for this one slept
+            # on with its slot free).
+            self._condition.notify_all()
 
     def stats(self) -> PoolStats:
         with self._condition:

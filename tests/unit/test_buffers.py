@@ -150,3 +150,33 @@ def test_the_slot_device_not_the_stream_decides_the_path() -> None:
     not_a_cpu_stream: Any = object()
     output = execute_batch(pool, SumRunner(), BatchShape(2, 8), [[2, 3]], not_a_cpu_stream)
     assert output.rows.tolist() == [[5.0, 2.0]]
+
+
+def test_a_released_slot_reaches_its_waiter_behind_a_waiter_for_another_shape() -> None:
+    """One condition serves every shape: `notify()` woke the first waiter, which waited for
+    the other shape and slept again, and the waiter for the released slot stayed blocked
+    with its slot free (a compute thread held, its batch late)."""
+    pool = make_pool()
+    first, second = BatchShape(2, 8), BatchShape(4, 8)
+    held_first, _ = pool.acquire(first)
+    held_second, _ = pool.acquire(second)
+    got: dict[BatchShape, object] = {}
+
+    def wait_for(shape: BatchShape) -> None:
+        got[shape] = pool.acquire(shape)[0]
+
+    waiters = []
+    for waits in (1, 2):  # the waiter for `second` queues first, then the one for `first`
+        shape = second if waits == 1 else first
+        waiters.append(threading.Thread(target=wait_for, args=(shape,), daemon=True))
+        waiters[-1].start()
+        give_up_at = time.monotonic() + 30
+        while pool.stats().acquire_waits < waits:
+            assert time.monotonic() < give_up_at, "a waiter never queued"
+            threading.Event().wait(0.001)
+    pool.release(held_first)
+    waiters[1].join(timeout=10)
+    assert got.get(first) is held_first
+    pool.release(held_second)
+    waiters[0].join(timeout=10)
+    assert got.get(second) is held_second

@@ -18,7 +18,6 @@ each front-end process.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from app.engine.orphans import die_with_parent
 from app.engine.protocol import FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import STATUS_WENT_STALE, EngineAddresses, StatusSubscriber
@@ -75,28 +75,19 @@ RESTARTS_BEFORE_UNHEALTHY = 5
 # How the parent talks to its children: drain (front ends) or stop (the engine). Children
 # ignore SIGTERM and SIGINT, which may reach the whole process group at once.
 DRAIN_OR_STOP = signal.SIGUSR1
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Have the kernel kill this child if the parent dies (even by kill -9), so that no
-    engine or front end is left running without its supervisor."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        log.warning("cannot ask to die with the parent on this platform")
-    if os.getppid() == 1:  # the parent died before the request took effect
-        os._exit(1)
 
 
 def run_frontend_process(
-    settings: Settings, addresses: EngineAddresses, processes: int, started: EventType
+    settings: Settings,
+    addresses: EngineAddresses,
+    processes: int,
+    started: EventType,
+    parent_pid: int,
 ) -> None:
     """Entry point of one front-end process. Sets `started` once its start-up succeeded (the
     supervisor's probes count it as serving from then on); a start-up that fails ends the
     process (exit status 1), which the supervisor restarts with backoff."""
-    die_with_parent()
+    die_with_parent(parent_pid)
     # Until uvicorn installs its handlers: a drain asked for during start-up is a clean
     # exit, and the group's SIGTERM/SIGINT are the parent's to handle.
     signal.signal(DRAIN_OR_STOP, lambda signum, frame: sys.exit(0))
@@ -193,7 +184,7 @@ class ProcessTree:
         started = self._context.Event()
         process = self._context.Process(
             target=run_frontend_process,
-            args=(self.settings, self.addresses, self.frontend_count, started),
+            args=(self.settings, self.addresses, self.frontend_count, started, os.getpid()),
             name="steadyserve-frontend",
         )
         process.start()

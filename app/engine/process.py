@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from app.engine.orphans import die_with_parent
 from app.engine.protocol import (
     Cancel,
     DebugQuery,
@@ -163,13 +164,11 @@ async def _serve(settings: Settings, addresses: EngineAddresses, replacement: bo
 
 
 def run_engine_process(
-    settings: Settings, addresses: EngineAddresses, replacement: bool = False
+    settings: Settings, addresses: EngineAddresses, parent_pid: int, replacement: bool = False
 ) -> None:
-    """Entry point of the engine process (spawned by the supervisor); `replacement` when it
-    replaces one that died."""
-    from app.processes import die_with_parent
-
-    die_with_parent()
+    """Entry point of the engine process (spawned by the supervisor, `parent_pid`);
+    `replacement` when it replaces one that died."""
+    die_with_parent(parent_pid)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",

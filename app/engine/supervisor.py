@@ -77,7 +77,7 @@ class EngineSupervisor:
     def _spawn(self) -> BaseProcess:
         process = self._context.Process(
             target=run_engine_process,
-            args=(self._settings, self._addresses, self.restarts > 0),
+            args=(self._settings, self._addresses, os.getpid(), self.restarts > 0),
             name="steadyserve-engine",
             daemon=True,
         )

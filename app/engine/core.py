@@ -94,6 +94,8 @@ class EngineCore:
         # Inputs taken from each front end (one entry per front-end process it has served),
         # published so each front end knows which of its sends the status holds.
         self._taken_inputs: dict[bytes, int] = {}
+        # Front-end processes reported dead, by pid: until when what they sent is dropped.
+        self._gone_frontends: dict[int, float] = {}
         self._warmup_done = 0
         self._warmup_total = 0
         self._ready = False
@@ -260,7 +262,10 @@ class EngineCore:
     # --- requests -----------------------------------------------------------------------
     def submit(self, origin: bytes, request: Submit, emit: Emit) -> None:
         """Admit `request` and hand it to its model's host; its answer goes to `emit` (a
-        stream of `Output` ending with a final one, or one `Failure`)."""
+        stream of `Output` ending with a final one, or one `Failure`). A request from a
+        front end reported dead is dropped unanswered (`frontend_gone`)."""
+        if self._sent_by_a_dead_frontend(origin):
+            return
         taken = self._taken_inputs.get(origin, 0) + payload_inputs(request.payload)
         self._taken_inputs[origin] = taken
         rejection = self._admit(request)
@@ -308,13 +313,24 @@ class EngineCore:
 
     def frontend_gone(self, pid: int) -> None:
         """Drop the work of every request the front-end process `pid` sent (it exited: no
-        one reads their answers) and forget the inputs it sent (`taken_inputs`)."""
+        one reads their answers) and forget the inputs it sent (`taken_inputs`). Its Submits
+        still on their way are dropped as they come (the engine's socket takes one message
+        from each peer in turn, so this notice can overtake them), for as long as any of
+        them could still be within its deadline."""
+        now = self._clock()
+        self._gone_frontends = {p: t for p, t in self._gone_frontends.items() if t > now}
+        self._gone_frontends[pid] = now + self.settings.max_timeout_ms / 1000
         orphans = [key for key in self._requests if identity_pid(key[0]) == pid]
         for key in orphans:
             self._requests.pop(key).cancel()
         for origin in [o for o in self._taken_inputs if identity_pid(o) == pid]:
             del self._taken_inputs[origin]
         log.warning("front end %d exited: dropped the work of its %d requests", pid, len(orphans))
+
+    def _sent_by_a_dead_frontend(self, origin: bytes) -> bool:
+        pid = identity_pid(origin)
+        until = self._gone_frontends.get(pid) if pid is not None else None
+        return until is not None and self._clock() < until
 
     # --- debug --------------------------------------------------------------------------
     def debug_report(self, what: str) -> dict[str, object]:

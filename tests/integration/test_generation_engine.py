@@ -649,6 +649,14 @@ async def test_a_dead_front_ends_sequences_free_their_slots_and_its_count_is_for
         # Freed as its task's cancellation completes (the next turn of the loop).
         await yield_until(lambda: host.debug_report()["slots_held"] == 1, "the slot freed")
         emitted_to_the_dead = len(outputs[dead])
+        # A Submit it sent before dying, read after the notice (the engine's socket takes
+        # one message from each peer in turn): dropped, uncounted, unanswered.
+        late = Submit(
+            2, "tiny", time.monotonic() + 120, GeneratePayload([1, 40], SamplingParams(4))
+        )
+        core.submit(dead, late, emit_to(dead))
+        assert set(core.status().taken_inputs) == {alive}
+        assert host.debug_report()["slots_held"] == 1
         await asyncio.wait_for(alive_finished.wait(), 60)  # the other goes on to its end
         assert len(outputs[dead]) == emitted_to_the_dead
     finally:

@@ -41,6 +41,7 @@ from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.generation.pipeline import TextGeneration
 from app.metrics import LATENCY_BUCKETS_S, Metrics
+from app.probes import ProbeListener, probe_response
 from app.service import Service, TokenizerLoader, load_model_tokenizer
 from app.settings import Settings
 from app.spikes.recorder import SlowRequestRecorder
@@ -119,6 +120,18 @@ def create_app(
     telemetry = ProcessTelemetry.for_process(
         "frontend", metrics, publishes_container=settings.engine == "inprocess"
     )
+    # With the engine in-process this app is the whole server: it answers the probe port
+    # itself (in engine-process mode the supervisor does). The image sets the port, and its
+    # HEALTHCHECK and the Kubernetes probes go there whatever the mode.
+    probes = (
+        ProbeListener(
+            settings.host,
+            settings.health_port,
+            lambda path: probe_response(path, service.readiness(), service.liveness()),
+        )
+        if settings.engine == "inprocess" and settings.health_port is not None
+        else None
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -126,6 +139,8 @@ def create_app(
             telemetry.start()
         if supervisor is not None:
             supervisor.start()
+        if probes is not None:
+            await probes.start()
         startup = asyncio.create_task(service.start(), name="startup")
         app.state.startup_task = startup
         if on_started is not None:
@@ -142,6 +157,8 @@ def create_app(
             await service.stop()
             if supervisor is not None:
                 await supervisor.stop()
+            if probes is not None:
+                await probes.close()
             await telemetry.stop()
 
     app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)

@@ -69,8 +69,9 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         le=65535,
-        description="Engine-process mode: the supervisor also answers /healthz and /readyz "
-        "on this port, which carries no traffic, so no flood delays a kubelet's probe.",
+        description="/healthz and /readyz are also answered on this port, which carries no "
+        "traffic, so no flood delays a kubelet's probe (by the supervisor in engine-process "
+        "mode, by the one process with STEADY_ENGINE=inprocess).",
     )
     frontend_nice: int = Field(
         default=5,

@@ -16,7 +16,7 @@ from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.base import resolve_dtype
 from app.models.source import resolve_source
 from tests.support.reference_pooling import masked_mean
-from tests.support.server import http_status, running_server
+from tests.support.server import free_port, http_status, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -120,3 +120,14 @@ def test_a_second_signal_stops_a_draining_server_at_once(tmp_path: Path) -> None
         server.terminate()
         assert server.wait(timeout=30) == 0
         assert "draining" in server.log()
+
+
+def test_an_in_process_server_answers_the_probe_port_too(tmp_path: Path) -> None:
+    """The image sets STEADY_HEALTH_PORT, and its HEALTHCHECK and the Kubernetes probes go
+    there: with STEADY_ENGINE=inprocess nothing listened, and the container was restarted
+    for a server that was fine."""
+    probes = free_port()
+    env = {"STEADY_ENGINE": "inprocess", "STEADY_HEALTH_PORT": str(probes)}
+    with running_server(tmp_path, env):  # returns once the traffic port says ready
+        assert http_status(f"http://127.0.0.1:{probes}/readyz") == 200
+        assert http_status(f"http://127.0.0.1:{probes}/healthz") == 200

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from app.settings import Settings, settings_table
 
@@ -184,6 +185,9 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as error:
         for line in settings_problems(error):
             sys.stderr.write(f"steadyserve: {line}\n")
+        return 2
+    except SettingsError as error:  # a list or object variable that is not JSON
+        sys.stderr.write(f"steadyserve: {error} (lists and objects are JSON, e.g. [16, 32])\n")
         return 2
     if settings.engine == "process":
         from app.processes import serve_processes

@@ -72,6 +72,26 @@ def test_serve_names_each_bad_setting_by_its_variable(
     }
 
 
+@pytest.mark.parametrize(
+    "variable,value",
+    [
+        ("STEADY_LENGTH_BUCKETS", "16,32"),
+        ("STEADY_MODELS", "notjson"),
+        ("STEADY_ENGINE_RESTART_BACKOFF_S", "1,30"),
+    ],
+)
+def test_serve_names_a_list_variable_that_is_not_json(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str
+) -> None:
+    """pydantic-settings fails to parse it before validation (a SettingsError, a traceback)."""
+    from app.cli import main
+
+    monkeypatch.setenv(variable, value)
+    assert main(["serve"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("steadyserve: ") and variable.lower().removeprefix("steady_") in error
+
+
 def test_settings_refuses_arguments_it_does_not_take() -> None:
     from app.cli import main
 

@@ -302,9 +302,33 @@ def _forget_metrics_of(pid: int) -> None:
         multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the front ends could not share (host, port), or None. Each front end binds it
+    with SO_REUSEPORT: a port some other server holds would make every one of them fail and
+    be restarted forever (or, another steadyserve's, silently split its connections), and
+    port 0 would give each front end a port of its own."""
+    if port == 0:
+        return "port 0 (any free port) would give each front end its own: name one"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # Without SO_REUSEPORT: the bind fails if anything listens there, ours or not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return f"cannot listen on {host}:{port}: {error.strerror}"
+    return None
+
+
 def serve_processes(settings: Settings) -> int:
-    """Run the engine and the front ends until a signal; returns the exit status."""
+    """Run the engine and the front ends until a signal; returns the exit status (2 when
+    the port cannot be served)."""
     configure_logging(settings.log_level, "supervisor")
+    problem = port_problem(settings.host, settings.port)
+    if problem is not None:
+        log.error("%s", problem)
+        sys.stderr.write(f"steadyserve: {problem}\n")
+        return 2
     run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-"))
     metrics_dir = run_dir / "metrics"
     metrics_dir.mkdir()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import pytest
 from pydantic import ValidationError
 
@@ -98,3 +102,28 @@ def test_settings_refuses_arguments_it_does_not_take() -> None:
     with pytest.raises(SystemExit) as stopped:
         main(["settings", "--bogus", "x"])
     assert stopped.value.code == 2
+
+
+def serve_exit(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """`steadyserve serve` in a child, bounded: a regression starts a server instead of
+    refusing, and the timeout ends it (its children die with it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_serve_refuses_a_port_something_else_listens_on() -> None:
+    """Every front end failed to bind it and was restarted forever, with /healthz 200."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = serve_exit("--port", str(port))
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_serve_refuses_port_0_for_its_front_ends() -> None:
+    result = serve_exit("--port", "0")
+    assert result.returncode == 2 and "port 0" in result.stderr

@@ -137,10 +137,16 @@ def running_server(
     port: int | None = None,
     cpus: set[int] | None = None,
 ) -> Iterator[ServerProcess]:
-    """A ready steadyserve on 127.0.0.1; killed by PID on exit if still running."""
+    """A ready steadyserve on 127.0.0.1; stopped by PID on exit if still running: SIGTERM
+    (it drains and removes its run directory under /tmp, which a kill -9 leaves behind),
+    then SIGKILL if it has not exited within 30 s."""
     server = start_server(tmp_path, env, port, cpus)
     try:
         wait_until_ready(server)
         yield server
     finally:
-        server.kill()
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()

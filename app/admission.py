@@ -101,13 +101,20 @@ def batch_delay(queue: BatchQueue, rows: int, partial_batch_s: float) -> DelayEs
     and left out the inputs that fill its own batch after it: under overload an admitted
     request waited up to a batch longer than the budget. Counting a full own batch for
     every request refused requests of a loop that never queues a full batch (64
-    connections, batches of 32) behind a batch just started (docs/BENCHMARKS.md)."""
+    connections, batches of 32) behind a batch just started (docs/BENCHMARKS.md).
+
+    Of those batches, the ones before its first input are other requests' (`backlog_s`);
+    from there on they hold its own inputs (`own_compute_s`, with its last batch): a request
+    of more rows than a batch, on an idle engine, has nothing ahead of it and is admitted.
+    Counted as backlog, its own earlier batches had it refused (429, and every retry too)."""
     batch_rows = max(1, queue.batch_rows)
-    batches_ahead = (queue.queued + rows - 1) // batch_rows
-    inputs_linear_s = queue.queued * queue.seconds_per_input
-    batches_s = batches_ahead * batch_rows * queue.seconds_per_input
-    backlog = max(0.0, queue.backlog_s - inputs_linear_s) + batches_s
-    own = max(queue.full_batch_s, partial_batch_s) if batches_ahead > 0 else partial_batch_s
+    first_batch = queue.queued // batch_rows  # the batch its first input runs in
+    last_batch = (queue.queued + rows - 1) // batch_rows
+    full_batch_of_inputs_s = batch_rows * queue.seconds_per_input
+    running_s = max(0.0, queue.backlog_s - queue.queued * queue.seconds_per_input)
+    backlog = running_s + first_batch * full_batch_of_inputs_s
+    last = max(queue.full_batch_s, partial_batch_s) if last_batch > 0 else partial_batch_s
+    own = (last_batch - first_batch) * full_batch_of_inputs_s + last
     return DelayEstimate(backlog_s=backlog, own_compute_s=own)
 
 

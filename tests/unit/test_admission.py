@@ -247,10 +247,25 @@ def test_behind_a_full_batch_a_request_waits_for_it_and_a_full_batch_of_its_own(
 
 
 def test_a_request_of_many_rows_waits_for_the_batches_before_its_last_row() -> None:
-    # 10 queued, 60 rows: its last row is row 70, in the third batch (rows 65-96).
+    # 10 queued, 60 rows: its last row is row 70, in the third batch (rows 65-96). The first
+    # batch holds those 10 and its first 22 rows: no batch is only other requests'.
     estimate = batch_delay(_queue(0.010, queued=10), rows=60, partial_batch_s=0.008)
-    assert estimate.backlog_s == pytest.approx(2 * 0.032)
-    assert estimate.own_compute_s == pytest.approx(0.032)
+    assert estimate.backlog_s == pytest.approx(0.0)
+    assert estimate.own_compute_s == pytest.approx(3 * 0.032)
+
+
+def test_on_an_idle_engine_a_request_of_more_rows_than_a_batch_is_admitted() -> None:
+    """Its own first batch was counted as backlog: with "something ahead" it was refused
+    429 for a wait over the budget, and every retry was too."""
+    estimate = batch_delay(_queue(0.0, queued=0), rows=64, partial_batch_s=0.032)
+    assert estimate.backlog_s == 0.0
+    assert estimate.own_compute_s == pytest.approx(2 * 0.032)
+    assert delay_verdict(estimate, deadline=10.0, now=0.0, max_queue_delay_s=0.05) is None
+    # Behind a full batch of others it waits like anyone: refused, retryable.
+    busy = batch_delay(_queue(0.032, queued=32), rows=64, partial_batch_s=0.032)
+    assert busy.backlog_s == pytest.approx(0.032)
+    refused = delay_verdict(busy, deadline=10.0, now=0.0, max_queue_delay_s=0.05)
+    assert refused is not None and refused.reason is RejectReason.QUEUE
 
 
 def test_without_a_batch_size_the_queue_counts_input_by_input() -> None:

@@ -47,12 +47,26 @@ def _json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+# sentence-transformers modules a model may list and be served as trained: the encoder, its
+# pooling (below), and normalisation (the `normalize` parameter, on by default). Any other
+# (Dense, LayerNorm...) changes the vectors after pooling.
+SERVED_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
 def pooling_mode(directory: Path) -> str:
     """The `pooling_mode_*` key the model's Pooling module turns on; mean pooling when the
     model has no such module. Raises `ValueError` for a pooling served nowhere here (max,
-    weighted mean, several at once), rather than serve vectors the model was not trained
-    to give."""
+    weighted mean, several at once) or a module after it that is not applied here (a Dense
+    projection: distiluse, LaBSE), rather than serve vectors the model was not trained to
+    give."""
     modules = _json(directory / "modules.json") or []
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in SERVED_MODULES:
+            raise ValueError(
+                f"module {module.get('type')!r} is not served (only {', '.join(SERVED_MODULES)}): "
+                "its vectors would not be the model's"
+            )
     for module in modules:
         if str(module.get("type", "")).endswith("Pooling"):
             config = _json(directory / str(module.get("path", "")) / "config.json") or {}

@@ -68,6 +68,10 @@ def check_tensor(spec: TensorSpec, datatype: str, shape: Sequence[int]) -> None:
         )
     if shape[0] < 1:
         raise TensorError(f"input {spec.name!r}: the batch dimension must be at least 1")
+    if 0 in shape:
+        # An empty dynamic dimension would be padded to one element of padding, computed,
+        # and answered as if the client had sent it.
+        raise TensorError(f"input {spec.name!r}: every dimension must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,11 @@ def from_json(datatype: str, shape: Sequence[int], data: Any) -> bytes:
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise TensorError(f"data does not fit {datatype} (beyond its range)")
     if datatype == "BF16":
-        return bf16_bits(array).tobytes()
+        bits = bf16_bits(array)
+        # Finite in float32, rounded to BF16 it may not be (3.4e38 becomes infinity).
+        if not np.isfinite(bf16_to_float32(bits)).all():
+            raise TensorError("data does not fit BF16 (beyond its range)")
+        return bits.tobytes()
     return np.ascontiguousarray(array).tobytes()
 
 

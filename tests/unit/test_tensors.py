@@ -41,6 +41,8 @@ def test_a_request_gives_its_rows_and_longest_dynamic_dim() -> None:
         ({"frames": ("FP16", [2, 7, 4])}, "input 'frames': datatype FP16"),
         ({"frames": ("FP32", [2, 7])}, "input 'frames': shape"),
         ({"frames": ("FP32", [0, 7, 4])}, "batch dimension must be at least 1"),
+        # An empty dynamic dimension was padded to one element and answered as sent.
+        ({"frames": ("FP32", [2, 0, 4])}, "every dimension must be at least 1"),
         ({"frames": ("FP32", [2, 7, 4]), "extra": ("FP32", [2])}, "unknown input 'extra'"),
         ({}, "input 'frames' is missing"),
     ],
@@ -84,6 +86,7 @@ def test_bytes_and_json_forms_agree() -> None:
         ("BOOL", ["false"]),  # a non-empty string is True
         ("INT64", [2**64]),  # beyond 64 bits
         ("FP16", [70000.0]),  # beyond FP16: infinity
+        ("BF16", [3.4e38]),  # finite in float32, infinity once rounded to BF16
     ],
 )
 def test_json_values_are_taken_as_sent_or_refused(datatype: str, values: list[object]) -> None:

@@ -302,12 +302,15 @@ class Batcher(Generic[RowT, OutT]):
         rows_for_shape: Callable[[BatchShape], Sequence[RowT]],
         on_shape_done: Callable[[int, int], None],
     ) -> None:
-        """Run every shape once on every compute thread (full rows from `rows_for_shape`),
-        feeding the scheduler's compute estimates; `on_shape_done(done, total)` reports
-        progress."""
+        """Run every shape twice on every compute thread (full rows from `rows_for_shape`),
+        feeding the scheduler's compute estimates from the second run; `on_shape_done(done,
+        total)` reports progress. The first run of a shape is cold (allocations, lazy
+        initialisation: ~1.3-2x a later one), and an estimate seeded from it refused or
+        expired requests that would have fitted until traffic measured the shape again."""
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
             rows = rows_for_shape(shape)
+            await self._dispatcher.run_on_every_compute_thread(self._run_batch, shape, rows)
             outputs = await self._dispatcher.run_on_every_compute_thread(
                 self._run_batch, shape, rows
             )

@@ -144,6 +144,18 @@ async def test_readyz_reports_warmup_progress_until_every_shape_ran() -> None:
         assert f'steadyserve_warmup_shapes_done{{model="fake"}} {total}.0' in metrics
 
 
+async def test_warm_up_estimates_each_shape_from_a_warm_run() -> None:
+    """A shape's first run pays its set-up: an estimate seeded from it (the EWMA's first
+    value) refused or expired requests that would have fitted, until traffic measured the
+    shape again."""
+    loader = GatedLoader(cold_s=0.2)
+    app = create_app(Settings(**BASE), loader=loader, tokenizer_loader=loader.tokenizer)  # type: ignore[arg-type]
+    async with serving(app):
+        scheduler = app.state.service.engine.core.hosts["fake"].batcher.scheduler
+        estimates = [scheduler.estimated_compute(s) for s in scheduler.policy.shapes()]
+    assert max(estimates) < 0.1, estimates  # the fake's warm runs take ~nothing
+
+
 async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
     harness: Harness,
 ) -> None:

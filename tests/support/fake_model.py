@@ -34,6 +34,8 @@ class GatedRunner:
         self.failure: Exception | None = None  # raised by every batch while set
         self.failed_batches = 0
         self.busy_s = 0.0  # simulated compute time of every batch, after the gate opens
+        self.cold_s = 0.0  # simulated set-up time of the first batch at each shape
+        self._shapes_run: set[tuple[int, ...]] = set()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         rows = [
@@ -50,6 +52,9 @@ class GatedRunner:
         self.batch_threads.append(threading.current_thread().name)
         self.started.release()
         self.gate.wait(timeout=30)
+        if self.cold_s and tuple(input_ids.shape) not in self._shapes_run:
+            time.sleep(self.cold_s)
+        self._shapes_run.add(tuple(input_ids.shape))
         if self.busy_s:
             time.sleep(self.busy_s)
         kept = (input_ids * attention_mask).float()
@@ -73,14 +78,17 @@ class GatedLoader:
     """A `RunnerLoader` handing out one `GatedRunner` per model; `loaded` gates loading.
     `tokenizer` is the matching front-end tokenizer loader."""
 
-    def __init__(self) -> None:
+    def __init__(self, cold_s: float = 0.0) -> None:
+        """`cold_s`: each runner's simulated set-up time at a shape's first batch."""
         self.runners: dict[str, GatedRunner] = {}
         self.loaded = threading.Event()
         self.loaded.set()
+        self.cold_s = cold_s
 
     def __call__(self, spec: ModelSpec, device: torch.device, largest: int) -> GatedRunner:
         self.loaded.wait(timeout=30)
         runner = GatedRunner(spec.name)
+        runner.cold_s = self.cold_s
         self.runners[spec.name] = runner
         return runner
 

@@ -264,8 +264,8 @@ class Scheduler:
         self, length: int, reason: CloseReason, now: float
     ) -> tuple[Batch, tuple[WorkItem, ...]]:
         """The batch this bucket closes now, and the inputs taken for it that would finish
-        after their deadline in the batch's shape (expired, not computed for nobody: a
-        larger batch computes slower than the one input `_drop_dead` judges by)."""
+        after their deadline in it (none: see below; the second element keeps the shape of
+        a `Decision`'s expired inputs)."""
         queue = self._queues[length]
         rows = min(len(queue), self.policy.max_batch(length))
         if rows == len(queue):
@@ -279,17 +279,26 @@ class Scheduler:
             self._queues[length] = deque(i for i in queue if i.item_id not in chosen_ids)
             chosen.sort(key=lambda item: item.enqueued_at)
         self._depth -= rows
-        # One at a time, the earliest deadline first: a smaller batch computes faster, so
-        # the rest may then make it. One input alone always does (`_drop_dead` kept only
-        # those that finish alone in time).
-        late: list[WorkItem] = []
+        # A larger batch computes slower than the one input `_drop_dead` judges by: while
+        # the most urgent input would finish after its deadline in this batch, the latest
+        # deadline goes back to the queue (it fits a later batch), so the batch shrinks
+        # until the urgent one makes it. One input alone always does (`_drop_dead` kept only
+        # those). Shedding the urgent one instead answered 504 to the very input a DEADLINE
+        # close was for, whenever the loop woke a hair late, while the relaxed ones ran.
+        first = min(chosen, key=lambda i: i.deadline)
+        put_back: list[WorkItem] = []
         while True:
             shape = BatchShape(self.policy.padded_batch(length, len(chosen)), length)
-            first = min(chosen, key=lambda i: i.deadline)
             if len(chosen) == 1 or first.deadline >= now + self._compute.get(shape):
-                return Batch(shape=shape, items=tuple(chosen), reason=reason), tuple(late)
-            late.append(first)
-            chosen.remove(first)
+                break
+            latest = max((i for i in chosen if i is not first), key=lambda i: i.deadline)
+            chosen.remove(latest)
+            put_back.append(latest)
+        if put_back:
+            back = sorted([*self._queues[length], *put_back], key=lambda i: i.enqueued_at)
+            self._queues[length] = deque(back)
+            self._depth += len(put_back)
+        return Batch(shape=shape, items=tuple(chosen), reason=reason), ()
 
     def _drop_dead(self, now: float) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:
         expired: list[WorkItem] = []

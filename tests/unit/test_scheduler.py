@@ -145,24 +145,29 @@ def test_inputs_that_cannot_finish_in_time_are_dropped_as_expired() -> None:
     assert scheduler.depth == 0
 
 
-def test_an_input_that_would_finish_late_in_its_batch_is_expired_not_computed() -> None:
+def test_an_urgent_input_gets_a_batch_small_enough_for_its_deadline() -> None:
     """One input alone would make its 20 ms deadline (2 ms), but not in the 4-row batch
-    (50 ms) the earliest-deadline-first choice puts it in."""
+    (50 ms) its queue fills: the relaxed inputs go back to the queue, the urgent one runs.
+    It used to be shed (504) while the relaxed ones ran."""
     scheduler = Scheduler(POLICY)
     scheduler.record_compute(BatchShape(1, 16), 0.002)
+    scheduler.record_compute(BatchShape(2, 16), 0.030)
     scheduler.record_compute(BatchShape(4, 16), 0.050)
     relaxed = [item(5, at=0.0, deadline=1.0) for _ in range(3)]
     urgent = item(5, at=0.0, deadline=0.020)
     for entry in [*relaxed, urgent]:
         scheduler.enqueue(entry)
     decision = scheduler.poll(now=0.0)
-    assert [i.item_id for i in decision.expired] == [urgent.item_id]
+    assert decision.expired == ()
     assert decision.batch is not None
-    assert {i.item_id for i in decision.batch.items} == {i.item_id for i in relaxed}
-    assert scheduler.depth == 0
+    assert [i.item_id for i in decision.batch.items] == [urgent.item_id]
+    assert scheduler.depth == 3  # the relaxed ones, queued for the next batch
+    following = scheduler.poll(now=0.005)  # its max wait: the next batch closes
+    assert following.batch is not None
+    assert [i.item_id for i in following.batch.items] == [i.item_id for i in relaxed]
 
 
-def test_a_batch_that_would_finish_late_sheds_inputs_until_the_rest_make_it() -> None:
+def test_a_batch_that_would_finish_late_runs_smaller_and_the_rest_runs_next() -> None:
     scheduler = Scheduler(POLICY)
     scheduler.record_compute(BatchShape(1, 16), 0.002)
     scheduler.record_compute(BatchShape(2, 16), 0.050)
@@ -170,10 +175,13 @@ def test_a_batch_that_would_finish_late_sheds_inputs_until_the_rest_make_it() ->
     for entry in both:
         scheduler.enqueue(entry)
     decision = scheduler.poll(now=0.0)
-    # Taken together they miss; one alone would make it (2 ms): it runs, the other expires.
+    # Taken together they miss; one alone makes it (2 ms), then the other (by 7 ms).
     assert decision.batch is not None and len(decision.batch.items) == 1
     assert decision.batch.shape == BatchShape(1, 16)
-    assert len(decision.expired) == 1
+    assert decision.expired == ()
+    following = scheduler.poll(now=0.005)  # its max wait: the next batch closes
+    assert following.batch is not None and len(following.batch.items) == 1
+    assert following.expired == ()
 
 
 def test_cancelled_inputs_are_dropped_and_reported() -> None:

@@ -70,7 +70,8 @@ class SlowRequestMiddleware:
         timer: PhaseTimer | None = scope.get("state", {}).get("server_timing")
         if timer is not None and not timer.latency_bound:
             return
-        if not self.recorder.is_slow(total_s):
+        threshold_s = self.recorder.slow_threshold(total_s)
+        if threshold_s is None:
             return
         facts = RequestFacts(
             total_s=total_s,
@@ -80,4 +81,4 @@ class SlowRequestMiddleware:
             engine=timer.engine_trace if timer else None,
             batching_window_s=self.batching_window_s,
         )
-        self.recorder.record(scope["method"], scope["path"], status, facts)
+        self.recorder.record(scope["method"], scope["path"], status, facts, threshold_s)

@@ -114,15 +114,29 @@ class SlowRequestRecorder:
             return self.slow_after_s
         return max(self.slow_after_s, self.p99_multiple * self._p99.value)
 
-    def is_slow(self, total_s: float) -> bool:
-        """Call once per finished request: it feeds the running p99."""
+    def slow_threshold(self, total_s: float) -> float | None:
+        """The threshold a finished request of `total_s` is slow against, or None when it is
+        not slow. Call once per finished request: it feeds the running p99 (after judging,
+        so a report keeps the threshold it was judged by, never one above its total)."""
         threshold = self.threshold_s()
         if self.p99_multiple is not None:
             self._p99.add(total_s)
-        return total_s > threshold
+        return threshold if total_s > threshold else None
 
-    def record(self, method: str, path: str, status: int, facts: RequestFacts) -> SlowReport:
-        """Attribute a slow request, keep its report, count and log it."""
+    def is_slow(self, total_s: float) -> bool:
+        """`slow_threshold` as a verdict."""
+        return self.slow_threshold(total_s) is not None
+
+    def record(
+        self,
+        method: str,
+        path: str,
+        status: int,
+        facts: RequestFacts,
+        threshold_s: float | None = None,
+    ) -> SlowReport:
+        """Attribute a slow request, keep its report, count and log it; `threshold_s`: the
+        one it was judged slow against (`slow_threshold`), else the current one."""
         report = SlowReport(
             report_id=next(self._ids),
             at=self._clock(),
@@ -130,7 +144,7 @@ class SlowRequestRecorder:
             path=path,
             status=status,
             total_s=facts.total_s,
-            threshold_s=self.threshold_s(),
+            threshold_s=self.threshold_s() if threshold_s is None else threshold_s,
             facts=facts,
             causes=attribute(facts),
         )

@@ -318,3 +318,16 @@ def test_log_lines_are_capped_per_second_and_the_next_line_counts_the_rest(
         metrics.registry.get_sample_value("steadyserve_slow_requests_total", {"cause": "queueing"})
         == LOG_LINES_PER_S + 16
     )
+
+
+def test_a_report_keeps_the_threshold_it_was_judged_slow_against() -> None:
+    """Judging feeds the running p99, which may refresh with the slow request in it: the
+    report then showed a threshold (600 ms) above its own total (200 ms)."""
+    recorder = SlowRequestRecorder(Metrics(), slow_after_s=0.05, p99_multiple=3.0, keep=10)
+    for _ in range(99):
+        recorder.is_slow(0.010)
+    threshold_s = recorder.slow_threshold(0.2)
+    assert threshold_s == pytest.approx(0.05)
+    report = recorder.record("POST", "/infer", 200, facts(total_s=0.2), threshold_s)
+    assert report.threshold_s == pytest.approx(0.05)
+    assert report.threshold_s <= report.total_s

@@ -54,22 +54,27 @@ def _v1_quota(directory: Path) -> float | None:
     return int(quota_text) / int(period_text)
 
 
+def cpu_cgroups(
+    root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP
+) -> list[tuple[Path, bool, float | None]]:
+    """This process's cpu cgroup and each of its ancestors up to the root, deepest first:
+    (directory, whether it is cgroup v2, its own quota in CPUs or None). Not only the
+    root: without a cgroup namespace of its own (a systemd unit's `CPUQuota=`,
+    `--cgroupns=host`) the process's limit is set on its own cgroup, below the root."""
+    if (root / "cgroup.controllers").exists() or (root / "cpu.max").exists():
+        return [(d, True, _v2_quota(d)) for d in _chain(root, _own_path(self_cgroup, v2=True))]
+    parts = _own_path(self_cgroup, v2=False)
+    return [
+        (directory, False, _v1_quota(directory))
+        for name in ("cpu,cpuacct", "cpu")
+        for directory in _chain(root / name, parts)
+    ]
+
+
 def cgroup_cpu_quota(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float | None:
     """CPUs allowed by the tightest quota on this process's cgroup and its ancestors (v2
-    `cpu.max`, else v1 `cpu.cfs_quota_us`), None if unlimited. Not only the root's: without
-    a cgroup namespace of its own (a systemd unit's `CPUQuota=`, `--cgroupns=host`) the
-    process's limit is set on its own cgroup, below the root."""
-    if (root / "cgroup.controllers").exists() or (root / "cpu.max").exists():
-        chains = [(_chain(root, _own_path(self_cgroup, v2=True)), _v2_quota)]
-    else:
-        parts = _own_path(self_cgroup, v2=False)
-        chains = [(_chain(root / name, parts), _v1_quota) for name in ("cpu,cpuacct", "cpu")]
-    quotas = [
-        quota
-        for directories, read in chains
-        for directory in directories
-        if (quota := read(directory)) is not None
-    ]
+    `cpu.max`, else v1 `cpu.cfs_quota_us`), None if unlimited."""
+    quotas = [quota for _, _, quota in cpu_cgroups(root, self_cgroup) if quota is not None]
     return min(quotas, default=None)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from app.telemetry.cgroup import CGROUP_ROOT, cgroup_cpu_quota
+from app.telemetry.cgroup import CGROUP_ROOT, SELF_CGROUP, cgroup_cpu_quota, cpu_cgroups
 from app.telemetry.probe import Cached
 from app.telemetry.procfile import ProcFile
 
@@ -52,15 +52,22 @@ _v2 = _parser("throttled_usec", 1e6)
 _v1 = _parser("throttled_time", 1e9)
 
 
-def _find(root: Path) -> tuple[ProcFile, Parser] | None:
-    """The cgroup's `cpu.stat` that counts throttling (v2, else v1), open; None if none."""
-    candidates: list[tuple[Path, Parser]] = [
-        (root / "cpu.stat", _v2),
-        (root / "cpu,cpuacct" / "cpu.stat", _v1),
-        (root / "cpu" / "cpu.stat", _v1),
-    ]
-    for path, parse in candidates:
-        file = ProcFile(path)
+def _tightest(cgroup: tuple[Path, bool, float | None]) -> float:
+    return cgroup[2] if cgroup[2] is not None else float("inf")
+
+
+def _find(root: Path, self_cgroup: Path) -> tuple[ProcFile, Parser] | None:
+    """The `cpu.stat` that counts this process's throttling, open; None if none: that of
+    the cgroup holding the tightest quota on its chain (where the throttling happens),
+    else the deepest that has one. The root's alone missed a limit set below it (a
+    systemd unit's `CPUQuota=`, `--cgroupns=host`): the quota was found, its throttling
+    never."""
+    chain = [(directory, v2) for directory, v2, _ in cpu_cgroups(root, self_cgroup)]
+    limited = [(d, v2) for d, v2, q in sorted(cpu_cgroups(root, self_cgroup), key=_tightest) if q]
+    roots = [(root, True), (root / "cpu,cpuacct", False), (root / "cpu", False)]
+    for directory, v2 in [*limited, *chain, *roots]:
+        parse = _v2 if v2 else _v1
+        file = ProcFile(directory / "cpu.stat")
         text = file.text()
         if text is not None and parse(text) is not None:
             return file, parse
@@ -68,17 +75,20 @@ def _find(root: Path) -> tuple[ProcFile, Parser] | None:
     return None
 
 
-def read_throttling(root: Path = CGROUP_ROOT) -> dict[str, float]:
+def read_throttling(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> dict[str, float]:
     """Periods, throttled periods and throttled seconds since the cgroup was created."""
-    return dict(CgroupThrottleProbe(root, max_age_s=0.0).read())
+    return dict(CgroupThrottleProbe(root, max_age_s=0.0, self_cgroup=self_cgroup).read())
 
 
 class CgroupThrottleProbe:
     """Finds its file once (a cgroup's layout does not change under a running process) and
     re-reads it at most every `max_age_s`."""
 
-    def __init__(self, root: Path = CGROUP_ROOT, max_age_s: float = 0.01) -> None:
+    def __init__(
+        self, root: Path = CGROUP_ROOT, max_age_s: float = 0.01, self_cgroup: Path = SELF_CGROUP
+    ) -> None:
         self._root = root
+        self._self_cgroup = self_cgroup
         self._source: tuple[ProcFile, Parser] | None = None
         self._quota: float | None = None
         self._looked = False
@@ -86,8 +96,8 @@ class CgroupThrottleProbe:
 
     def _read(self) -> dict[str, float]:
         if not self._looked:
-            self._source, self._looked = _find(self._root), True
-            self._quota = cgroup_cpu_quota(self._root)
+            self._source, self._looked = _find(self._root, self._self_cgroup), True
+            self._quota = cgroup_cpu_quota(self._root, self._self_cgroup)
         if self._source is None:
             return {}
         file, parse = self._source

@@ -257,3 +257,20 @@ def test_reads_within_a_millisecond_share_one_reading_of_the_probes() -> None:
     now[0] += READ_SHARED_S  # later: read again
     assert telemetry.read() == {"a_total": 2.0}
     assert probe.reads == 2
+
+
+def test_throttling_is_read_where_the_quota_is_not_at_the_root(tmp_path: Path) -> None:
+    """A systemd unit's CPUQuota= (or `--cgroupns=host`): the quota below the root was
+    found, but throttling was read from the root's cpu.stat, which is never throttled."""
+    root, self_cgroup = tmp_path / "cgroup", tmp_path / "self"
+    unit = root / "system.slice" / "steadyserve.service"
+    unit.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "cpu.stat").write_text("nr_periods 0\nnr_throttled 0\nthrottled_usec 0\n")
+    (unit / "cpu.max").write_text("200000 100000\n")
+    (unit / "cpu.stat").write_text("nr_periods 90\nnr_throttled 12\nthrottled_usec 30000\n")
+    self_cgroup.write_text("0::/system.slice/steadyserve.service\n")
+    readings = read_throttling(root, self_cgroup)
+    assert readings["cgroup_throttled_periods_total"] == 12
+    assert readings["cgroup_throttled_seconds_total"] == 0.03
+    assert readings["cgroup_quota_cpus"] == 2.0

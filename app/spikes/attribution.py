@@ -106,6 +106,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
 
     blocked_total = 0.0
     starved_loop = 0.0
+    # The front end's own loss of time, which falls outside the measured phases (in the
+    # gap); the engine's falls inside the queue and compute phases.
+    front_end_lost = gc_by_process.get("front end", 0.0)
     blocked_evidence: list[str] = []
     for where, probes in processes:
         busy = probes.get("loop_busy_lag_seconds_total", 0.0)
@@ -114,7 +117,10 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         # while it collects as starvation: both are the GC's pause (timed by the clock).
         gc_here = gc_by_process.get(where, 0.0)
         blocked = max(0.0, busy - gc_here)
-        starved_loop = max(starved_loop, lag - busy - max(0.0, gc_here - busy))
+        starved = max(0.0, lag - busy - max(0.0, gc_here - busy))
+        starved_loop = max(starved_loop, starved)
+        if where == "front end":
+            front_end_lost += blocked + starved
         if blocked > 0:
             blocked_total += blocked
             blocked_evidence.append(f"the {where}'s event loop was blocked {_ms(blocked)}")
@@ -164,7 +170,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     excess = max(0.0, compute - expected) if expected > 0 else 0.0
     shape = f"({batch.padded_rows}, {batch.length_bucket})" if batch else "?"
     device = _device_probes(facts)
-    explained = max(starved_batch, min(throttled, compute))
+    # A collection in the engine process stops its compute thread too (the GIL).
+    engine_gc = min(gc_by_process.get("engine", 0.0), compute)
+    explained = max(starved_batch, min(throttled, compute), engine_gc)
 
     bits = int(device.get("gpu_throttle_reasons", 0.0))
     if bits & SLOWDOWN_BITS:
@@ -251,7 +259,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # it is in the gap, and already a cause of its own.
     buffer_wait = batch.acquire_wait_s if batch is not None else 0.0
     gap = facts.total_s - sum(facts.phases.values())
-    unaccounted = max(0.0, gap - gc_total - blocked_total - starved_loop - buffer_wait)
+    unaccounted = max(0.0, gap - front_end_lost - buffer_wait)
     causes.append(
         Cause(
             "unaccounted",

@@ -75,6 +75,22 @@ def test_gc_pause_in_the_engine() -> None:
     assert evidence == "GC gen-2 pause 80 ms in the engine (1 collection)"
 
 
+def test_an_engine_collection_in_the_batch_is_not_also_slow_compute_nor_the_front_ends() -> None:
+    """A 200 ms collection in the engine, inside its batch, was also reported as 200 ms of
+    slow compute, and subtracted from the front end's own time outside the phases: a
+    100 ms slow body upload disappeared from the report."""
+    phases = {"tokenize": 0.0002, "admission": 0.0, "queue": 0.001, "compute": 0.22}
+    request = facts(
+        total_s=sum(phases.values()) + 0.1,  # the body took 100 ms to arrive
+        phases=phases,
+        engine_probes={"gc_gen2_pause_seconds_total": 0.2, "gc_gen2_collections_total": 1},
+    )
+    causes = {cause.name: round(cause.seconds * 1000) for cause in attribute(request)}
+    assert causes["gc_pause"] == 200
+    assert causes.get("slow_compute", 0) == 0  # causes of no time are left out
+    assert causes["unaccounted"] == 100
+
+
 def test_loop_lag_from_a_collection_is_not_also_a_blocked_loop() -> None:
     causes = attribute(
         facts(

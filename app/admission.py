@@ -103,18 +103,20 @@ def batch_delay(queue: BatchQueue, rows: int, partial_batch_s: float) -> DelayEs
     every request refused requests of a loop that never queues a full batch (64
     connections, batches of 32) behind a batch just started (docs/BENCHMARKS.md).
 
-    Of those batches, the ones before its first input are other requests' (`backlog_s`);
-    from there on they hold its own inputs (`own_compute_s`, with its last batch): a request
-    of more rows than a batch, on an idle engine, has nothing ahead of it and is admitted.
-    Counted as backlog, its own earlier batches had it refused (429, and every retry too)."""
+    Of those batches, as many as its rows would fill alone are its own compute
+    (`own_compute_s`, its last batch included); the rest were added by the inputs queued
+    ahead of it (`backlog_s`). A request of more rows than a batch, on an idle engine, has
+    nothing ahead of it and is admitted: counted as backlog, its own earlier batches had it
+    refused (429, and every retry too). One that others' inputs push into an extra batch
+    waits that batch."""
     batch_rows = max(1, queue.batch_rows)
-    first_batch = queue.queued // batch_rows  # the batch its first input runs in
-    last_batch = (queue.queued + rows - 1) // batch_rows
+    last_batch = (queue.queued + rows - 1) // batch_rows  # the batch its last input runs in
+    own_batches = -(-rows // batch_rows)  # the batches its rows fill alone
     full_batch_of_inputs_s = batch_rows * queue.seconds_per_input
     running_s = max(0.0, queue.backlog_s - queue.queued * queue.seconds_per_input)
-    backlog = running_s + first_batch * full_batch_of_inputs_s
+    backlog = running_s + (last_batch + 1 - own_batches) * full_batch_of_inputs_s
     last = max(queue.full_batch_s, partial_batch_s) if last_batch > 0 else partial_batch_s
-    own = (last_batch - first_batch) * full_batch_of_inputs_s + last
+    own = (own_batches - 1) * full_batch_of_inputs_s + last
     return DelayEstimate(backlog_s=backlog, own_compute_s=own)
 
 

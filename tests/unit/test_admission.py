@@ -247,11 +247,18 @@ def test_behind_a_full_batch_a_request_waits_for_it_and_a_full_batch_of_its_own(
 
 
 def test_a_request_of_many_rows_waits_for_the_batches_before_its_last_row() -> None:
-    # 10 queued, 60 rows: its last row is row 70, in the third batch (rows 65-96). The first
-    # batch holds those 10 and its first 22 rows: no batch is only other requests'.
+    # 10 queued, 60 rows: its last row is row 70, in the third batch (rows 65-96). Alone its
+    # rows fill two batches; the inputs queued ahead add the third.
     estimate = batch_delay(_queue(0.010, queued=10), rows=60, partial_batch_s=0.008)
-    assert estimate.backlog_s == pytest.approx(0.0)
-    assert estimate.own_compute_s == pytest.approx(3 * 0.032)
+    assert estimate.backlog_s == pytest.approx(0.032)
+    assert estimate.own_compute_s == pytest.approx(2 * 0.032)
+
+
+def test_inputs_ahead_that_push_a_request_into_another_batch_are_waited_for() -> None:
+    # 20 queued, nothing running, 20 rows: alone one batch, behind them two.
+    estimate = batch_delay(_queue(0.020, queued=20), rows=20, partial_batch_s=0.020)
+    assert estimate.backlog_s == pytest.approx(0.032)
+    assert estimate.own_compute_s == pytest.approx(0.032)
 
 
 def test_on_an_idle_engine_a_request_of_more_rows_than_a_batch_is_admitted() -> None:

@@ -149,10 +149,16 @@ class OpenAISampling(StrictModel):
 
 class CompletionRequest(OpenAISampling):
     prompt: Prompts
-    max_tokens: int | None = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1, le=INT64_MAX)
+    max_tokens: int = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1, le=INT64_MAX)
     echo: Literal[False] = False
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_openai_s_default(cls, value: object) -> object:
+        # OpenAI's completions read null as their default, 16: not as "no limit".
+        return OPENAI_DEFAULT_COMPLETION_TOKENS if value is None else value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -488,6 +488,14 @@ async def test_only_a_request_without_max_tokens_lets_the_engine_fit_it_to_its_d
         assert isinstance(payload, GeneratePayload)
         assert payload.sampling.fit_to_deadline is fit
         assert (payload.sampling.max_new_tokens == 3) is not fit
+    # Completions read an unset or null max_tokens as OpenAI's 16, a limit like any other.
+    for extra in ({}, {"max_tokens": None}):
+        body = {"model": "tiny", "prompt": "Hi", **extra}
+        response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        payload = engine_of(app).submitted[-1].payload
+        assert isinstance(payload, GeneratePayload)
+        assert (payload.sampling.max_new_tokens, payload.sampling.fit_to_deadline) == (16, False)
 
 
 async def test_server_timing_counts_the_slowest_sequences_compute_once(

@@ -5,7 +5,10 @@ supervisor (its own probe port) reach them from the same facts, so both answer a
 
 `ProbeListener` serves those two paths on `STEADY_HEALTH_PORT` from the supervisor, a process
 that carries no traffic: however many connections flood the front ends, a kubelet's probe is
-answered in well under 100 ms there. Supervisor's event loop thread only.
+answered in well under 100 ms there. With `STEADY_ENGINE=inprocess` the one process serves
+it on its own event loop, with the traffic (so the image's HEALTHCHECK and the Kubernetes
+probes find a listener; a flood there delays it like the traffic port). Event loop thread
+of the process that serves it only.
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ class Settings(BaseSettings):
         ge=1,
         le=65535,
         description="/healthz and /readyz are also answered on this port, which carries no "
-        "traffic, so no flood delays a kubelet's probe (by the supervisor in engine-process "
-        "mode, by the one process with STEADY_ENGINE=inprocess).",
+        "traffic: in engine-process mode by the supervisor, so no flood delays a kubelet's "
+        "probe; with STEADY_ENGINE=inprocess by the one process, on its traffic's loop.",
     )
     frontend_nice: int = Field(
         default=5,

@@ -73,21 +73,21 @@ class StepRunner:
 
     async def warm_up(self, shape_done: ShapeDone) -> float:
         """Prefill one prompt of each length bucket, then decode steps of every batch size
-        up to all slots; returns the last one's seconds (every slot decoding), the first
-        step-time estimate."""
+        up to all slots; returns the seconds of one more step with every slot decoding, run
+        warm (the first run of a shape pays its set-up), the first step-time estimate."""
         total, done = self.warmup_total, 0
         filler = self.runner.pad_token_id
-        step_s = 0.0
         for length in self._prefill_lengths():
             await self.run([StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0))])
             done += 1
             shape_done(done, total)
+        step: list[StepRow] = []
         for rows in self._decode_batches():
             step = [StepRow(s, [filler], 1, _GREEDY, new_generator(0)) for s in range(rows)]
-            step_s = (await self.run(step)).step_s
+            await self.run(step)
             done += 1
             shape_done(done, total)
-        return step_s
+        return (await self.run(step)).step_s if step else 0.0
 
     # --- steps --------------------------------------------------------------------------
     async def run(self, rows: list[StepRow]) -> StepResult:

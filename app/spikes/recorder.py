@@ -123,20 +123,11 @@ class SlowRequestRecorder:
             self._p99.add(total_s)
         return threshold if total_s > threshold else None
 
-    def is_slow(self, total_s: float) -> bool:
-        """`slow_threshold` as a verdict."""
-        return self.slow_threshold(total_s) is not None
-
     def record(
-        self,
-        method: str,
-        path: str,
-        status: int,
-        facts: RequestFacts,
-        threshold_s: float | None = None,
+        self, method: str, path: str, status: int, facts: RequestFacts, threshold_s: float
     ) -> SlowReport:
         """Attribute a slow request, keep its report, count and log it; `threshold_s`: the
-        one it was judged slow against (`slow_threshold`), else the current one."""
+        one it was judged slow against (`slow_threshold`)."""
         report = SlowReport(
             report_id=next(self._ids),
             at=self._clock(),
@@ -144,7 +135,7 @@ class SlowRequestRecorder:
             path=path,
             status=status,
             total_s=facts.total_s,
-            threshold_s=self.threshold_s() if threshold_s is None else threshold_s,
+            threshold_s=threshold_s,
             facts=facts,
             causes=attribute(facts),
         )

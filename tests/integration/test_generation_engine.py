@@ -39,6 +39,7 @@ from app.engine.protocol import (
 from app.failures import DeadlineExceeded
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
+from app.models.causal_lm import CausalLMRunner, StepRow
 from app.settings import Settings
 from tests.support.generation import generate_settings, load_reference, reference_greedy
 from tests.support.tiny_causal_lm import CORPUS, build_tiny_causal_lm
@@ -659,5 +660,26 @@ async def test_a_dead_front_ends_sequences_free_their_slots_and_its_count_is_for
         assert host.debug_report()["slots_held"] == 1
         await asyncio.wait_for(alive_finished.wait(), 60)  # the other goes on to its end
         assert len(outputs[dead]) == emitted_to_the_dead
+    finally:
+        await engine.close()
+
+
+async def test_the_step_time_estimate_comes_from_a_warm_step_of_every_slot(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first step of a shape pays its set-up: seeding the estimate (which admission and
+    the deadline fit divide by) from that cold step overstated it until traffic smoothed it."""
+    steps: list[int] = []
+    original = CausalLMRunner.step
+
+    def counted(self: CausalLMRunner, rows: list[StepRow]) -> list[int]:
+        steps.append(len(rows))
+        return original(self, rows)
+
+    monkeypatch.setattr(CausalLMRunner, "step", counted)
+    engine = await started(settings_for(tiny_causal_lm))
+    try:
+        # Decode at 1, 2, 4 and all 8 slots, then all 8 again: the estimate's step.
+        assert steps[-5:] == [1, 2, 4, SLOTS, SLOTS]
     finally:
         await engine.close()

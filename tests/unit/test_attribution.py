@@ -271,11 +271,11 @@ def test_running_p99_is_recomputed_every_refresh_from_the_window() -> None:
 def test_fixed_threshold_and_ring_buffer(caplog: pytest.LogCaptureFixture) -> None:
     metrics = Metrics()
     recorder = SlowRequestRecorder(metrics, slow_after_s=0.15, p99_multiple=None, keep=2)
-    assert not recorder.is_slow(0.15)
-    assert recorder.is_slow(0.151)
+    assert recorder.slow_threshold(0.15) is None
+    assert recorder.slow_threshold(0.151) == 0.15
     with caplog.at_level(logging.WARNING, logger="app.spikes"):
         for depth in (1, 2, 3):
-            recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=depth))
+            recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=depth), 0.15)
     recent = recorder.recent()
     assert [r.facts.engine.queue_depth_at_arrival for r in recent if r.facts.engine] == [3, 2]
     assert (
@@ -289,17 +289,18 @@ def test_fixed_threshold_and_ring_buffer(caplog: pytest.LogCaptureFixture) -> No
 def test_p99_multiple_threshold_has_the_fixed_floor() -> None:
     recorder = SlowRequestRecorder(Metrics(), slow_after_s=0.05, p99_multiple=3.0, keep=10)
     for _ in range(100):
-        recorder.is_slow(0.001)  # an idle server: p99 1 ms, floor 50 ms
+        recorder.slow_threshold(0.001)  # an idle server: p99 1 ms, floor 50 ms
     assert recorder.threshold_s() == 0.05
     for _ in range(1000):
-        recorder.is_slow(0.1)
+        recorder.slow_threshold(0.1)
     assert recorder.threshold_s() == pytest.approx(0.3)
-    assert not recorder.is_slow(0.29) and recorder.is_slow(0.31)
+    assert recorder.slow_threshold(0.29) is None
+    assert recorder.slow_threshold(0.31) == pytest.approx(0.3)
 
 
 def test_spikes_table_renders_reports() -> None:
     recorder = SlowRequestRecorder(Metrics(), slow_after_s=0.1, p99_multiple=None, keep=5)
-    report = recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=900))
+    report = recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=900), 0.1)
     table = render_table({"frontend_pid": 7, "threshold_ms": 100.0,
                           "reports": [report.as_dict()]})  # fmt: skip
     lines = table.splitlines()
@@ -319,11 +320,11 @@ def test_log_lines_are_capped_per_second_and_the_next_line_counts_the_rest(
     )
     with caplog.at_level(logging.WARNING, logger="app.spikes"):
         for _ in range(LOG_LINES_PER_S + 15):  # a flood's worth within one second
-            recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=1))
+            recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=1), 0.1)
             now[0] += 0.5 / (LOG_LINES_PER_S + 15)
         assert len(caplog.records) == LOG_LINES_PER_S
         now[0] = 101.2
-        recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=1))
+        recorder.record("POST", "/infer", 200, facts(phases={"queue": 0.3}, depth=1), 0.1)
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == LOG_LINES_PER_S + 1
     assert '"unlogged_before":15' in lines[-1]
@@ -341,7 +342,7 @@ def test_a_report_keeps_the_threshold_it_was_judged_slow_against() -> None:
     report then showed a threshold (600 ms) above its own total (200 ms)."""
     recorder = SlowRequestRecorder(Metrics(), slow_after_s=0.05, p99_multiple=3.0, keep=10)
     for _ in range(99):
-        recorder.is_slow(0.010)
+        recorder.slow_threshold(0.010)
     threshold_s = recorder.slow_threshold(0.2)
     assert threshold_s == pytest.approx(0.05)
     report = recorder.record("POST", "/infer", 200, facts(total_s=0.2), threshold_s)

@@ -77,6 +77,13 @@ RESTARTS_BEFORE_UNHEALTHY = 5
 DRAIN_OR_STOP = signal.SIGUSR1
 
 
+def drained(exitcode: int | None) -> bool:
+    """Whether a front end asked to drain ended as asked: exit 0, or killed by the drain
+    signal itself when it came before the front end's start-up had installed its handler
+    (a stop right after a front end was started or restarted; it had served nothing)."""
+    return exitcode in (0, -DRAIN_OR_STOP)
+
+
 def run_frontend_process(
     settings: Settings,
     addresses: EngineAddresses,
@@ -230,7 +237,7 @@ class ProcessTree:
         self._zmq.destroy(linger=0)
         # Non-zero when a front end ended badly on its own (unhealthy, failed start-up);
         # being stopped at once on a second signal is what the operator asked for.
-        clean = self._forced or all(p.exitcode == 0 for p in self.frontends)
+        clean = self._forced or all(drained(p.exitcode) for p in self.frontends)
         return 0 if clean else 1
 
     def _on_signal(self, sig: int) -> None:

@@ -4,6 +4,7 @@ and the front ends, with stand-in processes: no child is started."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import STALE_AFTER_S
-from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree
+from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained
 from app.settings import Settings
 
 
@@ -98,3 +99,12 @@ async def test_an_engine_that_keeps_dying_before_ready_makes_the_pod_unhealthy(
     tree.engine.process = StandIn(222)  # type: ignore[assignment]
     hear(tree, ready_status(222))  # a replacement that made it
     assert tree._answer_probe("/healthz")[0] == 200
+
+
+def test_a_front_end_killed_by_the_drain_signal_before_its_handler_drained_as_asked() -> None:
+    """SIGUSR1 in a front end's first ~0.2 s (before start-up installs its handler) kills it
+    by the default action: that is the stop the operator asked for, not a failure that
+    makes the server exit 1."""
+    assert drained(0) and drained(-signal.SIGUSR1)
+    assert not drained(1)  # a failed start-up
+    assert not drained(-signal.SIGKILL) and not drained(None)

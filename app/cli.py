@@ -27,6 +27,7 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from app.limits import lift_open_file_limit
 from app.settings import Settings, settings_table
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ def serve(args: argparse.Namespace) -> int:
     except SettingsError as error:  # a list or object variable that is not JSON
         sys.stderr.write(f"steadyserve: {error} (lists and objects are JSON, e.g. [16, 32])\n")
         return 2
+    lift_open_file_limit()  # before any child starts: they inherit it
     if settings.engine == "process":
         from app.processes import serve_processes
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
+from app.limits import lift_open_file_limit
 from loadtest.bodies import BodyPool, LengthDistribution, generated_bodies, jsonl_bodies
 from loadtest.httpclient import Target
 from loadtest.report import Summary, format_table, judge, summarize, write_json, write_plots
@@ -205,20 +206,8 @@ def default_out_dir(label: str) -> Path:
     return DEFAULT_RESULTS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{label}"
 
 
-def raise_open_file_limit() -> None:
-    """Lift the soft limit on open files to the hard one: ramps to thousands of
-    connections otherwise fail at the common default of 1024 with EMFILE."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
 def command_run(options: argparse.Namespace) -> int:
-    raise_open_file_limit()
+    lift_open_file_limit()  # ramps to thousands of connections meet EMFILE at 1024
     target = Target.parse(options.url)
     config = build_config(options)
     payloads = build_payloads(options, target)

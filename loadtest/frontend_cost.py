@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from app.limits import lift_open_file_limit
 from loadtest.bench import REPO_ROOT, _free_port
-from loadtest.overload_bench import _get, lift_open_file_limit, run_wrk
+from loadtest.overload_bench import _get, run_wrk
 from loadtest.proctree import cpu_seconds
 from loadtest.stages import parse_duration
 

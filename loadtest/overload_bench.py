@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.limits import lift_open_file_limit
 from loadtest.bench import REPO_ROOT, _free_port, _system_busy_s, bench_sentences
 from loadtest.cli import execute, run_event_loop
 from loadtest.httpclient import Target
@@ -92,15 +93,6 @@ def refusal_counts(base_url: str) -> RefusalCounts:
     if paused is None:
         raise RuntimeError(f"{PAUSED_REFUSALS} is not in {base_url}/metrics")
     return RefusalCounts(paused, after_body)
-
-
-def lift_open_file_limit() -> int:
-    """Thousands of connections need thousands of descriptors, in wrk and in the server."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    return wanted
 
 
 @dataclass(frozen=True)

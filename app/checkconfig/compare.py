@@ -20,6 +20,7 @@ from app.checkconfig.sources import (
     K8S_FIELDS,
     cpu_count,
     pod_environment,
+    probe_ports,
     read_envoy,
     read_k8s,
     settings_from_environment,
@@ -175,6 +176,21 @@ def check_overlay(
 
     # Invariants between sources, which no single baseline value can express.
     differences += _check_thread_budget(where, settings, k8s_actual["cpu_limit"])
+    for resource in ("cpu", "memory"):
+        request, limit = k8s_actual[f"{resource}_request"], k8s_actual[f"{resource}_limit"]
+        if request != limit:
+            differences.append(
+                f"{where}.{resource}_request: {request} is not the limit ({limit}): Guaranteed "
+                "QoS (exclusive cores under the static CPU manager) needs requests == limits"
+            )
+    # The probes must reach a port the server answers them on: its probe port when set.
+    served = settings.health_port if settings.health_port is not None else settings.port
+    for probe, port in probe_ports(manifests).items():
+        if port != served:
+            differences.append(
+                f"{where}.{probe}_probe port: {port} is not the port the server answers "
+                f"probes on ({served}: STEADY_HEALTH_PORT, else STEADY_PORT)"
+            )
     routes = read_envoy(yaml.safe_load(envoy_file_text))
     longest_route_s = max(
         (t for k, t in routes.items() if k.endswith("route_timeout_s") and isinstance(t, float)),

@@ -224,6 +224,19 @@ def _server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
     return pod_spec, _named(pod_spec.get("containers"), SERVER_CONTAINER, "container")
 
 
+def probe_ports(manifests: list[Manifest]) -> dict[str, Any]:
+    """The port each of the server container's HTTP probes reaches, by probe, a named port
+    resolved to its containerPort (None where it names none the container declares)."""
+    container = _server_parts(manifests)[1]
+    named = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
+    ports: dict[str, Any] = {}
+    for probe in ("startup", "readiness", "liveness"):
+        port = _dig(container, f"{probe}Probe.httpGet.port")
+        if port is not None:
+            ports[probe] = named.get(port) if isinstance(port, str) else port
+    return ports
+
+
 # Baseline key under `k8s:` / `overlays.<name>.k8s:` -> how to read it from the manifests.
 K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
     "termination_grace_period_s": lambda m: _server_parts(m)[0].get(
@@ -240,7 +253,11 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
         _server_parts(m)[1], "securityContext.readOnlyRootFilesystem"
     ),
     "capabilities_drop": lambda m: _dig(_server_parts(m)[1], "securityContext.capabilities.drop"),
+    "deployment_replicas": lambda m: _dig(
+        find_manifest(m, "Deployment", "steadyserve"), "spec.replicas"
+    ),
     "cpu_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.cpu"),
+    "memory_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.memory"),
     "cpu_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.cpu"),
     "memory_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.memory"),
     "gpu_limit": lambda m: (_dig(_server_parts(m)[1], "resources.limits") or {}).get(

@@ -110,7 +110,9 @@ def test_cpu_limit_change_is_named_with_the_thread_count_it_implies(
 ) -> None:
     patch = deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml"
     replace_once(
-        patch, 'cpu: "4"\n              memory: 8Gi', 'cpu: "6"\n              memory: 8Gi'
+        patch,
+        'limits:\n              cpu: "4"\n              memory: 8Gi',
+        'limits:\n              cpu: "6"\n              memory: 8Gi',
     )
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
@@ -358,3 +360,50 @@ def test_a_drain_shorter_than_the_longest_route_is_refused(
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
     assert "settings.drain_timeout_s: 20.0 is under the longest Envoy route timeout (60.0)" in out
+
+
+def test_memory_requests_below_limits_are_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The comments promised Guaranteed QoS with memory requested below its limit (6 of 8
+    GiB): Burstable, and no exclusive cores. Changed in both places: the invariant catches it."""
+    replace_once(
+        deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml",
+        '              cpu: "4"\n              memory: 8Gi\n            limits:',
+        '              cpu: "4"\n              memory: 6Gi\n            limits:',
+    )
+    baseline = deploy_copy / "baseline.yaml"
+    text = baseline.read_text()
+    baseline.write_text(text.replace("memory_request: 8Gi", "memory_request: 6Gi", 1))
+    assert check(deploy_copy) == 1
+    assert "k8s[cpu].memory_request: 6Gi is not the limit (8Gi)" in capsys.readouterr().out
+
+
+def test_probes_on_a_port_the_server_does_not_answer_them_on_are_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """STEADY_HEALTH_PORT moved (and the baseline with it) while the probes still named the
+    old container port: check-config said it matched, and the pods restarted forever."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "STEADY_HEALTH_PORT=8001",
+        "STEADY_HEALTH_PORT=9001",
+    )
+    baseline = deploy_copy / "baseline.yaml"
+    baseline.write_text(baseline.read_text().replace("health_port: 8001", "health_port: 9001"))
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "startup_probe port: 8001 is not the port the server answers probes on (9001" in out
+
+
+def test_a_replica_count_on_the_autoscaled_deployment_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An apply of a manifest naming `replicas` resets what the HPA scaled to."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "steadyserve-deployment.yaml",
+        "  revisionHistoryLimit: 5",
+        "  replicas: 2\n  revisionHistoryLimit: 5",
+    )
+    assert check(deploy_copy) == 1
+    assert "deployment_replicas" in capsys.readouterr().out

@@ -27,6 +27,8 @@ import orjson
 from app.batchclient.client import BatchClient
 from app.batchclient.items import Failure, InvalidLine, Item, ItemId, Success
 from app.batchclient.journal import (
+    DUPLICATE_ID,
+    INVALID_LINE,
     CorruptJournal,
     IdSet,
     Journal,
@@ -158,16 +160,18 @@ def count_lines(path: Path) -> int:
 
 @dataclass
 class _Source:
-    """Reads INPUT lazily. A line whose id is in OUTPUT or its errors already (`resumed`: a
-    previous run finished it) is skipped; an invalid line, and a line whose id an earlier
-    line of this run already has, goes to errors at once. So within a run every line ends
-    up once in OUTPUT or errors, none skipped silently. (A line without an id has its line
-    number: explicit integer ids and id-less lines can collide, and then the later line is
-    a `duplicate_id` error.)"""
+    """Reads INPUT lazily. A line whose id an earlier line has is a `duplicate_id` error, an
+    invalid line an `invalid_line` one, both recorded at once by their line number (their
+    id is not theirs: an invalid line has none, a duplicate's is the earlier line's); a line
+    a previous run answered (its id in `resumed`) or refused (its number in
+    `refused_lines`) is skipped. So every line ends up once in OUTPUT or errors, across
+    runs too, none skipped silently. (A line without an id has its line number: explicit
+    integer ids and id-less lines can collide, and then the later line is a duplicate.)"""
 
     path: Path
     resumed: IdSet
     errors: Journal
+    refused_lines: set[int] = field(default_factory=set)
     seen: IdSet = field(default_factory=IdSet)
     skipped: int = 0
     invalid: int = 0
@@ -177,25 +181,27 @@ class _Source:
             for line_number, line in enumerate(file, start=1):
                 if not line.strip():
                     continue
+                if line_number in self.refused_lines:  # refused by a previous run
+                    self.skipped += 1
+                    continue
                 try:
                     item = Item.from_line(line, line_number)
                 except InvalidLine as error:
-                    self._refuse(line_number, line_number, "invalid_line", str(error))
+                    self._refuse(line_number, line_number, INVALID_LINE, str(error))
                     continue
+                if item.id in self.seen:
+                    message = f"line {line_number}: id {item.id!r} is already an earlier line's"
+                    self._refuse(item.id, line_number, DUPLICATE_ID, message)
+                    continue
+                # Seen even when a previous run answered it: a later line with the same id is
+                # still a duplicate (skipped as answered, it was silently lost).
+                self.seen.add(item.id)
                 if item.id in self.resumed:
                     self.skipped += 1
-                elif item.id in self.seen:
-                    message = f"line {line_number}: id {item.id!r} is already an earlier line's"
-                    self._refuse(item.id, line_number, "duplicate_id", message)
                 else:
-                    self.seen.add(item.id)
                     yield item
 
     def _refuse(self, item_id: ItemId, line_number: int, kind: str, message: str) -> None:
-        if item_id in self.resumed:  # recorded by a previous run
-            self.skipped += 1
-            return
-        self.seen.add(item_id)
         self.invalid += 1
         failure = Failure(
             item_id,
@@ -216,7 +222,8 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         if torn:
             stream.write(f"batch: {path}: cut a torn last line ({torn} bytes); it is redone\n")
     done = IdSet()
-    errors_before = read_ids(errors_path, done)
+    refused_lines: set[int] = set()
+    errors_before = read_ids(errors_path, done, refused_lines)
     resumed = read_ids(output, done) + errors_before
     if resumed:
         stream.write(f"batch: resuming: {resumed:,} ids already in {output} or its errors\n")
@@ -237,7 +244,7 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     display = ProgressDisplay(stream, mode, args.progress_interval)
     results_journal = Journal(output)
     errors_journal = Journal(errors_path)
-    source = _Source(args.input, done, errors_journal)
+    source = _Source(args.input, done, errors_journal, refused_lines)
     started = time.monotonic()
     stopped_by: list[str] = []
     loop = asyncio.get_running_loop()

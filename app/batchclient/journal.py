@@ -81,8 +81,17 @@ def repair_torn_tail(path: Path) -> int:
         return size - keep
 
 
-def read_ids(path: Path, into: IdSet) -> int:
-    """Add the id of every line of ``path`` to ``into``; returns how many lines it read.
+# Errors of a line refused before any request (no answer was asked for its id): recorded by
+# its line number, since its id is not its own (an invalid line has none; a duplicate's is
+# an earlier line's).
+INVALID_LINE = "invalid_line"
+DUPLICATE_ID = "duplicate_id"
+REFUSED_LINE_ERRORS = (INVALID_LINE, DUPLICATE_ID)
+
+
+def read_ids(path: Path, into: IdSet, refused_lines: set[int] | None = None) -> int:
+    """Add the id of every line of ``path`` to ``into`` (the line number of a refused line
+    to ``refused_lines`` instead, when given); returns how many lines it read.
 
     Call after ``repair_torn_tail``: every line must then be a whole result line.
     """
@@ -96,7 +105,12 @@ def read_ids(path: Path, into: IdSet) -> int:
                 item_id = record["id"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 raise CorruptJournal(f"{path}:{number} is not a result line") from None
-            into.add(item_id)
+            error = record.get("error")
+            kind = error.get("type") if isinstance(error, dict) else None
+            if refused_lines is not None and kind in REFUSED_LINE_ERRORS:
+                refused_lines.add(int(record["line"]))
+            else:
+                into.add(item_id)
             count += 1
     return count
 

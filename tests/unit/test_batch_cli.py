@@ -23,21 +23,26 @@ def test_header_option_parsing() -> None:
 
 LINES = [
     b'{"id": 2, "inputs": "a"}',
-    b"not json",  # its id is its line number, 2: taken, yet it must reach errors
+    b"not json",  # line 2: an error by its line number, whatever ids other lines have
     b'{"inputs": "b"}',  # id 3
     b'{"id": 3, "inputs": "c"}',  # id 3 again: an error, not skipped
     b'{"id": "x", "inputs": "d"}',
 ]
 
 
-def read(tmp_path: Path, resumed: list[int | str]) -> tuple[_Source, list[object], list[dict]]:
+def read(
+    tmp_path: Path,
+    resumed: list[int | str],
+    refused_lines: set[int] | None = None,
+    lines: list[bytes] = LINES,
+) -> tuple[_Source, list[object], list[dict]]:
     source_path = tmp_path / "input.jsonl"
-    source_path.write_bytes(b"\n".join(LINES) + b"\n")
+    source_path.write_bytes(b"\n".join(lines) + b"\n")
     done = IdSet()
     for item_id in resumed:
         done.add(item_id)
     errors = Journal(tmp_path / "errors.jsonl")
-    source = _Source(source_path, done, errors)
+    source = _Source(source_path, done, errors, refused_lines or set())
     sent = [item.id for item in source.items()]
     errors.close()
     written = errors.path.read_bytes().splitlines() if errors.path.exists() else []
@@ -54,11 +59,36 @@ def test_every_line_is_sent_or_an_error_even_when_ids_collide(tmp_path: Path) ->
     assert (source.invalid, source.skipped) == (2, 0)
 
 
-def test_a_resumed_run_skips_the_ids_a_previous_run_finished(tmp_path: Path) -> None:
-    source, sent, errors = read(tmp_path, resumed=[2, 3])
+def test_a_resumed_run_skips_the_lines_a_previous_run_finished(tmp_path: Path) -> None:
+    # What the first run wrote: ids 2 and 3 answered, lines 2 and 4 refused.
+    source, sent, errors = read(tmp_path, resumed=[2, 3], refused_lines={2, 4})
     assert sent == ["x"]
     assert errors == []
     assert (source.invalid, source.skipped) == (0, 4)
+
+
+def test_a_duplicate_of_a_line_a_previous_run_answered_is_still_an_error(tmp_path: Path) -> None:
+    """Skipped as "answered" (its id was in OUTPUT), the later line with the same id was
+    lost: no answer and no error for it, and the run reported complete."""
+    lines = [b'{"id": "a", "inputs": "first"}', b'{"id": "a", "inputs": "second"}']
+    _, sent, errors = read(tmp_path, resumed=["a"], lines=lines)
+    assert sent == []
+    assert [(e["line"], e["error"]["type"]) for e in errors] == [(2, "duplicate_id")]
+
+
+def test_a_refused_line_does_not_mark_another_line_with_its_id_as_done(tmp_path: Path) -> None:
+    """A refusal recorded with line 3's id (a duplicate of line 1) made the resumed run
+    skip line 1 as done, though line 1 was never answered (stopped before its turn)."""
+    lines = [b'{"id": "z", "inputs": "z"}', b'{"id": "a", "inputs": "first a"}', b'{"id": "a"}']
+    _, sent, errors = read(tmp_path, resumed=["z"], refused_lines={3}, lines=lines)
+    assert sent == ["a"] and errors == []
+
+
+def test_an_invalid_line_takes_no_id_a_later_line_could_have(tmp_path: Path) -> None:
+    lines = [b'{"id": 10, "inputs": "a"}', b"not json", b'{"id": 2, "inputs": "b"}']
+    _, sent, errors = read(tmp_path, resumed=[], lines=lines)
+    assert sent == [10, 2]
+    assert [(e["line"], e["error"]["type"]) for e in errors] == [(2, "invalid_line")]
 
 
 @pytest.mark.parametrize(

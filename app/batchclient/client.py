@@ -210,19 +210,13 @@ class BatchClient:
                 outcome_retry = outcome.verdict is Verdict.RETRY
             if not outcome_retry:
                 if len(request.items) > 1:
-                    # Which item did the server refuse? Ask for each alone.
-                    split: list[Result] = []
-                    singles = request.split()
-                    for index, single in enumerate(singles):
-                        answered = await self._complete(single)
-                        if answered is None:  # stopped: the rest stay unfinished too;
-                            # the singles answered before are yielded
-                            self._counters.lines_unfinished += len(singles) - index - 1
-                            return split or None
-                        split.extend(answered)
-                    return split
+                    return await self._one_by_one(request)
                 return self._fail(request, attempt, attempt_number, retryable=False)
             if attempt_number > policy.max_retries:
+                if len(request.items) > 1 and attempt.status == 500:
+                    # A 500 to every try may be one item's doing (a NaN from one input):
+                    # the others would succeed alone.
+                    return await self._one_by_one(request)
                 return self._fail(request, attempt, attempt_number, retryable=True)
             if self._stopping:
                 self._counters.lines_unfinished += len(request.items)
@@ -232,6 +226,20 @@ class BatchClient:
             if not await self._wait(asyncio.sleep(delay)):
                 self._counters.lines_unfinished += len(request.items)
                 return None
+
+    async def _one_by_one(self, request: Request) -> list[Result] | None:
+        """Which item did the server refuse? Each sent alone, with retries of its own; None
+        when stopped before the first was answered (the rest stay unfinished, and the
+        singles answered before are yielded)."""
+        split: list[Result] = []
+        singles = request.split()
+        for index, single in enumerate(singles):
+            answered = await self._complete(single)
+            if answered is None:
+                self._counters.lines_unfinished += len(singles) - index - 1
+                return split or None
+            split.extend(answered)
+        return split
 
     async def _wait(self, awaitable: Any) -> bool:
         """Await something before a request is sent; False when ``stop`` ended the wait

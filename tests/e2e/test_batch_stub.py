@@ -35,7 +35,12 @@ from tests.support.batch import (
     run_batch,
     write_input,
 )
-from tests.support.flaky_server import MARKER_INVALID, Misbehaviour, running_flaky_server
+from tests.support.flaky_server import (
+    MARKER_INVALID,
+    MARKER_NAN,
+    Misbehaviour,
+    running_flaky_server,
+)
 from tests.support.server import REPO_ROOT
 
 pytestmark = pytest.mark.e2e
@@ -118,6 +123,24 @@ def test_a_422_line_goes_to_errors_without_retries(tmp_path: Path) -> None:
     assert all(f["error"] == {"type": "invalid_request", "message": "invalid input",
                               "param": "inputs[0]"} for f in failed)  # fmt: skip
     assert len(read_lines(out)) == 45
+
+
+def test_a_pack_that_fails_every_try_with_a_500_is_resent_line_by_line(tmp_path: Path) -> None:
+    """One input the model computes NaN for made its whole pack fail (500 on every try):
+    the pack's other lines went to errors too, though each alone succeeds."""
+    lines = [{"id": f"doc-{i}", "inputs": f"sentence {i}"} for i in range(4)]
+    lines[1]["inputs"] = f"sentence 1 {MARKER_NAN}"
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(source, lines)
+    with running_flaky_server(Misbehaviour()) as server:
+        done = run_batch(
+            source, f"http://127.0.0.1:{server.port}", out,
+            "--inputs-per-request", "4", "--max-retries", "1",
+        )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert sorted(r["id"] for r in read_lines(out)) == ["doc-0", "doc-2", "doc-3"]
+    failed = read_lines(tmp_path / "out.errors.jsonl")
+    assert [(f["id"], f["status"]) for f in failed] == [("doc-1", 500)]
 
 
 def test_429_and_503_wait_for_retry_after(tmp_path: Path) -> None:

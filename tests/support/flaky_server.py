@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import orjson
 
 MARKER_INVALID = "INVALID"
+# A text the "model" computes NaN for: every request carrying it is answered 500, as
+# steadyserve answers `non_finite_output`.
+MARKER_NAN = "NAN"
 DIMENSIONS = 4
 
 
@@ -168,6 +171,8 @@ class FlakyServer:
                 await asyncio.sleep(delay)
         finally:
             self.in_flight -= 1
+        if any(isinstance(text, str) and MARKER_NAN in text for text in texts):
+            return self._answer(500, _error("non_finite_output", "the model computed NaN"))
         for index, text in enumerate(texts):
             if not isinstance(text, str) or MARKER_INVALID in text:
                 detail = _error("invalid_request", "invalid input", f"inputs[{index}]")

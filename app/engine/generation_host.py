@@ -293,11 +293,28 @@ class GenerationHost:
 
     def _expire(self, now: float) -> None:
         """Sequences past their deadline fail (504) and free their slots; the tokens they
-        were given in the last step go out first (a stream ends at its failure)."""
+        were given in the last step go out first (a stream ends at its failure). A sequence
+        whose client set no limit (`fit_to_deadline`) and that has tokens ends instead, with
+        `length`, once another step would pass its deadline: its cap is planned from the
+        compute time of a step, and the loop's turn between steps makes a token take longer
+        (it ran out of time before its cap, and its whole answer was lost to a 504)."""
+        fitted = [
+            sequence
+            for sequence in self._running.values()
+            if sequence.sampling.fit_to_deadline
+            and sequence.generated
+            and sequence.request.deadline <= now + self._step_s
+        ]
         sequences = [*self._waiting, *self._running.values()]
-        expired = [sequence for sequence in sequences if sequence.request.deadline <= now]
-        if expired:
+        expired = [
+            sequence
+            for sequence in sequences
+            if sequence.request.deadline <= now and sequence not in fitted
+        ]
+        if fitted or expired:
             self._send_outbox()
+        for sequence in fitted:
+            sequence.emit(self._finish(sequence, [], FinishReason.LENGTH, now))
         for sequence in expired:
             self._context.metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
             self._fail(

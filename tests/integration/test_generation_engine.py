@@ -683,3 +683,34 @@ async def test_the_step_time_estimate_comes_from_a_warm_step_of_every_slot(
         assert steps[-5:] == [1, 2, 4, SLOTS, SLOTS]
     finally:
         await engine.close()
+
+
+async def test_a_fitted_sequence_short_of_time_ends_with_length_not_a_504(
+    tiny_causal_lm: Path,
+) -> None:
+    """Its cap is planned from the compute time of a step; a token really takes longer (the
+    loop's turn between steps), so it reached its deadline before its cap and was failed
+    504, its whole answer lost. It now ends with `length` once another step would not fit."""
+    clock = ManualClock()
+    core = EngineCore(settings_for(tiny_causal_lm, warmup=False), Metrics(), clock=clock)
+    engine = InProcessEngine(core)
+    await engine.start()
+    await engine.wait_ready()
+    host = core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    host._step_s = 1.0
+    deadline = clock.now + 40.0  # a cap of 36 tokens at 1 s a step
+    sampling = SamplingParams(max_new_tokens=SLOT_TOKENS - 4, fit_to_deadline=True)
+    request = Submit(engine.next_request_id(), "tiny", deadline, GeneratePayload([1, 40], sampling))
+    try:
+        outputs = []
+        async for output in engine.stream(request):
+            outputs.append(output)
+            if len(outputs) == 2:
+                clock.now = deadline - 0.5  # steps took longer than planned
+        final = outputs[-1].payload
+        assert isinstance(final, TokensOutput) and final.finish_reason is FinishReason.LENGTH
+        assert 2 <= sum(len(o.payload.token_ids) for o in outputs) < 36
+        assert host.debug_report()["slots_held"] == 0
+    finally:
+        await engine.close()

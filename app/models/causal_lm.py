@@ -10,8 +10,9 @@ runs on compute threads, one at a time per runner (the cache is the runner's).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -49,6 +50,30 @@ def _token_ids(value: object) -> frozenset[int]:
     raise ValueError(f"unexpected token id setting {value!r}")
 
 
+def _uniform_rope_positions(config: Any) -> int:
+    """The most positions a batch may hold while every row is rotated alike: longrope and
+    dynamic RoPE pick their frequencies from the longest position in the forward, so past
+    the model's original context one long row would change every other row's tokens (Phi-3
+    and 4 mini, MiniCPM3). Unbounded for any other RoPE."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kinds: list[Mapping[str, Any]] = []
+    if isinstance(parameters, Mapping):
+        nested = [v for v in parameters.values() if isinstance(v, Mapping)]
+        kinds = nested or [parameters]
+    for kind in kinds:
+        rope_type = kind.get("rope_type") or kind.get("type")
+        if rope_type in ("longrope", "dynamic"):
+            original = kind.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+            if original:
+                log.info(
+                    "%s RoPE: sequences capped at its original %d positions", rope_type, original
+                )
+                return int(original)
+    return 1 << 30
+
+
 class CausalLMRunner:
     """`AutoModelForCausalLM` with its slot cache (`kv_cache.py`), allocated at load."""
 
@@ -76,13 +101,20 @@ class CausalLMRunner:
         self.eos_token_ids = _token_ids(generation.eos_token_id) or _token_ids(
             getattr(config, "eos_token_id", None)
         )
+        self.vocab_size = int(config.vocab_size)
         pad = generation.pad_token_id
         if pad is None:
             pad = getattr(config, "pad_token_id", None)
-        self.pad_token_id = int(pad) if isinstance(pad, int) else min(self.eos_token_ids, default=0)
-        self.vocab_size = int(config.vocab_size)
+        # Padding's value is never attended to, but it is embedded: any id in the vocabulary
+        # serves, one outside it (-1 in old LLaMA conversions) fails every padded step.
+        in_vocabulary = [t for t in self.eos_token_ids if 0 <= t < self.vocab_size]
+        self.pad_token_id = (
+            int(pad)
+            if isinstance(pad, int) and 0 <= pad < self.vocab_size
+            else min(in_vocabulary, default=0)
+        )
         positions = int(getattr(config, "max_position_embeddings", slot_tokens) or slot_tokens)
-        self.max_sequence_tokens = min(slot_tokens, positions)
+        self.max_sequence_tokens = min(slot_tokens, positions, _uniform_rope_positions(config))
         layers = int(config.num_hidden_layers)
         self._window: int | None = getattr(config, "sliding_window", None)
         # Without per-layer types, a configured window applies to every layer (Mistral).

@@ -20,6 +20,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
 )
 
@@ -116,3 +118,31 @@ def test_logits_are_the_models_own_after_its_scaling(build: object, tmp_path: Pa
     with torch.inference_mode():
         theirs = model(torch.tensor([prompt])).logits[0, -1].float()
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def llama_with_pad_outside_the_vocabulary() -> PreTrainedModel:
+    """Old LLaMA conversions say pad_token_id -1: padded with it, every step of prompts of
+    different lengths failed (the engine never got past warm-up)."""
+    return LlamaForCausalLM(LlamaConfig(**{**COMMON, "pad_token_id": -1}))
+
+
+def test_a_pad_token_outside_the_vocabulary_is_not_used_to_pad(tmp_path: Path) -> None:
+    test_greedy_equals_generate(llama_with_pad_outside_the_vocabulary, tmp_path)
+    runner = CausalLMRunner("m", str(tmp_path), torch.device("cpu"), torch.float32, 4, 64)
+    assert 0 <= runner.pad_token_id < runner.vocab_size
+
+
+def test_longrope_sequences_are_capped_at_the_original_context(tmp_path: Path) -> None:
+    """Past it, longrope rotates every row of a forward with the long factors once one row
+    is long: a short sequence's tokens depended on its neighbours."""
+    head_dim = COMMON["hidden_size"] // COMMON["num_attention_heads"]
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * (head_dim // 2),
+        "long_factor": [4.0] * (head_dim // 2),
+        "original_max_position_embeddings": 16,
+    }
+    config = Phi3Config(**COMMON, rope_scaling=rope, original_max_position_embeddings=16)
+    Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    runner = CausalLMRunner("m", str(tmp_path), torch.device("cpu"), torch.float32, 4, 64)
+    assert runner.max_sequence_tokens == 16

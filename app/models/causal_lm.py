@@ -50,6 +50,24 @@ def _token_ids(value: object) -> frozenset[int]:
     raise ValueError(f"unexpected token id setting {value!r}")
 
 
+def _refuse_unsupported_attention(name: str, config: Any) -> None:
+    """Raise `ValueError` for attention the slot cache cannot serve, naming it, instead of
+    an IndexError deep in warm-up: ALiBi (Bloom, MPT, Falcon with `alibi`) takes a 2-D mask
+    where every step here passes a 4-D one, and Falcon's multi-query layout keeps one KV
+    head where its config names every attention head."""
+    model_type = getattr(config, "model_type", "")
+    alibi = getattr(config, "alibi", False) or model_type in ("bloom", "mpt")
+    if alibi:
+        raise ValueError(f"{name}: ALiBi attention ({model_type}) is not served")
+    multi_query = getattr(config, "multi_query", False)
+    if (
+        model_type == "falcon"
+        and multi_query
+        and not getattr(config, "new_decoder_architecture", False)
+    ):
+        raise ValueError(f"{name}: Falcon's multi-query attention is not served")
+
+
 def _uniform_rope_positions(config: Any) -> int:
     """The most positions a batch may hold while every row is rotated alike: longrope and
     dynamic RoPE pick their frequencies from the longest position in the forward, so past
@@ -115,6 +133,7 @@ class CausalLMRunner:
         )
         positions = int(getattr(config, "max_position_embeddings", slot_tokens) or slot_tokens)
         self.max_sequence_tokens = min(slot_tokens, positions, _uniform_rope_positions(config))
+        _refuse_unsupported_attention(name, config)
         layers = int(config.num_hidden_layers)
         self._window: int | None = getattr(config, "sliding_window", None)
         # Without per-layer types, a configured window applies to every layer (Mistral).

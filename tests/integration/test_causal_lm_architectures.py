@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
     CohereConfig,
     CohereForCausalLM,
+    FalconConfig,
     Gemma2Config,
     Gemma2ForCausalLM,
     GraniteConfig,
@@ -22,6 +25,7 @@ from transformers import (
     MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    PretrainedConfig,
     PreTrainedModel,
 )
 
@@ -146,3 +150,25 @@ def test_longrope_sequences_are_capped_at_the_original_context(tmp_path: Path) -
     Phi3ForCausalLM(config).save_pretrained(tmp_path)
     runner = CausalLMRunner("m", str(tmp_path), torch.device("cpu"), torch.float32, 4, 64)
     assert runner.max_sequence_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "config,named",
+    [
+        (BloomConfig(vocab_size=300, hidden_size=64, n_layer=2, n_head=4), "ALiBi"),
+        (
+            FalconConfig(
+                vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                multi_query=True, new_decoder_architecture=False,
+            ),
+            "multi-query",
+        ),
+    ],
+)  # fmt: skip
+def test_attention_the_slot_cache_cannot_serve_is_refused_by_name(
+    config: PretrainedConfig, named: str, tmp_path: Path
+) -> None:
+    """They failed in warm-up with a bare IndexError or ValueError: "start-up failed"."""
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=named):
+        CausalLMRunner("m", str(tmp_path), torch.device("cpu"), torch.float32, 4, 64)

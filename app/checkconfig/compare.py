@@ -270,10 +270,14 @@ def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
 
 def _check_circuit_breakers(baseline: Baseline, envoy: Mapping[str, Any]) -> list[str]:
     """Envoy holds no more than the fleet can serve within its delay budget, and answers the
-    rest itself: the breaker is what one replica holds x the most replicas there can be."""
+    rest itself: what one replica holds x the most replicas there can be, shared among the
+    Envoy pods (each enforces its own breakers: with 1024 each, two Envoys let in twice
+    what the fleet can serve)."""
     replica_inflight = int(baseline.capacity["replica_inflight"])
     max_inflight = int(baseline.settings.get("max_inflight", _default("max_inflight")))
+    envoys = max(1, int(baseline.k8s.get("envoy_replicas", 1)))
     fleet_inflight = replica_inflight * int(baseline.k8s.get("hpa_max_replicas", 0))
+    per_envoy = fleet_inflight // envoys
     differences = []
     if replica_inflight > max_inflight:
         differences.append(
@@ -282,10 +286,10 @@ def _check_circuit_breakers(baseline: Baseline, envoy: Mapping[str, Any]) -> lis
             "may hold all of its requests"
         )
     for key in ("circuit_breaker_max_requests", "circuit_breaker_max_connections"):
-        if envoy[key] != fleet_inflight:
+        if envoy[key] != per_envoy:
             differences.append(
                 f"envoy.{key}: {envoy[key]} is not capacity.replica_inflight x "
-                f"hpa_max_replicas ({fleet_inflight})"
+                f"hpa_max_replicas / envoy_replicas ({per_envoy})"
             )
     target = baseline.k8s.get("hpa_inflight_per_pod")
     if target is not None and float(target) >= replica_inflight:

@@ -256,6 +256,9 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
     "deployment_replicas": lambda m: _dig(
         find_manifest(m, "Deployment", "steadyserve"), "spec.replicas"
     ),
+    "envoy_replicas": lambda m: _dig(
+        find_manifest(m, "Deployment", "steadyserve-envoy"), "spec.replicas"
+    ),
     "cpu_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.cpu"),
     "memory_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.memory"),
     "cpu_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.cpu"),

@@ -246,15 +246,16 @@ def test_circuit_breaker_sized_by_admission_caps_is_refused(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The old sizing (max_inflight 512 x 8 replicas = 4096) let Envoy pile seconds of work
-    onto the replicas; changed in both places, so only the sizing rule catches it."""
+    onto the replicas; so did 1024 on each of two Envoy pods (each enforces its own).
+    Changed in both places, so only the sizing rule catches it."""
     for path in (deploy_copy / "envoy" / "envoy.yaml", deploy_copy / "baseline.yaml"):
         text = path.read_text()
-        assert text.count("max_requests: 1024") == 1
-        path.write_text(text.replace("max_requests: 1024", "max_requests: 4096"))
+        assert text.count("max_requests: 512") == 1
+        path.write_text(text.replace("max_requests: 512", "max_requests: 1024"))
     assert check(deploy_copy) == 1
     assert (
-        "envoy.circuit_breaker_max_requests: 4096 is not capacity.replica_inflight x "
-        "hpa_max_replicas (1024)" in capsys.readouterr().out
+        "envoy.circuit_breaker_max_requests: 1024 is not capacity.replica_inflight x "
+        "hpa_max_replicas / envoy_replicas (512)" in capsys.readouterr().out
     )
 
 
@@ -268,7 +269,7 @@ def test_replica_capacity_above_the_replica_admission_cap_is_refused(
         "capacity.replica_inflight: 600 exceeds max_inflight (512), each front end's own cap" in out
     )
     # The breakers no longer match the product either.
-    assert "envoy.circuit_breaker_max_connections: 1024 is not" in out
+    assert "envoy.circuit_breaker_max_connections: 512 is not" in out
 
 
 def test_an_hpa_target_a_replica_cannot_reach_is_refused(

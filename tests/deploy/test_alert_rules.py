@@ -25,6 +25,7 @@ REQUIRED_ALERTS = {
     "SteadyserveGpuHot",
     "EnvoyDownstreamConnectionsClosedWithActiveRequests",
     "EnvoyUpstreamConnectionsClosedWithActiveRequests",
+    "EnvoyAnsweringOverCapacity",
 }
 
 

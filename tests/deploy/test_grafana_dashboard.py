@@ -27,6 +27,8 @@ ENVOY_METRICS = {
     "envoy_http_downstream_cx_total",
     "envoy_cluster_upstream_rq_retry",
     "envoy_cluster_upstream_rq_retry_overflow",
+    "envoy_cluster_upstream_rq_pending_overflow",
+    "envoy_http_downstream_rq_total",
 }
 REQUIRED_PANELS = {
     "Request latency percentiles (answered requests)",

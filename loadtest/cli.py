@@ -4,7 +4,9 @@ Subcommands:
 
 - ``run`` (the default when the first argument is an option): one load test with a table,
   a JSON report, plots and an optional SLA verdict. Exit status 0 when the verdict passes
-  (or none was asked for), 1 when it fails, 2 for a usage error.
+  (or none was asked for), 1 when it fails, 2 for a usage error (an input file that cannot
+  be read included), 3 when the run passed but its files could not be written (the table
+  and verdict are printed first, whatever happens to the files).
 - ``hey-summary``: read ``hey -o csv`` output and print the same table (used by hey.sh).
 - ``compare`` (or ``bench``): the raw vs naive vs steadyserve comparison, `loadtest.bench`;
   ``steadyserve bench compare`` reads better than ``steadyserve bench bench``.
@@ -41,7 +43,7 @@ from loadtest.runner import (
 from loadtest.stages import Arrival, Stage, parse_duration, parse_stages
 
 DEFAULT_RESULTS_DIR = Path("loadtest/results")
-EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE, EXIT_FILES = 0, 1, 2, 3
 
 T = TypeVar("T")
 
@@ -190,15 +192,21 @@ def report(
     """Summarise, judge, print the table and write the files; returns the exit status."""
     summary = summarize(result, url, label)
     summary.verdict = judge(summary, slo_p99_ms, max_error_rate)
+    # The table first: a file that cannot be written must not lose the run's result.
+    stream.write(format_table(summary) + "\n")
+    exit_code = EXIT_PASS if summary.verdict.passed else EXIT_FAIL
     files: list[Path] = []
     if out_dir is not None:
-        files.append(write_json(summary, result, out_dir / "report.json"))
-        if plots:
-            files.extend(write_plots(summary, result, out_dir, slo_p99_ms))
-    stream.write(format_table(summary) + "\n")
+        try:
+            files.append(write_json(summary, result, out_dir / "report.json"))
+            if plots:
+                files.extend(write_plots(summary, result, out_dir, slo_p99_ms))
+        except OSError as error:
+            sys.stderr.write(f"error: cannot write the run's files to {out_dir}: {error}\n")
+            if exit_code == EXIT_PASS:
+                exit_code = EXIT_FILES  # not an SLA failure: CI must not read it as one
     if files:
         stream.write(f"files       {out_dir}/ ({', '.join(p.name for p in files)})\n")
-    exit_code = EXIT_PASS if summary.verdict.passed else EXIT_FAIL
     return Outcome(summary, result, files, exit_code)
 
 
@@ -411,6 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handler: Callable[[argparse.Namespace], int] = options.handler
         return handler(options)
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # a bad option, or an input file it cannot read
         sys.stderr.write(f"error: {error}\n")
         return EXIT_USAGE

@@ -179,6 +179,29 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--rate", "10", "--stages", "10s"]) == 2
 
 
+def test_an_input_file_that_cannot_be_read_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It was a traceback with exit 1, the status of a failed SLA."""
+    missing = tmp_path / "missing.jsonl"
+    assert main(["run", "--rate", "10", "--duration", "1s", "--body-jsonl", str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_files_that_cannot_be_written_do_not_lose_the_verdict(
+    fast_ok_stub: StubInThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's files were written before the table: a bad --out lost the table and the
+    verdict, and exited 1 as if the SLA had failed."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    code = run_cli(fast_ok_stub.url, blocked / "out", "--slo-p99-ms", "60000", "--no-plots")
+    captured = capsys.readouterr()
+    assert code == 3
+    assert "PASS" in captured.out
+    assert "cannot write the run's files" in captured.err
+
+
 def test_hey_csv_rows_become_the_same_summary() -> None:
     rows = [
         {"response-time": f"{0.010 + i * 0.001:.4f}", "status-code": "200", "offset": f"{i * 0.1}"}

@@ -267,16 +267,26 @@ class TextGeneration:
                         spent.queue_s = output.queue_s
                         first = False
                     spent.compute_s += output.compute_s
-                    generated += len(payload.token_ids)
                     if stops is None:
+                        generated += len(payload.token_ids)
                         token_ids.extend(payload.token_ids)
                         continue
-                    scan = stops.feed(_decoded(detokenizer, payload.token_ids, output.final))
-                    text += scan.text
-                    if scan.stopped:  # leaving the engine stream cancels the sequence
-                        ended = SequenceEnd(index, "stop", len(prompt_ids), generated)
-                        yield _events(index, text, ended)
-                        return
+                    # Token by token: an output of several steps' tokens (multi-step
+                    # decoding) may reach the stop with its first; those after it are
+                    # neither sent nor counted.
+                    # (A final output without tokens still flushes what the detokenizer holds.)
+                    pieces = [[token] for token in payload.token_ids] or [[]]
+                    for position, piece in enumerate(pieces):
+                        generated += len(piece)
+                        last_of_output = position == len(pieces) - 1
+                        scan = stops.feed(
+                            _decoded(detokenizer, piece, output.final and last_of_output)
+                        )
+                        text += scan.text
+                        if scan.stopped:  # leaving the engine stream cancels the sequence
+                            ended = SequenceEnd(index, "stop", len(prompt_ids), generated)
+                            yield _events(index, text, ended)
+                            return
                 last = batch[-1]
                 if stops is None:
                     text = _decoded(detokenizer, token_ids, last.final)

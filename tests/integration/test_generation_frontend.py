@@ -513,3 +513,24 @@ async def test_server_timing_counts_the_slowest_sequences_compute_once(
     assert response.status_code == 200, response.text
     phases = dict(entry.split(";dur=") for entry in response.headers["server-timing"].split(", "))
     assert float(phases["compute"]) == pytest.approx(4 * 10.0, abs=0.1), phases
+
+
+async def test_a_stop_reached_inside_a_multi_token_output_counts_only_the_tokens_before_it(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """With multi-step decoding an output carries several tokens: a stop reached by the
+    first counted the rest in `completion_tokens`, though their text was never sent."""
+    engine = engine_of(app)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stop": [" over"]}
+    usages = []
+    for per_output in (1, 3):  # the stop comes with token 16: inside an output of three
+        engine.tokens_per_output = per_output
+        try:
+            response = await client.post("/v1/completions", json=body)
+        finally:
+            engine.tokens_per_output = 1
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["choices"][0]["text"] == "The quick brown fox jumps"
+        usages.append(answer["usage"]["completion_tokens"])
+    assert usages[0] == usages[1], usages

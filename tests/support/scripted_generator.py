@@ -43,6 +43,7 @@ class ScriptedGenerator(AlwaysReadyEngine):
         self.eos_after_tokens: int | None = None  # set: sequences end (EOS) after this many
         self.outputs_per_turn = 1  # outputs delivered together before the reader runs
         self.compute_s_per_output = 0.0  # the compute each output reports
+        self.tokens_per_output = 1  # tokens each output carries (multi-step decoding: k)
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         # As the real engine reports them: an embedding's width, a generate model's vocabulary.
@@ -78,15 +79,16 @@ class ScriptedGenerator(AlwaysReadyEngine):
         if self.eos_after_tokens is not None and self.eos_after_tokens < count:
             count, reason = self.eos_after_tokens, FinishReason.EOS
         try:
-            for step in range(count):
-                if step % self.outputs_per_turn == 0:
+            per_output = self.tokens_per_output
+            for number, step in enumerate(range(0, count, per_output)):
+                if number % self.outputs_per_turn == 0:
                     await asyncio.sleep(0)
-                if self.fail_after_tokens is not None and step == self.fail_after_tokens:
+                if self.fail_after_tokens is not None and step >= self.fail_after_tokens:
                     self._deliver(Failure(request.request_id, FailureKind.FAILED, "boom"))
                     return
-                final = step == count - 1
+                final = step + per_output >= count
                 tokens = TokensOutput(
-                    [echo[step % len(echo)]],
+                    [echo[i % len(echo)] for i in range(step, min(step + per_output, count))],
                     len(payload.prompt_ids),
                     reason if final else None,
                 )

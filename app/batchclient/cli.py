@@ -169,10 +169,9 @@ class _Source:
     integer ids and id-less lines can collide, and then the later line is a duplicate.)"""
 
     path: Path
-    resumed: IdSet
+    resumed: IdSet  # marked as this run's lines have them (`IdSet.mark`)
     errors: Journal
     refused_lines: set[int] = field(default_factory=set)
-    seen: IdSet = field(default_factory=IdSet)
     skipped: int = 0
     invalid: int = 0
 
@@ -189,14 +188,13 @@ class _Source:
                 except InvalidLine as error:
                     self._refuse(line_number, line_number, INVALID_LINE, str(error))
                     continue
-                if item.id in self.seen:
+                # Marked even when a previous run answered it: a later line with the same id
+                # is still a duplicate (skipped as answered, it was silently lost).
+                answered_before, earlier_line = self.resumed.mark(item.id)
+                if earlier_line:
                     message = f"line {line_number}: id {item.id!r} is already an earlier line's"
                     self._refuse(item.id, line_number, DUPLICATE_ID, message)
-                    continue
-                # Seen even when a previous run answered it: a later line with the same id is
-                # still a duplicate (skipped as answered, it was silently lost).
-                self.seen.add(item.id)
-                if item.id in self.resumed:
+                elif answered_before:
                     self.skipped += 1
                 else:
                     yield item

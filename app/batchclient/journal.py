@@ -29,22 +29,31 @@ class CorruptJournal(Exception):
 
 
 class IdSet:
-    """A set of item ids in ~100 bytes each, whatever the ids' length.
+    """A set of item ids in ~100 bytes each, whatever the ids' length, each with one mark
+    (`mark`: a line of this run had it).
 
     Each id is kept as a 128-bit BLAKE2b digest of its JSON form (so 7 and "7" differ):
     two of a million ids collide with probability ~1e-27, and the set of a 1,000,000-line
-    job stays near 100 MB instead of growing with the length of the ids.
+    job stays near 100 MB instead of growing with the length of the ids. The mark lives in
+    the same entry: a resumed job's ids are held once, not once as done and again as seen.
     """
 
     def __init__(self) -> None:
-        self._digests: set[int] = set()
+        self._digests: dict[int, bool] = {}  # digest -> marked
 
     @staticmethod
     def _digest(item_id: ItemId) -> int:
         return int.from_bytes(hashlib.blake2b(orjson.dumps(item_id), digest_size=16).digest())
 
     def add(self, item_id: ItemId) -> None:
-        self._digests.add(self._digest(item_id))
+        self._digests.setdefault(self._digest(item_id), False)
+
+    def mark(self, item_id: ItemId) -> tuple[bool, bool]:
+        """Mark the id; returns whether it was held before, and whether it was marked."""
+        digest = self._digest(item_id)
+        before = self._digests.get(digest)
+        self._digests[digest] = True
+        return before is not None, before is True
 
     def __contains__(self, item_id: object) -> bool:
         if isinstance(item_id, bool) or not isinstance(item_id, str | int):

@@ -248,7 +248,12 @@ class GenerationHost:
             self._expire(self._context.clock())
             sequences = self._next_step() if self._context.slots.free > 0 else []
             step = (
-                self._steps.start([s.row() for s in sequences], self._steps_for(sequences))
+                self._steps.start(
+                    [s.row() for s in sequences],
+                    self._steps_for(sequences),
+                    # A row ending at EOS frees a slot a waiting sequence can take at once.
+                    end_on_eos=bool(self._waiting),
+                )
                 if sequences
                 else None
             )

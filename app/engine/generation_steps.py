@@ -97,11 +97,13 @@ class StepRunner:
             self._wakeup.clear()
         return await self.start(rows)
 
-    def start(self, rows: list[StepRow], steps: int = 1) -> asyncio.Task[StepResult]:
+    def start(
+        self, rows: list[StepRow], steps: int = 1, end_on_eos: bool = False
+    ) -> asyncio.Task[StepResult]:
         """Take a shared compute slot (one must be free) and run one step on a compute
         thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
-        fewer if every row chooses EOS or `interrupt` is called; the slot is given back when
-        it ends."""
+        fewer if every row chooses EOS (with `end_on_eos`, any row: a sequence waits for the
+        slot it frees) or `interrupt` is called; the slot is given back when it ends."""
         if steps > 1 and any(row.start == 0 for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
@@ -111,7 +113,9 @@ class StepRunner:
         async def step() -> StepResult:
             failure: BaseException | None = None
             try:
-                return await self._context.dispatcher.run_compute(self._compute, rows, steps)
+                return await self._context.dispatcher.run_compute(
+                    self._compute, rows, steps, end_on_eos
+                )
             except BaseException as error:
                 failure = error
                 raise
@@ -122,13 +126,13 @@ class StepRunner:
 
         return asyncio.create_task(step())
 
-    def _compute(self, rows: Sequence[StepRow], steps: int) -> StepResult:
+    def _compute(self, rows: Sequence[StepRow], steps: int, end_on_eos: bool) -> StepResult:
         """Compute thread: the prefill rows in one forward, the decode rows in another; with
         `steps` > 1, further decode steps on each row's chosen token."""
         self._context.before_batch()
         started = time.perf_counter()
         if steps > 1:
-            chosen = self._decode_run(rows, steps)
+            chosen = self._decode_run(rows, steps, end_on_eos)
             forwards = max((len(tokens) for tokens in chosen.values()), default=0)
             return StepResult(
                 [chosen[row.slot] for row in rows], time.perf_counter() - started, forwards
@@ -143,10 +147,13 @@ class StepRunner:
                     single[row.slot] = [token]
         return StepResult([single[row.slot] for row in rows], time.perf_counter() - started, 1)
 
-    def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:
+    def _decode_run(
+        self, rows: Sequence[StepRow], steps: int, end_on_eos: bool
+    ) -> dict[int, list[int]]:
         """Up to `steps` decode steps, each feeding every row the token it just chose (the
         same rows, positions and generator draws as single steps); a row that chose EOS
-        stops, as does the run when `interrupt` is called. Each row's tokens, by slot."""
+        stops, as does the run when `interrupt` is called, or, with `end_on_eos`, after the
+        step in which any row chose EOS. Each row's tokens, by slot."""
         eos = self.runner.eos_token_ids
         active = sorted(rows, key=lambda row: row.slot)  # slot order: see `_compute`
         chosen: dict[int, list[int]] = {row.slot: [] for row in rows}
@@ -160,7 +167,7 @@ class StepRunner:
                     following.append(
                         StepRow(row.slot, (token,), row.start + 1, row.sampling, row.generator)
                     )
-            if not following:
+            if not following or (end_on_eos and len(following) < len(active)):
                 break
             active = following
         return chosen

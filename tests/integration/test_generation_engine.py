@@ -714,3 +714,38 @@ async def test_a_fitted_sequence_short_of_time_ends_with_length_not_a_504(
         assert host.debug_report()["slots_held"] == 0
     finally:
         await engine.close()
+
+
+async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits(
+    tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """A row leaving the run at EOS frees its slot only when the run ends: the waiting
+    sequence sat up to k-1 forwards longer while the batch ran a row short."""
+    _, model = reference
+    prompt, other, waiting = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
+    plain = expected_greedy(model, prompt, 10).token_ids
+    stop = plain[5]
+    beside = expected_greedy(model, other, 12).token_ids
+    assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
+    directory = build_tiny_causal_lm(tmp_path / "eos")
+    config_path = directory / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], stop]
+    config_path.write_text(json.dumps(config))
+    engine = await started(
+        settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
+    )
+    try:
+        first, second, third = await asyncio.gather(
+            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
+            generate(engine, other, SamplingParams(max_new_tokens=12)),
+            generate(engine, waiting, SamplingParams(max_new_tokens=4)),
+        )
+    finally:
+        await engine.close()
+    assert first.finish_reason is FinishReason.EOS and first.token_ids == plain[:5]
+    assert second.token_ids == beside
+    # The prefill, then a run cut at the step the first sequence chose EOS (its 5th
+    # decode step), not one of 8 steps.
+    assert second.sizes[:2] == (1, 5), second.sizes
+    assert third.token_ids == expected_greedy(model, waiting, 4).token_ids

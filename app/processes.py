@@ -37,7 +37,12 @@ import zmq.asyncio
 from app.engine.orphans import die_with_parent
 from app.engine.protocol import FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
-from app.engine.zmq_client import STATUS_WENT_STALE, EngineAddresses, StatusSubscriber
+from app.engine.zmq_client import (
+    STATUS_WENT_STALE,
+    EngineAddresses,
+    StatusSubscriber,
+    send_now,
+)
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.settings import Settings
@@ -295,9 +300,7 @@ class ProcessTree:
         """The engine drops the work of the front end's requests (`FrontEndGone`); with no
         engine connected there is nothing to drop (a new engine knows none of it)."""
         assert self._engine_notices is not None
-        sent = self._engine_notices.send(encode(FrontEndGone(pid)), zmq.NOBLOCK)
-        assert isinstance(sent, asyncio.Future)
-        if sent.done() and sent.exception() is not None:
+        if not send_now(self._engine_notices, encode(FrontEndGone(pid))):
             log.info("front end %d exited while no engine was connected", pid)
 
 

@@ -60,6 +60,15 @@ class EngineAddresses:
         )
 
 
+def send_now(socket: zmq.asyncio.Socket, data: bytes) -> bool:
+    """Queue `data` on `socket` without waiting; False when it could not be (no peer
+    connected, with IMMEDIATE). zmq.asyncio puts a failed send's error (zmq.Again) on the
+    future it returns, and raises nothing. Event loop thread only."""
+    sent = socket.send(data, zmq.NOBLOCK)
+    assert isinstance(sent, asyncio.Future)
+    return not (sent.done() and sent.exception() is not None)
+
+
 class StatusSubscriber:
     """The engine's published status, from its PUB socket. Event loop thread of the process
     that holds it (a front end, or the supervisor for its probe listener)."""
@@ -195,11 +204,7 @@ class ZmqEngineClient(StreamingClient):
     def _send(self, message: ToEngine) -> None:
         if self._requests is None or self.status() is None:
             raise EngineUnavailable("no engine is connected")
-        # zmq.asyncio puts a failed send's error (zmq.Again: no engine connected, with
-        # IMMEDIATE) on the future it returns; it raises nothing.
-        sent = self._requests.send(encode(message), zmq.NOBLOCK)
-        assert isinstance(sent, asyncio.Future)
-        if sent.done() and sent.exception() is not None:
+        if not send_now(self._requests, encode(message)):
             raise EngineUnavailable("no engine is connected")
 
     def _engine_gone(self, why: str) -> None:

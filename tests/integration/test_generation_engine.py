@@ -321,6 +321,19 @@ class ManualClock:
         return self.now
 
 
+async def started_on_clock(
+    source: Path, clock: ManualClock
+) -> tuple[InProcessEngine, GenerationHost]:
+    """An engine (no warm-up) whose clock the test sets, and its generation host."""
+    core = EngineCore(settings_for(source, warmup=False), Metrics(), clock=clock)
+    engine = InProcessEngine(core)
+    await engine.start()
+    await engine.wait_ready()
+    host = core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    return engine, host
+
+
 async def test_a_deadline_passing_mid_sequence_fails_it_and_frees_its_slot(
     tiny_causal_lm: Path,
 ) -> None:
@@ -579,12 +592,7 @@ async def test_a_sequence_without_a_client_set_limit_is_fitted_to_its_deadline(
     although it might stop at EOS soon. Without a client-set limit it is admitted on one
     token's time and ends with `length` once the deadline's share of steps is spent."""
     clock = ManualClock()
-    core = EngineCore(settings_for(tiny_causal_lm, warmup=False), Metrics(), clock=clock)
-    engine = InProcessEngine(core)
-    await engine.start()
-    await engine.wait_ready()
-    host = core.hosts["tiny"]
-    assert isinstance(host, GenerationHost)
+    engine, host = await started_on_clock(tiny_causal_lm, clock)
     host._step_s = 1.0  # as if each step took a second
     room = SLOT_TOKENS - 3
     try:
@@ -692,12 +700,7 @@ async def test_a_fitted_sequence_short_of_time_ends_with_length_not_a_504(
     loop's turn between steps), so it reached its deadline before its cap and was failed
     504, its whole answer lost. It now ends with `length` once another step would not fit."""
     clock = ManualClock()
-    core = EngineCore(settings_for(tiny_causal_lm, warmup=False), Metrics(), clock=clock)
-    engine = InProcessEngine(core)
-    await engine.start()
-    await engine.wait_ready()
-    host = core.hosts["tiny"]
-    assert isinstance(host, GenerationHost)
+    engine, host = await started_on_clock(tiny_causal_lm, clock)
     host._step_s = 1.0
     deadline = clock.now + 40.0  # a cap of 36 tokens at 1 s a step
     sampling = SamplingParams(max_new_tokens=SLOT_TOKENS - 4, fit_to_deadline=True)

@@ -33,18 +33,16 @@ import contextlib
 import logging
 from collections import deque
 
-import msgspec
-
 from app.admission import Rejected, RejectReason
-from app.engine.generation_sequences import GenerationSequence
+from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.kv_slots import (
     SlotTable,
+    fitted_sampling,
     payload_problem,
     start_verdict,
     steps_until_start,
-    tokens_within,
 )
 from app.engine.protocol import (
     Failure,
@@ -172,15 +170,10 @@ class GenerationHost:
         if problem is not None:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
-        sampling = payload.sampling
-        if sampling.fit_to_deadline:
-            fitted = tokens_within(
-                request.deadline - self._context.clock(),
-                self._slot_wait_seconds(),
-                self._step_s,
-                sampling.max_new_tokens,
-            )
-            sampling = msgspec.structs.replace(sampling, max_new_tokens=max(1, fitted))
+        time_left = request.deadline - self._context.clock()
+        sampling = fitted_sampling(
+            payload.sampling, time_left, self._slot_wait_seconds(), self._step_s
+        )
         sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),
@@ -250,7 +243,7 @@ class GenerationHost:
             step = (
                 self._steps.start(
                     [s.row() for s in sequences],
-                    self._steps_for(sequences),
+                    steps_for(sequences, self._steps_per_dispatch),
                     # A row ending at EOS frees a slot a waiting sequence can take at once.
                     end_on_eos=bool(self._waiting),
                 )
@@ -285,42 +278,18 @@ class GenerationHost:
         joiners = self._join()
         return joiners + [s for s in self._running.values() if s.generated]
 
-    def _steps_for(self, sequences: list[GenerationSequence]) -> int:
-        """Decode steps the next dispatch may run: one when a sequence joins (its prefill);
-        else up to generate_steps_per_dispatch, and no step past the one at which a sequence
-        reaches its length (its slot then frees for a waiting one, as with single steps)."""
-        steps = self._steps_per_dispatch
-        for sequence in sequences:
-            if not sequence.generated:
-                return 1
-            steps = min(steps, sequence.remaining)
-        return max(steps, 1)
-
     def _expire(self, now: float) -> None:
-        """Sequences past their deadline fail (504) and free their slots; the tokens they
-        were given in the last step go out first (a stream ends at its failure). A sequence
-        whose client set no limit (`fit_to_deadline`) and that has tokens ends instead, with
-        `length`, once another step would pass its deadline: its cap is planned from the
-        compute time of a step, and the loop's turn between steps makes a token take longer
-        (it ran out of time before its cap, and its whole answer was lost to a 504)."""
-        fitted = [
-            sequence
-            for sequence in self._running.values()
-            if sequence.sampling.fit_to_deadline
-            and sequence.generated
-            and sequence.request.deadline <= now + self._step_s
-        ]
+        """Sequences their deadline ends (`GenerationSequence.deadline_end`) end now: past it,
+        they fail (504) and free their slots; fitted to it, with `length`. The tokens they
+        were given in the last step go out first (a stream ends at its failure)."""
         sequences = [*self._waiting, *self._running.values()]
-        expired = [
-            sequence
-            for sequence in sequences
-            if sequence.request.deadline <= now and sequence not in fitted
-        ]
-        if fitted or expired:
+        ending = [(s, end) for s in sequences if (end := s.deadline_end(now, self._step_s))]
+        if ending:
             self._send_outbox()
-        for sequence in fitted:
-            sequence.emit(self._finish(sequence, [], FinishReason.LENGTH, now))
-        for sequence in expired:
+        for sequence, end in ending:
+            if end == "length":
+                sequence.emit(self._finish(sequence, [], FinishReason.LENGTH, now))
+                continue
             self._context.metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
             self._fail(
                 sequence,

@@ -7,7 +7,9 @@ step that computes it, one step at a time.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -53,6 +55,17 @@ class GenerationSequence:
         self.generated.extend(fresh)
         return fresh, finish
 
+    def deadline_end(self, now: float, step_s: float) -> Literal["length", "failed"] | None:
+        """How its deadline ends it now, if it does: "length" for a sequence whose client set
+        no limit (`fit_to_deadline`) and that has tokens, once another step (`step_s`) would
+        pass its deadline; "failed" for any other past its deadline (a 504). Its
+        fitted cap is planned from a step's compute, and the loop's turn makes a token take
+        longer: it reached its deadline before its cap, and its whole answer was lost."""
+        deadline = self.request.deadline
+        if self.sampling.fit_to_deadline and self.generated and deadline <= now + step_s:
+            return "length"
+        return "failed" if deadline <= now else None
+
     def time_per_output_token(self, now: float) -> float | None:
         """Mean seconds between its generated tokens, once it has two."""
         produced = len(self.generated)
@@ -90,3 +103,15 @@ class GenerationSequence:
             compute_s=now - since,
             trace=tracer.finish(self.arrival_trace, None) if final else None,
         )
+
+
+def steps_for(sequences: Iterable[GenerationSequence], per_dispatch: int) -> int:
+    """Decode steps the next dispatch may run: one when a sequence joins (its prefill);
+    else up to `per_dispatch`, and no step past the one at which a sequence reaches its
+    length (its slot then frees for a waiting one, as with single steps)."""
+    steps = per_dispatch
+    for sequence in sequences:
+        if not sequence.generated:
+            return 1
+        steps = min(steps, sequence.remaining)
+    return max(steps, 1)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 
+import msgspec
+
 from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
-from app.engine.protocol import GeneratePayload
+from app.engine.protocol import GeneratePayload, SamplingParams
 
 
 class SlotTable:
@@ -102,6 +104,17 @@ def tokens_within(time_left_s: float, wait_s: float, step_s: float, room: int) -
     if step_s <= 0:
         return room
     return max(0, min(room, int((time_left_s - wait_s) * DEADLINE_FIT_SHARE / step_s)))
+
+
+def fitted_sampling(
+    sampling: SamplingParams, time_left_s: float, wait_s: float, step_s: float
+) -> SamplingParams:
+    """`sampling`, its `max_new_tokens` lowered to what the deadline leaves time for when the
+    client set no limit (`fit_to_deadline`; at least one token)."""
+    if not sampling.fit_to_deadline:
+        return sampling
+    fitted = tokens_within(time_left_s, wait_s, step_s, sampling.max_new_tokens)
+    return msgspec.structs.replace(sampling, max_new_tokens=max(1, fitted))
 
 
 def start_verdict(

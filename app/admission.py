@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 
 class RejectReason(Enum):
@@ -118,6 +119,46 @@ def batch_delay(queue: BatchQueue, rows: int, partial_batch_s: float) -> DelayEs
     last = max(queue.full_batch_s, partial_batch_s) if last_batch > 0 else partial_batch_s
     own = (own_batches - 1) * full_batch_of_inputs_s + last
     return DelayEstimate(backlog_s=backlog, own_compute_s=own)
+
+
+class PublishedQueue(Protocol):
+    """The engine's queue as its status publishes it (`EngineStatus` is one)."""
+
+    @property
+    def backlog_s(self) -> float: ...
+    @property
+    def queued_inputs(self) -> int: ...
+    @property
+    def seconds_per_input(self) -> float: ...
+    @property
+    def batch_rows(self) -> int: ...
+    @property
+    def full_batch_s(self) -> float: ...
+    @property
+    def least_own_compute_s(self) -> float: ...
+
+
+def published_queue_verdict(
+    published: PublishedQueue, sent: int, deadline: float, now: float, budget_s: float
+) -> Rejected | None:
+    """A front end's verdict, before reading a request's body, from the engine's queue as
+    last published plus `sent` inputs the engine does not hold yet, plus the least the
+    engine adds for a request's own batch: without the last two, a burst of connections
+    resending at once all passed, had their bodies read and tokenized, and were then refused
+    by the engine. Not the front end's own event-loop lag: under a closed-loop flood the
+    cheap refusals themselves keep the loop busy, and counting that lag refused nearly
+    everything, collapsing goodput (measured: docs/BENCHMARKS.md). Counted in whole batches
+    as the engine counts them (`batch_delay`), from the published full batch;
+    `least_own_compute_s` for a batch not yet full."""
+    queue = BatchQueue(
+        backlog_s=published.backlog_s + sent * published.seconds_per_input,
+        queued=published.queued_inputs + sent,
+        seconds_per_input=published.seconds_per_input,
+        batch_rows=published.batch_rows,
+        full_batch_s=published.full_batch_s,
+    )
+    estimate = batch_delay(queue, 1, published.least_own_compute_s)
+    return delay_verdict(estimate, deadline, now, budget_s)
 
 
 def delay_verdict(

@@ -26,11 +26,9 @@ from typing import TypeVar, TypeVarTuple
 from app.admission import (
     Admission,
     AdmissionLimits,
-    BatchQueue,
     Rejected,
     RejectReason,
-    batch_delay,
-    delay_verdict,
+    published_queue_verdict,
     resolve_deadline,
 )
 from app.engine.client import EngineClient, EngineUnavailable
@@ -230,32 +228,12 @@ class Service:
             return self._not_ready()
         now = self.clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
-        # The engine's queue as last published, plus what this front end sent that it does
-        # not hold yet and what it let in but has not sent (one input each, at least; the
-        # requests still read or tokenized), plus the least the
-        # engine adds for a request's own batch: without the last two, a burst of
-        # connections resending at once all passed here, had their bodies read and
-        # tokenized, and were then refused by the engine. Not this front end's own
-        # event-loop lag: under a closed-loop flood the cheap refusals themselves keep the
-        # loop busy, and counting that lag refused nearly everything, collapsing goodput
-        # (measured: docs/BENCHMARKS.md).
-        # Counted in whole batches as the engine counts them (`batch_delay`), from the
-        # published full batch; `least_own_compute_s` for a batch not yet full.
+        # What this front end sent that the engine does not hold yet, and what it let in
+        # but has not sent (one input each, at least; the requests still read or tokenized).
         unsent = max(0, self.admission.inflight - self._at_engine)
         sent = self.engine.inputs_in_transit(status) + unsent
-        queue = BatchQueue(
-            backlog_s=status.backlog_s + sent * status.seconds_per_input,
-            queued=status.queued_inputs + sent,
-            seconds_per_input=status.seconds_per_input,
-            batch_rows=status.batch_rows,
-            full_batch_s=status.full_batch_s,
-        )
-        verdict = delay_verdict(
-            batch_delay(queue, 1, status.least_own_compute_s),
-            deadline,
-            now,
-            self.settings.max_queue_delay_ms / 1000,
-        )
+        budget_s = self.settings.max_queue_delay_ms / 1000
+        verdict = published_queue_verdict(status, sent, deadline, now, budget_s)
         if verdict is not None:
             return verdict
         if not self.gate.has_capacity(self.settings.length_buckets[0]):

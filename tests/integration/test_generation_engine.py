@@ -291,11 +291,7 @@ async def test_eos_ends_the_sequence_without_the_token(
     if stop in beside:
         beside = beside[: beside.index(stop)]
     assert len(beside) > 4, "the other sequence outlives the run that ends the first"
-    directory = build_tiny_causal_lm(tmp_path / "eos")
-    config_path = directory / "generation_config.json"
-    config = json.loads(config_path.read_text())
-    config["eos_token_id"] = [config["eos_token_id"], stop]
-    config_path.write_text(json.dumps(config))
+    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
     engine = await started(
         settings_for(directory, warmup=False, generate_steps_per_dispatch=steps_per_dispatch)
     )
@@ -311,6 +307,17 @@ async def test_eos_ends_the_sequence_without_the_token(
     assert next_to_it.token_ids == beside
     if steps_per_dispatch > 1:  # the last output is a run's tokens up to EOS
         assert result.sizes[-1] >= 2, result.sizes
+
+
+def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
+    """The tiny model with `stop` among its EOS tokens (a generation config may name
+    several), written to `directory`."""
+    build_tiny_causal_lm(directory)
+    config_path = directory / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], stop]
+    config_path.write_text(json.dumps(config))
+    return directory
 
 
 class ManualClock:
@@ -730,11 +737,7 @@ async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits
     stop = plain[5]
     beside = expected_greedy(model, other, 12).token_ids
     assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
-    directory = build_tiny_causal_lm(tmp_path / "eos")
-    config_path = directory / "generation_config.json"
-    config = json.loads(config_path.read_text())
-    config["eos_token_id"] = [config["eos_token_id"], stop]
-    config_path.write_text(json.dumps(config))
+    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
     engine = await started(
         settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
     )

@@ -233,8 +233,7 @@ class Scheduler:
                 wake_at = ready_at
         batch = None
         if best is not None:
-            batch, late = self._take(best[1], best[2], now)
-            expired += late
+            batch = self._take(best[1], best[2], now)
         if batch is not None:
             self._running_until[batch.items[0].item_id] = now + self.estimated_compute(batch.shape)
         return Decision(
@@ -260,12 +259,8 @@ class Scheduler:
             return CloseReason.DEADLINE, now
         return None, min(max_wait_at, urgent_at)
 
-    def _take(
-        self, length: int, reason: CloseReason, now: float
-    ) -> tuple[Batch, tuple[WorkItem, ...]]:
-        """The batch this bucket closes now, and the inputs taken for it that would finish
-        after their deadline in it (none: see below; the second element keeps the shape of
-        a `Decision`'s expired inputs)."""
+    def _take(self, length: int, reason: CloseReason, now: float) -> Batch:
+        """The batch this bucket closes now, small enough for its most urgent input."""
         queue = self._queues[length]
         rows = min(len(queue), self.policy.max_batch(length))
         if rows == len(queue):
@@ -298,7 +293,7 @@ class Scheduler:
             back = sorted([*self._queues[length], *put_back], key=lambda i: i.enqueued_at)
             self._queues[length] = deque(back)
             self._depth += len(put_back)
-        return Batch(shape=shape, items=tuple(chosen), reason=reason), ()
+        return Batch(shape=shape, items=tuple(chosen), reason=reason)
 
     def _drop_dead(self, now: float) -> tuple[tuple[WorkItem, ...], tuple[WorkItem, ...]]:
         expired: list[WorkItem] = []

@@ -52,20 +52,16 @@ _v2 = _parser("throttled_usec", 1e6)
 _v1 = _parser("throttled_time", 1e9)
 
 
-def _tightest(cgroup: tuple[Path, bool, float | None]) -> float:
-    return cgroup[2] if cgroup[2] is not None else float("inf")
-
-
 def _find(root: Path, self_cgroup: Path) -> tuple[ProcFile, Parser] | None:
     """The `cpu.stat` that counts this process's throttling, open; None if none: that of
     the cgroup holding the tightest quota on its chain (where the throttling happens),
     else the deepest that has one. The root's alone missed a limit set below it (a
     systemd unit's `CPUQuota=`, `--cgroupns=host`): the quota was found, its throttling
     never."""
-    chain = [(directory, v2) for directory, v2, _ in cpu_cgroups(root, self_cgroup)]
-    limited = [(d, v2) for d, v2, q in sorted(cpu_cgroups(root, self_cgroup), key=_tightest) if q]
-    roots = [(root, True), (root / "cpu,cpuacct", False), (root / "cpu", False)]
-    for directory, v2 in [*limited, *chain, *roots]:
+    chain = cpu_cgroups(root, self_cgroup)
+    limited = sorted((c for c in chain if c[2] is not None), key=lambda c: c[2] or 0.0)
+    roots = [(root, True, None), (root / "cpu,cpuacct", False, None), (root / "cpu", False, None)]
+    for directory, v2, _ in [*limited, *chain, *roots]:
         parse = _v2 if v2 else _v1
         file = ProcFile(directory / "cpu.stat")
         text = file.text()

@@ -5,7 +5,7 @@ is its command line (``app.batchclient.cli``); ``BatchClient`` and ``SyncBatchCl
 its Python API.
 """
 
-from app.batchclient.client import BatchClient, SyncBatchClient
+from app.batchclient.client import BatchClient, ClientRefused, SyncBatchClient
 from app.batchclient.items import Failure, Item, Result, Success
 from app.batchclient.options import ClientOptions
 from app.batchclient.retry import RetryPolicy
@@ -15,6 +15,7 @@ __all__ = [
     "BatchClient",
     "BatchStats",
     "ClientOptions",
+    "ClientRefused",
     "Failure",
     "Item",
     "Result",

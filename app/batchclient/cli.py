@@ -2,12 +2,15 @@
 
 Every input line ends up exactly once in OUTPUT (answered) or OUTPUT.errors.jsonl
 (refused by the server with a 4xx other than 429, out of retries, or not a request at
-all). Restarted with the same arguments it skips the ids already in either file, so a
-killed job resumes where it stopped. SIGINT/SIGTERM: stop sending, write what is in
-flight, print the summary, exit 128 + signal (a second signal drops what is in flight).
+all). A 401, 403 or 407 is about the client, not a line: the run stops, the lines not
+answered stay out of both files, and the job exits 1. Restarted with the same arguments
+it skips the ids already in either file, so a killed job resumes where it stopped.
+SIGINT/SIGTERM: stop sending, write what is in flight, print the summary, exit 128 +
+signal (a second signal drops what is in flight).
 
 Exit status: 0 every line answered; 3 done, but some lines are in the errors file;
-128 + N stopped by signal N (run again to resume); 1 the job could not run; 2 usage.
+128 + N stopped by signal N (run again to resume); 1 the job could not run (the server
+refused the client's credentials included: run again with the right --header); 2 usage.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TextIO
 
 import orjson
 
-from app.batchclient.client import BatchClient
+from app.batchclient.client import BatchClient, ClientRefused
 from app.batchclient.items import Failure, InvalidLine, Item, ItemId, Success
 from app.batchclient.journal import (
     DUPLICATE_ID,
@@ -32,7 +35,9 @@ from app.batchclient.journal import (
     CorruptJournal,
     IdSet,
     Journal,
+    RefusedLines,
     errors_path_for,
+    line_digest,
     read_ids,
     repair_torn_tail,
 )
@@ -163,7 +168,7 @@ class _Source:
     """Reads INPUT lazily. A line whose id an earlier line has is a `duplicate_id` error, an
     invalid line an `invalid_line` one, both recorded at once by their line number (their
     id is not theirs: an invalid line has none, a duplicate's is the earlier line's); a line
-    a previous run answered (its id in `resumed`) or refused (its number in
+    a previous run answered (its id in `resumed`) or refused (its number and content in
     `refused_lines`) is skipped. So every line ends up once in OUTPUT or errors, across
     runs too, none skipped silently. (A line without an id has its line number: explicit
     integer ids and id-less lines can collide, and then the later line is a duplicate.)"""
@@ -171,7 +176,7 @@ class _Source:
     path: Path
     resumed: IdSet  # marked as this run's lines have them (`IdSet.mark`)
     errors: Journal
-    refused_lines: set[int] = field(default_factory=set)
+    refused_lines: RefusedLines = field(default_factory=RefusedLines)
     skipped: int = 0
     invalid: int = 0
 
@@ -180,26 +185,28 @@ class _Source:
             for line_number, line in enumerate(file, start=1):
                 if not line.strip():
                     continue
-                if line_number in self.refused_lines:  # refused by a previous run
+                if self.refused_lines.refused(line_number, line):  # by a previous run
                     self.skipped += 1
                     continue
                 try:
                     item = Item.from_line(line, line_number)
                 except InvalidLine as error:
-                    self._refuse(line_number, line_number, INVALID_LINE, str(error))
+                    self._refuse(line_number, line_number, line, INVALID_LINE, str(error))
                     continue
                 # Marked even when a previous run answered it: a later line with the same id
                 # is still a duplicate (skipped as answered, it was silently lost).
                 answered_before, earlier_line = self.resumed.mark(item.id)
                 if earlier_line:
                     message = f"line {line_number}: id {item.id!r} is already an earlier line's"
-                    self._refuse(item.id, line_number, DUPLICATE_ID, message)
+                    self._refuse(item.id, line_number, line, DUPLICATE_ID, message)
                 elif answered_before:
                     self.skipped += 1
                 else:
                     yield item
 
-    def _refuse(self, item_id: ItemId, line_number: int, kind: str, message: str) -> None:
+    def _refuse(
+        self, item_id: ItemId, line_number: int, line: bytes, kind: str, message: str
+    ) -> None:
         self.invalid += 1
         failure = Failure(
             item_id,
@@ -208,6 +215,7 @@ class _Source:
             attempts=0,
             retryable=False,
             line=line_number,
+            line_digest=line_digest(line),
         )
         self.errors.append([failure.json_line()])
 
@@ -220,7 +228,7 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         if torn:
             stream.write(f"batch: {path}: cut a torn last line ({torn} bytes); it is redone\n")
     done = IdSet()
-    refused_lines: set[int] = set()
+    refused_lines = RefusedLines()
     errors_before = read_ids(errors_path, done, refused_lines)
     resumed = read_ids(output, done) + errors_before
     if resumed:
@@ -245,6 +253,7 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     source = _Source(args.input, done, errors_journal, refused_lines)
     started = time.monotonic()
     stopped_by: list[str] = []
+    refused: list[ClientRefused] = []
     loop = asyncio.get_running_loop()
 
     async with BatchClient(args.url, options) as client:
@@ -277,6 +286,8 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
                     results_journal.append([result.json_line()])
                 else:
                     errors_journal.append([result.json_line()])
+        except ClientRefused as error:
+            refused.append(error)
         finally:
             ticker.cancel()
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -293,6 +304,9 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     stream.write("batch summary:\n" + summary_table(document) + "\n")
     if args.summary_json is not None:
         args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    if refused:
+        stream.write(f"batch: {refused[0]}; fix --header and run again to resume\n")
+        return EXIT_FAILED
     if stopped_by:
         return 128 + int(signal.Signals[stopped_by[0]])
     if document["lines_in_errors_file"] or document["lines_unfinished"]:

@@ -18,6 +18,7 @@ from collections.abc import (
     AsyncIterator,
     Iterable,
     Iterator,
+    Mapping,
 )
 from types import TracebackType
 from typing import Any
@@ -33,6 +34,18 @@ from app.batchclient.retry import Verdict, classify_status
 from app.batchclient.stats import BatchStats, Counters
 from app.batchclient.transport import ConnectionPool, RequestError
 from app.batchclient.window import Window
+
+
+class ClientRefused(Exception):
+    """The server refused the client itself (401, 403 or 407): raised by ``infer_many``
+    after what was answered before has been yielded. The items not answered are neither
+    yielded nor failed: they stay unfinished, to be sent again with other credentials."""
+
+    def __init__(self, status: int, error: Mapping[str, Any]) -> None:
+        message = error.get("message") or error.get("type") or "no reason given"
+        super().__init__(f"the server refused this client: HTTP {status}: {message}")
+        self.status = status
+        self.error = error
 
 
 class BatchClient:
@@ -55,6 +68,7 @@ class BatchClient:
         self._stopping = False
         self._waiting: set[asyncio.Task[Any]] = set()  # cancellable: nothing sent yet
         self._sending: set[asyncio.Task[Any]] = set()
+        self._refused: ClientRefused | None = None
 
     async def __aenter__(self) -> BatchClient:
         self._http = ConnectionPool(self.infer_url, self.options.headers)
@@ -117,6 +131,7 @@ class BatchClient:
 
         Items are read lazily, at most ``2 x concurrency`` requests ahead. After ``stop``
         the items not yet answered are neither sent nor yielded (``lines_unfinished``).
+        A 401, 403 or 407 stops the run the same way, then raises ``ClientRefused``.
         """
         if self._http is None:
             raise RuntimeError("use the client as `async with BatchClient(...) as client`")
@@ -176,6 +191,8 @@ class BatchClient:
                     yield result
             if crashes:
                 raise crashes[0]
+            if self._refused is not None:
+                raise self._refused
         finally:
             if not producer.done():
                 # The consumer left early: nothing more can be yielded, so every task goes,
@@ -201,6 +218,13 @@ class BatchClient:
                 if attempt.status is not None
                 else classify_status(599)  # no response: a transient fault, backoff
             )
+            if outcome.verdict is Verdict.REFUSED:
+                assert attempt.status is not None
+                if self._refused is None:
+                    self._refused = ClientRefused(attempt.status, error_of(attempt))
+                self.stop()
+                self._counters.lines_unfinished += len(request.items)
+                return None
             if outcome.verdict is Verdict.SUCCESS:
                 results = self._unpack(request, attempt, attempt_number)
                 if results is not None:

@@ -79,7 +79,8 @@ class Failure:
     error: Mapping[str, Any]
     attempts: int
     retryable: bool
-    line: int | None = None
+    line: int | None = None  # set, with its digest, for a line refused before any request
+    line_digest: str | None = None
 
     def json_line(self) -> bytes:
         record: dict[str, Any] = {"id": self.id, "status": self.status, "error": self.error}
@@ -87,6 +88,7 @@ class Failure:
         record["retryable"] = self.retryable
         if self.line is not None:
             record["line"] = self.line
+            record["line_digest"] = self.line_digest
         return orjson.dumps(record) + b"\n"
 
 

@@ -98,8 +98,38 @@ DUPLICATE_ID = "duplicate_id"
 REFUSED_LINE_ERRORS = (INVALID_LINE, DUPLICATE_ID)
 
 
-def read_ids(path: Path, into: IdSet, refused_lines: set[int] | None = None) -> int:
-    """Add the id of every line of ``path`` to ``into`` (the line number of a refused line
+def line_digest(line: bytes) -> str:
+    """A short digest of an input line's content (its line ending left out)."""
+    return hashlib.blake2b(line.rstrip(b"\r\n"), digest_size=8).hexdigest()
+
+
+class RefusedLines:
+    """The input lines previous runs refused, by line number and content digest.
+
+    A line is skipped as refused only while it is still the line that was refused: an
+    input edited between runs (a line fixed, inserted or removed) has its changed lines
+    read again instead of skipped unseen. A record without a digest (written before the
+    digest was) matches whatever the line holds now.
+    """
+
+    def __init__(self) -> None:
+        self._digests: dict[int, set[str | None]] = {}
+
+    def add(self, line_number: int, digest: str | None) -> None:
+        self._digests.setdefault(line_number, set()).add(digest)
+
+    def refused(self, line_number: int, line: bytes) -> bool:
+        digests = self._digests.get(line_number)
+        if digests is None:
+            return False
+        return None in digests or line_digest(line) in digests
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+
+def read_ids(path: Path, into: IdSet, refused_lines: RefusedLines | None = None) -> int:
+    """Add the id of every line of ``path`` to ``into`` (a refused line's number and digest
     to ``refused_lines`` instead, when given); returns how many lines it read.
 
     Call after ``repair_torn_tail``: every line must then be a whole result line.
@@ -117,7 +147,7 @@ def read_ids(path: Path, into: IdSet, refused_lines: set[int] | None = None) -> 
             error = record.get("error")
             kind = error.get("type") if isinstance(error, dict) else None
             if refused_lines is not None and kind in REFUSED_LINE_ERRORS:
-                refused_lines.add(int(record["line"]))
+                refused_lines.add(int(record["line"]), record.get("line_digest"))
             else:
                 into.add(item_id)
             count += 1

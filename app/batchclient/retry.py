@@ -14,6 +14,10 @@ class Verdict(enum.Enum):
     SUCCESS = "success"
     RETRY = "retry"  # after Retry-After (with jitter) when given, else exponential backoff
     FAIL = "fail"  # the request itself is wrong: retrying it cannot help
+    # The server refuses the client itself (its credentials): every request would get the
+    # same answer, so the run stops and its lines stay unfinished, to be redone once the
+    # credentials are fixed, instead of the whole input landing in the errors file.
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,12 +26,20 @@ class Outcome:
     congestion: bool  # counts as "the server is overloaded" for the AIMD controller
 
 
+# 401 Unauthorized, 403 Forbidden, 407 Proxy Authentication Required: answers about the
+# client's credentials (a missing or expired token, one Envoy or a gateway refuses), not
+# about any one line.
+CLIENT_REFUSED_STATUSES = frozenset({401, 403, 407})
+
+
 def classify_status(status: int) -> Outcome:
     """2xx keep; 429 and 503 retry (429 also cuts concurrency); 504 is the server's deadline,
     i.e. a queue too long: retry and cut; other 5xx and 408 (the server gave up reading the
-    body) retry; other 4xx fail at once."""
+    body) retry; 401, 403 and 407 stop the run; other 4xx fail at once."""
     if 200 <= status < 300:
         return Outcome(Verdict.SUCCESS, congestion=False)
+    if status in CLIENT_REFUSED_STATUSES:
+        return Outcome(Verdict.REFUSED, congestion=False)
     if status in (429, 504):
         return Outcome(Verdict.RETRY, congestion=True)
     if status >= 500 or status == 408:

@@ -29,7 +29,9 @@ class Window:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # the slot was handed over just as the caller gave up
-            else:
+            elif waiter in self._waiters:
+                # Not there when a `wake` between the cancellation and this handler
+                # already dropped it as done.
                 self._waiters.remove(waiter)
             raise
 

@@ -360,10 +360,25 @@ def test_header_option_is_sent_with_every_request(tmp_path: Path) -> None:
         with_token = run_batch(
             source, url, tmp_path / "a.jsonl", "--header", "Authorization: Bearer s3cret"
         )
-        without = run_batch(source, url, tmp_path / "b.jsonl")
     assert with_token.returncode == 0, with_token.stderr
     assert len(read_lines(tmp_path / "a.jsonl")) == 30
-    assert without.returncode == 3  # 401 is a 4xx: every line in errors, none retried
-    failed = read_lines(tmp_path / "b.errors.jsonl")
-    assert len(failed) == 30 and {f["status"] for f in failed} == {401}
-    assert all(f["attempts"] == 1 for f in failed)
+
+
+def test_a_401_stops_the_run_and_a_rerun_with_the_token_does_every_line(tmp_path: Path) -> None:
+    """A 401 is about the client, not a line: it sent the whole input to the errors file,
+    which a rerun then skipped, so fixing the token could not get a single line done."""
+    lines = _lines(300)
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(source, lines)
+    behaviour = Misbehaviour(required_header=b"authorization: Bearer s3cret")
+    with running_flaky_server(behaviour) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        refused = run_batch(source, url, out, "--concurrency", "4")
+        assert refused.returncode == 1, refused.stderr
+        assert "HTTP 401" in refused.stderr
+        assert read_lines(tmp_path / "out.errors.jsonl") == []
+        # Stopped at once: only what was in flight (--concurrency 4) was sent.
+        assert 1 <= server.unauthorized <= 4
+        rerun = run_batch(source, url, out, "--header", "Authorization: Bearer s3cret")
+    assert rerun.returncode == 0, rerun.stderr
+    assert_each_id_exactly_once([line["id"] for line in lines], out, tmp_path / "out.errors.jsonl")

@@ -64,6 +64,7 @@ class FlakyServer:
     requests: int = 0
     answered: dict[int, int] = field(default_factory=dict)  # status -> count
     resets: int = 0
+    unauthorized: int = 0  # answered 401 (`required_header` missing)
     in_flight: int = 0
     max_in_flight_after_capacity: int = 0
     arrivals: list[float] = field(default_factory=list)  # time.monotonic() per request
@@ -94,6 +95,7 @@ class FlakyServer:
                 body = await reader.readexactly(length)
                 required = self.behaviour.required_header
                 if required is not None and required.lower() not in head.lower():
+                    self.unauthorized += 1
                     writer.write(self._answer(401, _error("unauthorized", "no token")))
                     continue
                 response = await self._respond(body)

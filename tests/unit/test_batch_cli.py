@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from app.batchclient.cli import _Source, main, parse_headers
-from app.batchclient.journal import IdSet, Journal
+from app.batchclient.journal import IdSet, Journal, RefusedLines, line_digest
 
 
 def test_header_option_parsing() -> None:
@@ -35,14 +35,22 @@ def read(
     resumed: list[int | str],
     refused_lines: set[int] | None = None,
     lines: list[bytes] = LINES,
+    refused_as: dict[int, bytes | None] | None = None,
 ) -> tuple[_Source, list[object], list[dict]]:
+    """`refused_lines`: line numbers a previous run refused as they read now; `refused_as`:
+    line numbers refused when they held other content (None: a record with no digest)."""
     source_path = tmp_path / "input.jsonl"
     source_path.write_bytes(b"\n".join(lines) + b"\n")
     done = IdSet()
     for item_id in resumed:
         done.add(item_id)
+    refused = RefusedLines()
+    for number in refused_lines or set():
+        refused.add(number, line_digest(lines[number - 1]))
+    for number, content in (refused_as or {}).items():
+        refused.add(number, None if content is None else line_digest(content))
     errors = Journal(tmp_path / "errors.jsonl")
-    source = _Source(source_path, done, errors, refused_lines or set())
+    source = _Source(source_path, done, errors, refused)
     sent = [item.id for item in source.items()]
     errors.close()
     written = errors.path.read_bytes().splitlines() if errors.path.exists() else []
@@ -82,6 +90,25 @@ def test_a_refused_line_does_not_mark_another_line_with_its_id_as_done(tmp_path:
     lines = [b'{"id": "z", "inputs": "z"}', b'{"id": "a", "inputs": "first a"}', b'{"id": "a"}']
     _, sent, errors = read(tmp_path, resumed=["z"], refused_lines={3}, lines=lines)
     assert sent == ["a"] and errors == []
+
+
+def test_a_refused_line_edited_before_the_resume_is_read_again(tmp_path: Path) -> None:
+    """Refusals are recorded by line number: a line fixed (or moved by an insertion) between
+    runs was skipped as refused, so the new content at that number was never sent and
+    appeared nowhere."""
+    lines = [b'{"id": "a", "inputs": "a"}', b'{"id": "b", "inputs": "fixed"}']
+    _, sent, errors = read(tmp_path, resumed=["a"], refused_as={2: b"not json"}, lines=lines)
+    assert sent == ["b"] and errors == []
+
+
+def test_a_refusal_recorded_without_a_digest_still_skips_its_line(tmp_path: Path) -> None:
+    _, sent, errors = read(tmp_path, resumed=[2, 3], refused_as={2: None, 4: None})
+    assert sent == ["x"] and errors == []
+
+
+def test_a_refusal_records_the_digest_of_the_line_it_refused(tmp_path: Path) -> None:
+    _, _, errors = read(tmp_path, resumed=[])
+    assert [e["line_digest"] for e in errors] == [line_digest(LINES[1]), line_digest(LINES[3])]
 
 
 def test_an_invalid_line_takes_no_id_a_later_line_could_have(tmp_path: Path) -> None:

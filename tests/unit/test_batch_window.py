@@ -42,3 +42,19 @@ async def test_a_cut_limit_applies_as_holders_leave() -> None:
     await asyncio.sleep(0)
     assert waiter.done()
     assert window.in_flight == 2
+
+
+async def test_a_waiter_cancelled_as_a_slot_frees_leaves_quietly() -> None:
+    """`stop` cancels the waiters; a release before the cancelled task ran let `wake` drop
+    its (cancelled) future, and the task then failed with ValueError ("not in deque")
+    instead of its cancellation, crashing the run it was stopping."""
+    window = Window(AimdController(1, initial=1))
+    await window.acquire()
+    waiter = asyncio.create_task(window.acquire())
+    await asyncio.sleep(0)  # waiting for the slot
+    waiter.cancel()
+    window.release()  # before the waiter's task has run its cancellation
+    results = await asyncio.gather(waiter, return_exceptions=True)
+    assert isinstance(results[0], asyncio.CancelledError)
+    assert window.in_flight == 0
+    await asyncio.wait_for(window.acquire(), 1)  # the slot is free

@@ -240,8 +240,12 @@ class ProcessTree:
             await self._probes.close()
         await self._engine_status.close()
         self._zmq.destroy(linger=0)
-        # Non-zero when a front end ended badly on its own (unhealthy, failed start-up);
-        # being stopped at once on a second signal is what the operator asked for.
+        return self.exit_status()
+
+    def exit_status(self) -> int:
+        """The server's exit status once stopped: 1 when a front end ended badly on its own
+        (unhealthy, failed start-up); being stopped at once on a second signal is what the
+        operator asked for."""
         clean = self._forced or all(drained(p.exitcode) for p in self.frontends)
         return 0 if clean else 1
 

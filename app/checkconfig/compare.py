@@ -264,6 +264,12 @@ def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
             f"keep_alive_timeout_s ({keep_alive_s:g}), or the server closes connections Envoy "
             "is about to reuse"
         )
+    replicas = baseline.k8s.get("deployment_replicas")
+    if replicas is not None and baseline.k8s.get("hpa_max_replicas") is not None:
+        differences.append(
+            f"k8s.deployment_replicas: {replicas} on the Deployment the HPA scales: every "
+            "kubectl apply resets the replica count the HPA chose; leave it out"
+        )
     differences += _check_circuit_breakers(baseline, envoy)
     return differences
 

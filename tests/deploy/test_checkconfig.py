@@ -408,3 +408,8 @@ def test_a_replica_count_on_the_autoscaled_deployment_is_refused(
     )
     assert check(deploy_copy) == 1
     assert "deployment_replicas" in capsys.readouterr().out
+    # With the baseline changed to match, the rule itself still refuses it.
+    baseline = deploy_copy / "baseline.yaml"
+    replace_once(baseline, "deployment_replicas: null", "deployment_replicas: 2")
+    assert check(deploy_copy) == 1
+    assert "every kubectl apply resets the replica count" in capsys.readouterr().out

@@ -689,6 +689,8 @@ async def test_the_step_time_estimate_comes_from_a_warm_step_of_every_slot(
 
     def counted(self: CausalLMRunner, rows: list[StepRow]) -> list[int]:
         steps.append(len(rows))
+        if steps.count(SLOTS) == 1:  # the first all-slot step: cold, as a new shape's is
+            time.sleep(0.3)
         return original(self, rows)
 
     monkeypatch.setattr(CausalLMRunner, "step", counted)
@@ -696,12 +698,16 @@ async def test_the_step_time_estimate_comes_from_a_warm_step_of_every_slot(
     try:
         # Decode at 1, 2, 4 and all 8 slots, then all 8 again: the estimate's step.
         assert steps[-5:] == [1, 2, 4, SLOTS, SLOTS]
+        host = engine.core.hosts["tiny"]
+        assert isinstance(host, GenerationHost)
+        # Seeded from the warm all-slot step (milliseconds), not the cold one (300+ ms).
+        assert host.debug_report()["step_ms"] < 150
     finally:
         await engine.close()
 
 
 async def test_a_fitted_sequence_short_of_time_ends_with_length_not_a_504(
-    tiny_causal_lm: Path,
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its cap is planned from the compute time of a step; a token really takes longer (the
     loop's turn between steps), so it reached its deadline before its cap and was failed
@@ -709,6 +715,9 @@ async def test_a_fitted_sequence_short_of_time_ends_with_length_not_a_504(
     clock = ManualClock()
     engine, host = await started_on_clock(tiny_causal_lm, clock)
     host._step_s = 1.0
+    # Held at 1 s: measured steps (milliseconds) would otherwise smooth it away, and whether
+    # the half second left below still fits a step would depend on how many ran.
+    monkeypatch.setattr(host, "_record_step", lambda result: None)
     deadline = clock.now + 40.0  # a cap of 36 tokens at 1 s a step
     sampling = SamplingParams(max_new_tokens=SLOT_TOKENS - 4, fit_to_deadline=True)
     request = Submit(engine.next_request_id(), "tiny", deadline, GeneratePayload([1, 40], sampling))

@@ -153,8 +153,9 @@ async def test_warm_up_estimates_each_shape_from_a_warm_run() -> None:
     async with serving(app):
         scheduler = app.state.service.engine.core.hosts["fake"].batcher.scheduler
         estimates = [scheduler.estimated_compute(s) for s in scheduler.policy.shapes()]
-    # A cold run takes 0.2 s at least; the fake's warm runs take ~nothing.
-    assert max(estimates) < 0.2, estimates
+    # A cold run takes 0.2 s at least; the fake's warm runs take ~nothing. Under half the
+    # cold run: an estimate smoothed from the cold run and then a warm one is 0.16 s.
+    assert max(estimates) < 0.1, estimates
 
 
 async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(

@@ -108,3 +108,15 @@ def test_a_front_end_killed_by_the_drain_signal_before_its_handler_drained_as_as
     assert drained(0) and drained(-signal.SIGUSR1)
     assert not drained(1)  # a failed start-up
     assert not drained(-signal.SIGKILL) and not drained(None)
+
+
+async def test_a_server_whose_front_end_took_the_drain_signal_early_exits_0(
+    tree: ProcessTree,
+) -> None:
+    """Killed by SIGUSR1 before its handler was set, a front end drained as asked: the
+    server exited 1, as if that front end had failed."""
+    frontend = tree.frontends[0]
+    frontend.exitcode = -signal.SIGUSR1
+    assert tree.exit_status() == 0
+    frontend.exitcode = 1  # a failed start-up
+    assert tree.exit_status() == 1

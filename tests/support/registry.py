@@ -20,3 +20,15 @@ def exported_names() -> set[str]:
         for suffix in _SUFFIXES.get(family.type, ("",)):
             names.add(family.name + suffix)
     return names
+
+
+def exported_labels() -> dict[str, frozenset[str]]:
+    """Each series name a scrape can carry -> the label names its samples have (a
+    histogram's `_bucket` also has `le`)."""
+    labels: dict[str, frozenset[str]] = {}
+    registry = Metrics().registry
+    for collector, names in registry._collector_to_names.items():
+        own = frozenset(getattr(collector, "_labelnames", ()))
+        for name in names:
+            labels[name] = own | {"le"} if name.endswith("_bucket") else own
+    return labels

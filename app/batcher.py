@@ -23,11 +23,12 @@ from typing import Any, Generic, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from app.batch_triage import triage
 from app.buffers import BufferPool
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace
 from app.execute import BatchOutput, SlotTimings, run_batch, warmup_token_ids
-from app.failures import BatchFailed, DeadlineExceeded
+from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
 from app.models.base import ModelRunner
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
@@ -135,6 +136,9 @@ class Batcher(Generic[RowT, OutT]):
         self._metrics = metrics
         self._on_batch_done = on_batch_done
         self._clock = clock
+        # Rows the model computes (the warm-up's), to tell a failing input from a failing
+        # server (`_answer_failed_batch`); None until warm-up ran.
+        self._known_good_rows: Callable[[BatchShape], Sequence[RowT]] | None = None
         self._pending: dict[int, _Pending[RowT, OutT]] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
@@ -266,18 +270,47 @@ class Batcher(Generic[RowT, OutT]):
                         batch=trace,
                     ),
                 )
+        except Exception as error:
+            log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)
+            failure = await self._answer_failed_batch(batch, pendings, error)
         except BaseException as error:
             failure = error
-            log.exception("batch %s of %s failed", batch.shape, self.name)
             for pending in pendings:
                 _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
-            if not isinstance(error, Exception):
-                raise
+            raise
         finally:
             self.scheduler.finished(batch)
             self._running_batches -= 1
             self._slots.give()
             self._on_batch_done(failure)
+
+    async def _answer_failed_batch(
+        self, batch: Batch, pendings: list[_Pending[RowT, OutT]], error: Exception
+    ) -> Exception | None:
+        """Answer each row of a failed batch from its run alone (`batch_triage`); returns
+        the failure to count against the engine's health, None when inputs were at fault."""
+        known_good = self._known_good_rows(batch.shape)[:1] if self._known_good_rows else None
+        verdict = await triage(
+            [p.row for p in pendings],
+            error,
+            lambda rows: self._dispatcher.run_compute(self._run_batch, batch.shape, rows),
+            known_good,
+        )
+        for pending, alone in zip(pendings, verdict.alone, strict=True):
+            if isinstance(alone, Exception):
+                kind = BatchFailed if verdict.server_failing else InputFailed
+                _set_exception_if_not_done(pending.future, kind(repr(alone)))
+                continue
+            _set_result_if_not_done(
+                pending.future,
+                ItemResult(
+                    value=alone.row(0),
+                    queue_wait_s=self._clock() - pending.item.enqueued_at,
+                    compute_s=alone.timings.compute_s,
+                    batch=_trace(batch, alone, alone.timings.compute_s, False),
+                ),
+            )
+        return error if verdict.server_failing else None
 
     def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""
@@ -307,6 +340,7 @@ class Batcher(Generic[RowT, OutT]):
         total)` reports progress. The first run of a shape is cold (allocations, lazy
         initialisation: ~1.3-2x a later one), and an estimate seeded from it refused or
         expired requests that would have fitted until traffic measured the shape again."""
+        self._known_good_rows = rows_for_shape
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
             rows = rows_for_shape(shape)

@@ -10,3 +10,8 @@ class DeadlineExceeded(Exception):
 
 class BatchFailed(Exception):
     """The batch holding the input failed on the server's side (answered 500)."""
+
+
+class InputFailed(Exception):
+    """The model failed on this input alone while it computes others (answered 400): the
+    input is at fault, not the server."""

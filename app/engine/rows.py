@@ -19,7 +19,7 @@ from app.batcher import Batcher, ItemResult
 from app.buffers import SlotPool
 from app.engine.host import BatchCost, Emit, EngineContext, EngineLoad, RequestTracer
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
-from app.failures import BatchFailed, DeadlineExceeded
+from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
 from app.scheduler import BatchShape, Scheduler
 
@@ -86,7 +86,8 @@ async def gather_rows(
     metrics: Metrics,
 ) -> list[ItemResult[OutT]] | None:
     """Every row's result, in order; or None once the request was answered with its
-    failure (deadline passed in the queue, failed batch) or cancelled by its front end
+    failure (deadline passed in the queue, an input the model fails on, a failed batch)
+    or cancelled by its front end
     (which expects no answer). Either way its rows still queued are dropped: nobody
     would read what they compute."""
     try:
@@ -97,8 +98,12 @@ async def gather_rows(
         metrics.rejected.labels(request.model, RejectReason.DEADLINE.value).inc()
         emit(Failure(request.request_id, FailureKind.DEADLINE, "deadline passed in the queue"))
         return None
+    except InputFailed as error:
+        message = f"the model failed on this input: {error}"
+        emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
+        return None
     except BatchFailed as error:
-        emit(Failure(request.request_id, FailureKind.FAILED, f"batch failed: {error}"))
+        emit(Failure(request.request_id, FailureKind.FAILED, str(error)))
         return None
     finally:
         for future in futures:

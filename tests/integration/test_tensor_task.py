@@ -33,7 +33,7 @@ from app.model_specs import ModelSpec
 from app.models.tensor import load_tensor_model
 from app.settings import Settings
 from tests.support.asgi import serving
-from tests.support.tensor_models import TensorModels, build_tensor_models
+from tests.support.tensor_models import LOOKUP_ROWS, TensorModels, build_tensor_models
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -249,3 +249,34 @@ async def test_a_state_dict_is_refused_at_load_naming_the_model_and_what_it_need
     )
     with pytest.raises(ValueError, match=r"scorer: .* is not a TorchScript file"):
         load_tensor_model(spec, torch.device("cpu"))
+
+
+def ids_body(ids: list[list[int]]) -> dict[str, object]:
+    flat = [i for row in ids for i in row]
+    return {"inputs": [{"name": "ids", "datatype": "INT64", "shape": [len(ids), 3], "data": flat}]}
+
+
+async def test_an_input_the_model_throws_on_fails_only_its_own_request(
+    client: httpx.AsyncClient, models: TensorModels
+) -> None:
+    """A batch fails whole when one input makes the model throw (an id past the embedding
+    table): every request sharing it got a 500, and a few such batches turned /healthz
+    503, so one client's bad ids failed others' requests and got the pod restarted."""
+    good_ids = [[1, 2, 3], [4, 5, 6]]
+    bad_ids = [[1, 2, LOOKUP_ROWS]]
+    with torch.inference_mode():
+        expected = models.lookup(torch.tensor(good_ids)).numpy()
+    threshold = core_of(client).health.threshold
+    for _ in range(threshold + 1):  # more bad batches than make the engine unhealthy
+        good, bad = await asyncio.gather(
+            client.post("/v2/models/lookup/infer", json=ids_body(good_ids)),
+            client.post("/v2/models/lookup/infer", json=ids_body(bad_ids)),
+        )
+        assert good.status_code == 200, good.text
+        summed = good.json()["outputs"][0]
+        np.testing.assert_allclose(np.array(summed["data"]).reshape(2, 4), expected, rtol=1e-6)
+        assert bad.status_code == 400, bad.text
+        assert "the model failed on this input" in bad.json()["error"]
+    alone = await client.post("/v2/models/lookup/infer", json=ids_body(bad_ids))
+    assert alone.status_code == 400  # a batch of one bad input is the input's fault too
+    assert (await client.get("/healthz")).status_code == 200

@@ -5,7 +5,9 @@
 - `mlp_ts`: the FP32 module as TorchScript;
 - `typed`: INT64 and BOOL [batch, time] and BF16 [batch, 1] in, INT64, BF16, BOOL out;
 - `seq`: [batch, time, 4] FP32 with a dynamic time dimension -> `doubled` [batch, time, 4]
-  and `total` [batch, 4] (the sum over time: zero padding leaves it unchanged), `.pt2`.
+  and `total` [batch, 4] (the sum over time: zero padding leaves it unchanged), `.pt2`;
+- `lookup`: INT64 ids [batch, time] into an Embedding(10, 4), summed over time -> FP32
+  [batch, 4]: an id of 10 or more makes the model itself throw (IndexError), `.pt2`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ class Typed(torch.nn.Module):
         return kept.sum(dim=1), scale * 2, mask.any(dim=1)
 
 
+class Lookup(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # Row 0 is zeros: the zero padding to a length bucket adds nothing to the sum.
+        self.table = torch.nn.Embedding(LOOKUP_ROWS, 4, padding_idx=0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids).sum(dim=1)
+
+
+LOOKUP_ROWS = 10
+
+
 @dataclass(frozen=True)
 class TensorModels:
     """The exported files' specs (for STEADY_MODELS) and the modules to call directly."""
@@ -54,6 +69,7 @@ class TensorModels:
     mlp16: MLP
     sequence: Sequence
     typed: Typed
+    lookup: Lookup
 
 
 def _mlp_spec(name: str, source: Path, datatype: str) -> dict[str, Any]:
@@ -73,6 +89,7 @@ def build_tensor_models(directory: Path) -> TensorModels:
     mlp16.load_state_dict(mlp.state_dict())
     mlp16 = mlp16.half()
     sequence = Sequence().eval()
+    lookup = Lookup().eval()
     batch = torch.export.Dim("batch", min=1, max=1024)
     time = torch.export.Dim("time", min=1, max=1024)
     exported = {
@@ -91,6 +108,9 @@ def build_tensor_models(directory: Path) -> TensorModels:
                 torch.ones(2, 1, dtype=torch.bfloat16),
             ),
             dynamic_shapes=({0: batch, 1: time}, {0: batch, 1: time}, {0: batch}),
+        ),
+        "lookup.pt2": torch.export.export(
+            lookup, (torch.ones(2, 3, dtype=torch.int64),), dynamic_shapes=({0: batch, 1: time},)
         ),
     }
     for file_name, program in exported.items():
@@ -128,4 +148,13 @@ def build_tensor_models(directory: Path) -> TensorModels:
             ],
         },
     ]
-    return TensorModels(specs, mlp, mlp16, sequence, Typed())
+    specs.append(
+        {
+            "name": "lookup",
+            "task": "tensor",
+            "source": str(directory / "lookup.pt2"),
+            "inputs": [{"name": "ids", "datatype": "INT64", "shape": [-1, -1]}],
+            "outputs": [{"name": "summed", "datatype": "FP32", "shape": [-1, 4]}],
+        }
+    )
+    return TensorModels(specs, mlp, mlp16, sequence, Typed(), lookup)

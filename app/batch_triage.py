@@ -1,0 +1,59 @@
+"""Whose fault is a failed batch: one input's, or the server's?
+
+A batch fails whole when any of its inputs makes the model throw (an index past a tensor
+model's embedding table, a value its code refuses). Answering every input of it 500, and
+counting the failure toward the engine's ill health, let one client's bad inputs fail other
+clients' requests and, sent a few times, get the pod restarted. So each row of a failed
+batch is run again alone: the rows that compute alone are answered; a row that fails alone
+is the input's fault when anything computes (another row of the batch, else a known-good
+row of the same shape: the warm-up's), and the server's only when nothing does.
+
+Pure orchestration over an injected `run` (which computes rows on a compute thread and
+raises what the model raised); event loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+RowT = TypeVar("RowT")
+OutputT = TypeVar("OutputT")
+
+
+@dataclass(frozen=True, slots=True)
+class Triage(Generic[OutputT]):
+    """Each row's output alone (or what it raised alone), and whether the server itself is
+    failing (nothing computed, not even a known-good row)."""
+
+    alone: list[OutputT | Exception]
+    server_failing: bool
+
+
+async def triage(
+    rows: Sequence[RowT],
+    batch_error: Exception,
+    run: Callable[[Sequence[RowT]], Awaitable[OutputT]],
+    known_good: Sequence[RowT] | None,
+) -> Triage[OutputT]:
+    """Run each of a failed batch's `rows` alone (a batch of one row already was: its
+    `batch_error` is its own); `known_good` (None when there is none, e.g. warm-up was off)
+    is tried when no row computes."""
+    alone: list[OutputT | Exception] = []
+    for row in rows if len(rows) > 1 else ():
+        try:
+            alone.append(await run([row]))
+        except Exception as error:  # the model's own exception, whatever it is
+            alone.append(error)
+    if len(rows) == 1:
+        alone.append(batch_error)
+    if any(not isinstance(result, Exception) for result in alone):
+        return Triage(alone, server_failing=False)
+    if known_good is None:
+        return Triage(alone, server_failing=True)
+    try:
+        await run(known_good)
+    except Exception:
+        return Triage(alone, server_failing=True)
+    return Triage(alone, server_failing=False)

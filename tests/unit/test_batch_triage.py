@@ -1,0 +1,57 @@
+"""Telling a failing input from a failing server, over a fake model that throws on some
+rows (the point here is the verdict, not the compute)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from app.batch_triage import triage
+
+BAD = -1
+
+
+def model(broken: bool = False):  # type: ignore[no-untyped-def]
+    """Doubles each row; throws on a BAD row, or on every row when `broken`."""
+
+    async def run(rows: Sequence[int]) -> list[int]:
+        if broken or BAD in rows:
+            raise IndexError("index out of range")
+        return [2 * row for row in rows]
+
+    return run
+
+
+async def test_the_good_rows_of_a_failed_batch_are_answered_and_the_bad_one_is_its_own() -> None:
+    verdict = await triage([1, BAD, 3], IndexError("batch"), model(), known_good=[0])
+    assert verdict.alone[0] == [2] and verdict.alone[2] == [6]
+    assert isinstance(verdict.alone[1], IndexError)
+    assert not verdict.server_failing
+
+
+@pytest.mark.parametrize("rows", [[BAD], [BAD, BAD]])
+async def test_when_no_row_computes_a_known_good_row_decides(rows: list[int]) -> None:
+    verdict = await triage(rows, IndexError("batch"), model(), known_good=[0])
+    assert all(isinstance(result, IndexError) for result in verdict.alone)
+    assert not verdict.server_failing  # the known-good row computes: the inputs are at fault
+    broken = await triage(rows, IndexError("batch"), model(broken=True), known_good=[0])
+    assert broken.server_failing
+
+
+async def test_without_a_known_good_row_a_batch_where_nothing_computes_is_the_server_s() -> None:
+    verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None)
+    assert verdict.server_failing
+
+
+async def test_a_batch_of_one_row_is_not_run_again() -> None:
+    runs: list[Sequence[int]] = []
+    inner = model()
+
+    async def counted(rows: Sequence[int]) -> list[int]:
+        runs.append(rows)
+        return await inner(rows)
+
+    batch_error = IndexError("batch")
+    verdict = await triage([BAD], batch_error, counted, known_good=[0])
+    assert verdict.alone == [batch_error] and runs == [[0]]

@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from app.batch_triage import triage
 from app.buffers import BufferPool
+from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace
 from app.execute import BatchOutput, SlotTimings, run_batch, warmup_token_ids
@@ -79,30 +80,6 @@ def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
 def _set_exception_if_not_done(future: asyncio.Future[T], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-class ComputeSlots:
-    """Batches that may run at once, shared by every model's batcher (the dispatcher's
-    compute threads). Event loop thread only."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.free = capacity
-        self._listeners: list[asyncio.Event] = []
-
-    def listen(self, wakeup: asyncio.Event) -> None:
-        """`wakeup` is set whenever a slot is given back."""
-        self._listeners.append(wakeup)
-
-    def take(self) -> None:
-        if self.free <= 0:
-            raise RuntimeError("no compute slot is free")
-        self.free -= 1
-
-    def give(self) -> None:
-        self.free += 1
-        for wakeup in self._listeners:
-            wakeup.set()
 
 
 class Batcher(Generic[RowT, OutT]):
@@ -197,6 +174,7 @@ class Batcher(Generic[RowT, OutT]):
         if task.cancelled() or task.exception() is None:
             return
         log.error("batch loop of %s failed", self.name, exc_info=task.exception())
+        self._slots.withdraw(self)
         for item_id, pending in list(self._pending.items()):
             self.scheduler.cancel(item_id)
             _set_exception_if_not_done(pending.future, BatchFailed("batch loop failed"))
@@ -217,13 +195,26 @@ class Batcher(Generic[RowT, OutT]):
         while True:
             self._wakeup.clear()
             now = self._clock()
-            if self._slots.free > 0:
+            wake_at: float | None
+            if self._slots.available(self):
                 decision = self.scheduler.poll(now)
+                wake_at = decision.wake_at
+                if decision.batch is None:
+                    self._slots.withdraw(self)  # nothing to run yet: the line moves on
             else:
                 decision = self.scheduler.expire(now)
+                ready_at = self.scheduler.ready_at(now)
+                if ready_at is not None and ready_at <= now:
+                    self._slots.claim(self)
+                    wake_at = decision.wake_at
+                else:  # not ready yet: wake when it is, to take its place in line then
+                    self._slots.withdraw(self)
+                    wake_at = min(
+                        (t for t in (decision.wake_at, ready_at) if t is not None), default=None
+                    )
             self._drop(decision)
             if decision.batch is not None:
-                self._slots.take()
+                self._slots.take(self)
                 self._running_batches += 1
                 task = asyncio.create_task(self._execute(decision.batch))
                 self._running.add(task)
@@ -231,8 +222,8 @@ class Batcher(Generic[RowT, OutT]):
                 continue
             if self._closing and not self._pending and self._running_batches == 0:
                 return
-            self._next_wake = decision.wake_at
-            timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - now)
+            self._next_wake = wake_at
+            timeout = None if wake_at is None else max(0.0, wake_at - now)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 

@@ -215,6 +215,19 @@ class Scheduler:
         )
         return Decision(batch=None, expired=expired, cancelled=cancelled, wake_at=wake_at)
 
+    def ready_at(self, now: float) -> float | None:
+        """When `poll` will close a batch (`now` or earlier: it would now); None with
+        nothing queued. A batcher whose batch is ready and no compute slot free claims the
+        next one (`ComputeSlots`), so it wants to wake then too."""
+        return min(
+            (
+                self._readiness(length, queue, now)[1]
+                for length, queue in self._queues.items()
+                if queue
+            ),
+            default=None,
+        )
+
     def poll(self, now: float) -> Decision:
         """Call when a dispatcher worker is free: returns the batch to run now, if any; the
         caller reports its end with `finished`."""

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable
 
 from app.admission import Rejected, RejectReason
-from app.batcher import ComputeSlots
+from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher, engine_thread_plan
 from app.engine.health import BatchHealth
 from app.engine.host import (

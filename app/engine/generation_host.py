@@ -229,6 +229,7 @@ class GenerationHost:
                 return
             except Exception as error:
                 log.exception("%s: generation loop failed; restarting it", self.name)
+                self._context.slots.withdraw(self._steps)
                 self._context.record_batch(error)
                 self._send_outbox()
                 for sequence in [*self._waiting, *self._running.values()]:
@@ -237,9 +238,17 @@ class GenerationHost:
     async def _loop(self) -> None:
         """Each turn starts the next step, then sends the previous step's outputs while it
         computes (the sending overlaps the compute instead of adding to every step)."""
+        slots = self._context.slots
         while True:
             self._expire(self._context.clock())
-            sequences = self._next_step() if self._context.slots.free > 0 else []
+            available = slots.available(self._steps)
+            sequences = self._next_step() if available else []
+            if sequences:
+                pass  # `start` takes the slot, leaving the line
+            elif available or not (self._waiting or self._running):
+                slots.withdraw(self._steps)
+            else:  # work ready and no slot: in line for the next
+                slots.claim(self._steps)
             step = (
                 self._steps.start(
                     [s.row() for s in sequences],

@@ -92,7 +92,7 @@ class StepRunner:
     # --- steps --------------------------------------------------------------------------
     async def run(self, rows: list[StepRow]) -> StepResult:
         """One step once a shared compute slot is free (warm-up)."""
-        while self._context.slots.free <= 0:
+        while not self._context.slots.available(self):
             await self._wakeup.wait()
             self._wakeup.clear()
         return await self.start(rows)
@@ -107,7 +107,7 @@ class StepRunner:
         if steps > 1 and any(row.start == 0 for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
-        slots.take()
+        slots.take(self)
         self._interrupted.clear()
 
         async def step() -> StepResult:

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from app.admission import Rejected
-from app.batcher import ComputeSlots
+from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace, EngineTrace, FromEngine, ModelInfo, Submit
 from app.metrics import Metrics

@@ -118,6 +118,43 @@ async def test_two_models_sharing_the_dispatcher_never_oversubscribe_it() -> Non
         assert harness.engine.slots.free == 1
 
 
+async def test_a_model_with_a_batch_ready_is_not_starved_by_one_that_always_has_one() -> None:
+    """A slot given back went to whichever batch loop resumed first: the first-registered
+    model's, while its queue was never empty, so the other model's input waited out every
+    batch queued before it (or its deadline)."""
+    models = (ModelSpec(name="fake"), ModelSpec(name="other"))
+    async with start(models=models) as harness:
+        order: list[str] = []
+        for name in ("fake", "other"):
+            runner = harness.runner_of(name)
+            runner.batches.clear()
+            forward = runner.forward
+
+            def recorded(ids: Any, mask: Any, name: str = name, forward: Any = forward) -> Any:
+                order.append(name)
+                return forward(ids, mask)
+
+            runner.forward = recorded  # type: ignore[method-assign]
+        holder = await harness.hold_the_worker()  # the one compute thread, on "fake"
+        fake_queue = harness.engine.hosts["fake"].batcher.scheduler
+        floods = [
+            asyncio.create_task(harness.client.post("/infer", json={"inputs": f"flood {i}"}))
+            for i in range(4 * 4)  # four full batches of "fake", ready before "other"'s
+        ]
+        await harness.until(lambda: fake_queue.depth == 16, "the flood queued")
+        other_queue = harness.engine.hosts["other"].batcher.scheduler
+        waiting = asyncio.create_task(
+            harness.client.post("/infer", json={"model": "other", "inputs": "second model"})
+        )
+        await harness.until(lambda: other_queue.depth == 1, "queued on the other model")
+        harness.release()
+        assert (await holder).status_code == 200
+        assert (await waiting).status_code == 200
+        assert all(r.status_code == 200 for r in await asyncio.gather(*floods))
+        # The held batch, then the batch "fake" had ready first, then "other"'s turn.
+        assert order.index("other") <= 2, order
+
+
 async def test_batches_that_keep_failing_turn_healthz_unhealthy_until_one_succeeds() -> None:
     async with start(unhealthy_after_failed_batches=2) as harness:
         assert (await harness.client.get("/healthz")).status_code == 200

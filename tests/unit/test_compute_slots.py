@@ -1,0 +1,50 @@
+"""Compute slots go to the hosts in the order they claimed them, whichever loop resumes
+first after a slot is given back."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.compute_slots import ComputeSlots
+
+
+def test_a_slot_given_back_is_kept_for_the_head_of_the_line() -> None:
+    slots = ComputeSlots(1)
+    slots.take("generation")
+    slots.claim("embedder")  # ready while generation computes
+    slots.give()
+    # The generation loop resumes first and wants the slot again: not its turn.
+    assert not slots.available("generation")
+    slots.claim("generation")
+    assert slots.available("embedder")
+    slots.take("embedder")
+    slots.give()
+    assert slots.available("generation")
+
+
+def test_each_free_slot_serves_one_claimant_in_order() -> None:
+    slots = ComputeSlots(2)
+    slots.take("a")
+    slots.take("b")
+    for claimant in ("c", "d", "e"):
+        slots.claim(claimant)
+    slots.give()
+    assert [slots.available(c) for c in ("c", "d", "e", "newcomer")] == [
+        True,
+        False,
+        False,
+        False,
+    ]
+    with pytest.raises(RuntimeError):
+        slots.take("d")
+
+
+def test_a_claimant_with_nothing_left_to_run_lets_the_line_move() -> None:
+    slots = ComputeSlots(1)
+    slots.claim("a")
+    slots.claim("b")
+    assert not slots.available("b")
+    slots.withdraw("a")  # its inputs expired while it waited
+    assert slots.available("b")
+    slots.withdraw("nobody")  # not in line: nothing happens
+    assert slots.available("b")

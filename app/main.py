@@ -161,7 +161,11 @@ def create_app(
                 await probes.close()
             await telemetry.stop()
 
-    app = FastAPI(title="steadyserve", version=__version__, lifespan=lifespan)
+    # No trailing-slash redirects: `POST /infer/` got an empty 307 (past the shedding,
+    # which matches exact paths) and the client re-posted its body; now a JSON 404.
+    app = FastAPI(
+        title="steadyserve", version=__version__, lifespan=lifespan, redirect_slashes=False
+    )
     app.state.service = service
     app.state.generation = TextGeneration(service)
     app.state.settings = settings

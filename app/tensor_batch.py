@@ -143,6 +143,13 @@ def _run_on_slot(model: TensorModel, slot: TensorSlot, stream: torch.cuda.Stream
                     f"{model.name}: output {spec.name!r} has shape {list(result.shape)}; "
                     f"its spec gives {list(out.shape)} for this batch"
                 )
+            # `copy_` would convert silently: float scores declared INT64 or BOOL lost
+            # their fractions, and values past FP16's range became infinity.
+            if result.dtype != out.dtype:
+                raise ValueError(
+                    f"{model.name}: output {spec.name!r} is {result.dtype}; its spec gives "
+                    f"{spec.datatype} ({out.dtype})"
+                )
             out.copy_(result)
 
     if slot.outputs[0].device.type != "cuda":

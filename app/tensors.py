@@ -162,8 +162,14 @@ def from_json(datatype: str, shape: Sequence[int], data: Any) -> bytes:
         raise TensorError(f"data is not {datatype} values (uneven nesting, or beyond 64 bits)")
     if sent.size != element_count(shape):
         raise TensorError(f"{sent.size} values for shape {list(shape)}")
+    # Nested data is read as nested: [[1, 2], [3, 4], [5, 6], [7, 8]] is not a [2, 4].
+    if sent.ndim > 1 and sent.shape != tuple(shape):
+        raise TensorError(f"data nested as {list(sent.shape)}, not the shape {list(shape)}")
     if sent.size and sent.dtype.kind not in _JSON_KINDS[datatype]:
         raise TensorError(f"data is not {datatype} values (got {sent.dtype.name})")
+    if datatype != "BOOL" and sent.size and _holds_a_boolean(data):
+        # numpy reads [1, true] as integers: a boolean among numbers is not a number.
+        raise TensorError(f"data is not {datatype} values (a boolean among them)")
     if sent.dtype.kind == "u" and sent.size and sent.max() > np.iinfo(np.int64).max:
         raise TensorError(f"data is not {datatype} values: beyond 64-bit integers")
     with np.errstate(over="ignore"):  # an overflow is refused just below
@@ -177,6 +183,12 @@ def from_json(datatype: str, shape: Sequence[int], data: Any) -> bytes:
             raise TensorError("data does not fit BF16 (beyond its range)")
         return bits.tobytes()
     return np.ascontiguousarray(array).tobytes()
+
+
+def _holds_a_boolean(data: Any) -> bool:
+    if isinstance(data, list):
+        return any(_holds_a_boolean(value) for value in data)
+    return isinstance(data, bool)
 
 
 def to_json(datatype: str, shape: Sequence[int], data: bytes) -> list[Any]:

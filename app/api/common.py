@@ -58,13 +58,8 @@ async def json_body(request: Request) -> Any:
     content type says so (`application/json` or `application/*+json`), else the raw bytes
     (which the schema then refuses). An empty body is `missing` and JSON that does not
     parse is `json_invalid` (`RequestValidationError`, answered 422/400 by api/errors.py);
-    a body that cannot be read or decoded at all is a 400 `HTTPException`, a compressed one
-    a 415 that says so."""
-    encoding = request.headers.get("content-encoding", "").strip().lower()
-    if encoding not in ("", "identity"):
-        raise HTTPException(
-            415, f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed"
-        )
+    a body that cannot be read or decoded at all is a 400 `HTTPException`. (A compressed
+    one never gets here: `BodyGuardMiddleware` answers it 415.)"""
     try:
         raw = await request.body()
         content_type = request.headers.get("content-type", "")

@@ -7,6 +7,8 @@ server itself becomes a 500 (answered by `ServerTimingMiddleware`).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -15,7 +17,7 @@ from starlette.responses import Response
 
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
-from app.api.responses import error_response
+from app.api.responses import error_response, in_envelope_of
 from app.embedding_service import NonFiniteOutput
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
@@ -157,19 +159,36 @@ async def _http_error(request: Request, error: Exception) -> Response:
     return error_response(error.status_code, kind, str(error.detail), headers=error.headers)
 
 
+Handler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def _in_envelope_of_the_path(handler: Handler) -> Handler:
+    async def answer(request: Request, error: Exception) -> Response:
+        return in_envelope_of(request.url.path, await handler(request, error))
+
+    return answer
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(Rejected, _rejected)
-    app.add_exception_handler(DeadlineExceeded, _deadline)
-    app.add_exception_handler(InputTooLong, _too_long)
-    app.add_exception_handler(UnknownModel, _unknown_model)
-    app.add_exception_handler(WrongTask, _wrong_task)
-    app.add_exception_handler(NoChatTemplate, _chat_refused)
-    app.add_exception_handler(ChatTemplateError, _chat_refused)
-    app.add_exception_handler(ContextTooLong, _context_too_long)
-    app.add_exception_handler(TooManyTokens, _too_many_tokens)
-    app.add_exception_handler(EngineRefused, _engine_refused)
-    app.add_exception_handler(EngineUnavailable, _engine_unavailable)
-    app.add_exception_handler(ClientDisconnected, _client_gone)
-    app.add_exception_handler(NonFiniteOutput, _non_finite)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    """Every handler's answer in the envelope of the protocol its path belongs to."""
+    for kind, handler in _HANDLERS.items():
+        app.add_exception_handler(kind, _in_envelope_of_the_path(handler))
+
+
+_HANDLERS: dict[type[Exception], Handler] = {
+    RequestValidationError: _validation_error,
+    Rejected: _rejected,
+    DeadlineExceeded: _deadline,
+    InputTooLong: _too_long,
+    UnknownModel: _unknown_model,
+    WrongTask: _wrong_task,
+    NoChatTemplate: _chat_refused,
+    ChatTemplateError: _chat_refused,
+    ContextTooLong: _context_too_long,
+    TooManyTokens: _too_many_tokens,
+    EngineRefused: _engine_refused,
+    EngineUnavailable: _engine_unavailable,
+    ClientDisconnected: _client_gone,
+    NonFiniteOutput: _non_finite,
+    StarletteHTTPException: _http_error,
+}

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.responses import error_response
+from app.api.responses import error_response, in_envelope_of
 from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,18 @@ class BodyGuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        encoding = (_header(scope, b"content-encoding") or b"").strip().lower().decode("latin-1")
+        if encoding not in ("", "identity"):
+            await self._reject(scope, receive, send, 415, encoding)
+            return
         declared = _header(scope, b"content-length")
         if (
             declared is not None
             and declared.isascii()
             and declared.isdigit()
-            and int(declared) > self.max_body_bytes
+            # A value of thousands of digits (leading zeros pass the HTTP parser) is over
+            # any limit, and `int` refuses to read it (ValueError: a 500).
+            and (len(declared) > 18 or int(declared) > self.max_body_bytes)
         ):
             await self._reject(scope, receive, send, 413)
             return
@@ -94,8 +100,17 @@ class BodyGuardMiddleware:
         if refused is not None:
             await self._reject(scope, receive, send, refused)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, status: int) -> None:
-        if status == 413:
+    async def _reject(
+        self, scope: Scope, receive: Receive, send: Send, status: int, encoding: str = ""
+    ) -> None:
+        if status == 415:
+            # Before any byte is read: the connection stays usable.
+            response = error_response(
+                415,
+                "unsupported_content_encoding",
+                f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed",
+            )
+        elif status == 413:
             response = error_response(
                 413,
                 "body_too_large",
@@ -109,7 +124,7 @@ class BodyGuardMiddleware:
                 f"request body not received within {self.read_timeout_s:g} s",
                 headers={"Connection": "close"},
             )
-        await response(scope, receive, send)
+        await in_envelope_of(scope.get("path", ""), response)(scope, receive, send)
 
 
 class ServerTimingMiddleware:
@@ -145,4 +160,4 @@ class ServerTimingMiddleware:
                 raise
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             response = error_response(500, "internal_error", "internal server error")
-            await response(scope, receive, send_with_timing)
+            await in_envelope_of(scope.get("path", ""), response)(scope, receive, send_with_timing)

@@ -1,5 +1,5 @@
-"""JSON rendering (orjson, numpy arrays included) and the error envelope of
-docs/ARCHITECTURE.md §6."""
+"""JSON rendering (orjson, numpy arrays included) and the error envelopes: the project's
+(docs/ARCHITECTURE.md §6) and, under /v2, the Open Inference Protocol's."""
 
 from __future__ import annotations
 
@@ -29,6 +29,35 @@ def error_response(
 ) -> Response:
     payload = {"error": {"type": error_type, "message": message, "param": param}}
     return json_response(payload, status_code, headers)
+
+
+def v2_error(message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:
+    """An error in the Open Inference Protocol's envelope: `{"error": message}`."""
+    body = orjson.dumps({"error": message})
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def speaks_open_inference(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def in_envelope_of(path: str, response: Response) -> Response:
+    """An `error_response` in the envelope of the protocol `path` belongs to: a KServe or
+    Triton client reads `error` as a string, and got the project's object from every error
+    answered outside the v2 routes (an unknown route, a wrong method, a body too large or
+    too slow, a server fault)."""
+    if not speaks_open_inference(path):
+        return response
+    try:
+        message = orjson.loads(response.body)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return response  # not an error envelope (a 499 the client never reads)
+    headers = {
+        name: value
+        for name, value in response.headers.items()
+        if name not in ("content-length", "content-type")
+    }
+    return v2_error(message, response.status_code, headers)
 
 
 def service_of(request: Request) -> Service:

@@ -10,8 +10,10 @@ the request parameter `output_datatype: "FP16"`), through the same `embed_texts`
 in microseconds as Triton's, else Envoy's header, else the default), batching, buffers and
 metrics.
 
-Errors here are the protocol's: `{"error": "..."}`, with 400 (malformed or mismatched
-tensors), 404 (unknown model), 429/503 (with `Retry-After`), 504 (deadline).
+Errors under /v2 are the protocol's: `{"error": "..."}` (also those answered outside these
+routes: `responses.in_envelope_of`), with 400 (malformed or mismatched tensors, an input the
+model fails on, NaN asked for as JSON), 404 (unknown model), 415 (a compressed body),
+429/503 (with `Retry-After`), 504 (deadline); the README's table lists them all.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import APIRouter, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from app import __version__
 from app.admission import Rejected
-from app.api.cancellation import run_until_disconnect
+from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.api.common import envoy_timeout_ms
 from app.api.errors import REJECTION_STATUS
-from app.api.responses import service_of
+from app.api.responses import service_of, v2_error
 from app.api.v2_codec import (
     InferInput,
     InferRequest,
@@ -55,11 +58,6 @@ router = APIRouter()
 HEADER_LENGTH = "Inference-Header-Content-Length"
 EMBED_INPUT = "text"
 EMBED_OUTPUT = "embedding"
-
-
-def v2_error(message: str, status: int, headers: dict[str, str] | None = None) -> Response:
-    body = orjson.dumps({"error": message})
-    return Response(body, status, headers=headers, media_type="application/json")
 
 
 def _json(content: Any) -> Response:
@@ -95,17 +93,18 @@ async def server_metadata(request: Request) -> Response:
     )
 
 
-@router.get("/v2/health/live", include_in_schema=False)
+@router.api_route("/v2/health/live", methods=["GET", "HEAD"], include_in_schema=False)
 async def server_live(request: Request) -> Response:
     problem = service_of(request).liveness()
-    return Response(status_code=200) if problem is None else v2_error(problem, 503)
+    # A body as KServe's client reads it (`response.json()["live"]`); Triton's reads the status.
+    return _json({"live": True}) if problem is None else v2_error(problem, 503)
 
 
-@router.get("/v2/health/ready", include_in_schema=False)
+@router.api_route("/v2/health/ready", methods=["GET", "HEAD"], include_in_schema=False)
 async def server_ready(request: Request) -> Response:
     readiness = service_of(request).readiness()
     if readiness.ready:
-        return Response(status_code=200)
+        return _json({"ready": True})
     return v2_error(readiness.problem or readiness.status, 503)
 
 
@@ -153,7 +152,7 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
         readiness = service.readiness()
         if not readiness.ready:
             return v2_error(readiness.problem or readiness.status, 503)
-        return Response(status_code=200)
+        return _json({"name": name, "ready": True})
 
     return await _guarded(answer())
 
@@ -192,7 +191,10 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
     # string of over 4,300 digits; either would have been a 500.
     if header is not None and not (header.isascii() and header.isdigit() and len(header) <= 18):
         raise V2Error(f"{HEADER_LENGTH} must be a non-negative integer")
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # gone mid-body: nothing to answer (it was a 500)
+        raise ClientDisconnected() from None
     parsed = parse_infer_request(body, int(header) if header is not None else None)
     timeout_ms = _timeout_ms(parsed)
     timer: PhaseTimer = request.state.server_timing
@@ -212,7 +214,9 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
         return v2_error(str(error), 503, {"Retry-After": "1"})
     except BatchFailed as error:
         return v2_error(f"batch failed: {error}", 500)
-    except (NonFiniteOutput, NotJsonNumbers) as error:
+    except NotJsonNumbers as error:  # what the client asked for: binary output carries it
+        return v2_error(str(error), 400)
+    except NonFiniteOutput as error:
         return v2_error(str(error), 500)
     rendering = time.perf_counter()
     content, header_length = encode_response(spec.name, parsed.id, outputs)

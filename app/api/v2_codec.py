@@ -131,6 +131,8 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
             inputs.append(InferInput(name, datatype, shape, binary[offset : offset + size]))
             offset += size
         else:
+            if any(key.startswith("shared_memory") for key in tensor_parameters):
+                raise V2Error(f"input {name!r}: shared-memory inputs are not supported")
             if "data" not in tensor:
                 raise V2Error(f"input {name!r} has neither data nor binary_data_size")
             inputs.append(InferInput(name, datatype, shape, None, tensor["data"]))
@@ -147,6 +149,11 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
         output = _object(entry, "each output")
         name = _name(output, "output")
         output_parameters = _object(output.get("parameters", {}), f"output {name!r}: parameters")
+        # Triton's `classification` (top-k as BYTES) and shared-memory outputs are not
+        # served: ignored, the client got the whole tensor, or nothing where it looked.
+        unserved = sorted(set(output_parameters) - {"binary_data"})
+        if unserved:
+            raise V2Error(f"output {name!r}: parameters {unserved} are not supported")
         binary_flag = output_parameters.get("binary_data")
         if binary_flag is not None and not isinstance(binary_flag, bool):
             raise V2Error(f"output {name!r}: binary_data must be a boolean")

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 import pytest_asyncio
 import torch
 
 from app.admission import RejectReason
+from app.engine.client import EngineUnavailable
 from app.engine.core import EngineCore
 from app.engine.host import EngineLoad
 from app.engine.inprocess import InProcessEngine
@@ -29,6 +31,7 @@ from app.engine.protocol import (
 )
 from app.engine.tensor_host import TensorHost
 from app.main import create_app
+from app.metrics import Metrics
 from app.model_specs import ModelSpec
 from app.models.tensor import load_tensor_model
 from app.settings import Settings
@@ -280,3 +283,120 @@ async def test_an_input_the_model_throws_on_fails_only_its_own_request(
     alone = await client.post("/v2/models/lookup/infer", json=ids_body(bad_ids))
     assert alone.status_code == 400  # a batch of one bad input is the input's fault too
     assert (await client.get("/healthz")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("GET", "/v2/models/mlp/infer", {}, 405),  # a wrong method
+        ("GET", "/v2/models/mlp/config", {}, 404),  # a route the protocol has, this not
+        ("POST", "/v2/models/mlp/infer", {"content-encoding": "gzip"}, 415),
+    ],
+)
+async def test_errors_answered_outside_the_v2_routes_keep_the_protocol_s_envelope(
+    client: httpx.AsyncClient, method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    """KServe and Triton clients read `error` as a string; these got the project's object."""
+    response = await client.request(method, path, headers=headers, content=b"\x1f\x8b")
+    assert response.status_code == status
+    assert isinstance(response.json()["error"], str), response.text
+    plain = await client.request(
+        method, "/infer" if method == "POST" else "/nowhere", headers=headers
+    )
+    assert isinstance(plain.json()["error"], dict)  # the project's own, elsewhere
+
+
+async def test_a_client_gone_mid_body_on_v2_is_not_a_server_fault(
+    client: httpx.AsyncClient,
+) -> None:
+    """Starlette's ClientDisconnect escaped the v2 route: logged and counted as a 500."""
+    app = client._transport.app  # type: ignore[attr-defined]
+    sent: list[dict[str, object]] = []
+    messages = [
+        {"type": "http.request", "body": b'{"inputs": [', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v2/models/mlp/infer",
+        "raw_path": b"/v2/models/mlp/infer",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("127.0.0.1", 80),
+    }
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 499
+
+
+async def test_health_endpoints_answer_with_the_bodies_kserve_clients_read(
+    client: httpx.AsyncClient,
+) -> None:
+    """KServe's client calls `response.json()["live"]`: an empty 200 raised JSONDecodeError."""
+    assert (await client.get("/v2/health/live")).json() == {"live": True}
+    assert (await client.get("/v2/health/ready")).json() == {"ready": True}
+    assert (await client.get("/v2/models/mlp/ready")).json() == {"name": "mlp", "ready": True}
+
+
+async def test_nan_asked_for_as_json_is_the_client_s_to_fix_not_a_500(
+    client: httpx.AsyncClient,
+) -> None:
+    """JSON has no NaN; binary output carries it, which the client can ask for."""
+    nan = np.full((1, 8), np.nan, dtype="<f4").tobytes()
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "features",
+                    "datatype": "FP32",
+                    "shape": [1, 8],
+                    "parameters": {"binary_data_size": len(nan)},
+                }
+            ],
+            "outputs": [{"name": "scores", "parameters": {"binary_data": False}}],
+        }
+    )
+    response = await client.post(
+        "/v2/models/mlp/infer",
+        content=header + nan,
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
+    assert response.status_code == 400
+    assert "ask for binary output" in response.json()["error"]
+
+
+async def test_an_output_whose_dtype_is_not_its_spec_s_fails_warm_up(
+    models: TensorModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the shape was checked: `copy_` turned float scores declared INT64 into
+    truncated integers, served as the model's answer."""
+    mlp = next(s for s in models.specs if s["name"] == "mlp")
+    spec = {**mlp, "outputs": [{"name": "scores", "datatype": "INT64", "shape": [-1, 4]}]}
+    settings = Settings(
+        engine="inprocess",
+        models=(ModelSpec.model_validate(spec),),
+        length_buckets=(4,),
+        max_batch_size=2,
+        torch_threads=1,
+    )
+    engine = InProcessEngine(EngineCore(settings, Metrics()))
+    await engine.start()
+    try:
+        with pytest.raises(EngineUnavailable, match="start-up failed: ValueError"):
+            await engine.wait_ready()
+    finally:
+        await engine.close()
+    assert "output 'scores' is torch.float32; its spec gives INT64" in caplog.text

@@ -56,3 +56,25 @@ async def test_a_whole_body_leaves_the_request_judged_as_usual() -> None:
     sent, timer = await guarded(receive)
     assert sent[0]["status"] == 400  # the app's own answer, passed through
     assert timer.latency_bound is True
+
+
+async def test_a_content_length_of_thousands_of_digits_is_a_413_not_a_500() -> None:
+    """Python's `int` refuses strings of over 4,300 digits: the guard raised, answered 500."""
+    timer = PhaseTimer()
+    declared = b"0" * 5000 + b"14"
+    scope: dict[str, Any] = {
+        "type": "http",
+        "headers": [(b"content-length", declared)],
+        "state": {"server_timing": timer},
+    }
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    guard = BodyGuardMiddleware(reads_its_body, max_body_bytes=10, read_timeout_s=0.05)
+    await guard(scope, receive, send)
+    assert sent[0]["status"] == 413

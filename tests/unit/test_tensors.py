@@ -87,12 +87,22 @@ def test_bytes_and_json_forms_agree() -> None:
         ("INT64", [2**64]),  # beyond 64 bits
         ("FP16", [70000.0]),  # beyond FP16: infinity
         ("BF16", [3.4e38]),  # finite in float32, infinity once rounded to BF16
+        ("INT64", [1, True]),  # a boolean among integers, read as 1
+        ("FP32", [True, 1.5]),  # a boolean among numbers, read as 1.0
     ],
 )
 def test_json_values_are_taken_as_sent_or_refused(datatype: str, values: list[object]) -> None:
     """Nothing is coerced: numpy would have turned each of these into some other value."""
     with pytest.raises(TensorError, match=f"{datatype}"):
         from_json(datatype, [len(values)], values)
+
+
+def test_nested_data_must_be_nested_as_the_shape() -> None:
+    """Only the element count was compared: four pairs were served as two rows of four."""
+    with pytest.raises(TensorError, match=r"nested as \[4, 2\], not the shape \[2, 4\]"):
+        from_json("FP32", [2, 4], [[1, 2], [3, 4], [5, 6], [7, 8]])
+    flat = from_json("FP32", [2, 4], [1, 2, 3, 4, 5, 6, 7, 8])  # flat, row-major: fine
+    assert from_json("FP32", [2, 4], [[1, 2, 3, 4], [5, 6, 7, 8]]) == flat
 
 
 def test_integers_are_numbers_for_the_floating_types() -> None:

@@ -85,6 +85,19 @@ MALFORMED = {
     "id": (f'{{"id": 5, "inputs": [{X}]}}'.encode(), None, "id"),
     "header length": (b"{}", 10, "exceeds"),
     "outputs not a list": (f'{{"inputs": [{X}], "outputs": 5}}'.encode(), None, "outputs"),
+    # Triton's top-k classification and shared memory: the whole tensor came back instead.
+    "classification": (
+        f'{{"inputs": [{X}], "outputs": [{{"name": "y", "parameters": '
+        '{"classification": 2}}]}'.encode(),
+        None,
+        "['classification'] are not supported",
+    ),
+    "shared memory input": (
+        b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], '
+        b'"parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}}]}',
+        None,
+        "shared-memory inputs are not supported",
+    ),
 }
 
 

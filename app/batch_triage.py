@@ -3,10 +3,10 @@
 A batch fails whole when any of its inputs makes the model throw (an index past a tensor
 model's embedding table, a value its code refuses). Answering every input of it 500, and
 counting the failure toward the engine's ill health, let one client's bad inputs fail other
-clients' requests and, sent a few times, get the pod restarted. So each row of a failed
-batch is run again alone: the rows that compute alone are answered; a row that fails alone
-is the input's fault when anything computes (another row of the batch, else a known-good
-row of the same shape: the warm-up's), and the server's only when nothing does.
+clients' requests and, sent a few times, get the pod restarted. So a known-good row of the
+same shape (the warm-up's) runs first: if it fails too, the server is failing; if not, each
+row of the failed batch runs again alone, the rows that compute alone are answered, and a
+row that fails alone is the input's fault.
 
 Pure orchestration over an injected `run` (which computes rows on a compute thread and
 raises what the model raised); event loop thread only.
@@ -37,9 +37,16 @@ async def triage(
     run: Callable[[Sequence[RowT]], Awaitable[OutputT]],
     known_good: Sequence[RowT] | None,
 ) -> Triage[OutputT]:
-    """Run each of a failed batch's `rows` alone (a batch of one row already was: its
-    `batch_error` is its own); `known_good` (None when there is none, e.g. warm-up was off)
-    is tried when no row computes."""
+    """A known-good row first (`known_good`; None when there is none, e.g. warm-up was off):
+    when even that fails the server is failing, and no row is run again (a device that
+    fell over would fail each, one slow failure after another, holding the compute slot).
+    Else each row runs alone (a batch of one row already did: its `batch_error` is its own);
+    without a known-good row, the server is failing when no row computes alone."""
+    if known_good is not None:
+        try:
+            await run(known_good)
+        except Exception:
+            return Triage([batch_error] * len(rows), server_failing=True)
     alone: list[OutputT | Exception] = []
     for row in rows if len(rows) > 1 else ():
         try:
@@ -48,12 +55,5 @@ async def triage(
             alone.append(error)
     if len(rows) == 1:
         alone.append(batch_error)
-    if any(not isinstance(result, Exception) for result in alone):
-        return Triage(alone, server_failing=False)
-    if known_good is None:
-        return Triage(alone, server_failing=True)
-    try:
-        await run(known_good)
-    except Exception:
-        return Triage(alone, server_failing=True)
-    return Triage(alone, server_failing=False)
+    computed = any(not isinstance(result, Exception) for result in alone)
+    return Triage(alone, server_failing=known_good is None and not computed)

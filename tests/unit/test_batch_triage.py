@@ -39,6 +39,20 @@ async def test_when_no_row_computes_a_known_good_row_decides(rows: list[int]) ->
     assert broken.server_failing
 
 
+async def test_a_failing_server_is_found_with_one_run_not_one_per_row() -> None:
+    """A device that fell over fails every row, each failure as slow as the batch's:
+    running each row again held the compute slot for as many batches as rows."""
+    runs: list[Sequence[int]] = []
+    broken = model(broken=True)
+
+    async def counted(rows: Sequence[int]) -> list[int]:
+        runs.append(rows)
+        return await broken(rows)
+
+    verdict = await triage([1, 2, 3, 4], IndexError("batch"), counted, known_good=[0])
+    assert verdict.server_failing and runs == [[0]]
+
+
 async def test_without_a_known_good_row_a_batch_where_nothing_computes_is_the_server_s() -> None:
     verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None)
     assert verdict.server_failing
@@ -54,4 +68,4 @@ async def test_a_batch_of_one_row_is_not_run_again() -> None:
 
     batch_error = IndexError("batch")
     verdict = await triage([BAD], batch_error, counted, known_good=[0])
-    assert verdict.alone == [batch_error] and runs == [[0]]
+    assert verdict.alone == [batch_error] and runs == [[0]]  # the known-good row only

@@ -79,9 +79,38 @@ class RefusalCounts:
         return RefusalCounts(self.paused - earlier.paused, self.after_body - earlier.after_body)
 
 
-def refusal_counts(base_url: str) -> RefusalCounts:
+IDLE_GAUGES = ("steadyserve_inflight_requests", "steadyserve_queue_depth")
+
+
+def _metrics_text(base_url: str) -> str:
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=30) as response:
-        text = response.read().decode()
+        text: str = response.read().decode()
+    return text
+
+
+def wait_until_idle(base_url: str, timeout_s: float = 60.0) -> None:
+    """Until nothing is in flight or queued: what a previous phase left in the server (a
+    flood's requests whose clients are gone, refused or expired later) is counted in the
+    phase it belongs to, not in the next one's refusals."""
+    give_up_at = time.monotonic() + timeout_s
+    while time.monotonic() < give_up_at:
+        levels = [
+            float(value)
+            for name, _, value in (
+                line.rpartition(" ") for line in _metrics_text(base_url).splitlines()
+            )
+            if name in IDLE_GAUGES
+        ]
+        if levels and not any(levels):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{base_url} still had work in flight after {timeout_s:g} s")
+
+
+def refusal_counts(base_url: str) -> RefusalCounts:
+    """The counters once the server is idle (`wait_until_idle`)."""
+    wait_until_idle(base_url)
+    text = _metrics_text(base_url)
     paused: float | None = None
     after_body = 0.0
     for line in text.splitlines():

@@ -27,8 +27,7 @@ _READYZ: dict[int | str, dict[str, object]] = {
 }
 
 
-# HEAD too: the probe port answers it, and some load balancers probe with it.
-@router.api_route("/healthz", methods=["GET", "HEAD"], responses=_HEALTHZ)
+@router.get("/healthz", responses=_HEALTHZ)
 async def healthz(request: Request) -> Response:
     """200 while the server should be left running; 503 once start-up failed or the
     engine's batches keep failing (so it gets restarted). An engine that is restarting is
@@ -37,7 +36,7 @@ async def healthz(request: Request) -> Response:
     return _probe("/healthz", service)
 
 
-@router.api_route("/readyz", methods=["GET", "HEAD"], responses=_READYZ)
+@router.get("/readyz", responses=_READYZ)
 async def readyz(request: Request) -> Response:
     """200 when the engine has warmed up every shape and the server is not draining; 503
     otherwise, saying why."""

@@ -93,14 +93,14 @@ async def server_metadata(request: Request) -> Response:
     )
 
 
-@router.api_route("/v2/health/live", methods=["GET", "HEAD"], include_in_schema=False)
+@router.get("/v2/health/live", include_in_schema=False)
 async def server_live(request: Request) -> Response:
     problem = service_of(request).liveness()
     # A body as KServe's client reads it (`response.json()["live"]`); Triton's reads the status.
     return _json({"live": True}) if problem is None else v2_error(problem, 503)
 
 
-@router.api_route("/v2/health/ready", methods=["GET", "HEAD"], include_in_schema=False)
+@router.get("/v2/health/ready", include_in_schema=False)
 async def server_ready(request: Request) -> Response:
     readiness = service_of(request).readiness()
     if readiness.ready:

@@ -257,7 +257,8 @@ def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> Non
 @contextlib.contextmanager
 def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
     """A real steadyserve whose start-up fails (its model source does not exist): it stays
-    up and answers /readyz with 503 for as long as it runs."""
+    up and never gets ready (its front end answers /readyz 503 while it starts, then exits
+    and is restarted with backoff)."""
     broken_model = [{"name": "broken", "source": str(tmp_path / "no-such-model")}]
     replica = start_server(tmp_path, {"STEADY_MODELS": json.dumps(broken_model)})
     try:
@@ -286,7 +287,10 @@ def test_an_unready_replica_is_taken_out_by_the_health_check(
             what="Envoy's health check to mark the unready replica",
         )
         assert send_sequentially(envoy, 30) == Counter({200: 30})
-        assert int(envoy.host_stats(ready.port)["rq_total"]) == 30
+        # Every try went to the ready replica (a 429 from its token bucket is retried, on it).
+        assert int(envoy.host_stats(ready.port)["rq_total"]) >= 30
         assert int(envoy.host_stats(unready.port)["rq_total"]) == 0
         assert unready.process.poll() is None, "the unready replica must still be running"
-        assert http_status(f"{unready.base_url}/readyz") == 503
+        # Its front end's start-up fails and is retried with backoff: 503, or no answer
+        # between two tries; never ready.
+        assert http_status(f"{unready.base_url}/readyz") in (503, None)

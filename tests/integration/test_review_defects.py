@@ -179,13 +179,6 @@ async def test_a_compressed_body_is_a_415_that_says_so() -> None:
     assert "'gzip'" in error["message"]
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"])
-async def test_probes_answer_head_on_the_traffic_port_as_on_the_probe_port(path: str) -> None:
-    async with app_with() as (client, _, _):
-        response = await client.head(path)
-    assert response.status_code == 200 and response.content == b""
-
-
 async def test_a_trailing_slash_is_a_json_404_not_a_redirect_that_reposts_the_body() -> None:
     async with app_with() as (client, _, _):
         response = await client.post("/infer/", json={"inputs": "text"})

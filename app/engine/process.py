@@ -90,6 +90,10 @@ class EngineServer:
             asyncio.create_task(self._receive(), name="engine-requests"),
             asyncio.create_task(self._publish(), name="engine-status"),
         ]
+        for task in tasks:
+            # Either ending on its own (a bug) leaves an engine that takes no request or
+            # publishes no status: stop, so the supervisor starts a fresh one.
+            task.add_done_callback(lambda done: self._on_task_end(done, stop))
         try:
             await stop.wait()
         finally:
@@ -102,16 +106,28 @@ class EngineServer:
             await self.core.stop()
             self._context.destroy(linger=0)
 
+    @staticmethod
+    def _on_task_end(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+        if task.cancelled() or stop.is_set():
+            return
+        log.critical(
+            "engine: %s ended (%r); stopping the engine", task.get_name(), task.exception()
+        )
+        stop.set()
+
     async def _receive(self) -> None:
         """Take every front end's messages. One that fails (a bug, or a message this engine
         cannot read) is logged and, where it has an id, answered with a failure: it must
         not end this loop, which would leave every later request unanswered while the
         status still says ready."""
         while True:
-            origin, data = await self._router.recv_multipart()
+            frames = await self._router.recv_multipart()
             message: ToEngine | None = None
+            origin = frames[0]
             try:
-                message = decode_to_engine(data)
+                if len(frames) != 2:
+                    raise ValueError(f"{len(frames) - 1} frames where one message is one")
+                message = decode_to_engine(frames[1])
                 self._handle(origin, message)
             except Exception as error:
                 log.exception("engine: a message from %r failed", origin)

@@ -140,7 +140,13 @@ class StatusSubscriber:
 
     async def _receive(self, socket: zmq.asyncio.Socket) -> None:
         while True:
-            self.take(decode_status(await socket.recv()))
+            data = await socket.recv()
+            try:
+                status = decode_status(data)
+            except Exception:  # one unreadable status: the next comes milliseconds later
+                log.exception("an engine status could not be read")
+                continue
+            self.take(status)
 
 
 class ZmqEngineClient(StreamingClient):
@@ -215,10 +221,20 @@ class ZmqEngineClient(StreamingClient):
         self._fail_all()
 
     async def _receive_outputs(self) -> None:
+        """Deliver the engine's answers. A message this front end cannot read must not end
+        the loop (every later answer would go unread, each request waiting out its deadline
+        while /readyz said ready): its requests cannot be told apart, so every open one
+        fails at once (503, retryable) and the loop goes on."""
         assert self._requests is not None
         while True:
             data = await self._requests.recv()
-            for message in decode_batch_from_engine(data):
+            try:
+                messages = decode_batch_from_engine(data)
+            except Exception:
+                log.exception("an answer from the engine could not be read")
+                self._fail_all()
+                continue
+            for message in messages:
                 self._deliver(message)
 
     async def _watch_disconnects(self) -> None:

@@ -4,16 +4,25 @@ as ready. Real ZeroMQ sockets on a private IPC directory, no engine process."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 import pytest
+import zmq
+import zmq.asyncio
 
+from app.admission import Rejected
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import (
+    EmbedOutput,
     EmbedPayload,
     EngineStatus,
+    Output,
     Submit,
+    decode_to_engine,
+    encode,
+    encode_batch,
     frontend_identity,
     identity_pid,
 )
@@ -79,3 +88,63 @@ def test_a_front_ends_identity_names_its_process() -> None:
     assert identity_pid(frontend_identity(4242, 0xABC)) == 4242
     for other in (b"", b"supervisor", b"fe-x-1", b"xx-12-1", "fe-\u00b2-1".encode()):
         assert identity_pid(other) is None
+
+
+async def test_an_unreadable_answer_fails_the_open_requests_and_later_ones_are_answered(
+    tmp_path: Path,
+) -> None:
+    """An answer that did not decode ended the receiving loop: every later answer went
+    unread, each request waiting out its deadline while the front end said ready."""
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.asyncio.Context()
+    engine = context.socket(zmq.ROUTER)
+    engine.bind(addresses.requests)
+    client = ZmqEngineClient(addresses)
+    await client.start()
+
+    async def answer_next(frame: bytes | None) -> None:
+        origin, data = await engine.recv_multipart()
+        submit = decode_to_engine(data)
+        assert isinstance(submit, Submit)
+        vectors = EmbedOutput(b"\0" * 4, rows=1, width=1, input_tokens=1)
+        final = Output(submit.request_id, True, vectors, queue_s=0.0, compute_s=0.0)
+        await engine.send_multipart([origin, frame if frame is not None else encode_batch([final])])
+
+    async def one_request() -> list[Output]:
+        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
+        return [output async for output in client.stream(request)]
+
+    try:
+        client._subscriber.take(status("e", time.monotonic()))
+        answering = asyncio.create_task(answer_next(b"\xc1 not msgpack"))
+        with pytest.raises(Rejected):  # engine_lost: 503, retry
+            await asyncio.wait_for(one_request(), 10)
+        await answering
+        answering = asyncio.create_task(answer_next(None))
+        outputs = await asyncio.wait_for(one_request(), 10)
+        await answering
+        assert len(outputs) == 1 and outputs[0].final
+    finally:
+        await client.close()
+        context.destroy(linger=0)
+
+
+async def test_an_unreadable_status_is_skipped(tmp_path: Path) -> None:
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(addresses.status)
+    subscriber = StatusSubscriber(context, addresses.status)
+    subscriber.start()
+    try:
+        for _ in range(1000):  # until the subscription has reached the publisher
+            await publisher.send(b"\xc1 not msgpack")
+            await publisher.send(encode(status("e", time.monotonic())))
+            if subscriber.status() is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert subscriber.status() is not None
+        assert subscriber._task is not None and not subscriber._task.done()
+    finally:
+        await subscriber.close()
+        context.destroy(linger=0)

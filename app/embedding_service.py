@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import numpy.typing as npt
 
-from app.engine.protocol import EmbedOutput, EmbedPayload
+from app.engine.protocol import EmbedOutput, EmbedPayload, OutputPayload
 from app.models.tokenizer import InputTooLong, TextTokenizer
 from app.service import MAX_CHARS_PER_TOKEN, Service
 from app.timing import PhaseTimer
@@ -76,17 +77,24 @@ async def embed_texts(
         deadline=deadline,
         arrived_at=now,
         timer=timer,
+        check=partial(_check_vectors, model),
     )
-    if not isinstance(payload, EmbedOutput):  # a server fault: answered 500
-        raise TypeError(f"{model} answered an embedding with {type(payload)}")
+    assert isinstance(payload, EmbedOutput)  # `_check_vectors` passed it
     vectors = _vectors(payload)
-    if not np.isfinite(vectors).all():
-        raise NonFiniteOutput(model)
     return EmbedResult(
         model=model,
         vectors=_normalize_rows(vectors) if normalize else vectors.copy(),
         input_tokens=payload.input_tokens,
     )
+
+
+def _check_vectors(model: str, payload: OutputPayload) -> None:
+    """Raises for an answer that is not finite vectors (both server faults, answered 500),
+    before the request is counted as served."""
+    if not isinstance(payload, EmbedOutput):
+        raise TypeError(f"{model} answered an embedding with {type(payload)}")
+    if not np.isfinite(_vectors(payload)).all():
+        raise NonFiniteOutput(model)
 
 
 async def _tokenize(

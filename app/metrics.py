@@ -30,7 +30,9 @@ LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
-BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Up to the largest batch `max_batch_size` allows (1024): a larger batch fell in
+# +Inf and read as 256 at every quantile.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Metrics:
@@ -99,7 +101,7 @@ class Metrics:
         )
         self.queue_depth_max = Gauge(
             "steadyserve_queue_depth_max",
-            "Deepest the queue has been over the last gauge refresh period (0.25 s).",
+            "Deepest the queue has been over the last 30 s (twice a scrape interval).",
             registry=r,
             multiprocess_mode="livemax",
         )
@@ -212,7 +214,7 @@ class Metrics:
         )
         self.loop_lag_max = Gauge(
             "steadyserve_event_loop_lag_seconds_max",
-            "Longest event-loop lag over the last refresh period (0.25 s), by process role.",
+            "Longest event-loop lag over the last 30 s (twice a scrape interval), by process role.",
             ["process"],
             registry=r,
             multiprocess_mode="livemax",

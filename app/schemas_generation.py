@@ -114,6 +114,9 @@ class OpenAISampling(StrictModel):
     logprobs: Literal[False] | None = Field(
         default=None, description="Log probabilities are not served: false or null only."
     )
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+        default=None, description="Not served: null or {} only."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -183,8 +186,19 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class TextResponseFormat(StrictModel):
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # Not served, and accepted at the value that asks for nothing (clients and wrappers
+    # send them so): no tools, plain text, no alternatives' log probabilities.
+    tools: Annotated[list[object], Field(max_length=0)] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: TextResponseFormat | None = None
+    top_logprobs: Literal[0] | None = None
     max_tokens: int | None = Field(
         default=None, ge=1, le=INT64_MAX, description="Deprecated by OpenAI."
     )

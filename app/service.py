@@ -31,7 +31,7 @@ from app.admission import (
     published_queue_verdict,
     resolve_deadline,
 )
-from app.engine.client import EngineClient, EngineUnavailable
+from app.engine.client import EngineClient, EngineRefused, EngineUnavailable
 from app.engine.protocol import EngineStatus, ModelInfo, OutputPayload, Payload, Submit
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
@@ -259,7 +259,8 @@ class Service:
         client's to count until the engine's status holds them). On the way out its
         duration since `arrived_at` is observed by model, `task` and outcome: "ok" once the
         caller called `outcome.ok()`, else named by what ended it (a refusal, a deadline,
-        a cancellation or client gone, any other error)."""
+        a cancellation or client gone, a request the engine refused as sent, any other
+        error)."""
         self._at_engine += 1
         outcome = Outcome()
         try:
@@ -273,6 +274,15 @@ class Service:
             raise
         except DeadlineExceeded:
             outcome.name = "deadline"
+            raise
+        except EngineRefused:
+            outcome.name = "bad_request"  # answered 400: the client's doing, not an error
+            raise
+        except EngineUnavailable:
+            # Answered 503 `not_ready` (no engine connected, or one that stopped answering):
+            # a refusal decided here, which no engine counts.
+            outcome.name = "rejected"
+            self.metrics.rejected.labels(model, RejectReason.NOT_READY.value).inc()
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome.name = "cancelled"
@@ -310,11 +320,13 @@ class Service:
         deadline: float,
         arrived_at: float,
         timer: PhaseTimer,
+        check: Callable[[OutputPayload], None] = lambda payload: None,
     ) -> OutputPayload:
         """Admit a checked request (`cost` bucket tokens: its model tokens, or elements),
         send it to the engine and return its final output; counts its duration by model,
         `task` and outcome. Raises `Rejected` (429/503/504), `DeadlineExceeded`,
-        `EngineRefused` or `BatchFailed`. Cancelling the caller's task (client gone)
+        `EngineRefused` or `BatchFailed`, or what `check` raises for the final output (an
+        answer the front end cannot send). Cancelling the caller's task (client gone)
         cancels the request in the engine, dropping its queued inputs."""
         started = self.clock()
         await self.gate.admit(model, cost, deadline)
@@ -328,6 +340,7 @@ class Service:
                     timer.add("compute", output.compute_s)
                     timer.engine_trace = output.trace
                     if output.final:
+                        check(output.payload)  # what it raises ends the request, not ok
                         outcome.ok()
                         return output.payload
             except DeadlineExceeded:

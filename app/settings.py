@@ -135,7 +135,10 @@ class Settings(BaseSettings):
         "that holds it.",
     )
     max_batch_size: int = Field(
-        default=32, ge=1, description="Largest batch; batch buckets are 1, 2, 4, ... up to this."
+        default=32,
+        ge=1,
+        le=1024,  # the batch-size histogram's largest bucket (`metrics.BATCH_SIZE_BUCKETS`)
+        description="Largest batch; batch buckets are 1, 2, 4, ... up to this.",
     )
     max_batch_tokens: int = Field(
         default=4096,

@@ -40,10 +40,18 @@ REJECTION_STATUS = {
 CLIENT_CLOSED_REQUEST = 499
 
 
+# Names pydantic gives the member of a union it tried, which look like field names.
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
 def _param(location: tuple[int | str, ...]) -> str | None:
-    # pydantic names the member of a union it tried ("constrained-str", "list[...]") in the
-    # location: not a field of the request.
-    parts = [str(p) for p in location if p != "body" and (isinstance(p, int) or p.isidentifier())]
+    # pydantic names the member of a union it tried ("constrained-str", "list[...]", "str")
+    # in the location: not a field of the request.
+    parts = [
+        str(p)
+        for p in location
+        if isinstance(p, int) or (p != "body" and p.isidentifier() and p not in _UNION_MEMBER_TAGS)
+    ]
     if not parts:
         return None
     text = parts[0]
@@ -60,7 +68,9 @@ async def _validation_error(request: Request, error: Exception) -> Response:
     # For a union (`stop`: a string or a list), the member whose type the input has says
     # what is wrong ("at most 4 items"), not the one it is not ("a valid string").
     said = [e for e in errors if not str(e.get("type", "")).endswith("_type")]
-    first = (said or errors or [{"msg": "invalid request", "loc": ()}])[0]
+    # Else the most precise: `inputs: [5]` is wrong at inputs[0], not at inputs.
+    candidates = said or sorted(errors, key=lambda e: -len(_param(tuple(e.get("loc", ()))) or ""))
+    first = (candidates or [{"msg": "invalid request", "loc": ()}])[0]
     param = _param(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request"))
     if first.get("type") == "missing" and param:
@@ -78,7 +88,9 @@ async def _rejected(request: Request, error: Exception) -> Response:
 
 
 async def _deadline(request: Request, error: Exception) -> Response:
-    return error_response(504, "deadline", "deadline passed before the request was computed")
+    # Its own words where it has them: a generation ended "after N generated tokens".
+    message = str(error) or "deadline passed before the request was computed"
+    return error_response(504, "deadline", message)
 
 
 # The request field holding the texts, by route (OpenAI's names on the /v1/ routes).

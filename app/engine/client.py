@@ -114,8 +114,8 @@ class EngineClient(Protocol):
 
     def stream(self, request: Submit) -> AsyncGenerator[Output, None]:
         """The request's outputs, the last one `final`; raises `Rejected`,
-        `DeadlineExceeded` (also when the engine stays silent `ANSWER_GRACE_S` past the
-        deadline: a lost request), `EngineRefused`, `BatchFailed` or `EngineUnavailable`.
+        `DeadlineExceeded`, `EngineRefused`, `BatchFailed` or `EngineUnavailable` (also when
+        the engine stays silent `ANSWER_GRACE_S` past the deadline: a lost request).
         Leaving the loop early (or being cancelled) cancels the request in the engine."""
         ...
 
@@ -191,6 +191,7 @@ class StreamingClient:
         queue: asyncio.Queue[Queued] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
+        abandoned = False  # given up on while the engine may still hold it: cancel it there
         # One timer per request (not one per read): cheap on the front end's hot path.
         # (Bounded: an event loop's timer takes no infinite delay.)
         left_s = min(max(0.0, request.deadline - time.monotonic()), 86_400.0) + self.answer_grace_s
@@ -205,9 +206,13 @@ class StreamingClient:
                 while True:
                     if isinstance(message, _Lost):
                         error = engine_lost()
-                    elif isinstance(message, _Silent):  # the engine may still hold it: cancel
+                    elif isinstance(message, _Silent):
+                        # The engine's fault, not the client's deadline: 503, retryable.
                         log.error("the engine never answered request %d; giving up", request_id)
-                        raise DeadlineExceeded("the engine did not answer by the deadline")
+                        abandoned = True
+                        error = EngineUnavailable(
+                            "the engine did not answer by the request's deadline; retry"
+                        )
                     elif isinstance(message, Failure):
                         error = failure_error(message)
                     elif isinstance(message, Output):
@@ -223,7 +228,7 @@ class StreamingClient:
         finally:
             silent.cancel()
             del self._streams[request_id]
-            if not finished:
+            if not finished or abandoned:
                 # Without an engine there is nothing to cancel.
                 with contextlib.suppress(EngineUnavailable):
                     self._send(Cancel(request_id))

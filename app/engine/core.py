@@ -51,6 +51,7 @@ from app.telemetry.cgroup import available_cpus
 from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe
 from app.telemetry.gpu import NvmlProbe
 from app.telemetry.probe import Probe
+from app.telemetry.recent_max import RecentMax
 from app.telemetry.sampler import ProcessTelemetry
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class EngineCore:
         )
         self.slots = ComputeSlots(self.dispatcher.capacity)
         self.health = BatchHealth(settings.unhealthy_after_failed_batches)
+        self._recent_queue_high = RecentMax()
         self.hosts: dict[str, ModelHost] = {}
         self._requests: dict[RequestKey, asyncio.Task[None]] = {}
         # Inputs taken from each front end (one entry per front-end process it has served),
@@ -202,6 +204,13 @@ class EngineCore:
     def queued_inputs(self) -> int:
         return sum(host.queued_inputs() for host in self.hosts.values())
 
+    def inputs_waiting_for_a_batch(self) -> int:
+        """The queue `max_queue` caps and front ends count: not the generate prompts
+        waiting for a KV slot (hosts without a batch cost), whose own limit is the cache."""
+        return sum(
+            host.queued_inputs() for host in self.hosts.values() if host.batch_cost() is not None
+        )
+
     def status(self) -> EngineStatus:
         """What front ends shed load and answer probes from."""
         if self._startup_error is not None:
@@ -237,7 +246,7 @@ class EngineCore:
             seconds_per_input=cheapest.seconds_per_input / self.slots.capacity,
             # Only what waits for a batch: generate prompts waiting for a KV slot are not
             # in the batches front ends count the queue in.
-            queued_inputs=sum(host.queued_inputs() for host, _ in batching),
+            queued_inputs=self.inputs_waiting_for_a_batch(),
             published_at=self._clock(),
             least_own_compute_s=min(own, default=0.0),
             batch_rows=cheapest.batch_rows,
@@ -248,12 +257,13 @@ class EngineCore:
         )
 
     def refresh_gauges(self) -> None:
-        """Engine-side gauges (queue depth and its high-water mark since the previous call,
-        each model's own); called periodically, or before a scrape in-process."""
+        """Engine-side gauges (queue depth and its high-water mark over the last
+        `HIGH_WATER_WINDOW_S`, each model's own); called periodically, or before a scrape
+        in-process."""
         m = self.metrics
         m.queue_depth.set(self.queued_inputs())
         high, self._queue_high_water = self._queue_high_water, self.queued_inputs()
-        m.queue_depth_max.set(high)
+        m.queue_depth_max.set(self._recent_queue_high.roll(self._clock(), high))
         if self.settings.spike_reports:
             self.telemetry.publish()
         for host in self.hosts.values():
@@ -296,7 +306,7 @@ class EngineCore:
         if host is None:
             return Rejected(RejectReason.NOT_READY, f"model {request.model!r} is not loaded")
         load = EngineLoad(
-            queued_inputs=self.queued_inputs(),
+            queued_inputs=self.inputs_waiting_for_a_batch(),
             backlog_s=self.backlog_seconds(),
             now=self._clock(),
             max_queue=self.settings.max_queue,

@@ -20,6 +20,7 @@ from app.telemetry.cpu import CpuProbe
 from app.telemetry.gc_pauses import GENERATIONS, GcPauseProbe
 from app.telemetry.loop_lag import LoopLagMonitor
 from app.telemetry.probe import Cached, Probe, ProbeSet, Readings, is_counter
+from app.telemetry.recent_max import RecentMax
 from app.telemetry.throttling import CgroupThrottleProbe
 
 PUBLISH_EVERY_S = 0.25
@@ -66,6 +67,7 @@ class ProcessTelemetry:
         self._latest: Readings = {}
         self._latest_at = 0.0
         self._clock = clock
+        self._recent_lag_high = RecentMax()
         self._shared_read = Cached(self.probes.read, READ_SHARED_S, clock)
         self._next_publish = 0.0
         if loop is not None:
@@ -166,7 +168,8 @@ class ProcessTelemetry:
         bump("cuda_context_changes_total", m.cuda_context_changes)
         self._set_levels(readings)
         if self.loop is not None:
-            m.loop_lag_max.labels(role).set(self.loop.take_high_water())
+            longest = self._recent_lag_high.roll(self._clock(), self.loop.take_high_water())
+            m.loop_lag_max.labels(role).set(longest)
 
     def _set_levels(self, readings: Mapping[str, float]) -> None:
         m = self.metrics

@@ -69,3 +69,18 @@ def test_a_label_the_metric_lacks_is_caught() -> None:
         "steadyserve_request_duration_seconds_count has no label 'tsk'",
         "'gpu' is a label of none of ['steadyserve_request_duration_seconds_count']",
     ]
+
+
+def test_every_panel_of_a_per_model_metric_follows_the_model_variable() -> None:
+    """Two panels ignored `$model`: picking a model left them showing every model's."""
+    known = exported_labels()
+    ignoring = []
+    for panel in dashboard()["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            per_model = [name for name in _NAME.findall(expr) if "model" in known[name]]
+            selectors = dict(_SELECTOR.findall(expr))
+            for name in per_model:
+                if 'model=~"$model"' not in selectors.get(name, ""):
+                    ignoring.append(f"{panel['title']}: {name}")
+    assert not ignoring, ignoring

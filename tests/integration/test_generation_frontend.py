@@ -204,6 +204,25 @@ async def test_a_union_field_is_refused_for_what_is_wrong_with_the_member_sent(
     assert "at most 4 items" in error["message"]
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0]"),
+        ({"prompt": ["fine", 5]}, "prompt[1]"),
+    ],
+)
+async def test_the_param_of_a_wrong_union_member_is_where_it_is_wrong(
+    client: httpx.AsyncClient, body: dict[str, object], param: str
+) -> None:
+    """pydantic's member tag `str` passed for a field (`messages[0].content.str`), and the
+    list's index was lost (`prompt` for `prompt[1]`)."""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = await client.post(path, json={"model": "tiny", **body})
+    assert response.status_code == 422
+    assert response.json()["error"]["param"] == param
+
+
 async def test_a_prompt_and_new_tokens_over_the_sequence_limit_is_a_400_naming_it(
     client: httpx.AsyncClient,
 ) -> None:

@@ -30,3 +30,52 @@ def test_stream_options_without_a_stream_are_refused() -> None:
         CompletionRequest.model_validate({"prompt": "Hi", "stream_options": options})
     streamed = {"prompt": "Hi", "stream": True, "stream_options": options}
     assert CompletionRequest.model_validate(streamed).include_usage
+
+
+NO_OP_CHAT_FIELDS = [
+    {"tools": None},
+    {"tools": []},
+    {"tool_choice": "none"},
+    {"parallel_tool_calls": None},
+    {"response_format": {"type": "text"}},
+    {"logit_bias": {}},
+    {"top_logprobs": 0},
+    {"top_logprobs": None},
+]
+
+
+@pytest.mark.parametrize("field", NO_OP_CHAT_FIELDS)
+def test_unserved_fields_at_their_no_op_value_are_accepted(field: dict[str, object]) -> None:
+    """Wrappers send these at their defaults; each was a 422 (unknown field)."""
+    assert ChatCompletionRequest.model_validate({"messages": MESSAGES, **field})
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "auto"},
+        {"response_format": {"type": "json_object"}},
+        {"logit_bias": {"50256": -100}},
+        {"top_logprobs": 2},
+    ],
+)
+def test_unserved_fields_asking_for_something_are_refused(field: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, **field})
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"max_tokens": True},
+        {"max_tokens": "3"},
+        {"temperature": "0.5"},
+        {"seed": 1.0},
+    ],
+)
+def test_a_value_of_another_json_type_is_refused_not_converted(field: dict[str, object]) -> None:
+    """Lax validation served `"max_tokens": true` as 1 token."""
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"prompt": "Hi", **field})
+    assert CompletionRequest.model_validate({"prompt": "Hi", "temperature": 1}).temperature == 1.0

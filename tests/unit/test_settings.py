@@ -127,3 +127,13 @@ def test_serve_refuses_a_port_something_else_listens_on() -> None:
 def test_serve_refuses_port_0_for_its_front_ends() -> None:
     result = serve_exit("--port", "0")
     assert result.returncode == 2 and "port 0" in result.stderr
+
+
+def test_every_batch_size_the_settings_allow_has_its_own_histogram_bucket() -> None:
+    """A batch over the largest bucket (256) fell in +Inf: every quantile read 256."""
+    from app.metrics import BATCH_SIZE_BUCKETS
+
+    largest = 1024
+    assert Settings(max_batch_size=largest).max_batch_size <= max(BATCH_SIZE_BUCKETS)
+    with pytest.raises(ValidationError):
+        Settings(max_batch_size=largest + 1)

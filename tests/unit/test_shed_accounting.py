@@ -15,8 +15,17 @@ from typing import Any
 import pytest
 
 from app.admission import Rejected, RejectReason
-from app.engine.client import EngineUnavailable, StreamingClient
-from app.engine.protocol import Cancel, EmbedPayload, EngineStatus, ModelInfo, Submit, ToEngine
+from app.engine.client import EngineRefused, EngineUnavailable, StreamingClient
+from app.engine.protocol import (
+    Cancel,
+    EmbedPayload,
+    EngineStatus,
+    Failure,
+    FailureKind,
+    ModelInfo,
+    Submit,
+    ToEngine,
+)
 from app.failures import DeadlineExceeded
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
@@ -188,7 +197,8 @@ async def test_a_request_the_engine_never_answers_ends_after_its_deadline() -> N
     cancels: list[Cancel] = []
     engine.on_cancel = cancels.append
     request = Submit(engine.next_request_id(), "m", time.monotonic(), EmbedPayload([[1]]))
-    with pytest.raises(DeadlineExceeded, match="did not answer"):
+    # The engine's fault, retryable (503): it was a 504 "deadline", the client's timeout.
+    with pytest.raises(EngineUnavailable, match="did not answer"):
         async for _ in engine.stream(request):
             pass
     assert cancels == [Cancel(request.request_id)]
@@ -203,6 +213,8 @@ async def test_a_request_at_the_engine_is_timed_by_how_it_ended() -> None:
         (DeadlineExceeded("late in the queue"), "deadline"),
         (asyncio.CancelledError(), "cancelled"),
         (RuntimeError("a fault"), "error"),
+        (EngineRefused("not as sent"), "bad_request"),  # a 400 is not the server's error
+        (EngineUnavailable("no engine"), "rejected"),
     ]
     for error, _ in endings:
         with (
@@ -213,21 +225,30 @@ async def test_a_request_at_the_engine_is_timed_by_how_it_ended() -> None:
                 raise error
             outcome.ok()
     assert service._at_engine == 0
-    for name in ("ok", "rejected", "deadline", "cancelled", "error"):
+    for name in ("ok", "rejected", "deadline", "cancelled", "error", "bad_request"):
         labels = {"model": "m", "task": "embed", "outcome": name}
         count = service.metrics.registry.get_sample_value(
             "steadyserve_request_duration_seconds_count", labels
         )
         assert count == sum(1 for _, want in endings if want == name), name
+    # A 503 decided in the front end is a refusal no engine counts.
+    refused = {"model": "m", "reason": "not_ready"}
+    assert service.metrics.registry.get_sample_value("steadyserve_rejected_total", refused) == 1
 
 
 async def test_time_at_an_engine_that_answers_only_its_deadline_is_queue_time() -> None:
     """No output came back to carry `queue_s`: the slow-request report called the whole
     wait "unaccounted", in exactly the overload it is meant to explain."""
     service, engine = await started_service()
-    engine.answer_grace_s = 0.0
     timer = PhaseTimer()
     now = time.monotonic()
+
+    async def expire_it_at_the_engine() -> None:
+        await engine.a_submit_sent.wait()
+        request_id = next(iter(engine._streams))
+        engine._deliver(Failure(request_id, FailureKind.DEADLINE, "deadline passed in the queue"))
+
+    expiry = asyncio.create_task(expire_it_at_the_engine())
     with pytest.raises(DeadlineExceeded):
         await service.compute(
             service.resolve_model(None),
@@ -238,4 +259,5 @@ async def test_time_at_an_engine_that_answers_only_its_deadline_is_queue_time() 
             arrived_at=now,
             timer=timer,
         )
+    await expiry
     assert set(timer.phases) == {"admission", "queue"}

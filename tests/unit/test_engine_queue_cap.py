@@ -1,0 +1,49 @@
+"""`max_queue` caps the inputs waiting for a batch: not the generate prompts waiting for a
+KV slot, which the published status already leaves out (hosts here are stand-ins: the point
+is which count the engine admits against)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.admission import Rejected
+from app.engine.core import EngineCore
+from app.engine.host import BatchCost, EngineLoad
+from app.engine.protocol import EmbedPayload, ModelInfo, Submit
+from app.metrics import Metrics
+from app.settings import Settings
+
+
+@dataclass
+class StandInHost:
+    waiting: int
+    cost: BatchCost | None
+    loads: list[EngineLoad] = field(default_factory=list)
+
+    def info(self) -> ModelInfo:
+        return ModelInfo("embed", 4, 64)
+
+    def queued_inputs(self) -> int:
+        return self.waiting
+
+    def batch_cost(self) -> BatchCost | None:
+        return self.cost
+
+    def backlog_seconds(self, now: float) -> float:
+        return 0.0
+
+    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
+        self.loads.append(load)
+        return None
+
+
+def test_generate_prompts_waiting_for_a_slot_do_not_fill_the_batch_queue() -> None:
+    core = EngineCore(Settings(), Metrics())
+    embedder = StandInHost(waiting=3, cost=BatchCost(0.001, 32, 0.03, 0.001))
+    generator = StandInHost(waiting=60, cost=None)  # generation: no batch cost
+    core.hosts = {"minilm": embedder, "tiny": generator}  # type: ignore[dict-item]
+    core._ready = True
+    request = Submit(1, "minilm", 1e9, EmbedPayload([[1, 2]]))
+    assert core._admit(request) is None
+    assert embedder.loads[0].queued_inputs == 3  # was 63: refused 429 at a small max_queue
+    assert core.status().queued_inputs == 3  # the count front ends shed by

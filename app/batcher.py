@@ -278,16 +278,33 @@ class Batcher(Generic[RowT, OutT]):
     async def _answer_failed_batch(
         self, batch: Batch, pendings: list[_Pending[RowT, OutT]], error: Exception
     ) -> Exception | None:
-        """Answer each row of a failed batch from its run alone (`batch_triage`); returns
-        the failure to count against the engine's health, None when inputs were at fault."""
-        known_good = self._known_good_rows(batch.shape)[:1] if self._known_good_rows else None
-        verdict = await triage(
-            [p.row for p in pendings],
-            error,
-            lambda rows: self._dispatcher.run_compute(self._run_batch, batch.shape, rows),
-            known_good,
-        )
-        for pending, alone in zip(pendings, verdict.alone, strict=True):
+        """Answer each row of a failed batch from its run alone (`batch_triage`), in the
+        smallest batch of its length (a full-size padded batch per row cost as many full
+        batches as rows); returns the failure to count against the engine's health, None
+        when inputs were at fault. Out of memory is the server's (a transient one would
+        otherwise read as the input's fault), and so is a fault of the triage itself."""
+        if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
+            for pending in pendings:
+                _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
+            return error
+        length = batch.shape.length
+        solo = BatchShape(self.scheduler.policy.padded_batch(length, 1), length)
+        waiting = [p for p in pendings if not p.future.done()]  # not those gone or expired
+        try:
+            known_good = self._known_good_rows(solo)[:1] if self._known_good_rows else None
+            verdict = await triage(
+                [p.row for p in waiting],
+                error,
+                lambda rows: self._dispatcher.run_compute(self._run_batch, solo, rows),
+                known_good,
+            )
+        except BaseException as fault:
+            for pending in pendings:
+                _set_exception_if_not_done(pending.future, BatchFailed(repr(fault)))
+            if isinstance(fault, Exception):
+                return fault
+            raise
+        for pending, alone in zip(waiting, verdict.alone, strict=True):
             if isinstance(alone, Exception):
                 kind = BatchFailed if verdict.server_failing else InputFailed
                 _set_exception_if_not_done(pending.future, kind(repr(alone)))

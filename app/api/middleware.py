@@ -51,7 +51,10 @@ class BodyGuardMiddleware:
             and declared.isdigit()
             # A value of thousands of digits (leading zeros pass the HTTP parser) is over
             # any limit, and `int` refuses to read it (ValueError: a 500).
-            and (len(declared) > 18 or int(declared) > self.max_body_bytes)
+            and (
+                len(digits := declared.lstrip(b"0")) > 18
+                or int(digits or b"0") > self.max_body_bytes
+            )
         ):
             await self._reject(scope, receive, send, 413)
             return

@@ -2,7 +2,7 @@
 
 Every input line ends up exactly once in OUTPUT (answered) or OUTPUT.errors.jsonl
 (refused by the server with a 4xx other than 429, out of retries, or not a request at
-all). A 401, 403 or 407 is about the client, not a line: the run stops, the lines not
+all). A 401 or 407 is about the client, not a line: the run stops, the lines not
 answered stay out of both files, and the job exits 1. Restarted with the same arguments
 it skips the ids already in either file, so a killed job resumes where it stopped.
 SIGINT/SIGTERM: stop sending, write what is in flight, print the summary, exit 128 +

@@ -37,7 +37,7 @@ from app.batchclient.window import Window
 
 
 class ClientRefused(Exception):
-    """The server refused the client itself (401, 403 or 407): raised by ``infer_many``
+    """The server refused the client itself (401 or 407): raised by ``infer_many``
     after what was answered before has been yielded. The items not answered are neither
     yielded nor failed: they stay unfinished, to be sent again with other credentials."""
 
@@ -131,7 +131,7 @@ class BatchClient:
 
         Items are read lazily, at most ``2 x concurrency`` requests ahead. After ``stop``
         the items not yet answered are neither sent nor yielded (``lines_unfinished``).
-        A 401, 403 or 407 stops the run the same way, then raises ``ClientRefused``.
+        A 401 or 407 stops the run the same way, then raises ``ClientRefused``.
         """
         if self._http is None:
             raise RuntimeError("use the client as `async with BatchClient(...) as client`")

@@ -26,16 +26,16 @@ class Outcome:
     congestion: bool  # counts as "the server is overloaded" for the AIMD controller
 
 
-# 401 Unauthorized, 403 Forbidden, 407 Proxy Authentication Required: answers about the
-# client's credentials (a missing or expired token, one Envoy or a gateway refuses), not
-# about any one line.
-CLIENT_REFUSED_STATUSES = frozenset({401, 403, 407})
+# 401 Unauthorized, 407 Proxy Authentication Required: answers about the client's
+# credentials (a missing or expired token), not about any one line. Not 403: a gateway may
+# forbid one model a line names, and stopping there would stop every rerun at that line.
+CLIENT_REFUSED_STATUSES = frozenset({401, 407})
 
 
 def classify_status(status: int) -> Outcome:
     """2xx keep; 429 and 503 retry (429 also cuts concurrency); 504 is the server's deadline,
     i.e. a queue too long: retry and cut; other 5xx and 408 (the server gave up reading the
-    body) retry; 401, 403 and 407 stop the run; other 4xx fail at once."""
+    body) retry; 401 and 407 stop the run; other 4xx fail at once."""
     if 200 <= status < 300:
         return Outcome(Verdict.SUCCESS, congestion=False)
     if status in CLIENT_REFUSED_STATUSES:

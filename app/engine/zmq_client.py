@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from app.engine.client import EngineUnavailable, StreamingClient
 from app.engine.protocol import (
+    Cancel,
     EngineStatus,
     ToEngine,
     decode_batch_from_engine,
@@ -232,6 +233,10 @@ class ZmqEngineClient(StreamingClient):
                 messages = decode_batch_from_engine(data)
             except Exception:
                 log.exception("an answer from the engine could not be read")
+                # The engine still holds them: cancel there, or they run to their end.
+                with contextlib.suppress(EngineUnavailable):
+                    for request_id in list(self._streams):
+                        self._send(Cancel(request_id))
                 self._fail_all()
                 continue
             for message in messages:

@@ -15,6 +15,7 @@ import zmq.asyncio
 from app.admission import Rejected
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import (
+    Cancel,
     EmbedOutput,
     EmbedPayload,
     EngineStatus,
@@ -120,6 +121,9 @@ async def test_an_unreadable_answer_fails_the_open_requests_and_later_ones_are_a
         with pytest.raises(Rejected):  # engine_lost: 503, retry
             await asyncio.wait_for(one_request(), 10)
         await answering
+        # The engine still held it: told to drop it, not left to run to its end.
+        _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
+        assert isinstance(decode_to_engine(data), Cancel)
         answering = asyncio.create_task(answer_next(None))
         outputs = await asyncio.wait_for(one_request(), 10)
         await answering

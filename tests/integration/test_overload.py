@@ -11,6 +11,7 @@ import pytest
 
 from app.model_specs import ModelSpec
 from tests.integration.test_scheduling import start
+from tests.support.asgi import post_directly
 
 ONE_MIB = 1 << 20
 
@@ -18,32 +19,11 @@ ONE_MIB = 1 << 20
 async def call_without_body(app: Any, path: str, receive: Any) -> tuple[int, dict[str, str]]:
     """Drive the ASGI app directly with a POST declaring a 1 MiB body; `receive` decides
     what (if anything) of the body arrives."""
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(ONE_MIB - 1).encode()),
-        ],
-        "client": ("127.0.0.1", 1234),
-        "server": ("127.0.0.1", 80),
-    }
-    await app(scope, receive, send)
-    start_message = next(m for m in sent if m["type"] == "http.response.start")
-    headers = {k.decode(): v.decode() for k, v in start_message["headers"]}
-    return start_message["status"], headers
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(ONE_MIB - 1).encode()),
+    ]
+    return await post_directly(app, path, headers, receive)
 
 
 async def test_an_overloaded_server_answers_429_without_reading_the_body() -> None:

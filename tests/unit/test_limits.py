@@ -9,28 +9,8 @@ import resource
 import subprocess
 import sys
 
+LOW = 256
 PROBE = "from app.limits import lift_open_file_limit; print(lift_open_file_limit())"
-
-
-def test_the_soft_open_file_limit_is_lifted_to_the_hard_one() -> None:
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    low = 256
-
-    def start_low() -> None:  # in the child, before it runs: a container's small soft limit
-        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
-
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=start_low,
-        check=True,
-    )
-    expected = hard if hard != resource.RLIM_INFINITY else max(low, 1 << 20)
-    assert int(result.stdout) == expected > low
-
-
 SERVE_PROBE = """
 import resource, sys
 import app.processes
@@ -45,17 +25,16 @@ sys.exit(main(["serve"]))
 """
 
 
-def test_serve_lifts_the_limit_before_it_starts_any_child() -> None:
-    """The helper alone working says nothing of `serve` calling it: the children inherit
-    whatever limit the supervisor has when it spawns them."""
+def soft_limit_reported_by(code: str) -> int:
+    """Run `code` in a child started with a container's small soft limit (`LOW`); the last
+    line it prints."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    low = 256
 
-    def start_low() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    def start_low() -> None:  # in the child, before it runs
+        resource.setrlimit(resource.RLIMIT_NOFILE, (LOW, hard))
 
     result = subprocess.run(
-        [sys.executable, "-c", SERVE_PROBE],
+        [sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=120,
@@ -63,5 +42,19 @@ def test_serve_lifts_the_limit_before_it_starts_any_child() -> None:
         env={**os.environ, "STEADY_ENGINE": "process"},
     )
     assert result.returncode == 0, result.stderr
-    expected = hard if hard != resource.RLIM_INFINITY else max(low, 1 << 20)
-    assert int(result.stdout.strip().splitlines()[-1]) == expected > low
+    return int(result.stdout.strip().splitlines()[-1])
+
+
+def expected_limit() -> int:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return hard if hard != resource.RLIM_INFINITY else max(LOW, 1 << 20)
+
+
+def test_the_soft_open_file_limit_is_lifted_to_the_hard_one() -> None:
+    assert soft_limit_reported_by(PROBE) == expected_limit() > LOW
+
+
+def test_serve_lifts_the_limit_before_it_starts_any_child() -> None:
+    """The helper alone working says nothing of `serve` calling it: the children inherit
+    whatever limit the supervisor has when it spawns them."""
+    assert soft_limit_reported_by(SERVE_PROBE) == expected_limit() > LOW

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.admission import Rejected
-from app.batcher import ItemResult, ModelBatcher
+from app.batcher import ItemResult
 from app.buffers import BufferPool
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.protocol import (
@@ -31,6 +31,7 @@ from app.engine.rows import (
     gather_rows,
     record_pool,
 )
+from app.model_batcher import ModelBatcher
 from app.model_specs import ModelSpec
 from app.startup import policy_for
 

@@ -199,14 +199,11 @@ class Batcher(Generic[RowT, OutT]):
             else:
                 decision = self.scheduler.expire(now)
                 ready_at = self.scheduler.ready_at(now)
-                if ready_at is not None and ready_at <= now:
-                    self._slots.claim(self)
-                    wake_at = decision.wake_at
-                else:  # not ready yet: wake when it is, to take its place in line then
-                    self._slots.withdraw(self)
-                    wake_at = min(
-                        (t for t in (decision.wake_at, ready_at) if t is not None), default=None
-                    )
+                ready = ready_at is not None and ready_at <= now
+                self._slots.stand(self, waiting=ready)
+                # Not ready yet: wake when it is, to take its place in line then.
+                times = (decision.wake_at,) if ready else (decision.wake_at, ready_at)
+                wake_at = min((t for t in times if t is not None), default=None)
             self._drop(decision)
             if decision.batch is not None:
                 self._slots.take(self)

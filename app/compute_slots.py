@@ -46,6 +46,14 @@ class ComputeSlots:
             self._line.remove(claimant)
             self._wake()
 
+    def stand(self, claimant: Hashable, *, waiting: bool) -> None:
+        """After a turn in which `claimant` took no slot: in line while it has work ready
+        and none was free for it (`waiting`), else out of the line."""
+        if waiting:
+            self.claim(claimant)
+        else:
+            self.withdraw(claimant)
+
     def take(self, claimant: Hashable) -> None:
         if not self.available(claimant):
             raise RuntimeError("no compute slot is free for this claimant")

@@ -10,12 +10,9 @@ dispatcher compute thread inside one of the compute slots every model shares, so
 batches and generation steps interleave without oversubscribing the CPU/GPU.
 
 With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
-to that many decode steps in a row (multi-step decoding), never past the step at which a
-running sequence reaches its length, so the per-step turn of the event loop (collecting the
-step, building the next rows, one `Output` per sequence) is paid once per dispatch. An
-arrival that could take a free slot, or a running sequence cancelled, interrupts the run
-after its current step; a deadline is checked between dispatches, so an expiry is noticed
-up to that many steps late.
+to that many decode steps in a row (`generation_steps.py`; `steps_for` stops at a sequence's
+length), interrupted by an arrival that could take a free slot or a cancel; a deadline is
+checked between dispatches, so an expiry is noticed up to that many steps late.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
@@ -109,16 +106,11 @@ class GenerationHost:
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._supervised_loop(), name=f"generate-{self.name}")
 
-    def _wait_steps(self) -> int:
-        return steps_until_start(
-            (seq.remaining for seq in self._running.values()),
-            self._table.free,
-            (seq.sampling.max_new_tokens for seq in self._waiting),
-        )
-
     def _slot_wait_seconds(self) -> float:
         """Predicted seconds before a sequence queued now gets a KV-cache slot."""
-        return self._wait_steps() * self._step_s
+        running = (seq.remaining for seq in self._running.values())
+        waiting = (seq.sampling.max_new_tokens for seq in self._waiting)
+        return steps_until_start(running, self._table.free, waiting) * self._step_s
 
     def backlog_seconds(self, now: float) -> float:
         """None of the engine's shared backlog: generation holds one compute slot at a time
@@ -243,12 +235,9 @@ class GenerationHost:
             self._expire(self._context.clock())
             available = slots.available(self._steps)
             sequences = self._next_step() if available else []
-            if sequences:
-                pass  # `start` takes the slot, leaving the line
-            elif available or not (self._waiting or self._running):
-                slots.withdraw(self._steps)
-            else:  # work ready and no slot: in line for the next
-                slots.claim(self._steps)
+            if not sequences:  # else `start` takes the slot, leaving the line
+                has_work = bool(self._waiting or self._running)
+                slots.stand(self._steps, waiting=has_work and not available)
             step = (
                 self._steps.start(
                     [s.row() for s in sequences],

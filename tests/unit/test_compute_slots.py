@@ -48,3 +48,13 @@ def test_a_claimant_with_nothing_left_to_run_lets_the_line_move() -> None:
     assert slots.available("b")
     slots.withdraw("nobody")  # not in line: nothing happens
     assert slots.available("b")
+
+
+def test_standing_puts_a_claimant_in_line_only_while_it_waits() -> None:
+    slots = ComputeSlots(1)
+    slots.take("a")
+    slots.stand("b", waiting=True)
+    slots.stand("c", waiting=True)
+    slots.stand("b", waiting=False)  # its work expired: out of the line
+    slots.give()
+    assert slots.available("c") and not slots.available("b")

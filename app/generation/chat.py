@@ -9,14 +9,19 @@ The template comes from `chat_template.jinja` in the model's directory, else fro
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+from jinja2 import nodes
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+log = logging.getLogger(__name__)
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -49,9 +54,29 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' renderer knows (it marks
+    the assistant's tokens for assistant-only training losses; TRL fine-tunes ship such
+    templates). Rendering a prompt needs only the block's text, so it renders as written."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2 declares it an instance variable)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_as_written")
+        return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _as_written(caller: Callable[[], str]) -> str:
+        return caller()
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlock],
     )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
@@ -118,11 +143,16 @@ def _template_source(config: Mapping[str, Any], directory: Path) -> str | None:
 
 
 def load_chat_template(directory: Path) -> ChatTemplate | None:
-    """The model's chat template, or None when it has none."""
+    """The model's chat template, or None when it has none, or one this renderer cannot
+    compile (logged): completions must still be served, and chat gets its clear 400."""
     config_path = directory / TOKENIZER_CONFIG
     config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
     source = _template_source(config, directory)
     if source is None:
         return None
     special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))}
-    return ChatTemplate(source, special)
+    try:
+        return ChatTemplate(source, special)
+    except jinja2.TemplateSyntaxError as error:
+        log.error("%s: chat template does not compile (%s); chat not served", directory, error)
+        return None

@@ -210,3 +210,21 @@ def test_templates_load_from_the_file_or_the_tokenizer_config(tmp_path: Path) ->
     (tmp_path / "chat_template.jinja").write_text("file")
     template = load_chat_template(tmp_path)
     assert template is not None and template.render([]) == "file"
+
+
+def test_a_template_marking_the_assistants_turn_for_training_renders_its_text() -> None:
+    # TRL's assistant-only-loss templates wrap the assistant's turn in transformers' own
+    # `{% generation %}` tag; jinja2 alone refuses the tag, which stopped the front end.
+    source = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% generation %}A:{{ m.content }}{% endgeneration %}"
+        "{% else %}U:{{ m.content }}{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert ChatTemplate(source, {}).render(messages) == "U:hiA:yo"
+
+
+def test_a_template_that_does_not_compile_leaves_the_model_without_chat(tmp_path: Path) -> None:
+    config = {"chat_template": "{% for m in messages %}{{ m.content }}"}  # no endfor
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_chat_template(tmp_path) is None

@@ -11,7 +11,11 @@ locust and hey do.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
+import math
 import ssl
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, cast
@@ -88,6 +92,23 @@ def _header_value(lowered_head: bytes, name: bytes) -> bytes | None:
     start += 2 + len(name)
     end = lowered_head.find(b"\r\n", start)
     return lowered_head[start : end if end >= 0 else len(lowered_head)].strip()
+
+
+def retry_after_seconds(value: str, now: float) -> float | None:
+    """A Retry-After value as seconds from `now` (wall clock): delay-seconds, or an HTTP
+    date (a date already past is 0). None for anything else, a negative or non-finite
+    number included: `sleep(nan)` returns at once, so a NaN would be no wait at all."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # RFC 9110 dates are GMT; one without a zone is read so
+            when = when.replace(tzinfo=datetime.UTC)
+        return max(0.0, when.timestamp() - now)
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class _ResponseReader(asyncio.Protocol):
@@ -186,10 +207,7 @@ class _ResponseReader(asyncio.Protocol):
         self._chunk_position = self._head_length
         retry_after = _header_value(head, b"retry-after:")
         if retry_after is not None:
-            try:
-                self._retry_after = float(retry_after)
-            except ValueError:
-                self._retry_after = None  # an HTTP date: treated as "no hint"
+            self._retry_after = retry_after_seconds(retry_after.decode("latin-1"), time.time())
         encoding = _header_value(head, b"transfer-encoding:")
         self._chunked = encoding is not None and b"chunked" in encoding
         length = _header_value(head, b"content-length:")

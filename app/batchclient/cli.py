@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import sys
 import time
@@ -60,6 +61,8 @@ def _at_least(least: float, kind: type[int] | type[float]) -> Callable[[str], fl
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if value < least:
             raise argparse.ArgumentTypeError(f"{text} is under {least:g}")
         return value

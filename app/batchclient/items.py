@@ -29,7 +29,10 @@ class Item:
 
     @classmethod
     def from_line(cls, line: bytes, line_number: int) -> Item:
-        """Parse a JSONL line; the id defaults to the 1-based line number."""
+        """Parse a JSONL line; the id defaults to the 1-based line number. A UTF-8 byte
+        order mark opening the file (Windows tools write one) is not part of line 1."""
+        if line_number == 1:
+            line = line.removeprefix(b"\xef\xbb\xbf")
         try:
             value = orjson.loads(line)
         except orjson.JSONDecodeError as error:

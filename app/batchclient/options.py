@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -26,9 +27,9 @@ class ClientOptions:
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        if self.rate is not None and self.rate <= 0:
-            raise ValueError("rate must be positive")
+        if self.rate is not None and not (0 < self.rate < math.inf):
+            raise ValueError("rate must be positive and finite")
         if self.inputs_per_request < 1:
             raise ValueError("inputs_per_request must be at least 1")
-        if self.timeout_s <= 0:
-            raise ValueError("timeout must be positive")
+        if not (0 < self.timeout_s < math.inf):
+            raise ValueError("timeout must be positive and finite")

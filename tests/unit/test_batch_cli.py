@@ -128,6 +128,11 @@ def test_an_invalid_line_takes_no_id_a_later_line_could_have(tmp_path: Path) -> 
         ["--max-retries", "-1"],
         ["--progress-interval", "0"],
         ["--header", "no colon"],
+        # NaN compares false with any bound: a NaN timeout fired at once and failed every
+        # line; an infinite rate divided by zero in the limiter.
+        ["--timeout-ms", "nan"],
+        ["--rate", "inf"],
+        ["--progress-interval", "nan"],
     ],
 )
 def test_a_value_that_cannot_work_is_a_usage_error(tmp_path: Path, option: list[str]) -> None:

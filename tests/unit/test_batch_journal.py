@@ -23,6 +23,12 @@ def test_item_id_defaults_to_the_line_number_and_is_removed_from_the_body() -> N
     assert Item.from_line(b'{"id": "x", "inputs": ["a"]}', 7) == Item("x", {"inputs": ["a"]})
 
 
+def test_a_byte_order_mark_opening_the_file_is_not_part_of_line_one() -> None:
+    assert Item.from_line(b'\xef\xbb\xbf{"inputs": "a"}', 1) == Item(1, {"inputs": "a"})
+    with pytest.raises(InvalidLine):  # anywhere else it is a stray character
+        Item.from_line(b'\xef\xbb\xbf{"inputs": "a"}', 2)
+
+
 @pytest.mark.parametrize("line", [b"not json", b"[1, 2]", b'{"id": 1.5, "inputs": "a"}'])
 def test_invalid_lines_are_refused(line: bytes) -> None:
     with pytest.raises(InvalidLine):

@@ -10,6 +10,7 @@ errors.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import sys
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.cli import main, result_from_hey_csv
-from loadtest.httpclient import HttpConnection, RequestError, Target
+from loadtest.httpclient import HttpConnection, RequestError, Target, retry_after_seconds
 from loadtest.report import format_table, judge, summarize
 from loadtest.stub_server import StubBehaviour, StubServer
 
@@ -236,6 +237,25 @@ async def _serve_raw(response: bytes) -> tuple[asyncio.Server, Target]:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     return server, Target.parse(f"http://127.0.0.1:{port}/infer")
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("3", 3.0),
+        ("0", 0.0),
+        ("1.5", 1.5),
+        ("Thu, 01 Jan 2026 00:00:30 GMT", 30.0),
+        ("Wed, 31 Dec 2025 23:59:00 GMT", 0.0),  # a date already past: retry now
+        ("-1", None),  # would be no wait at all, as would NaN
+        ("nan", None),
+        ("inf", None),
+        ("soon", None),
+    ],
+)
+def test_retry_after_is_seconds_or_an_http_date(value: str, seconds: float | None) -> None:
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
+    assert retry_after_seconds(value, now) == seconds
 
 
 @pytest.mark.parametrize(

@@ -207,6 +207,32 @@ class ProcessTree:
             self.frontends[index], self._frontends_started[index] = process, started
 
     async def run(self) -> int:
+        """Serve until a signal; the exit status. 2, with nothing started, when the probe
+        port cannot be served; should anything fail once children run, they are killed
+        before the error propagates (they ignore SIGTERM, and the interpreter's exit
+        would wait on them forever)."""
+        if self._probes is not None:
+            try:
+                await self._probes.start()
+            except OSError as error:
+                log.error("cannot serve the probes: %s", error)
+                sys.stderr.write(f"steadyserve: cannot serve the probes: {error}\n")
+                self._zmq.destroy(linger=0)
+                return 2
+        try:
+            return await self._serve()
+        except BaseException:
+            self._kill_children()
+            self._zmq.destroy(linger=0)
+            raise
+
+    def _kill_children(self) -> None:
+        for process in [*self.frontends, self.engine.process]:
+            if process is not None and process.is_alive():
+                process.kill()
+                process.join(5)
+
+    async def _serve(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -218,8 +244,6 @@ class ProcessTree:
         for index in range(self.frontend_count):
             self._spawn_frontend(index)
         self._engine_status.start()
-        if self._probes is not None:
-            await self._probes.start()
         log.info(
             "serving on %s:%d: engine + %d front ends (niceness +%d)",
             self.settings.host,
@@ -295,10 +319,17 @@ class ProcessTree:
                 process.exitcode,
                 backoff,
             )
-            await asyncio.sleep(backoff)
-            if self._stopping:
-                return
-            self._spawn_frontend(index)
+            while True:
+                await asyncio.sleep(backoff)
+                if self._stopping:
+                    return
+                try:
+                    self._spawn_frontend(index)
+                    break
+                except Exception:
+                    # As for the engine (`EngineSupervisor`): retried, never given up on.
+                    log.exception("front end %d could not be restarted", index)
+                    backoff = next_backoff(backoff, first, longest)
 
     def _tell_engine_frontend_gone(self, pid: int) -> None:
         """The engine drops the work of the front end's requests (`FrontEndGone`); with no

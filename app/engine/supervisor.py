@@ -88,7 +88,17 @@ class EngineSupervisor:
     async def _supervise(self) -> None:
         backoff: float | None = None
         while not self._stopping:
-            self.process = process = self._spawn()
+            try:
+                self.process = process = self._spawn()
+            except Exception:
+                # The pid limit, memory, /dev/shm full: a failed spawn is a failed restart,
+                # retried with backoff; ending this task would leave no engine, silently.
+                log.exception("the engine process could not be started")
+                first, longest = self._settings.engine_restart_backoff_s
+                backoff = next_backoff(backoff, first, longest)
+                self.restarts += 1
+                await asyncio.sleep(backoff)
+                continue
             started = time.monotonic()
             await wait_for_exit(process)
             assert process.pid is not None

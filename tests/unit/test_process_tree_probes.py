@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.engine.protocol import EngineStatus
-from app.engine.zmq_client import STALE_AFTER_S
+from app.engine.supervisor import EngineSupervisor
+from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
 from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained
 from app.settings import Settings
 
@@ -120,3 +122,42 @@ async def test_a_server_whose_front_end_took_the_drain_signal_early_exits_0(
     assert tree.exit_status() == 0
     frontend.exitcode = 1  # a failed start-up
     assert tree.exit_status() == 1
+
+
+async def test_a_probe_port_in_use_stops_the_server_before_any_child_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Children ignore SIGTERM: started before the probe port failed, they kept the
+    # supervisor's exit waiting on them forever.
+    started: list[str] = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        tree = ProcessTree(Settings(host="127.0.0.1", health_port=port), tmp_path)
+        monkeypatch.setattr(tree.engine, "start", lambda: started.append("engine"))
+        monkeypatch.setattr(tree, "_spawn_frontend", lambda index: started.append("front end"))
+        assert await tree.run() == 2
+    assert started == []
+
+
+async def test_an_engine_that_cannot_be_spawned_is_tried_again_with_backoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = Settings(engine_restart_backoff_s=(0.001, 0.002))
+    supervisor = EngineSupervisor(settings, EngineAddresses.in_directory(tmp_path))
+    attempts: list[int] = []
+
+    def spawn() -> None:
+        attempts.append(len(attempts))
+        if len(attempts) < 3:
+            raise OSError(11, "Resource temporarily unavailable")  # EAGAIN: the pid limit
+        raise asyncio.CancelledError  # the third try: stop the test here
+
+    monkeypatch.setattr(supervisor, "_spawn", spawn)
+    supervisor.start()
+    assert supervisor._task is not None
+    with pytest.raises(asyncio.CancelledError):
+        await supervisor._task
+    assert len(attempts) == 3
+    assert supervisor.restarts == 2

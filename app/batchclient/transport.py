@@ -10,7 +10,8 @@ there are never more than the requests in flight. The event loop's thread only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from loadtest.httpclient import HttpConnection, RequestError, Response, Target
 
@@ -18,13 +19,31 @@ __all__ = ["ConnectionPool", "RequestError", "Response"]
 
 
 class ConnectionPool:
-    def __init__(self, url: str, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        headers: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.target = Target.parse(url)
         self._headers = dict(headers or {})
         self._idle: list[HttpConnection] = []
+        # Connections answered with a Retry-After, and when they may carry a request again:
+        # steadyserve stops reading a refused keep-alive connection that long, so a request
+        # written into it waits out the pause instead of going on a fresh connection.
+        self._resting: list[tuple[float, HttpConnection]] = []
+        self._clock = clock
+
+    def _wake_rested(self) -> None:
+        now = self._clock()
+        rested = [connection for until, connection in self._resting if until <= now]
+        if rested:
+            self._resting = [(until, c) for until, c in self._resting if until > now]
+            self._idle.extend(rested)
 
     async def post(self, body: bytes, timeout_s: float) -> Response:
         """POST ``body`` (JSON); raises ``RequestError`` when no HTTP response came."""
+        self._wake_rested()
         connection = None
         while self._idle and connection is None:
             candidate = self._idle.pop()
@@ -39,10 +58,14 @@ class ConnectionPool:
             connection.close()
             raise
         if connection.usable:
-            self._idle.append(connection)
+            if response.retry_after_s:
+                self._resting.append((self._clock() + response.retry_after_s, connection))
+            else:
+                self._idle.append(connection)
         return response
 
     def close(self) -> None:
-        for connection in self._idle:
+        for connection in [*self._idle, *(c for _, c in self._resting)]:
             connection.close()
         self._idle.clear()
+        self._resting.clear()

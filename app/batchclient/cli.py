@@ -180,7 +180,10 @@ class _Source:
     resumed: IdSet  # marked as this run's lines have them (`IdSet.mark`)
     errors: Journal
     refused_lines: RefusedLines = field(default_factory=RefusedLines)
+    failed_before: IdSet = field(default_factory=IdSet)  # ids in the errors file
     skipped: int = 0
+    # Of those skipped, the lines whose record is in the errors file: still not answered.
+    skipped_as_failed: int = 0
     invalid: int = 0
 
     def items(self) -> Iterator[Item]:
@@ -190,6 +193,7 @@ class _Source:
                     continue
                 if self.refused_lines.refused(line_number, line):  # by a previous run
                     self.skipped += 1
+                    self.skipped_as_failed += 1
                     continue
                 try:
                     item = Item.from_line(line, line_number)
@@ -204,6 +208,7 @@ class _Source:
                     self._refuse(item.id, line_number, line, DUPLICATE_ID, message)
                 elif answered_before:
                     self.skipped += 1
+                    self.skipped_as_failed += item.id in self.failed_before
                 else:
                     yield item
 
@@ -232,8 +237,8 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
             stream.write(f"batch: {path}: cut a torn last line ({torn} bytes); it is redone\n")
     done = IdSet()
     refused_lines = RefusedLines()
-    errors_before = read_ids(errors_path, done, refused_lines)
-    resumed = read_ids(output, done) + errors_before
+    failed_before = IdSet()
+    resumed = read_ids(errors_path, done, refused_lines, failed_before) + read_ids(output, done)
     if resumed:
         stream.write(f"batch: resuming: {resumed:,} ids already in {output} or its errors\n")
     total = count_lines(args.input)
@@ -253,7 +258,7 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     display = ProgressDisplay(stream, mode, args.progress_interval)
     results_journal = Journal(output)
     errors_journal = Journal(errors_path)
-    source = _Source(args.input, done, errors_journal, refused_lines)
+    source = _Source(args.input, done, errors_journal, refused_lines, failed_before)
     started = time.monotonic()
     stopped_by: list[str] = []
     refused: list[ClientRefused] = []
@@ -301,9 +306,10 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     display.close(final)
     document = summary(final, stopped_by[0] if stopped_by else None)
     document["peak_resident_mb"] = peak_resident_mb()
-    # A rerun skips what earlier runs put in the errors file: those lines are still not
-    # answered, and the exit status says so.
-    document["lines_in_errors_file"] = errors_before + errors_journal.lines_written
+    # A rerun skips the lines earlier runs put in the errors file: those are still not
+    # answered, and the exit status says so. A record of a line since fixed (read again
+    # and answered) is not one of them.
+    document["lines_in_errors_file"] = source.skipped_as_failed + errors_journal.lines_written
     stream.write("batch summary:\n" + summary_table(document) + "\n")
     if args.summary_json is not None:
         args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))

@@ -128,9 +128,15 @@ class RefusedLines:
         return len(self._digests)
 
 
-def read_ids(path: Path, into: IdSet, refused_lines: RefusedLines | None = None) -> int:
-    """Add the id of every line of ``path`` to ``into`` (a refused line's number and digest
-    to ``refused_lines`` instead, when given); returns how many lines it read.
+def read_ids(
+    path: Path,
+    into: IdSet,
+    refused_lines: RefusedLines | None = None,
+    also_into: IdSet | None = None,
+) -> int:
+    """Add the id of every line of ``path`` to ``into`` and ``also_into`` (a refused line's
+    number and digest to ``refused_lines`` instead, when given); returns how many lines it
+    read.
 
     Call after ``repair_torn_tail``: every line must then be a whole result line.
     """
@@ -150,6 +156,8 @@ def read_ids(path: Path, into: IdSet, refused_lines: RefusedLines | None = None)
                 refused_lines.add(int(record["line"]), record.get("line_digest"))
             else:
                 into.add(item_id)
+                if also_into is not None:
+                    also_into.add(item_id)
             count += 1
     return count
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.server
+import threading
 from pathlib import Path
 
 import orjson
@@ -143,3 +145,40 @@ def test_a_value_that_cannot_work_is_a_usage_error(tmp_path: Path, option: list[
     with pytest.raises(SystemExit) as stopped:
         main([*command, *option])
     assert stopped.value.code == 2
+
+
+class _Answering(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b'{"outputs": [[0.5]]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_line_fixed_after_a_run_refused_it_lets_the_rerun_succeed(tmp_path: Path) -> None:
+    """The refused line's old record stays in the errors file; counted as an error of this
+    input, it made every rerun exit 3 though the fixed line was answered."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answering)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    source = tmp_path / "in.jsonl"
+    out = tmp_path / "out.jsonl"
+    command = [str(source), "--url", f"http://127.0.0.1:{server.server_port}"]
+    command += ["--out", str(out), "--progress", "lines"]
+    try:
+        source.write_bytes(b'{"inputs": "a"}\nnot json\n')
+        assert main(command) == 3
+        source.write_bytes(b'{"inputs": "a"}\n{"inputs": "b"}\n')
+        assert main(command) == 0
+        assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [1, 2]
+        source.write_bytes(b'{"inputs": "a"}\n{"inputs": "b"}\nstill not json\n')
+        assert main(command) == 3  # a refusal that still applies still counts
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -162,7 +162,7 @@ class Settings(BaseSettings):
         default=32_768,
         ge=1,
         description="Token-bucket capacity, in model tokens (the largest burst admitted at "
-        "once); must hold the largest request.",
+        "once); must hold the largest request, and one full KV-cache slot.",
     )
     max_queue_delay_ms: float = Field(
         default=100.0,
@@ -353,6 +353,12 @@ class Settings(BaseSettings):
             )
         if self.health_port is not None and self.health_port == self.port:
             raise ValueError("health_port must differ from port (it carries no traffic)")
+        if self.generate_slot_tokens > self.rate_limit_burst:
+            raise ValueError(
+                "rate_limit_burst must hold one full KV-cache slot (generate_slot_tokens): a "
+                "generation is charged its prompt + max_new_tokens, all a slot's room when "
+                "max_tokens is left out, and a charge over the burst is refused (413)"
+            )
         if self.generate_max_batch_tokens < self.generate_slot_tokens:
             raise ValueError(
                 "generate_max_batch_tokens must hold one full slot (generate_slot_tokens), "

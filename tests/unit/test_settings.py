@@ -42,6 +42,8 @@ def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) ->
         {"keep_alive_timeout_s": 0.5},  # uvicorn's whole seconds: 0, every idle one closed
         {"max_batch_tokens": 256},  # one input of the 512 bucket is 512 tokens
         {"log_level": "warn"},  # Python's logging takes it, uvicorn does not
+        # A chat without max_tokens is charged a whole slot: every one was refused 413.
+        {"generate_slot_tokens": 40_000, "generate_max_batch_tokens": 40_000},
     ],
 )
 def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:

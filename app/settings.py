@@ -353,7 +353,8 @@ class Settings(BaseSettings):
             )
         if self.health_port is not None and self.health_port == self.port:
             raise ValueError("health_port must differ from port (it carries no traffic)")
-        if self.generate_slot_tokens > self.rate_limit_burst:
+        generates = any(model.task == "generate" for model in self.models)
+        if generates and self.generate_slot_tokens > self.rate_limit_burst:
             raise ValueError(
                 "rate_limit_burst must hold one full KV-cache slot (generate_slot_tokens): a "
                 "generation is charged its prompt + max_new_tokens, all a slot's room when "

@@ -43,7 +43,11 @@ def test_environment_is_read_at_construction(monkeypatch: pytest.MonkeyPatch) ->
         {"max_batch_tokens": 256},  # one input of the 512 bucket is 512 tokens
         {"log_level": "warn"},  # Python's logging takes it, uvicorn does not
         # A chat without max_tokens is charged a whole slot: every one was refused 413.
-        {"generate_slot_tokens": 40_000, "generate_max_batch_tokens": 40_000},
+        {
+            "models": ({"name": "lm", "task": "generate", "source": "/m"},),
+            "generate_slot_tokens": 40_000,
+            "generate_max_batch_tokens": 40_000,
+        },
     ],
 )
 def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None:
@@ -139,3 +143,9 @@ def test_every_batch_size_the_settings_allow_has_its_own_histogram_bucket() -> N
     assert Settings(max_batch_size=largest).max_batch_size <= max(BATCH_SIZE_BUCKETS)
     with pytest.raises(ValidationError):
         Settings(max_batch_size=largest + 1)
+
+
+def test_a_server_without_generate_models_needs_no_burst_for_a_kv_slot() -> None:
+    Settings(
+        rate_limit_burst=16, length_buckets=(16,), max_batch_tokens=16, max_inputs_per_request=1
+    )

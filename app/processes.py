@@ -59,17 +59,15 @@ def configure_logging(level: str, role: str) -> None:
     )
 
 
-def shared_port_socket(host: str, port: int) -> socket.socket:
-    """A socket bound where the other front ends bind too: the kernel spreads connections
-    among them (SO_REUSEPORT), so no single accept loop is the bottleneck. Bound, not yet
-    listening: uvicorn listens once the app has started, and the kernel gives connections
-    only to listening sockets, so none waits in (or is answered 503 by) a front end still
-    loading its tokenizers while the others serve."""
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening socket that other front ends bind too: the kernel spreads connections
+    among them (SO_REUSEPORT), so no single accept loop is the bottleneck."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -114,7 +112,7 @@ def run_frontend_process(
     configure_logging(settings.log_level, f"frontend[{os.getpid()}]")
     # Below the engine: a flood of connections must not take CPU from admitted work.
     os.nice(settings.frontend_nice)
-    sock = shared_port_socket(settings.host, settings.port)
+    sock = listening_socket(settings.host, settings.port, settings.listen_backlog)
 
     def on_started(ok: bool) -> None:
         if ok:

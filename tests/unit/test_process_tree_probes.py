@@ -15,7 +15,7 @@ import pytest
 from app.engine.protocol import EngineStatus
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
-from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained, shared_port_socket
+from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained
 from app.settings import Settings
 
 
@@ -161,20 +161,3 @@ async def test_an_engine_that_cannot_be_spawned_is_tried_again_with_backoff(
         await supervisor._task
     assert len(attempts) == 3
     assert supervisor.restarts == 2
-
-
-async def test_a_front_ends_socket_takes_no_connection_until_its_server_listens() -> None:
-    # Listening from the bind, a restarting front end was handed its share of the port's
-    # connections while it loaded tokenizers: they waited, or got 503s, while the others
-    # served.
-    sock = shared_port_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    try:
-        with pytest.raises(ConnectionRefusedError):
-            await asyncio.open_connection("127.0.0.1", port)
-        server = await asyncio.start_server(lambda r, w: w.close(), sock=sock)
-        async with server:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-    finally:
-        sock.close()

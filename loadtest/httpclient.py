@@ -103,7 +103,7 @@ def retry_after_seconds(value: str, now: float) -> float | None:
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # a year or zone out of range
             return None
         if when.tzinfo is None:  # RFC 9110 dates are GMT; one without a zone is read so
             when = when.replace(tzinfo=datetime.UTC)
@@ -214,6 +214,9 @@ class _ResponseReader(asyncio.Protocol):
         if self._status in (204, 304) or 100 <= self._status < 200:
             self._content_length = 0
         elif length is not None and not self._chunked:
+            if not length.isdigit():
+                self.fail(RequestError(RequestError.PROTOCOL, f"bad content-length {length!r}"))
+                return False
             self._content_length = int(length)
         connection = _header_value(head, b"connection:")
         self._close_after = (connection is not None and b"close" in connection) or head.startswith(

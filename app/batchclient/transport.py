@@ -18,6 +18,11 @@ from loadtest.httpclient import HttpConnection, RequestError, Response, Target
 __all__ = ["ConnectionPool", "RequestError", "Response"]
 
 
+# steadyserve stops reading a refused connection for at most its refused_read_pause_s (1 s
+# by default); a longer Retry-After (a proxy's hour) would only pile idle sockets up.
+MAX_REST_S = 5.0
+
+
 class ConnectionPool:
     def __init__(
         self,
@@ -59,7 +64,8 @@ class ConnectionPool:
             raise
         if connection.usable:
             if response.retry_after_s:
-                self._resting.append((self._clock() + response.retry_after_s, connection))
+                rest_s = min(response.retry_after_s, MAX_REST_S)
+                self._resting.append((self._clock() + rest_s, connection))
             else:
                 self._idle.append(connection)
         return response

@@ -67,7 +67,8 @@ class EngineSupervisor:
         self._on_exit = on_exit
         self._context = multiprocessing.get_context("spawn")
         self.process: BaseProcess | None = None
-        self.restarts = 0
+        self.restarts = 0  # engines started after the first try, a failed spawn's included
+        self._one_died = False  # an engine started now replaces one that died
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
@@ -77,7 +78,7 @@ class EngineSupervisor:
     def _spawn(self) -> BaseProcess:
         process = self._context.Process(
             target=run_engine_process,
-            args=(self._settings, self._addresses, os.getpid(), self.restarts > 0),
+            args=(self._settings, self._addresses, os.getpid(), self._one_died),
             name="steadyserve-engine",
             daemon=True,
         )
@@ -102,6 +103,7 @@ class EngineSupervisor:
             started = time.monotonic()
             await wait_for_exit(process)
             assert process.pid is not None
+            self._one_died = True
             self._on_exit(process.pid)
             if self._stopping:
                 return

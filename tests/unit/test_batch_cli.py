@@ -179,6 +179,7 @@ def test_a_line_fixed_after_a_run_refused_it_lets_the_rerun_succeed(tmp_path: Pa
         assert [orjson.loads(line)["id"] for line in out.read_bytes().splitlines()] == [1, 2]
         source.write_bytes(b'{"inputs": "a"}\n{"inputs": "b"}\nstill not json\n')
         assert main(command) == 3  # a refusal that still applies still counts
+        assert main(command) == 3  # and still does when the rerun skips its line
     finally:
         server.shutdown()
         server.server_close()

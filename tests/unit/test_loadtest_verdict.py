@@ -251,6 +251,8 @@ async def _serve_raw(response: bytes) -> tuple[asyncio.Server, Target]:
         ("nan", None),
         ("inf", None),
         ("soon", None),
+        ("Thu, 01 Jan 99999999999999999999 00:00:00 GMT", None),  # OverflowError
+        ("Thu, 01 Jan 2026 00:00:00 +99999999999999999999", None),
     ],
 )
 def test_retry_after_is_seconds_or_an_http_date(value: str, seconds: float | None) -> None:

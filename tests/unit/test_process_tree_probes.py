@@ -150,6 +150,8 @@ async def test_an_engine_that_cannot_be_spawned_is_tried_again_with_backoff(
 
     def spawn() -> None:
         attempts.append(len(attempts))
+        # No engine has died: the one that starts is not a replacement (restarts counter).
+        assert not supervisor._one_died
         if len(attempts) < 3:
             raise OSError(11, "Resource temporarily unavailable")  # EAGAIN: the pid limit
         raise asyncio.CancelledError  # the third try: stop the test here

@@ -245,6 +245,13 @@ def attribute(facts: RequestFacts) -> list[Cause]:
                 )
             )
 
+    if batch is None and compute > 0:
+        # The engine traces only a request slow at the engine (over half the threshold);
+        # the time it computed is still the request's, and no other cause holds it.
+        causes.append(
+            Cause("compute", compute, f"computed {_ms(compute)} (the engine sent no trace)")
+        )
+
     queue = max(0.0, facts.phases.get("queue", 0.0) - facts.batching_window_s)
     depth = facts.engine.queue_depth_at_arrival if facts.engine else 0
     causes.append(Cause("queueing", queue, f"queued {_ms(queue)} behind {depth} inputs"))
@@ -279,7 +286,8 @@ def rank(causes: list[Cause]) -> list[Cause]:
     root_s = max((c.seconds for c in kept if c.name in ROOT_CAUSES), default=0.0)
 
     def weight(cause: Cause) -> float:
-        if cause.name in ROOT_CAUSES:
+        # `unaccounted` already has the front end's losses taken out (`attribute`).
+        if cause.name in ROOT_CAUSES or cause.name == "unaccounted":
             return cause.seconds
         return max(0.0, cause.seconds - root_s)
 

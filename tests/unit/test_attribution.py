@@ -348,3 +348,35 @@ def test_a_report_keeps_the_threshold_it_was_judged_slow_against() -> None:
     report = recorder.record("POST", "/infer", 200, facts(total_s=0.2), threshold_s)
     assert report.threshold_s == pytest.approx(0.05)
     assert report.threshold_s <= report.total_s
+
+
+def test_compute_is_a_cause_when_the_engine_sent_no_trace() -> None:
+    # The engine traces only requests slow there: a request made slow in the front end
+    # lost its compute phase, its largest, from every cause.
+    request = RequestFacts(
+        total_s=0.16,
+        phases={"tokenize": 0.02, "queue": 0.004, "compute": 0.07},
+        frontend_pid=FRONT,
+        frontend_probes={"gc_gen2_pause_seconds_total": 0.03, "gc_gen2_collections_total": 1},
+        engine=None,
+        batching_window_s=0.002,
+    )
+    causes = {cause.name: round(cause.seconds * 1000) for cause in attribute(request)}
+    assert causes["compute"] == 70
+
+
+def test_unaccounted_time_is_not_discounted_by_a_front_end_pause_twice() -> None:
+    # 300 ms: 50 queued, a 100 ms front-end collection, 150 outside every phase. The
+    # collection was already taken out of `unaccounted`; discounting it again ranked the
+    # 100 ms collection above the 150 ms.
+    request = facts(
+        total_s=0.3,
+        phases={"queue": 0.05},
+        front={"gc_gen2_pause_seconds_total": 0.1, "gc_gen2_collections_total": 1},
+        trace=batch(run_s=0.0, copy_in_s=0.0, copy_out_s=0.0, expected_compute_s=0.0),
+    )
+    causes = attribute(request)
+    assert [(c.name, round(c.seconds * 1000)) for c in causes[:2]] == [
+        ("unaccounted", 150),
+        ("gc_pause", 100),
+    ]

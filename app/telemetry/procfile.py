@@ -10,8 +10,12 @@ One thread at a time per `ProcFile`.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
+
+# Errors that say the file is not there (or not ours to read), unlike EMFILE or ENFILE.
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM})
 
 
 class ProcFile:
@@ -30,8 +34,10 @@ class ProcFile:
                 return None
             try:
                 self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._missing = True
+            except OSError as error:
+                # Only absence is for good: out of descriptors (a connection flood), the
+                # next read tries again.
+                self._missing = error.errno in _ABSENT
                 return None
         try:
             return os.pread(self._fd, self.size, 0).decode("ascii", "replace")

@@ -21,11 +21,13 @@ class _ThreadFile:
     """This thread's schedstat file, open for as long as the thread lives."""
 
     def __init__(self) -> None:
+        self.fd = -1  # set first: an open that fails (EMFILE in a flood) leaves nothing to close
         # /proc/thread-self resolves when opened: the descriptor stays this thread's.
         self.fd = os.open(SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
 
     def __del__(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 _per_thread = threading.local()

@@ -274,3 +274,51 @@ def test_throttling_is_read_where_the_quota_is_not_at_the_root(tmp_path: Path) -
     assert readings["cgroup_throttled_periods_total"] == 12
     assert readings["cgroup_throttled_seconds_total"] == 0.03
     assert readings["cgroup_quota_cpus"] == 2.0
+
+
+def test_a_probe_file_out_of_descriptors_is_read_again_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # EMFILE in a connection flood was taken for "no such file": never read again.
+    import errno
+    import os
+
+    path = tmp_path / "stat"
+    path.write_text("42")
+    probe = ProcFile(str(path), 64)
+    real_open = os.open
+
+    def out_of_descriptors(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(os, "open", out_of_descriptors)
+    assert probe.text() is None
+    monkeypatch.setattr(os, "open", real_open)
+    assert probe.text() == "42"
+    probe.close()
+    assert ProcFile(str(tmp_path / "absent"), 64).text() is None
+
+
+def test_a_schedstat_open_that_fails_leaves_no_error_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+    import sys
+
+    from app.telemetry import schedstat
+
+    def out_of_descriptors(*args: object, **kwargs: object) -> int:
+        raise OSError(24, "Too many open files")
+
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(os, "open", out_of_descriptors)
+
+    def in_a_new_thread() -> None:
+        assert schedstat.thread_runqueue_wait_s() == 0.0
+
+    worker = threading.Thread(target=in_a_new_thread)
+    worker.start()
+    worker.join()
+    gc.collect()
+    assert unraisable == []

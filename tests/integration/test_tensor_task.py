@@ -61,6 +61,27 @@ async def client(models: TensorModels) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+async def test_a_v2_request_shed_in_microseconds_is_not_timed_as_a_slow_request(
+    models: TensorModels,
+) -> None:
+    """Shed before its body is read, like the prebuilt answers of the other routes: timed,
+    a flood of them pulled the running p99 (the slow-request threshold) down to theirs."""
+    settings = Settings(
+        engine="inprocess",
+        models=tuple(ModelSpec.model_validate(s) for s in models.specs if s["name"] == "mlp"),
+        length_buckets=(4, 8, 16),
+        torch_threads=1,
+        slow_request_ms=1e-6,  # any timed request is slow
+    )
+    async with serving(create_app(settings)) as client:
+        app = client._transport.app  # type: ignore[attr-defined]
+        app.state.service.begin_drain()
+        body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8]}]}
+        response = await client.post("/v2/models/mlp/infer", json=body)
+        assert response.status_code == 503
+        assert app.state.recorder.recent() == []
+
+
 def core_of(client: httpx.AsyncClient) -> EngineCore:
     engine = client._transport.app.state.service.engine  # type: ignore[attr-defined]
     assert isinstance(engine, InProcessEngine)

@@ -282,6 +282,7 @@ class ProcessTree:
                     process.kill()
             return
         self._stopping = True
+        self.engine.stop_restarting()
         log.info("received %s: draining the front ends", signal.Signals(sig).name)
         self._stop_requested.set()
 
@@ -289,10 +290,12 @@ class ProcessTree:
         for process in self.frontends:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, DRAIN_OR_STOP)
-        # The front ends bound their own waits (drain timeout, then uvicorn's shutdown).
-        limit = self.settings.drain_timeout_s + 10
+        # The front ends bound their own waits (drain timeout, then uvicorn's shutdown): one
+        # deadline for all of them, not a fresh one per front end (k hung front ends took
+        # k times as long).
+        give_up_at = time.monotonic() + self.settings.drain_timeout_s + 10
         for process in self.frontends:
-            await asyncio.to_thread(process.join, limit)
+            await asyncio.to_thread(process.join, max(0.0, give_up_at - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 await asyncio.to_thread(process.join, 5)

@@ -120,6 +120,12 @@ class EngineSupervisor:
             )
             await asyncio.sleep(backoff)
 
+    def stop_restarting(self) -> None:
+        """No restart from now on (the server is stopping): an engine that dies while the
+        front ends drain is not replaced by one that would load the model only to be
+        stopped mid-load, past the pod's grace period."""
+        self._stopping = True
+
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the engine (SIGUSR1: it finishes what it runs), killing it after
         `timeout_s`; no restart follows."""

@@ -163,3 +163,17 @@ async def test_an_engine_that_cannot_be_spawned_is_tried_again_with_backoff(
         await supervisor._task
     assert len(attempts) == 3
     assert supervisor.restarts == 2
+
+
+async def test_an_engine_that_dies_once_the_server_is_stopping_is_not_restarted(
+    tree: ProcessTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restarted during the front ends' drain, an engine loaded its model only to be stopped
+    mid-load, and shutdown outlasted the pod's grace period."""
+    spawned: list[int] = []
+    monkeypatch.setattr(tree.engine, "_spawn", lambda: spawned.append(1))
+    tree._on_signal(signal.SIGTERM)
+    tree.engine.start()
+    assert tree.engine._task is not None
+    await tree.engine._task  # ends at once: nothing is spawned
+    assert spawned == []

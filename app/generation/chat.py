@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
 
@@ -150,7 +151,15 @@ def load_chat_template(directory: Path) -> ChatTemplate | None:
     source = _template_source(config, directory)
     if source is None:
         return None
-    special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))}
+    # Older tokenizer directories keep their special tokens in special_tokens_map.json
+    # alone; transformers reads both, tokenizer_config.json's winning.
+    legacy_path = directory / SPECIAL_TOKENS_MAP
+    legacy: dict[str, Any] = json.loads(legacy_path.read_text()) if legacy_path.is_file() else {}
+    special = {
+        key: text
+        for key in _SPECIAL_TOKEN_KEYS
+        if (text := _token_text(config.get(key)) or _token_text(legacy.get(key)))
+    }
     try:
         return ChatTemplate(source, special)
     except jinja2.TemplateSyntaxError as error:

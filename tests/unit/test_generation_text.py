@@ -228,3 +228,13 @@ def test_a_template_that_does_not_compile_leaves_the_model_without_chat(tmp_path
     config = {"chat_template": "{% for m in messages %}{{ m.content }}"}  # no endfor
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     assert load_chat_template(tmp_path) is None
+
+
+def test_special_tokens_only_in_the_legacy_map_still_render(tmp_path: Path) -> None:
+    # An older tokenizer directory: `{{ bos_token }}` rendered empty, the prompt lost its BOS.
+    config = {"chat_template": "{{ bos_token }}{{ eos_token }}", "eos_token": "</s>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    legacy = {"bos_token": {"content": "<s>"}, "eos_token": "<ignored>"}
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(legacy))
+    template = load_chat_template(tmp_path)
+    assert template is not None and template.render([]) == "<s></s>"

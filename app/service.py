@@ -350,6 +350,14 @@ class Service:
                 if "queue" not in timer.phases:
                     timer.add("queue", self.clock() - admitted_at)
                 raise
+            except EngineUnavailable:
+                timer.add("engine_lost", self.clock() - admitted_at)
+                raise
+            except Rejected as rejection:
+                if rejection.reason is RejectReason.ENGINE_LOST:
+                    # Its wait went with the engine: a slow-request report names it.
+                    timer.add("engine_lost", self.clock() - admitted_at)
+                raise
             raise EngineUnavailable("the engine's stream ended without an output")
 
     async def run_tokenizer(

@@ -24,6 +24,7 @@ CAUSES = (
     "allocator_retry",
     "cuda_context_change",
     "unwarmed_shape",
+    "engine_lost",
     "buffer_wait",
     "queueing",
     "admission_wait",
@@ -251,6 +252,16 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         causes.append(
             Cause("compute", compute, f"computed {_ms(compute)} (the engine sent no trace)")
         )
+
+    lost = facts.phases.get("engine_lost", 0.0)
+    causes.append(
+        Cause(
+            "engine_lost",
+            lost,
+            f"the engine went away with the request in it, {_ms(lost)} after it was sent "
+            f"(it died, or answered nothing past the deadline)",
+        )
+    )
 
     queue = max(0.0, facts.phases.get("queue", 0.0) - facts.batching_window_s)
     depth = facts.engine.queue_depth_at_arrival if facts.engine else 0

@@ -380,3 +380,18 @@ def test_unaccounted_time_is_not_discounted_by_a_front_end_pause_twice() -> None
         ("unaccounted", 150),
         ("gc_pause", 100),
     ]
+
+
+def test_a_request_the_engine_went_away_with_names_the_engine() -> None:
+    # Its 503 came after a wait no phase held: all of it was "unaccounted".
+    request = RequestFacts(
+        total_s=0.5,
+        phases={"tokenize": 0.001, "admission": 0.0, "engine_lost": 0.49},
+        frontend_pid=FRONT,
+        frontend_probes={},
+        engine=None,
+        batching_window_s=0.002,
+    )
+    name, ms, evidence = top(request)
+    assert (name, ms) == ("engine_lost", 490)
+    assert evidence.startswith("the engine went away with the request in it, 490 ms after")

@@ -261,3 +261,29 @@ async def test_time_at_an_engine_that_answers_only_its_deadline_is_queue_time() 
         )
     await expiry
     assert set(timer.phases) == {"admission", "queue"}
+
+
+async def test_time_at_an_engine_that_went_away_is_the_engine_lost_phase() -> None:
+    """The engine died with the request in it: the report called the wait "unaccounted"."""
+    service, engine = await started_service()
+    timer = PhaseTimer()
+    now = time.monotonic()
+
+    async def lose_the_engine() -> None:
+        await engine.a_submit_sent.wait()
+        engine._fail_all()
+
+    lost = asyncio.create_task(lose_the_engine())
+    with pytest.raises(Rejected) as refused:
+        await service.compute(
+            service.resolve_model(None),
+            "embed",
+            EmbedPayload([[1]]),
+            cost=1,
+            deadline=now + 10,
+            arrived_at=now,
+            timer=timer,
+        )
+    await lost
+    assert refused.value.reason is RejectReason.ENGINE_LOST
+    assert set(timer.phases) == {"admission", "engine_lost"}

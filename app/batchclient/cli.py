@@ -45,6 +45,7 @@ from app.batchclient.journal import (
 from app.batchclient.options import ClientOptions
 from app.batchclient.progress import JobProgress, ProgressDisplay, summary, summary_table
 from app.batchclient.retry import RetryPolicy
+from loadtest.httpclient import Target
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -139,6 +140,10 @@ def parse_headers(values: list[str]) -> dict[str, str]:
         name, sep, content = value.partition(":")
         if not sep or not name.strip() or "\r" in value or "\n" in value:
             raise ValueError(f"--header {value!r} is not 'NAME: VALUE' on one line")
+        try:
+            value.encode("latin-1")  # what HTTP/1.1 headers carry
+        except UnicodeEncodeError:
+            raise ValueError(f"--header {value!r} holds characters outside latin-1") from None
         headers[name.strip()] = content.strip()
     return headers
 
@@ -329,6 +334,9 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         parse_headers(args.header)
+        # Checked here, as the client would build them: found only when the run starts,
+        # a bad URL or header was exit 1 ("could not run"), not the usage error it is.
+        Target.parse(BatchClient.infer_url_for(args.url))
     except ValueError as error:
         parser.error(str(error))
     return args

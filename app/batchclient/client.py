@@ -51,9 +51,14 @@ class ClientRefused(Exception):
 class BatchClient:
     """Async client for ``POST {url}/infer``; use as ``async with BatchClient(url) as c``."""
 
+    @staticmethod
+    def infer_url_for(url: str) -> str:
+        """The /infer URL of a server or Envoy base URL."""
+        return url.rstrip("/") + "/infer"
+
     def __init__(self, url: str, options: ClientOptions | None = None) -> None:
         self.options = options or ClientOptions()
-        self.infer_url = url.rstrip("/") + "/infer"
+        self.infer_url = self.infer_url_for(url)
         self._http: ConnectionPool | None = None
         self.controller = AimdController(self.options.concurrency, adaptive=self.options.adaptive)
         self._window = Window(self.controller)

@@ -135,6 +135,9 @@ def test_an_invalid_line_takes_no_id_a_later_line_could_have(tmp_path: Path) -> 
         ["--timeout-ms", "nan"],
         ["--rate", "inf"],
         ["--progress-interval", "nan"],
+        # Found only once the run started: exit 1, as if the job could not run.
+        ["--header", "X-Team: café ☕"],
+        ["--url", "127.0.0.1:8000"],
     ],
 )
 def test_a_value_that_cannot_work_is_a_usage_error(tmp_path: Path, option: list[str]) -> None:

@@ -177,3 +177,24 @@ async def test_an_engine_that_dies_once_the_server_is_stopping_is_not_restarted(
     assert tree.engine._task is not None
     await tree.engine._task  # ends at once: nothing is spawned
     assert spawned == []
+
+
+async def test_hung_front_ends_share_one_drain_deadline(
+    tree: ProcessTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each join got a fresh drain_timeout_s + 10: k hung front ends took k times as long,
+    past the pod's grace period."""
+    clock = [1000.0]
+    waits: list[float] = []
+
+    class Hung(StandIn):
+        def join(self, timeout: float | None = None) -> None:
+            waits.append(timeout or 0.0)
+            clock[0] += timeout or 0.0  # it never exits: the whole wait passes
+
+    tree.frontends = [Hung(11), Hung(12)]  # type: ignore[list-item]
+    monkeypatch.setattr("app.processes.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("app.processes.os.kill", lambda pid, sig: None)
+    await tree._drain_frontends()
+    limit = tree.settings.drain_timeout_s + 10
+    assert waits == [limit, 5, 0.0, 5]  # each killed after its join; the second waits no more

@@ -198,3 +198,28 @@ async def test_hung_front_ends_share_one_drain_deadline(
     await tree._drain_frontends()
     limit = tree.settings.drain_timeout_s + 10
     assert waits == [limit, 5, 0.0, 5]  # each killed after its join; the second waits no more
+
+
+async def test_a_front_end_whose_restart_cannot_be_spawned_is_tried_again(
+    tree: ProcessTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spawn that raised (pid limit, memory) ended the slot's watcher: never refilled."""
+    tree.settings = Settings(engine_restart_backoff_s=(0.001, 0.002))
+
+    async def exited_at_once(process: object) -> None:
+        return None
+
+    monkeypatch.setattr("app.processes.wait_for_exit", exited_at_once)
+    monkeypatch.setattr("app.processes._forget_metrics_of", lambda pid: None)
+    monkeypatch.setattr(tree, "_tell_engine_frontend_gone", lambda pid: None)
+    tries: list[int] = []
+
+    def spawn(index: int) -> None:
+        tries.append(index)
+        if len(tries) < 3:
+            raise OSError(11, "Resource temporarily unavailable")
+        tree._stopping = True  # the third start succeeds; then the server stops
+
+    monkeypatch.setattr(tree, "_spawn_frontend", spawn)
+    await asyncio.wait_for(tree._keep_frontend(0), timeout=10)
+    assert tries == [0, 0, 0]

@@ -28,7 +28,8 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from app.limits import lift_open_file_limit
-from app.settings import Settings, settings_table
+from app.settings import Settings
+from app.settings_doc import settings_table
 
 if TYPE_CHECKING:
     # Imported by `serve` at call time: `steadyserve batch` runs on orchestrator machines
@@ -99,8 +100,8 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
-        self._service.begin_drain()
-        await self._service.wait_drained(self._drain_timeout_s, self._quiet_s)
+        self._service.drain.begin()
+        await self._service.drain.wait(self._drain_timeout_s, self._quiet_s)
         self.should_exit = True
 
 

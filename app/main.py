@@ -10,7 +10,7 @@ The engine is reached through an `EngineClient`:
 Lifespan: start-up loads the tokenizers and connects (the engine loads and warms up on its
 own, so /healthz and /readyz answer with progress meanwhile); shutdown closes the engine
 connection (and stops an owned engine). Draining on SIGTERM is driven by `cli.py` through
-`Service.begin_drain`.
+`Service.drain` (`drain.py`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the probes' verdicts, the served models, shedding from headers alone (the engine's
 published backlog, token bucket, in-flight cap), each request's admission and engine round
 trip (`begin` then `compute`: token bucket by cost -> send to the engine -> read its
-stream), the tokenizer pool, and draining on shutdown.
+stream) and the tokenizer pool; `drain.py` drains it on shutdown.
 
 The per-task pipelines call it: `embedding_service.py` (texts to vectors),
 `tensor_service.py` (tensors) and `generation/pipeline.py` (text generation).
@@ -31,6 +31,7 @@ from app.admission import (
     published_queue_verdict,
     resolve_deadline,
 )
+from app.drain import Drain
 from app.engine.client import EngineClient, EngineRefused, EngineUnavailable
 from app.engine.protocol import EngineStatus, ModelInfo, OutputPayload, Payload, Submit
 from app.failures import DeadlineExceeded
@@ -123,8 +124,7 @@ class Service:
         )
         self._startup_error: str | None = None
         self._started = False  # tokenizers loaded and the engine connected
-        self._idle = asyncio.Event()
-        self._arrival = asyncio.Event()
+        self.drain = Drain(self.admission, clock)  # stop admitting, wait until answered
         # Requests let in that are at the engine (sent, not yet answered): the rest of those
         # in flight are still being read or tokenized, work the engine has not seen yet.
         self._at_engine = 0
@@ -195,7 +195,7 @@ class Service:
         in-flight cap (counted from here on, so it bounds the requests this front end holds
         wherever they wait). The rejection is counted here; the caller answers it. None:
         the request is in, and the caller must call `leave` once it is answered."""
-        self._arrival.set()
+        self.drain.arrived()
         rejection = self._shed_reason(envoy_timeout_ms)
         if rejection is not None:
             self.metrics.rejected.labels("", rejection.reason.value).inc()
@@ -205,8 +205,7 @@ class Service:
         """A request that `shed` let in was answered (whatever the outcome)."""
         self.admission.leave(self.clock())
         self.metrics.inflight.dec()
-        if self.admission.draining and self.admission.inflight == 0:
-            self._idle.set()
+        self.drain.left()
 
     def _ready_status(self) -> EngineStatus | None:
         """The engine's status while this front end can serve (started, engine ready)."""
@@ -302,7 +301,7 @@ class Service:
     ) -> tuple[float, float]:
         """A request's arrival time and deadline; raises `Rejected` (counted) while
         draining or without a ready engine. Any task's first step."""
-        self._arrival.set()
+        self.drain.arrived()
         now = self.clock()
         if self.admission.draining:
             raise self.gate.reject(self.admission.draining_rejection(), model)
@@ -371,36 +370,6 @@ class Service:
         return await loop.run_in_executor(self._tokenize_pool, work, *args)
 
     # --- shutdown -----------------------------------------------------------------------
-    def begin_drain(self) -> None:
-        """Stop admitting (503) and report unready; admitted requests carry on."""
-        if not self.admission.draining:
-            log.info("draining: %d requests in flight", self.admission.inflight)
-        self.admission.draining = True
-        if self.admission.inflight == 0:
-            self._idle.set()
-
-    async def wait_drained(self, timeout_s: float, quiet_s: float) -> bool:
-        """True when every admitted request was answered and no new one arrived for
-        `quiet_s`, all within `timeout_s`."""
-        give_up_at = self.clock() + timeout_s
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            # Nothing new is admitted while draining, but clients may still be arriving to
-            # hear 503: wait until none has for `quiet_s`, within the drain timeout.
-            while (remaining := give_up_at - self.clock()) > 0:
-                self._arrival.clear()
-                try:
-                    await asyncio.wait_for(self._arrival.wait(), min(quiet_s, remaining))
-                except TimeoutError:
-                    break
-        except TimeoutError:
-            pass
-        if self.admission.inflight:
-            log.warning("drain timeout: %d requests still in flight", self.admission.inflight)
-            return False
-        log.info("drained")
-        return True
-
     async def stop(self) -> None:
         await self.engine.close()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.model_specs import ModelSpec
@@ -20,7 +20,8 @@ EngineMode = Literal["process", "inprocess"]
 
 
 class Settings(BaseSettings):
-    """Every setting, with its default and what it means (the README's table is built from this)."""
+    """Every setting, with its default and what it means (`settings_doc.py` builds the
+    README's table from this)."""
 
     model_config = SettingsConfigDict(env_prefix="STEADY_", extra="ignore", frozen=True)
 
@@ -386,18 +387,3 @@ def export_cuda_alloc_conf(settings: Settings) -> str:
     """Give PYTORCH_CUDA_ALLOC_CONF its default unless the environment sets it; returns the
     value in effect. Call before CUDA initialises (it reads the variable once, then)."""
     return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf)
-
-
-def settings_table() -> str:
-    """Every setting as a Markdown table (the README's copy is checked against this)."""
-    rows = ["| environment variable | default | meaning |", "|---|---|---|"]
-    for name, field in Settings.model_fields.items():
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, tuple):
-            default = list(default)
-        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
-            default = [d.model_dump() for d in default]
-        shown = "unset" if default is None else f"`{default}`"
-        description = (field.description or "").replace("|", "\\|")
-        rows.append(f"| `STEADY_{name.upper()}` | {shown} | {description} |")
-    return "\n".join(rows)

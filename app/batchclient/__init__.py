@@ -5,11 +5,12 @@ is its command line (``app.batchclient.cli``); ``BatchClient`` and ``SyncBatchCl
 its Python API.
 """
 
-from app.batchclient.client import BatchClient, ClientRefused, SyncBatchClient
+from app.batchclient.client import BatchClient, ClientRefused
 from app.batchclient.items import Failure, Item, Result, Success
 from app.batchclient.options import ClientOptions
 from app.batchclient.retry import RetryPolicy
 from app.batchclient.stats import BatchStats
+from app.batchclient.sync import SyncBatchClient
 
 __all__ = [
     "BatchClient",

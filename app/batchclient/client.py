@@ -17,7 +17,6 @@ from collections.abc import (
     AsyncIterable,
     AsyncIterator,
     Iterable,
-    Iterator,
     Mapping,
 )
 from types import TracebackType
@@ -372,34 +371,3 @@ async def _each(items: Iterable[Item] | AsyncIterable[Item]) -> AsyncIterator[It
     else:
         for item in items:
             yield item
-
-
-class SyncBatchClient:
-    """The same client for programs without an event loop (Airflow or Ray tasks).
-
-    ``infer_many`` runs an event loop of its own while you iterate it: requests progress
-    between the results you take, not while your code handles one. Not for use inside a
-    running event loop (use ``BatchClient`` there).
-    """
-
-    def __init__(self, url: str, options: ClientOptions | None = None) -> None:
-        self.url = url
-        self.options = options or ClientOptions()
-        self.last_stats: BatchStats | None = None
-
-    def infer_many(self, items: Iterable[Item]) -> Iterator[Result]:
-        loop = asyncio.new_event_loop()
-        client = BatchClient(self.url, self.options)
-        loop.run_until_complete(client.__aenter__())
-        results = client.infer_many(items)
-        try:
-            while True:
-                try:
-                    yield loop.run_until_complete(anext(results))
-                except StopAsyncIteration:
-                    return
-        finally:
-            loop.run_until_complete(results.aclose())
-            self.last_stats = client.stats()
-            loop.run_until_complete(client.__aexit__(None, None, None))
-            loop.close()

@@ -17,30 +17,23 @@ checked between dispatches, so an expiry is noticed up to that many steps late.
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
 
-The host does admission and the step loop (which sequences join, advance and end);
-running a step is `generation_steps.py`'s, a sequence and its outputs
-`generation_sequences.py`'s. Event loop thread only; steps and warm-up run on dispatcher
-compute threads.
+The host does admission and the step loop (when sequences join, advance and end); which
+sequences wait and which hold which slot is `generation_batch.py`'s, running a step
+`generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s.
+Event loop thread only; steps and warm-up run on dispatcher compute threads.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections import deque
 
 from app.admission import Rejected, RejectReason
+from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
-from app.engine.kv_slots import (
-    SlotTable,
-    fitted_sampling,
-    payload_problem,
-    start_verdict,
-    steps_until_start,
-)
+from app.engine.kv_slots import fitted_sampling, payload_problem, start_verdict
 from app.engine.protocol import (
     Failure,
     FailureKind,
@@ -67,12 +60,10 @@ class GenerationHost:
         self.runner = runner
         self._context = context
         settings = context.settings
-        self._table = SlotTable(runner.cache.shape.slots)
+        self._batch = SequenceTable(runner.cache.shape.slots)
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
-        self._waiting: deque[GenerationSequence] = deque()
-        self._running: dict[int, GenerationSequence] = {}  # by slot
         # Outputs of the last step, sent while the next one computes; kept here so that a
         # loop that fails in between still sends them (those sequences are done).
         self._outbox: list[tuple[GenerationSequence, Output]] = []
@@ -108,9 +99,7 @@ class GenerationHost:
 
     def _slot_wait_seconds(self) -> float:
         """Predicted seconds before a sequence queued now gets a KV-cache slot."""
-        running = (seq.remaining for seq in self._running.values())
-        waiting = (seq.sampling.max_new_tokens for seq in self._waiting)
-        return steps_until_start(running, self._table.free, waiting) * self._step_s
+        return self._batch.steps_until_a_slot() * self._step_s
 
     def backlog_seconds(self, now: float) -> float:
         """None of the engine's shared backlog: generation holds one compute slot at a time
@@ -125,7 +114,7 @@ class GenerationHost:
         return None
 
     def queued_inputs(self) -> int:
-        return len(self._waiting)
+        return len(self._batch.waiting)
 
     # --- requests -----------------------------------------------------------------------
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
@@ -134,10 +123,11 @@ class GenerationHost:
             return None  # refused as a bad request by `submit`
         if payload_problem(payload, self.runner.max_sequence_tokens) is not None:
             return None  # likewise
-        if len(self._waiting) >= self._max_waiting and self._table.free <= len(self._waiting):
+        waiting = len(self._batch.waiting)
+        if waiting >= self._max_waiting and self._batch.slots.free <= waiting:
             return Rejected(
                 RejectReason.QUEUE,
-                f"{len(self._waiting)} sequences wait for a KV-cache slot "
+                f"{waiting} sequences wait for a KV-cache slot "
                 f"(cap generate_max_waiting={self._max_waiting})",
                 self._slot_wait_seconds() or None,
             )
@@ -175,10 +165,10 @@ class GenerationHost:
             generator=new_generator(payload.sampling.seed),
             arrived=self._context.clock(),
             done=asyncio.get_running_loop().create_future(),
-            arrival_trace=self._context.tracer.arrive(len(self._waiting)),
+            arrival_trace=self._context.tracer.arrive(len(self._batch.waiting)),
         )
-        self._waiting.append(sequence)
-        if self._table.free > 0:
+        self._batch.waiting.append(sequence)
+        if self._batch.slots.free > 0:
             self._steps.interrupt()  # it can join at the next step
         self._wakeup.set()
         task = asyncio.create_task(self._answer(sequence))
@@ -196,15 +186,9 @@ class GenerationHost:
         """Forget a sequence wherever it is and give its slot back; no answer follows."""
         if not sequence.done.done():
             sequence.done.set_result(None)
-        if sequence.slot is not None:
-            if self._running.get(sequence.slot) is sequence:
-                del self._running[sequence.slot]
-                self._table.give(sequence.slot)
-                # Stop computing its row: a waiting sequence may take the slot at once.
-                self._steps.interrupt()
-        else:
-            with contextlib.suppress(ValueError):
-                self._waiting.remove(sequence)
+        if self._batch.remove(sequence):
+            # Stop computing its row: a waiting sequence may take the slot at once.
+            self._steps.interrupt()
         self._wakeup.set()
 
     def _fail(self, sequence: GenerationSequence, kind: FailureKind, message: str) -> None:
@@ -224,7 +208,7 @@ class GenerationHost:
                 self._context.slots.withdraw(self._steps)
                 self._context.record_batch(error)
                 self._send_outbox()
-                for sequence in [*self._waiting, *self._running.values()]:
+                for sequence in self._batch.everyone():
                     self._fail(sequence, FailureKind.FAILED, f"generation failed: {error}")
 
     async def _loop(self) -> None:
@@ -236,21 +220,21 @@ class GenerationHost:
             available = slots.available(self._steps)
             sequences = self._next_step() if available else []
             if not sequences:  # else `start` takes the slot, leaving the line
-                has_work = bool(self._waiting or self._running)
+                has_work = bool(self._batch)
                 slots.stand(self._steps, waiting=has_work and not available)
             step = (
                 self._steps.start(
                     [s.row() for s in sequences],
                     steps_for(sequences, self._steps_per_dispatch),
                     # A row ending at EOS frees a slot a waiting sequence can take at once.
-                    end_on_eos=bool(self._waiting),
+                    end_on_eos=bool(self._batch.waiting),
                 )
                 if sequences
                 else None
             )
             self._send_outbox()
             if step is None:
-                if self._closing and not self._running and not self._waiting:
+                if self._closing and not self._batch:
                     return
                 await self._wakeup.wait()
                 self._wakeup.clear()
@@ -260,7 +244,7 @@ class GenerationHost:
             except Exception as error:
                 log.exception("%s: generation step failed", self.name)
                 for sequence in sequences:
-                    if sequence.slot is not None and self._running.get(sequence.slot) is sequence:
+                    if self._batch.is_running(sequence):
                         self._fail(sequence, FailureKind.FAILED, f"generation step failed: {error}")
                 continue
             self._record_step(result)
@@ -273,14 +257,14 @@ class GenerationHost:
 
     def _next_step(self) -> list[GenerationSequence]:
         """The next step's sequences: those joining now (prefill), then those decoding."""
-        joiners = self._join()
-        return joiners + [s for s in self._running.values() if s.generated]
+        joiners = self._batch.join(self._max_batch_tokens, self._context.clock())
+        return joiners + [s for s in self._batch.running.values() if s.generated]
 
     def _expire(self, now: float) -> None:
         """Sequences their deadline ends (`GenerationSequence.deadline_end`) end now: past it,
         they fail (504) and free their slots; fitted to it, with `length`. The tokens they
         were given in the last step go out first (a stream ends at its failure)."""
-        sequences = [*self._waiting, *self._running.values()]
+        sequences = self._batch.everyone()
         ending = [(s, end) for s in sequences if (end := s.deadline_end(now, self._step_s))]
         if ending:
             self._send_outbox()
@@ -294,25 +278,6 @@ class GenerationHost:
                 FailureKind.DEADLINE,
                 f"deadline passed after {len(sequence.generated)} generated tokens",
             )
-
-    def _join(self) -> list[GenerationSequence]:
-        """Waiting sequences that take free slots for this step, oldest first, while the
-        prefill (rows x longest prompt) fits generate_max_batch_tokens."""
-        joiners: list[GenerationSequence] = []
-        longest = 0
-        now = self._context.clock()
-        while self._waiting and self._table.free > 0:
-            candidate = self._waiting[0]
-            longer = max(longest, len(candidate.prompt))
-            if joiners and longer * (len(joiners) + 1) > self._max_batch_tokens:
-                break
-            self._waiting.popleft()
-            candidate.slot = self._table.take()
-            candidate.started = now
-            self._running[candidate.slot] = candidate
-            joiners.append(candidate)
-            longest = longer
-        return joiners
 
     def _record_step(self, result: StepResult) -> None:
         seconds = result.step_s
@@ -333,7 +298,7 @@ class GenerationHost:
         eos = self.runner.eos_token_ids
         outbox: list[tuple[GenerationSequence, Output]] = []
         for sequence, chosen in zip(sequences, tokens, strict=True):
-            if sequence.slot is None or self._running.get(sequence.slot) is not sequence:
+            if not self._batch.is_running(sequence):
                 continue  # cancelled or expired while the step ran
             if sequence.first_token_at is None:
                 sequence.first_token_at = now
@@ -361,9 +326,11 @@ class GenerationHost:
     # --- gauges, reports, shutdown -----------------------------------------------------
     def refresh_gauges(self) -> None:
         metrics = self._context.metrics
-        metrics.kv_cache_usage.labels(self.name).set(self._table.held / self._table.capacity)
-        metrics.sequences.labels(self.name, "running").set(len(self._running))
-        metrics.sequences.labels(self.name, "waiting").set(len(self._waiting))
+        metrics.kv_cache_usage.labels(self.name).set(
+            self._batch.slots.held / self._batch.slots.capacity
+        )
+        metrics.sequences.labels(self.name, "running").set(len(self._batch.running))
+        metrics.sequences.labels(self.name, "waiting").set(len(self._batch.waiting))
 
     def debug_report(self) -> dict[str, object]:
         """The cache's size and use, and the step time admission predicts with."""
@@ -373,9 +340,9 @@ class GenerationHost:
             "kv_cache_bytes": self.runner.cache.bytes_allocated,
             "slots": shape.slots,
             "slot_tokens": shape.slot_tokens,
-            "slots_held": self._table.held,
-            "running": len(self._running),
-            "waiting": len(self._waiting),
+            "slots_held": self._batch.slots.held,
+            "running": len(self._batch.running),
+            "waiting": len(self._batch.waiting),
             "step_ms": round(self._step_s * 1000, 3),
         }
 

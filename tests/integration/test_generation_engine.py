@@ -520,7 +520,7 @@ async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(
     failures = iter([RuntimeError("a bug between steps")])
 
     def fail_once_all_are_done() -> list[GenerationSequence]:
-        if not host._running and not host._waiting and (error := next(failures, None)):
+        if not host._batch.running and not host._batch.waiting and (error := next(failures, None)):
             raise error
         return original()
 
@@ -582,7 +582,7 @@ async def test_an_expiring_stream_gets_its_last_tokens_before_its_failure(
         received: list[object] = []
         request = submit(engine, [1, 50, 51], SamplingParams(max_new_tokens=3))
         engine.core.submit(b"front", request, received.append)
-        [sequence] = [s for s in host._waiting if s.request is request]
+        [sequence] = [s for s in host._batch.waiting if s.request is request]
         pending = Output(request.request_id, False, TokensOutput([7], 3), 0.0, 0.0)
         host._outbox = [(sequence, pending)]  # the last step's, not sent yet
         host._expire(request.deadline + 1)

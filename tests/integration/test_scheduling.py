@@ -299,13 +299,13 @@ async def test_waiting_requests_are_batched_together(harness: Harness) -> None:
 
 async def test_draining_refuses_new_work_but_finishes_admitted(harness: Harness) -> None:
     holder = await harness.hold_the_worker()
-    harness.service.begin_drain()
+    harness.service.drain.begin()
     refused = await harness.client.post("/infer", json={"inputs": "late"})
     assert refused.status_code == 503
     assert refused.json()["error"]["type"] == "draining"
     assert refused.headers["connection"] == "close"
     assert (await harness.client.get("/readyz")).json()["status"] == "draining"
-    drained = asyncio.create_task(harness.service.wait_drained(30, quiet_s=0))
+    drained = asyncio.create_task(harness.service.drain.wait(30, quiet_s=0))
     harness.release()
     assert (await holder).status_code == 200
     assert await drained

@@ -75,7 +75,7 @@ async def test_a_v2_request_shed_in_microseconds_is_not_timed_as_a_slow_request(
     )
     async with serving(create_app(settings)) as client:
         app = client._transport.app  # type: ignore[attr-defined]
-        app.state.service.begin_drain()
+        app.state.service.drain.begin()
         body = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8]}]}
         response = await client.post("/v2/models/mlp/infer", json=body)
         assert response.status_code == 503
@@ -225,7 +225,7 @@ async def test_a_draining_server_sheds_v2_requests_with_the_protocol_s_error(
     client: httpx.AsyncClient,
 ) -> None:
     service = client._transport.app.state.service  # type: ignore[attr-defined]
-    service.begin_drain()
+    service.drain.begin()
     try:
         body = {
             "inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 8], "data": [0] * 8}]

@@ -13,7 +13,7 @@ from pathlib import Path
 from app.api import errors
 from app.cli import DELEGATED, build_parser
 from app.metrics import Metrics
-from app.settings import settings_table
+from app.settings_doc import settings_table
 from tests.support.registry import exported_names
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -1,0 +1,67 @@
+"""Where each sequence of one generate model is: waiting for a KV-cache slot (oldest first)
+or running in one, and which waiting sequences join the next step. The host
+(`generation_host.py`) decides when; this keeps the membership and the slots consistent.
+
+Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+from app.engine.generation_sequences import GenerationSequence
+from app.engine.kv_slots import SlotTable, steps_until_start
+
+
+class SequenceTable:
+    def __init__(self, slots: int) -> None:
+        self.slots = SlotTable(slots)
+        self.waiting: deque[GenerationSequence] = deque()
+        self.running: dict[int, GenerationSequence] = {}  # by slot
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def everyone(self) -> list[GenerationSequence]:
+        return [*self.waiting, *self.running.values()]
+
+    def is_running(self, sequence: GenerationSequence) -> bool:
+        """The sequence holds its slot still (not cancelled, expired or finished since)."""
+        return sequence.slot is not None and self.running.get(sequence.slot) is sequence
+
+    def remove(self, sequence: GenerationSequence) -> bool:
+        """Forget the sequence wherever it is; True when it gave a slot back."""
+        if sequence.slot is None:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(sequence)
+            return False
+        if not self.is_running(sequence):
+            return False
+        del self.running[sequence.slot]
+        self.slots.give(sequence.slot)
+        return True
+
+    def join(self, max_batch_tokens: int, now: float) -> list[GenerationSequence]:
+        """Waiting sequences that take free slots for the next step, oldest first, while the
+        prefill (rows x longest prompt) fits `max_batch_tokens`."""
+        joiners: list[GenerationSequence] = []
+        longest = 0
+        while self.waiting and self.slots.free > 0:
+            candidate = self.waiting[0]
+            longer = max(longest, len(candidate.prompt))
+            if joiners and longer * (len(joiners) + 1) > max_batch_tokens:
+                break
+            self.waiting.popleft()
+            candidate.slot = self.slots.take()
+            candidate.started = now
+            self.running[candidate.slot] = candidate
+            joiners.append(candidate)
+            longest = longer
+        return joiners
+
+    def steps_until_a_slot(self) -> int:
+        """Predicted steps before a sequence queued now gets a slot."""
+        running = (seq.remaining for seq in self.running.values())
+        waiting = (seq.sampling.max_new_tokens for seq in self.waiting)
+        return steps_until_start(running, self.slots.free, waiting)

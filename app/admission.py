@@ -263,10 +263,9 @@ class Admission:
         self._requests_completed.record(1, now)
 
     def admit(self, deadline: float, now: float) -> None:
-        """Admit a request after its body was read and tokenized, or raise `Rejected`
-        (draining, or its deadline passed)."""
-        if self.draining:
-            raise self.draining_rejection()
+        """Admit a request after its body was read and tokenized, or raise `Rejected` (its
+        deadline passed). Draining refuses nothing here: the request entered before the drain
+        began (`enter` refuses those after), and entered requests finish."""
         if deadline <= now:
             raise Rejected(RejectReason.DEADLINE, "deadline passed before admission")
 

@@ -36,24 +36,29 @@ async def triage(
     batch_error: Exception,
     run: Callable[[Sequence[RowT]], Awaitable[OutputT]],
     known_good: Sequence[RowT] | None,
+    *,
+    batch_rows: int,
 ) -> Triage[OutputT]:
-    """A known-good row first (`known_good`; None when there is none, e.g. warm-up was off):
-    when even that fails the server is failing, and no row is run again (a device that
-    fell over would fail each, one slow failure after another, holding the compute slot).
-    Else each row runs alone (a batch of one row already did: its `batch_error` is its own);
-    without a known-good row, the server is failing when no row computes alone."""
+    """`rows`: those of the failed batch still waiting for an answer (of its `batch_rows`;
+    the rest were cancelled or expired while it ran). A known-good row first (`known_good`;
+    None when there is none, e.g. warm-up was off): when even that fails the server is
+    failing, and no row is run again (a device that fell over would fail each, one slow
+    failure after another, holding the compute slot). Else each row runs alone (a batch of
+    one row already did: its `batch_error` is its own, and only then: a row left alone by
+    the others' going is not the one that failed); without a known-good row, the server is
+    failing when rows waited and none computes alone."""
     if known_good is not None:
         try:
             await run(known_good)
         except Exception:
             return Triage([batch_error] * len(rows), server_failing=True)
+    if batch_rows == 1:
+        return Triage([batch_error] * len(rows), server_failing=known_good is None and bool(rows))
     alone: list[OutputT | Exception] = []
-    for row in rows if len(rows) > 1 else ():
+    for row in rows:
         try:
             alone.append(await run([row]))
         except Exception as error:  # the model's own exception, whatever it is
             alone.append(error)
-    if len(rows) == 1:
-        alone.append(batch_error)
     computed = any(not isinstance(result, Exception) for result in alone)
-    return Triage(alone, server_failing=known_good is None and not computed)
+    return Triage(alone, server_failing=known_good is None and bool(rows) and not computed)

@@ -289,6 +289,7 @@ class Batcher(Generic[RowT, OutT]):
                 error,
                 lambda rows: self._dispatcher.run_compute(self._run_batch, solo, rows),
                 known_good,
+                batch_rows=len(pendings),
             )
         except BaseException as fault:
             for pending in pendings:

@@ -299,12 +299,11 @@ class Service:
     def begin(
         self, model: str, timeout_ms: float | None, envoy_timeout_ms: float | None
     ) -> tuple[float, float]:
-        """A request's arrival time and deadline; raises `Rejected` (counted) while
-        draining or without a ready engine. Any task's first step."""
+        """A request's arrival time and deadline; raises `Rejected` (counted) without a
+        ready engine. Any task's first step, for a request `shed` let in: one that entered
+        before a drain began finishes, so draining refuses nothing here."""
         self.drain.arrived()
         now = self.clock()
-        if self.admission.draining:
-            raise self.gate.reject(self.admission.draining_rejection(), model)
         if self._ready_status() is None:
             raise self.gate.reject(self._not_ready(), model)
         return now, resolve_deadline(now, self.admission.limits, timeout_ms, envoy_timeout_ms)

@@ -275,6 +275,8 @@ def _texts(parsed: InferRequest, limit: int) -> list[str]:
         raise TensorError(
             f"input {EMBED_INPUT!r}: {len(texts)} elements for shape {list(tensor.shape)}"
         )
+    if not all(texts):  # as /infer refuses them: a row of nothing but padding, or NaN
+        raise TensorError(f"input {EMBED_INPUT!r}: element {texts.index('')} is empty")
     return texts
 
 

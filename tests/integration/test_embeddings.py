@@ -239,6 +239,8 @@ async def test_long_text_is_refused_unless_truncation_is_asked_for(
 BAD_REQUESTS: list[tuple[str, object, int, str | None]] = [
     ("malformed JSON", b'{"inputs": ["unterminated"', 400, None),
     ("not an object", b"[1, 2, 3]", 422, None),
+    ("not UTF-8", b"\xff\xfe" + '{"inputs": ["x"]}'.encode("utf-16-le"), 400, None),
+    ("UTF-16 without a BOM", '{"inputs": ["x"]}'.encode("utf-16-le"), 400, None),
     ("missing inputs", {"parameters": {}}, 422, "inputs"),
     ("wrong type", {"inputs": 42}, 422, "inputs"),
     ("wrong item type", {"inputs": ["ok", 7]}, 422, "inputs"),

@@ -184,3 +184,13 @@ async def test_a_trailing_slash_is_a_json_404_not_a_redirect_that_reposts_the_bo
         response = await client.post("/infer/", json={"inputs": "text"})
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found"
+
+
+async def test_an_empty_text_is_refused_on_v2_as_on_infer() -> None:
+    async with app_with() as (client, _, _):
+        text = {"name": "text", "datatype": "BYTES", "shape": [2], "data": ["fine", ""]}
+        refused = await client.post("/v2/models/fake/infer", json={"inputs": [text]})
+        assert refused.status_code == 400
+        assert "element 1 is empty" in refused.json()["error"]
+        infer = await client.post("/infer", json={"inputs": ["fine", ""]})
+        assert infer.status_code == 422

@@ -311,6 +311,24 @@ async def test_draining_refuses_new_work_but_finishes_admitted(harness: Harness)
     assert await drained
 
 
+async def test_a_request_let_in_before_the_drain_finishes_though_its_body_comes_after(
+    harness: Harness,
+) -> None:
+    """Its headers were let in (counted in flight, which the drain waits for): the drain
+    must not refuse it once its body has been sent, after all."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"inputs": '
+        harness.service.drain.begin()  # the middleware let the headers in; the body comes now
+        yield b'"sent as the drain began"}'
+
+    response = await harness.client.post(
+        "/infer", content=body(), headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+    assert await harness.service.drain.wait(30, quiet_s=0)
+
+
 async def test_debug_endpoints_are_off_by_default_and_token_protected() -> None:
     async with start() as harness:
         assert (await harness.client.get("/debug/pool")).status_code == 404

@@ -131,15 +131,13 @@ def test_deadline_is_the_tightest_of_client_and_proxy_and_bounded() -> None:
     assert resolve_deadline(10.0, LIMITS, envoy_timeout_ms=0) == 15.0  # 0 means "no timeout"
 
 
-def test_a_passed_deadline_and_draining_are_rejected() -> None:
+def test_a_passed_deadline_is_refused_at_admission_and_draining_at_entry_only() -> None:
     admission = Admission(LIMITS)
     with pytest.raises(Rejected) as late:
         admission.admit(deadline=1.0, now=1.0)
     assert late.value.reason is RejectReason.DEADLINE
     admission.draining = True
-    with pytest.raises(Rejected) as draining:
-        admission.admit(deadline=10.0, now=1.0)
-    assert draining.value.reason is RejectReason.DRAINING
+    admission.admit(deadline=10.0, now=1.0)  # it entered before the drain: it finishes
     refused = admission.enter(now=1.0)
     assert refused is not None and refused.reason is RejectReason.DRAINING
 
@@ -191,7 +189,7 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
     assert metrics.rejected.labels("m", "rate")._value.get() == 1
 
 
-def test_a_request_refused_for_its_deadline_or_draining_takes_no_bucket_tokens(
+def test_a_request_refused_for_its_deadline_takes_no_bucket_tokens(
     virtual_loop: VirtualClockLoop,
 ) -> None:
     admission = Admission(AdmissionLimits(100, 5.0, 30.0))
@@ -200,20 +198,15 @@ def test_a_request_refused_for_its_deadline_or_draining_takes_no_bucket_tokens(
         clock=virtual_loop.time,
     )  # fmt: skip
 
-    async def scenario() -> list[RejectReason]:
-        reasons: list[RejectReason] = []
-        for draining, deadline in ((False, virtual_loop.now), (True, virtual_loop.now + 5)):
-            admission.draining = draining
-            try:
-                await gate.admit("m", 40, deadline=deadline)
-            except Rejected as rejection:
-                reasons.append(rejection.reason)
-        admission.draining = False
+    async def scenario() -> RejectReason:
+        try:
+            await gate.admit("m", 40, deadline=virtual_loop.now)
+        except Rejected as rejection:
+            reason = rejection.reason
         await gate.admit("m", 40, deadline=virtual_loop.now + 5)  # the whole bucket is left
-        return reasons
+        return reason
 
-    reasons = virtual_loop.run_until_complete(scenario())
-    assert reasons == [RejectReason.DEADLINE, RejectReason.DRAINING]
+    assert virtual_loop.run_until_complete(scenario()) is RejectReason.DEADLINE
 
 
 # Batches of 32 rows computing in 32 ms (1 ms per input); one compute thread.

@@ -24,7 +24,7 @@ def model(broken: bool = False):  # type: ignore[no-untyped-def]
 
 
 async def test_the_good_rows_of_a_failed_batch_are_answered_and_the_bad_one_is_its_own() -> None:
-    verdict = await triage([1, BAD, 3], IndexError("batch"), model(), known_good=[0])
+    verdict = await triage([1, BAD, 3], IndexError("batch"), model(), known_good=[0], batch_rows=3)
     assert verdict.alone[0] == [2] and verdict.alone[2] == [6]
     assert isinstance(verdict.alone[1], IndexError)
     assert not verdict.server_failing
@@ -32,10 +32,12 @@ async def test_the_good_rows_of_a_failed_batch_are_answered_and_the_bad_one_is_i
 
 @pytest.mark.parametrize("rows", [[BAD], [BAD, BAD]])
 async def test_when_no_row_computes_a_known_good_row_decides(rows: list[int]) -> None:
-    verdict = await triage(rows, IndexError("batch"), model(), known_good=[0])
+    verdict = await triage(rows, IndexError("batch"), model(), known_good=[0], batch_rows=len(rows))
     assert all(isinstance(result, IndexError) for result in verdict.alone)
     assert not verdict.server_failing  # the known-good row computes: the inputs are at fault
-    broken = await triage(rows, IndexError("batch"), model(broken=True), known_good=[0])
+    broken = await triage(
+        rows, IndexError("batch"), model(broken=True), known_good=[0], batch_rows=len(rows)
+    )
     assert broken.server_failing
 
 
@@ -49,12 +51,12 @@ async def test_a_failing_server_is_found_with_one_run_not_one_per_row() -> None:
         runs.append(rows)
         return await broken(rows)
 
-    verdict = await triage([1, 2, 3, 4], IndexError("batch"), counted, known_good=[0])
+    verdict = await triage([1, 2, 3, 4], IndexError("batch"), counted, known_good=[0], batch_rows=4)
     assert verdict.server_failing and runs == [[0]]
 
 
 async def test_without_a_known_good_row_a_batch_where_nothing_computes_is_the_server_s() -> None:
-    verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None)
+    verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None, batch_rows=2)
     assert verdict.server_failing
 
 
@@ -67,5 +69,21 @@ async def test_a_batch_of_one_row_is_not_run_again() -> None:
         return await inner(rows)
 
     batch_error = IndexError("batch")
-    verdict = await triage([BAD], batch_error, counted, known_good=[0])
+    verdict = await triage([BAD], batch_error, counted, known_good=[0], batch_rows=1)
     assert verdict.alone == [batch_error] and runs == [[0]]  # the known-good row only
+
+
+@pytest.mark.parametrize("known_good", [[0], None])
+async def test_a_row_left_alone_by_the_others_going_runs_alone_before_it_is_blamed(
+    known_good: list[int] | None,
+) -> None:
+    """The bad row's request was cancelled (or expired) while the batch ran: the one row
+    still waiting is not the batch of one that failed, and must not get its error (400, or
+    500 and ill health without a known-good row)."""
+    verdict = await triage([1], IndexError("batch"), model(), known_good, batch_rows=2)
+    assert verdict.alone == [[2]] and not verdict.server_failing
+
+
+async def test_a_failed_batch_whose_rows_all_went_says_nothing_of_the_server() -> None:
+    verdict = await triage([], IndexError("batch"), model(), known_good=None, batch_rows=2)
+    assert verdict.alone == [] and not verdict.server_failing

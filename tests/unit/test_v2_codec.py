@@ -80,6 +80,11 @@ MALFORMED = {
     "not an object": (b"[]", None, "JSON object"),
     "no inputs": (b'{"inputs": []}', None, "non-empty"),
     "no data": (b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1]}]}', None, "neither"),
+    "too many dims": (
+        f'{{"inputs": [{X.replace("[1],", str([1] * 65) + ",")}]}}'.encode(),
+        None,
+        "65 dimensions (at most 64)",
+    ),
     "negative dim": (f'{{"inputs": [{X.replace("[1],", "[-1],")}]}}'.encode(), None, "shape"),
     "duplicate": (f'{{"inputs": [{X}, {X}]}}'.encode(), None, "twice"),
     "id": (f'{{"id": 5, "inputs": [{X}]}}'.encode(), None, "id"),

@@ -237,7 +237,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
 
 
 class EngineStatus(msgspec.Struct, frozen=True):
-    """What the engine publishes every few milliseconds (front ends shed load from it).
+    """What the engine publishes when it changes (front ends shed load from it).
 
     `backlog_s`: predicted seconds before a newly queued input starts computing (what is
     left of the running batches and the queued work, divided among the compute threads);

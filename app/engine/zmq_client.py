@@ -1,6 +1,6 @@
 """The front end's connection to an engine process, over ZeroMQ (as vLLM's API server talks
 to its engine core): a DEALER socket carries requests and their outputs, a SUB socket the
-engine's status every few milliseconds.
+engine's status within milliseconds of a change.
 
 The engine going away is noticed two ways: the DEALER's connection closes (the kernel closes
 it the moment the process dies) and the status goes stale. Either way every open stream is
@@ -36,11 +36,14 @@ from app.engine.protocol import (
 
 log = logging.getLogger(__name__)
 
-# The engine publishes every STATUS_INTERVAL_S. A dead engine is noticed at once (its socket
-# closes); silence for STALE_AFTER_S means a hung one (its event loop stopped). That bound is
-# long on purpose: a front end whose own loop was held up (a slow test fixture, a GC pause)
-# must not take a live engine for a hung one and fail its requests.
+# The engine looks for a status change to publish every STATUS_INTERVAL_S. A dead engine is
+# noticed at once (its socket closes); silence for STALE_AFTER_S means a hung one (its event
+# loop stopped). That bound is long on purpose: a front end whose own loop was held up (a slow
+# test fixture, a GC pause) must not take a live engine for a hung one and fail its requests.
 STATUS_INTERVAL_S = 0.005
+# An unchanged status is sent again this often (a front end that connects hears it within
+# this; far inside STALE_AFTER_S).
+STATUS_HEARTBEAT_S = 0.1
 STALE_AFTER_S = 10.0
 # Why a status subscriber reports its engine lost (`on_lost`).
 STATUS_WENT_STALE = "its status went stale"

@@ -1,12 +1,14 @@
 """The engine process stops (and its supervisor starts a fresh one) when its request or
 status loop ends on its own: it would otherwise take no request, or publish no status,
-while running."""
+while running; and it publishes a status only when it changed, or as a heartbeat."""
 
 from __future__ import annotations
 
 import asyncio
 
-from app.engine.process import EngineServer
+from app.engine.process import EngineServer, worth_publishing
+from app.engine.protocol import EngineStatus
+from app.engine.zmq_client import STATUS_HEARTBEAT_S
 
 
 async def test_a_loop_that_ends_on_its_own_stops_the_engine() -> None:
@@ -29,3 +31,37 @@ async def test_a_loop_cancelled_at_shutdown_is_not_a_failure() -> None:
     await asyncio.gather(task, return_exceptions=True)
     await asyncio.sleep(0)
     assert not stop.is_set()
+
+
+def _status(published_at: float, **changes: object) -> EngineStatus:
+    fields: dict[str, object] = dict(
+        engine_id="e1",
+        pid=1,
+        state="ready",
+        warmup_done=4,
+        warmup_total=4,
+        healthy=True,
+        backlog_s=0.0,
+        seconds_per_input=0.001,
+        queued_inputs=0,
+        published_at=published_at,
+        taken_inputs={b"frontend-a": 3},
+    )
+    fields.update(changes)
+    return EngineStatus(**fields)  # type: ignore[arg-type]
+
+
+def test_a_status_that_changed_only_in_time_is_not_sent_again_until_the_heartbeat() -> None:
+    sent = _status(10.0)
+    assert worth_publishing(sent, None)
+    assert not worth_publishing(_status(10.0 + STATUS_HEARTBEAT_S / 2), sent)
+    assert worth_publishing(_status(10.0 + STATUS_HEARTBEAT_S * 1.01), sent)
+
+
+def test_any_other_change_is_sent_at_once() -> None:
+    sent = _status(10.0)
+    soon = 10.0 + STATUS_HEARTBEAT_S / 10
+    assert worth_publishing(_status(soon, backlog_s=0.004), sent)
+    assert worth_publishing(_status(soon, taken_inputs={b"frontend-a": 4}), sent)
+    assert worth_publishing(_status(soon, state="failed", problem="CUDA error"), sent)
+    assert worth_publishing(_status(soon, engine_id="e2"), sent)

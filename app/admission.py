@@ -30,6 +30,14 @@ class RejectReason(Enum):
     NOT_READY = "not_ready"
     ENGINE_LOST = "engine_lost"  # the engine process died with the request in it
 
+    @property
+    def retry_elsewhere(self) -> bool:
+        """The request did no work anywhere, so another replica may take it at once (a
+        proxy retries it there): every refusal but a lost engine (the request may be what
+        killed it: retried on each replica in turn, it would kill theirs) and a deadline
+        (no time is left for another try)."""
+        return self not in (RejectReason.ENGINE_LOST, RejectReason.DEADLINE)
+
 
 class Rejected(Exception):
     """A request turned away; `retry_after_s` is set where waiting would help."""

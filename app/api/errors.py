@@ -36,6 +36,19 @@ REJECTION_STATUS = {
     RejectReason.DEADLINE: 504,
 }
 
+# On a refusal another replica may serve at once (`RejectReason.retry_elsewhere`): the shipped
+# Envoy retries the answers that carry it (`retriable_headers`), and only those.
+RETRY_ELSEWHERE_HEADER = "x-steadyserve-retry-elsewhere"
+
+
+def refusal_headers(reason: RejectReason, retry_after: str | None) -> dict[str, str]:
+    """The headers of a refusal: its `Retry-After`, and whether to retry it elsewhere."""
+    headers = {"Retry-After": retry_after} if retry_after is not None else {}
+    if reason.retry_elsewhere:
+        headers[RETRY_ELSEWHERE_HEADER] = "1"
+    return headers
+
+
 # nginx's convention for "client closed request": the client never sees it, logs do.
 CLIENT_CLOSED_REQUEST = 499
 
@@ -80,8 +93,7 @@ async def _validation_error(request: Request, error: Exception) -> Response:
 
 async def _rejected(request: Request, error: Exception) -> Response:
     assert isinstance(error, Rejected)
-    retry_after = error.retry_after_header
-    headers = {"Retry-After": retry_after} if retry_after else None
+    headers = refusal_headers(error.reason, error.retry_after_header)
     return error_response(
         REJECTION_STATUS[error.reason], error.reason.value, error.message, headers=headers
     )
@@ -134,6 +146,7 @@ async def _engine_refused(request: Request, error: Exception) -> Response:
 
 
 async def _engine_unavailable(request: Request, error: Exception) -> Response:
+    # Not to be retried elsewhere: it may have been sent to an engine that then hung.
     return error_response(
         503, RejectReason.NOT_READY.value, str(error), headers={"Retry-After": "1"}
     )

@@ -38,7 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.admission import Rejected, RejectReason
 from app.api.common import envoy_timeout_in
-from app.api.errors import REJECTION_STATUS
+from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.refusal_budget import RefusalBudget
 from app.service import Service
 
@@ -72,8 +72,10 @@ def _shed_response(
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
     ]
-    if retry_after is not None:
-        headers.append((b"retry-after", retry_after.encode()))
+    headers.extend(
+        (name.lower().encode(), value.encode())
+        for name, value in refusal_headers(RejectReason(reason), retry_after).items()
+    )
     if close:
         headers.append((b"connection", b"close"))
     return status, tuple(headers), body

@@ -31,7 +31,7 @@ from app import __version__
 from app.admission import Rejected
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.api.common import envoy_timeout_ms
-from app.api.errors import REJECTION_STATUS
+from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.responses import service_of, v2_error
 from app.api.v2_codec import (
     InferInput,
@@ -180,9 +180,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
 
 
 def _rejected(rejection: Rejected) -> Response:
-    headers = {}
-    if (retry_after := rejection.retry_after_header) is not None:
-        headers["Retry-After"] = retry_after
+    headers = refusal_headers(rejection.reason, rejection.retry_after_header)
     return v2_error(rejection.message, REJECTION_STATUS[rejection.reason], headers)
 
 

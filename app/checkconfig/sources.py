@@ -120,7 +120,7 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "completions_route_idle_timeout_s": lambda p: _dig(p.completions_route, "idle_timeout"),
     "chat_route_idle_timeout_s": lambda p: _dig(p.chat_route, "idle_timeout"),
     "retry_on": lambda p: _dig(p.route, "retry_policy.retry_on"),
-    "retriable_status_codes": lambda p: _dig(p.route, "retry_policy.retriable_status_codes"),
+    "retriable_headers": lambda p: _names(_dig(p.route, "retry_policy.retriable_headers")),
     "num_retries": lambda p: _dig(p.route, "retry_policy.num_retries"),
     "retry_host_predicates": lambda p: _names(_dig(p.route, "retry_policy.retry_host_predicate")),
     "rate_limited_retry_reset_headers": lambda p: _names(

@@ -1,5 +1,6 @@
 """deploy/envoy/envoy.yaml through the real Envoy: it validates without deprecated fields,
-and its route timeout reaches the upstream as x-envoy-expected-rq-timeout-ms."""
+its route timeout reaches the upstream as x-envoy-expected-rq-timeout-ms, and it retries
+exactly the refusals the server marks as safe to retry elsewhere."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.admission import RejectReason
+from app.api.errors import REJECTION_STATUS, RETRY_ELSEWHERE_HEADER, refusal_headers
 from tests.deploy.test_grafana_dashboard import ENVOY_METRICS
 from tests.deploy.tools import DEPLOY, run_tool
 from tests.support.envoy import (
@@ -25,6 +28,7 @@ from tests.support.envoy import (
     running_envoy,
     upstream_cluster,
 )
+from tests.support.server import REPO_ROOT
 
 
 def validate(config_path: Path) -> tuple[int, str]:
@@ -162,3 +166,65 @@ def envoy_get(port: int, path: str) -> tuple[int, str]:
         return response.status, response.read().decode()
     finally:
         connection.close()
+
+
+class _Refusing(BaseHTTPRequestHandler):
+    """An upstream whose health check passes and which refuses every POST as a replica
+    refuses for `reason` (status and headers from the server's own rendering), counting
+    the attempts."""
+
+    protocol_version = "HTTP/1.1"
+    reason = RejectReason.DRAINING
+    attempts = 0
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        type(self).attempts += 1
+        body = json.dumps({"error": {"type": self.reason.value}}).encode()
+        self.send_response(REJECTION_STATUS[self.reason])
+        for name, value in refusal_headers(self.reason, None).items():
+            self.send_header(name, value)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: the test counts attempts."""
+
+
+@pytest.mark.parametrize(
+    ("reason", "attempts"),
+    [(RejectReason.DRAINING, 3), (RejectReason.INFLIGHT, 3), (RejectReason.ENGINE_LOST, 1)],
+)
+def test_envoy_retries_refusals_that_did_no_work_but_never_a_lost_engine(
+    tmp_path: Path, reason: RejectReason, attempts: int
+) -> None:
+    """A 503 engine_lost may be the request's own doing (a query of death): retried on two
+    more replicas, it would take their engines down too."""
+    handler = type("Refusing", (_Refusing,), {"reason": reason, "attempts": 0})
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=upstream.serve_forever, daemon=True)
+    thread.start()
+    try:
+        listener, stats, admin = free_ports(3)
+        config = local_envoy_config(listener, stats, admin, [int(upstream.server_address[1])])
+        with running_envoy(tmp_path, config) as envoy:
+            connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
+            status, _, body = post_json(connection, "/infer", b'{"inputs": "x"}')
+            connection.close()
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+    assert status == REJECTION_STATUS[reason] and json.loads(body)["error"]["type"] == reason.value
+    assert handler.attempts == attempts
+
+
+def test_the_docs_name_the_header_the_server_sends() -> None:
+    for doc in (REPO_ROOT / "README.md", DEPLOY / "envoy" / "README.md"):
+        assert f"{RETRY_ELSEWHERE_HEADER}" in doc.read_text(), doc

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.api.errors import RETRY_ELSEWHERE_HEADER
 from loadtest.proctree import command_line, descendants
 from tests.support.server import ServerProcess, free_port, running_server
 
@@ -51,13 +52,13 @@ def engine_pid(server: ServerProcess) -> int:
 
 class ClosedLoop:
     """Threads that each send one request after another until stopped, recording (status,
-    error type, seconds, request number) per request."""
+    error type, seconds, whether a proxy may retry it elsewhere) per request."""
 
     def __init__(self, server: ServerProcess, threads: int) -> None:
         self._server = server
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.results: list[tuple[int | str, str | None, float]] = []
+        self.results: list[tuple[int | str, str | None, float, bool]] = []
         self._threads = [threading.Thread(target=self._run, args=(n,)) for n in range(threads)]
 
     def _run(self, worker: int) -> None:
@@ -71,10 +72,11 @@ class ClosedLoop:
                     response = client.post("/infer", json=body)
                     outcome: int | str = response.status_code
                     kind = response.json().get("error", {}).get("type") if outcome != 200 else None
+                    elsewhere = RETRY_ELSEWHERE_HEADER in response.headers
                 except httpx.HTTPError as error:
-                    outcome, kind = type(error).__name__, None
+                    outcome, kind, elsewhere = type(error).__name__, None, False
                 with self._lock:
-                    self.results.append((outcome, kind, time.monotonic() - started))
+                    self.results.append((outcome, kind, time.monotonic() - started, elsewhere))
 
     def count(self, outcome: int | str) -> int:
         with self._lock:
@@ -131,7 +133,11 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
         log = server.log()
         assert server.process.poll() is None, log  # the server lived through it
     assert second_engine != first_engine
-    outcomes = Counter((status, kind) for status, kind, _ in load.results)
+    outcomes = Counter((status, kind) for status, kind, _, _ in load.results)
+    # A proxy may retry a not_ready elsewhere, never an engine_lost (a query of death).
+    assert all(
+        elsewhere == (kind == "not_ready") for _, kind, _, elsewhere in load.results if kind
+    ), load.results
     # Every request got an answer: 200, or a retryable 503 (engine lost or not ready yet);
     # no connection error, no 500, nothing hanging.
     allowed = {(200, None), (503, "engine_lost"), (503, "not_ready")}

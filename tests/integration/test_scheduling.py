@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from app.admission import RejectReason
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
+from app.api.errors import RETRY_ELSEWHERE_HEADER
 from app.embedding_service import embed_texts
 from app.engine.core import EngineCore
 from app.engine.inprocess import InProcessEngine
@@ -259,6 +260,7 @@ async def test_inflight_cap_answers_429_with_retry_after() -> None:
         assert rejected.status_code == 429
         assert rejected.json()["error"]["type"] == RejectReason.INFLIGHT.value
         assert int(rejected.headers["retry-after"]) >= 1
+        assert rejected.headers[RETRY_ELSEWHERE_HEADER] == "1"  # it did no work here
         harness.release()
         assert (await holder).status_code == 200
         metrics = (await harness.client.get("/metrics")).text
@@ -277,6 +279,7 @@ async def test_queue_cap_answers_429_and_reports_depth() -> None:
         assert rejected.status_code == 429
         assert rejected.json()["error"]["type"] == "queue"
         assert "retry-after" in rejected.headers
+        assert rejected.headers[RETRY_ELSEWHERE_HEADER] == "1"
         metrics = (await harness.client.get("/metrics")).text
         assert "steadyserve_queue_depth 3.0" in metrics
         assert "steadyserve_queue_depth_max 3.0" in metrics

@@ -3,8 +3,6 @@ PYTHON ?= python3
 VENV ?= .venv
 # On a CUDA machine: make serve TORCH_CONSTRAINTS=/path/to/your/constraints.txt
 TORCH_CONSTRAINTS ?= constraints-cpu.txt
-HOST ?= 127.0.0.1
-PORT ?= 8000
 BIN := $(VENV)/bin
 # Lines the batch client's bench pushes through one server (make bench BATCH_BENCH_LINES=20000)
 BATCH_BENCH_LINES ?= 100000
@@ -30,8 +28,10 @@ setup-dev: $(VENV)/.dev-installed
 tools:
 	bash tools/ensure-tools.sh
 
+# Address and port from STEADY_HOST / STEADY_PORT (default 127.0.0.1:8000), like every other
+# setting: make variables HOST/PORT would also pick up a shell's unrelated PORT.
 serve: setup
-	HF_HUB_OFFLINE=1 $(BIN)/steadyserve serve --host $(HOST) --port $(PORT)
+	HF_HUB_OFFLINE=1 $(BIN)/steadyserve serve
 
 lint: setup-dev
 	$(BIN)/ruff check .

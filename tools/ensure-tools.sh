@@ -16,6 +16,7 @@ TOOLS=(
     "promtool prometheus"  # tests/deploy: promtool check/test rules
     "hey hey"              # tests/e2e: the hey load scenario
     "wrk wrk"              # tests/e2e and make bench: the connection-flood benches
+    "curl curl"            # tests/e2e: the README's curl examples, run as shown
 )
 # Only the benches need these (`make bench`), so `make test` never installs them.
 BENCH_TOOLS=(

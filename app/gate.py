@@ -1,8 +1,8 @@
 """The asyncio side of admission: aiolimiter's token bucket in front of `Admission`'s caps.
 
 A request pays one bucket token per model token it carries (a long input costs what it
-computes, not one unit), once draining and its deadline have let it through
-(`Admission.admit`), so a request refused for those takes nothing from the bucket. When the
+computes, not one unit), once its deadline has let it through (`Admission.admit`), so a
+request refused for it takes nothing from the bucket. When the
 bucket is short it waits, at most `max_wait_s` and never past its deadline, then is turned
 away with reason `rate`. The bucket meters what the front end passes on to the engine,
 whatever the engine then answers. (The in-flight cap is decided earlier, from the headers:
@@ -49,7 +49,7 @@ class AdmissionGate:
         return bool(self._limiter.has_capacity(n_tokens))
 
     async def admit(self, model: str, n_tokens: int, deadline: float) -> None:
-        """Pass draining and the deadline, then take `n_tokens` bucket tokens, waiting for
+        """Pass the deadline, then take `n_tokens` bucket tokens, waiting for
         them within the deadline and `max_wait_s`; raises `Rejected` (already counted)."""
         started = self._clock()
         try:  # before taking tokens a refused request would waste

@@ -65,8 +65,9 @@ async def json_body(request: Request) -> Any:
         content_type = request.headers.get("content-type", "")
         kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
         is_json = kind == "application" and (subtype == "json" or subtype.endswith("+json"))
-        # UTF-8 only (RFC 8259): json.loads would guess UTF-16 or UTF-32 from the bytes.
-        body: Any = json.loads(raw.decode("utf-8")) if raw and is_json else raw
+        # UTF-8 only (RFC 8259; a leading BOM is ignored, as it allows): json.loads would
+        # guess UTF-16 or UTF-32 from the bytes.
+        body: Any = json.loads(raw.decode("utf-8-sig")) if raw and is_json else raw
     except json.JSONDecodeError as error:
         raise RequestValidationError(
             [

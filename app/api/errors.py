@@ -19,7 +19,7 @@ from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
 from app.api.responses import error_response, in_envelope_of
 from app.embedding_service import NonFiniteOutput
-from app.engine.client import EngineRefused, EngineUnavailable
+from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
 from app.generation.chat import ChatTemplateError
 from app.generation.pipeline import ContextTooLong, NoChatTemplate, TooManyTokens
@@ -47,6 +47,14 @@ def refusal_headers(reason: RejectReason, retry_after: str | None) -> dict[str, 
     if reason.retry_elsewhere:
         headers[RETRY_ELSEWHERE_HEADER] = "1"
     return headers
+
+
+def engine_unavailable_headers(error: EngineUnavailable) -> dict[str, str]:
+    """A 503 `not_ready`'s headers: retried elsewhere only when nothing reached an engine (an
+    engine that stopped answering may have been stopped by this very request)."""
+    if isinstance(error, EngineNotConnected):
+        return refusal_headers(RejectReason.NOT_READY, "1")
+    return {"Retry-After": "1"}
 
 
 # nginx's convention for "client closed request": the client never sees it, logs do.
@@ -146,10 +154,9 @@ async def _engine_refused(request: Request, error: Exception) -> Response:
 
 
 async def _engine_unavailable(request: Request, error: Exception) -> Response:
-    # Not to be retried elsewhere: it may have been sent to an engine that then hung.
-    return error_response(
-        503, RejectReason.NOT_READY.value, str(error), headers={"Retry-After": "1"}
-    )
+    assert isinstance(error, EngineUnavailable)
+    headers = engine_unavailable_headers(error)
+    return error_response(503, RejectReason.NOT_READY.value, str(error), headers=headers)
 
 
 async def _unknown_model(request: Request, error: Exception) -> Response:

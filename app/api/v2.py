@@ -31,7 +31,7 @@ from app import __version__
 from app.admission import Rejected
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.api.common import envoy_timeout_ms
-from app.api.errors import REJECTION_STATUS, refusal_headers
+from app.api.errors import REJECTION_STATUS, engine_unavailable_headers, refusal_headers
 from app.api.responses import service_of, v2_error
 from app.api.v2_codec import (
     InferInput,
@@ -212,7 +212,7 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
     except (TensorError, InputTooLong, EngineRefused, WrongTask) as error:
         return v2_error(str(error), 400)
     except EngineUnavailable as error:
-        return v2_error(str(error), 503, {"Retry-After": "1"})
+        return v2_error(str(error), 503, engine_unavailable_headers(error))
     except BatchFailed as error:
         return v2_error(f"batch failed: {error}", 500)
     except NotJsonNumbers as error:  # what the client asked for: binary output carries it

@@ -47,7 +47,13 @@ class EngineRefused(Exception):
 
 
 class EngineUnavailable(Exception):
-    """No engine can take the request now (not connected, or it is starting)."""
+    """No engine can take the request now (not connected, or it is starting), or the one it
+    was sent to stopped answering."""
+
+
+class EngineNotConnected(EngineUnavailable):
+    """Nothing was handed to an engine: none is connected. Another replica may take the
+    request at once (unlike one an engine was sent and then never answered)."""
 
 
 class _Lost:

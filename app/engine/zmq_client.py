@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from app.engine.client import EngineUnavailable, StreamingClient
+from app.engine.client import EngineNotConnected, EngineUnavailable, StreamingClient
 from app.engine.protocol import (
     Cancel,
     EngineStatus,
@@ -213,9 +213,9 @@ class ZmqEngineClient(StreamingClient):
 
     def _send(self, message: ToEngine) -> None:
         if self._requests is None or self.status() is None:
-            raise EngineUnavailable("no engine is connected")
+            raise EngineNotConnected("no engine is connected")
         if not send_now(self._requests, encode(message)):
-            raise EngineUnavailable("no engine is connected")
+            raise EngineNotConnected("no engine is connected")
 
     def _engine_gone(self, why: str) -> None:
         """Whatever was sent to the engine that went away will never be answered."""

@@ -241,6 +241,7 @@ BAD_REQUESTS: list[tuple[str, object, int, str | None]] = [
     ("not an object", b"[1, 2, 3]", 422, None),
     ("not UTF-8", b"\xff\xfe" + '{"inputs": ["x"]}'.encode("utf-16-le"), 400, None),
     ("UTF-16 without a BOM", '{"inputs": ["x"]}'.encode("utf-16-le"), 400, None),
+    ("UTF-8 BOM, then no inputs", b'\xef\xbb\xbf{"parameters": {}}', 422, "inputs"),
     ("missing inputs", {"parameters": {}}, 422, "inputs"),
     ("wrong type", {"inputs": 42}, 422, "inputs"),
     ("wrong item type", {"inputs": ["ok", 7]}, 422, "inputs"),

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from app.admission import Rejected, RejectReason
-from app.engine.client import EngineRefused, EngineUnavailable, StreamingClient
+from app.api.errors import RETRY_ELSEWHERE_HEADER, engine_unavailable_headers
+from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable, StreamingClient
 from app.engine.protocol import (
     Cancel,
     EmbedPayload,
@@ -79,7 +80,7 @@ class PublishedStatus(AlwaysReadyEngine):
 
     def _send(self, message: ToEngine) -> None:
         if not self.connected:
-            raise EngineUnavailable("no engine is connected")
+            raise EngineNotConnected("no engine is connected")
         if isinstance(message, Submit):
             self.a_submit_sent.set()
         elif isinstance(message, Cancel):
@@ -198,10 +199,12 @@ async def test_a_request_the_engine_never_answers_ends_after_its_deadline() -> N
     engine.on_cancel = cancels.append
     request = Submit(engine.next_request_id(), "m", time.monotonic(), EmbedPayload([[1]]))
     # The engine's fault, retryable (503): it was a 504 "deadline", the client's timeout.
-    with pytest.raises(EngineUnavailable, match="did not answer"):
+    with pytest.raises(EngineUnavailable, match="did not answer") as silent:
         async for _ in engine.stream(request):
             pass
     assert cancels == [Cancel(request.request_id)]
+    # It reached an engine, which may have hung on it: not for another replica to try.
+    assert RETRY_ELSEWHERE_HEADER not in engine_unavailable_headers(silent.value)
 
 
 async def test_a_request_at_the_engine_is_timed_by_how_it_ended() -> None:

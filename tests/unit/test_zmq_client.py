@@ -13,7 +13,8 @@ import zmq
 import zmq.asyncio
 
 from app.admission import Rejected
-from app.engine.client import EngineUnavailable
+from app.api.errors import RETRY_ELSEWHERE_HEADER, engine_unavailable_headers
+from app.engine.client import EngineNotConnected
 from app.engine.protocol import (
     Cancel,
     EmbedOutput,
@@ -58,10 +59,12 @@ async def test_a_request_sent_while_no_engine_is_connected_is_refused_at_once(
         client._subscriber.take(status("gone", time.monotonic()))
         assert client.status() is not None
         request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
-        with pytest.raises(EngineUnavailable, match="no engine is connected"):
+        with pytest.raises(EngineNotConnected, match="no engine is connected") as refused:
             async for _ in client.stream(request):
                 pass
         assert client.open_streams == 0
+        # Nothing reached an engine: a proxy may send it to another replica at once.
+        assert engine_unavailable_headers(refused.value)[RETRY_ELSEWHERE_HEADER] == "1"
     finally:
         await client.close()
 

@@ -55,12 +55,12 @@ from loadtest.generation_phases import (
     median_round,
     one_at_a_time,
     padded_batch,
-    percentile,
     pooled,
     transformers_serve,
 )
 from loadtest.overload_bench import start_server
 from loadtest.proctree import cpu_seconds
+from loadtest.stats import nearest_rank, p99_sample_note
 from tests.support.tiny_causal_lm import build_tiny_causal_lm
 
 
@@ -138,6 +138,7 @@ def _joined(whole: list[Phase], streamed: list[Phase], extra: dict[str, float]) 
         ttft_ms=latencies.ttft_ms,
         tpot_ms=latencies.tpot_ms,
         wave_ttft_spreads=latencies.wave_ttft_spreads,
+        wave_ttft_counts=latencies.wave_ttft_counts,
         extra=extra,
     )
 
@@ -170,7 +171,8 @@ def table(phases: list[Phase]) -> str:
     for p in phases:
         rows.append(
             f"| {p.name} | {p.requests} | {p.refused + p.errors} | {p.tokens} | {p.seconds:.3f} "
-            f"| {p.tokens_per_s:.0f} | {_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)} "
+            f"| {p.tokens_per_s:.0f} | {_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)}"
+            f"{p99_sample_note(len(p.ttft_ms))} "
             f"| {_ms(p.tpot_p50_ms)} |"
         )
     return "\n".join(rows)
@@ -194,10 +196,13 @@ def verdicts(label: str, ours: Phase, overload: Phase, baselines: dict[str, Phas
     if ours.ttft_p50_ms and ours.ttft_p99_ms:
         spread = ours.ttft_p99_ms / ours.ttft_p50_ms
         met = "met" if spread <= 2 else "NOT met"
-        each = percentile(ours.wave_ttft_spreads, 0.5)
-        within = f"; median of the waves' own: {each:.2f}" if each is not None else ""
+        each = nearest_rank(ours.wave_ttft_spreads, 0.5)
+        smallest = min(ours.wave_ttft_counts, default=0)
+        per_wave = f" (n >= {smallest} per wave)" if p99_sample_note(smallest) else ""
+        within = f"; median of the waves' own: {each:.2f}{per_wave}" if each is not None else ""
         lines.append(
-            f"{label} TTFT p99/p50 over all waves: {spread:.2f} (target <= 2: {met}){within}"
+            f"{label} TTFT p99/p50 over all waves{p99_sample_note(len(ours.ttft_ms))}: "
+            f"{spread:.2f} (target <= 2: {met}){within}"
         )
     if overload.tpot_p50_ms and ours.tpot_p50_ms:
         lines.append(

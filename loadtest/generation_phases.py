@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensO
 from app.engine.zmq_client import ZmqEngineClient
 from loadtest.bench import _free_port
 from loadtest.httpclient import Target
+from loadtest.stats import nearest_rank
 from tests.support.tiny_causal_lm import CORPUS
 
 MODEL_NAME = "tiny"
@@ -54,6 +55,7 @@ class Phase:
     note: str = ""
     extra: dict[str, float] = field(default_factory=dict)
     wave_ttft_spreads: tuple[float, ...] = ()  # pooled: each wave's own TTFT p99/p50
+    wave_ttft_counts: tuple[int, ...] = ()  # pooled: each wave's TTFT sample count
 
     @property
     def tokens_per_s(self) -> float:
@@ -61,22 +63,15 @@ class Phase:
 
     @property
     def ttft_p50_ms(self) -> float | None:
-        return percentile(self.ttft_ms, 0.5)
+        return nearest_rank(self.ttft_ms, 0.5)
 
     @property
     def ttft_p99_ms(self) -> float | None:
-        return percentile(self.ttft_ms, 0.99)
+        return nearest_rank(self.ttft_ms, 0.99)
 
     @property
     def tpot_p50_ms(self) -> float | None:
-        return percentile(self.tpot_ms, 0.5)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+        return nearest_rank(self.tpot_ms, 0.5)
 
 
 def median_round(rounds: list[Phase]) -> Phase:
@@ -89,10 +84,20 @@ def pooled(rounds: list[Phase]) -> Phase:
     middle = median_round(rounds)
     ttft = tuple(v for r in rounds for v in r.ttft_ms)
     tpot = tuple(v for r in rounds for v in r.tpot_ms)
-    spreads = tuple(
-        r.ttft_p99_ms / r.ttft_p50_ms for r in rounds if r.ttft_p50_ms and r.ttft_p99_ms
+    spreads: list[float] = []
+    counts: list[int] = []
+    for r in rounds:
+        p50, p99 = r.ttft_p50_ms, r.ttft_p99_ms
+        if p50 and p99:
+            spreads.append(p99 / p50)
+            counts.append(len(r.ttft_ms))
+    return replace(
+        middle,
+        ttft_ms=ttft,
+        tpot_ms=tpot,
+        wave_ttft_spreads=tuple(spreads),
+        wave_ttft_counts=tuple(counts),
     )
-    return replace(middle, ttft_ms=ttft, tpot_ms=tpot, wave_ttft_spreads=spreads)
 
 
 def make_prompts(tokenizer: Any, count: int, length: int) -> list[list[int]]:

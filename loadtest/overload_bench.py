@@ -38,6 +38,7 @@ from loadtest.httpclient import Target
 from loadtest.proctree import command_line, cpu_seconds, descendants, tree_resident_mb
 from loadtest.runner import Mode, RunConfig
 from loadtest.stages import Stage, parse_duration
+from loadtest.stats import nearest_rank, p99_sample_note
 
 SCRIPT = Path(__file__).with_name("overload.lua")
 
@@ -222,7 +223,8 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
         "paused_refusals": refusals.paused,
         "refused_after_body": refusals.after_body,
         "healthz_max_ms": healthz[-1] if healthz else None,
-        "healthz_p99_ms": healthz[int(0.99 * (len(healthz) - 1))] if healthz else None,
+        "healthz_p99_ms": nearest_rank(healthz, 0.99),
+        "healthz_samples": len(healthz),
         "healthz_failures": probe.failures,
         "probe_port_healthz_max_ms": on_probe_port[-1] if on_probe_port else None,
         "probe_port_failures": probe_port.failures,
@@ -268,13 +270,6 @@ def measure_engine_kill(server: Server, duration_s: float) -> dict[str, Any]:
     }
 
 
-def _percentile(values: list[float], share: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
 def measure_open_loop(server: Server, rate: float, duration_s: float) -> dict[str, Any]:
     """Requests at a fixed rate whatever the answers (open loop, latency from the scheduled
     time, so a stalled server cannot hide it): what admitted requests' tail does at this
@@ -308,8 +303,9 @@ def measure_open_loop(server: Server, rate: float, duration_s: float) -> dict[st
         "paused_refusals": refusals.paused,
         "refused_after_body": refusals.after_body,
         "other": len(statuses) - statuses.count(200) - statuses.count(429),
-        "admitted_p50_ms": _percentile(admitted, 0.50),
-        "admitted_p99_ms": _percentile(admitted, 0.99),
+        "admitted_p50_ms": nearest_rank(admitted, 0.50),
+        "admitted_p99_ms": nearest_rank(admitted, 0.99),
+        "admitted_samples": len(admitted),
     }
 
 
@@ -375,7 +371,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{run['throttled']} | {run['paused_refusals']:.0f} | "
                 f"{run['refused_after_body']:.0f} | {run['other']} | "
                 f"{run['admitted_p50_ms'] or 0:.1f} / "
-                f"{run['admitted_p99_ms'] or 0:.1f} |"
+                f"{run['admitted_p99_ms'] or 0:.1f}{p99_sample_note(run['admitted_samples'])} |"
             )
         rows += lines_open
     kill = report.get("engine_kill")

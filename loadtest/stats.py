@@ -3,7 +3,9 @@
 Everything here is pure Python over plain sequences so that the progress line can use it
 while a run is going, without numpy; the report converts to numpy only for plots.
 Percentiles use the same definition as ``numpy.percentile(..., method="linear")`` (the
-default), so figures here and in a notebook over the JSON agree to the last digit.
+default), so figures here and in a notebook over the JSON agree to the last digit. The
+benches' small samples (a wave's TTFTs, /healthz probes, an open loop's admitted requests)
+use `nearest_rank` instead: a value that was observed, the same definition in every bench.
 """
 
 from __future__ import annotations
@@ -33,6 +35,25 @@ def percentile_of_sorted(sorted_values: Sequence[float], q: float) -> float:
     fraction = rank - lower
     low_value = sorted_values[lower]
     return low_value + (sorted_values[upper] - low_value) * fraction
+
+
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) of unsorted values by nearest rank: the ceil(q * n)-th smallest
+    (clamped to the first and the last), None for no values. Of 100 values p99 is the 99th,
+    not the maximum; of 2, p50 is the first."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    # Rounded first so that float noise (0.07 * 100 = 7.000000000000001) cannot push the
+    # rank up by one.
+    rank = math.ceil(round(q * len(ordered), 9))
+    return ordered[min(max(rank - 1, 0), len(ordered) - 1)]
+
+
+def p99_sample_note(count: int) -> str:
+    """What to print next to a p99 taken over `count` values: ` (n=count)` under 100, where
+    the p99 is one of the few largest values rather than a 1-in-100 tail; else nothing."""
+    return f" (n={count})" if 0 < count < 100 else ""
 
 
 def percentiles(values: Iterable[float], qs: Sequence[float]) -> dict[float, float]:

@@ -10,6 +10,8 @@ import pytest
 from loadtest.stats import (
     LogBuckets,
     LogHistogram,
+    nearest_rank,
+    p99_sample_note,
     percentile_of_sorted,
     percentiles,
     rolling_percentile,
@@ -49,6 +51,32 @@ def test_percentile_rejects_empty_and_out_of_range() -> None:
         percentile_of_sorted([], 50.0)
     with pytest.raises(ValueError):
         percentile_of_sorted([1.0], 100.5)
+
+
+def test_nearest_rank_p99_of_100_is_the_99th_value_not_the_max() -> None:
+    values = [float(v) for v in range(100, 0, -1)]  # unsorted: 100 down to 1
+    assert nearest_rank(values, 0.99) == 99.0
+    assert nearest_rank(values, 1.0) == 100.0
+    assert nearest_rank(values, 0.0) == 1.0  # rank 0 clamps to the first
+
+
+def test_nearest_rank_p50_of_two_is_the_first() -> None:
+    assert nearest_rank([0.030, 0.010], 0.5) == 0.010
+
+
+def test_nearest_rank_is_not_pushed_up_by_float_noise() -> None:
+    # 0.07 * 100 is 7.000000000000001 in floats: the rank is still the 7th, not the 8th.
+    assert nearest_rank([float(v) for v in range(1, 101)], 0.07) == 7.0
+
+
+def test_nearest_rank_of_nothing_is_none() -> None:
+    assert nearest_rank([], 0.99) is None
+
+
+def test_p99_sample_note_names_samples_under_100_only() -> None:
+    assert p99_sample_note(32) == " (n=32)"
+    assert p99_sample_note(100) == ""
+    assert p99_sample_note(0) == ""
 
 
 def test_histogram_counts_equal_numpy_on_the_same_edges() -> None:

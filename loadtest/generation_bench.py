@@ -144,12 +144,16 @@ def _joined(whole: list[Phase], streamed: list[Phase], extra: dict[str, float]) 
 
 
 def served_by_transformers(
-    directory: Path, texts: list[str], options: argparse.Namespace, dtype: torch.dtype
+    directory: Path,
+    texts: list[str],
+    options: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> Phase:
     model = str(directory)
     new, rounds = options.new_tokens, options.rounds
     log = options.out / "generation-transformers-serve.log"
-    with transformers_serve(directory, dtype, available_cpus(), log) as base:
+    with transformers_serve(directory, device, dtype, available_cpus(), log) as base:
         url = f"{base}/v1/completions"
         name = "transformers serve --continuous-batching (HTTP)"
         asyncio.run(http_wave(url, model, texts[:2], 4, "warm-up"))
@@ -269,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         if not options.no_serve:
             _log("transformers serve --continuous-batching")
             try:
-                baselines["serve"] = served_by_transformers(directory, texts, options, dtype)
+                baselines["serve"] = served_by_transformers(
+                    directory, texts, options, device, dtype
+                )
             except Exception as error:
                 _log(f"transformers serve failed: {type(error).__name__}: {error}")
     phases = [engine["steadyserve"], engine["overload"]]

@@ -350,16 +350,17 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def transformers_serve(
-    directory: Path, dtype: torch.dtype, threads: int, log: Path
+    directory: Path, device: torch.device, dtype: torch.dtype, threads: int, log: Path
 ) -> Iterator[str]:
-    """`transformers serve --continuous-batching` with explicit cache sizes; yields its
-    base URL."""
+    """`transformers serve --continuous-batching` with explicit cache sizes, on the device
+    and in the dtype steadyserve serves the model with (a GPU where there is one), so the two
+    are compared like for like; yields its base URL."""
     port = _free_port()
     command = [
         str(Path(sys.executable).with_name("transformers")), "serve", str(directory),
         "--continuous-batching",
         "--cb-block-size", "32", "--cb-num-blocks", "128", "--cb-max-batch-tokens", "1024",
-        "--device", "cpu", "--dtype", str(dtype).removeprefix("torch."),
+        "--device", str(device), "--dtype", str(dtype).removeprefix("torch."),
         "--host", "127.0.0.1", "--port", str(port),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}

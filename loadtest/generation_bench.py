@@ -3,7 +3,8 @@ against the same baselines, back to back in one run, with the tiny random-weight
 (tests/support/tiny_causal_lm.py; `--hidden`/`--layers` for a larger one).
 
 `--requests` prompts of exactly `--prompt-tokens` tokens, `--new-tokens` new tokens each,
-greedy, one dtype (`auto`: bf16 on a CPU with native bf16) and the machine's CPUs for all:
+greedy, on steadyserve's device and dtype for all (`auto`: a GPU where there is one, else
+bf16 on a CPU with native bf16), the in-process baselines on the engine's torch threads:
 
 - steadyserve engine process over ZeroMQ (no HTTP front end): every request at once, and
   at `--overload`x;
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.dispatcher import configure_torch_threads, engine_thread_plan
 from app.engine.process import EngineAddresses
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import ZmqEngineClient
@@ -69,14 +71,20 @@ def _log(message: str) -> None:
     sys.stderr.flush()
 
 
+def served_settings(directory: Path) -> Settings:
+    """What the engine process serves with: default settings (with any STEADY_ variables in
+    the environment, as `steadyserve serve` reads them), the model its only generate model."""
+    return Settings(
+        models=(ModelSpec(name=MODEL_NAME, task="generate", source=str(directory)),),
+        spike_reports=False,
+    )
+
+
 async def engine_only(
     directory: Path, prompts: list[list[int]], options: argparse.Namespace
 ) -> dict[str, Phase]:
     """The engine process as served (default settings), driven over ZeroMQ."""
-    settings = Settings(
-        models=(ModelSpec(name=MODEL_NAME, task="generate", source=str(directory)),),
-        spike_reports=False,
-    )
+    settings = served_settings(directory)
     new, rounds = options.new_tokens, options.rounds
     with tempfile.TemporaryDirectory(prefix="genbench-") as run_dir:
         addresses = EngineAddresses.in_directory(Path(run_dir))
@@ -235,22 +243,30 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     options.out.mkdir(parents=True, exist_ok=True)
 
-    threads = available_cpus()
-    torch.set_num_threads(threads)
-    device = resolve_device("auto")
-    dtype = resolve_dtype("auto", device)
     baselines: dict[str, Phase] = {}
     with tempfile.TemporaryDirectory(prefix="tiny-causal-lm-") as tmp:
         directory = build_tiny_causal_lm(
             Path(tmp) / "tiny", hidden_size=options.hidden, layers=options.layers
         )
+        settings = served_settings(directory)
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.models[0].dtype, device)
+        # The in-process baselines run one batch at a time, as each of the engine's compute
+        # threads does: they get the torch threads one compute thread gets (the engine's
+        # plan for these settings on these CPUs, the rest going to front ends; 1 on 2 CPUs),
+        # so a ratio compares batching and scheduling on equal compute, not the engine's
+        # share of the machine against all of it.
+        engine_plan = engine_thread_plan(settings, available_cpus())
         tokenizer = AutoTokenizer.from_pretrained(directory)
         prompts = make_prompts(tokenizer, options.requests, options.prompt_tokens)
         texts = [str(tokenizer.decode(p, skip_special_tokens=True)) for p in prompts]
         new = options.new_tokens
         _log(
             f"{len(prompts)} prompts x {options.prompt_tokens} tokens, {new} new; hidden "
-            f"{options.hidden} x {options.layers} layers, {dtype}, {threads} CPU threads"
+            f"{options.hidden} x {options.layers} layers, {device}, {dtype}; engine "
+            f"{engine_plan.compute_threads} compute thread(s) x torch intra-op "
+            f"{engine_plan.torch_intra_op}, in-process baselines intra-op "
+            f"{engine_plan.torch_intra_op}, transformers serve OMP {available_cpus()}"
         )
         _log("steadyserve engine process")
         engine = asyncio.run(engine_only(directory, prompts, options))
@@ -258,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         if not options.no_http:
             _log("steadyserve over HTTP")
             http = over_http(directory, texts, options)
-        _log("in-process baselines")
+        configure_torch_threads(engine_plan)
+        _log(f"in-process baselines (torch intra-op {torch.get_num_threads()})")
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
         one_at_a_time(model, prompts[:2], 4)  # warm-up
         baselines["single"] = one_at_a_time(model, prompts, new)

@@ -184,21 +184,21 @@ def cb_manager(model: PreTrainedModel, prompts: list[list[int]], new: int) -> Ph
 
 # --- the steadyserve engine process over ZeroMQ --------------------------------------
 @dataclass
-class _Timing:
+class Timing:
     submitted: float
     first: float | None = None
     last: float | None = None
     tokens: int = 0
 
 
-async def _engine_one(client: ZmqEngineClient, prompt: list[int], new: int) -> _Timing | None:
+async def _engine_one(client: ZmqEngineClient, prompt: list[int], new: int) -> Timing | None:
     request = Submit(
         client.next_request_id(),
         MODEL_NAME,
         time.monotonic() + 60,
         GeneratePayload(prompt, SamplingParams(max_new_tokens=new)),
     )
-    timing = _Timing(time.perf_counter())
+    timing = Timing(time.perf_counter())
     try:
         async for output in client.stream(request):
             now = time.perf_counter()
@@ -212,6 +212,18 @@ async def _engine_one(client: ZmqEngineClient, prompt: list[int], new: int) -> _
     return timing
 
 
+def wave_latencies(timings: list[Timing]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(TTFT ms, TPOT ms) of a wave's answered sequences. A sequence that produced no token
+    has no first token: it is left out of TTFT (as over HTTP), not counted as 0 ms."""
+    ttft = tuple((t.first - t.submitted) * 1000 for t in timings if t.first is not None)
+    tpot = tuple(
+        (t.last - t.first) / (t.tokens - 1) * 1000
+        for t in timings
+        if t.tokens > 1 and t.first is not None and t.last is not None
+    )
+    return ttft, tpot
+
+
 async def engine_wave(
     client: ZmqEngineClient, prompts: list[list[int]], new: int, name: str
 ) -> Phase:
@@ -220,10 +232,7 @@ async def engine_wave(
     outcomes = await asyncio.gather(*(_engine_one(client, prompt, new) for prompt in prompts))
     timings = [o for o in outcomes if o is not None]
     end = max((t.last or started for t in timings), default=started)
-    ttft = tuple(((t.first or t.submitted) - t.submitted) * 1000 for t in timings)
-    tpot = tuple(
-        ((t.last or 0) - (t.first or 0)) / (t.tokens - 1) * 1000 for t in timings if t.tokens > 1
-    )
+    ttft, tpot = wave_latencies(timings)
     refused = len(outcomes) - len(timings)
     tokens = sum(t.tokens for t in timings)
     return Phase(name, len(timings), tokens, end - started, ttft, tpot, refused)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench import REPO_ROOT, _free_port, _http_status, _system_busy_s, bench_sentences
-from loadtest.proctree import cpu_seconds
+from loadtest.proctree import cpu_seconds, stop_process
 
 # phase -> (--concurrency, adaptive); None: the CLI's default ceiling
 PHASES: dict[str, tuple[int | None, bool]] = {
@@ -218,11 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             outcomes.append(run_phase(phase, url, source, out_dir, options, server.pid))
             _log(f"{phase}: {outcomes[-1]}")
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_process(server, timeout_s=60)
     table = markdown_table(outcomes)
     arguments = sys.argv[1:] if argv is None else argv
     command_line = " ".join(["python -m loadtest.batch_bench", *arguments])

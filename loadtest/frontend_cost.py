@@ -19,7 +19,7 @@ from pathlib import Path
 from app.limits import lift_open_file_limit
 from loadtest.bench import REPO_ROOT, _free_port
 from loadtest.overload_bench import _get, run_wrk
-from loadtest.proctree import cpu_seconds
+from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stages import parse_duration
 
 CASES = (("admitted", 0.0), ("refused before the body", 10_000.0))
@@ -56,8 +56,7 @@ def measure(
         result = run_wrk(url, 64, duration_s, path)
         spent = cpu_seconds(server.pid) - before
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        stop_process(server)
     if result["other"]:  # 4xx: the bodies were refused, and the figure would mean nothing
         raise RuntimeError(f"{result['other']} answers to {path} were neither 2xx nor refusals")
     answers = sum(result[k] for k in ("ok", "throttled", "unavailable", "server_error", "other"))

@@ -62,7 +62,7 @@ from loadtest.generation_phases import (
     transformers_serve,
 )
 from loadtest.overload_bench import start_server
-from loadtest.proctree import cpu_seconds
+from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stats import nearest_rank, p99_sample_note
 from tests.support.tiny_causal_lm import build_tiny_causal_lm
 
@@ -134,8 +134,7 @@ def over_http(directory: Path, texts: list[str], options: argparse.Namespace) ->
         name = f"HTTP, {options.overload}x overload ({len(crowd)} at once, streamed)"
         overload = asyncio.run(http_stream_wave(url, MODEL_NAME, crowd, new, name))
     finally:
-        server.process.terminate()
-        server.process.wait(60)
+        stop_process(server.process, timeout_s=60)
     return {"steadyserve": _joined(whole, streamed, cpu_us), "overload": overload}
 
 

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensO
 from app.engine.zmq_client import ZmqEngineClient
 from loadtest.bench import _free_port
 from loadtest.httpclient import Target
+from loadtest.proctree import stop_process
 from loadtest.stats import nearest_rank
 from tests.support.tiny_causal_lm import CORPUS
 
@@ -348,15 +348,6 @@ def wait_http(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> N
     raise TimeoutError(f"{url} not answering within {timeout_s:g} s")
 
 
-def stop(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 @contextlib.contextmanager
 def transformers_serve(
     directory: Path, device: torch.device, dtype: torch.dtype, threads: int, log: Path
@@ -380,4 +371,4 @@ def transformers_serve(
         wait_http(f"{base}/health", process, 120)
         yield base
     finally:
-        stop(process)
+        stop_process(process)

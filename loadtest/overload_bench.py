@@ -35,7 +35,13 @@ from app.limits import lift_open_file_limit
 from loadtest.bench import REPO_ROOT, _free_port, _system_busy_s, bench_sentences
 from loadtest.cli import execute, run_event_loop
 from loadtest.httpclient import Target
-from loadtest.proctree import command_line, cpu_seconds, descendants, tree_resident_mb
+from loadtest.proctree import (
+    command_line,
+    cpu_seconds,
+    descendants,
+    stop_process,
+    tree_resident_mb,
+)
 from loadtest.runner import Mode, RunConfig
 from loadtest.stages import Stage, parse_duration
 from loadtest.stats import nearest_rank, p99_sample_note
@@ -440,11 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             _log("engine SIGKILL under 64 connections")
             report["engine_kill"] = measure_engine_kill(server, kill_s)
     finally:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
+        stop_process(server.process, timeout_s=60)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     summary = markdown(report)
     (out / "summary.md").write_text(summary)

@@ -4,6 +4,8 @@ engine and front ends below it, so memory and CPU are the tree's, not the first 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -54,6 +56,17 @@ def resident_mb(pid: int) -> float:
 
 def tree_resident_mb(root: int) -> float:
     return sum(resident_mb(pid) for pid in descendants(root))
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`: a server whose drain
+    hangs must not outlive the bench and skew whatever runs next on the machine."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def command_line(pid: int) -> str:

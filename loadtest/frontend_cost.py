@@ -1,8 +1,10 @@
 """Front-end CPU per request, measured with the null engine (`loadtest/null_engine.py`):
 one front end, wrk at 64 connections, CPU seconds of the front-end process divided by the
 answers it gave. Once with every request admitted (a null engine with no backlog), once with
-every request refused before its body is read (a backlog over the delay budget). `--path`
-picks the route flooded: /infer (the default) or OpenAI's /v1/embeddings.
+every request refused before its body is read (a backlog over the delay budget). Each run
+must be all of its kind (no refusal or 5xx among the admitted, no 200 among the refused),
+else the figure would price a mix and the bench fails. `--path` picks the route flooded:
+/infer (the default) or OpenAI's /v1/embeddings.
 
     python -m loadtest.frontend_cost --duration 10s [--path /v1/embeddings]
 """
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from app.limits import lift_open_file_limit
 from loadtest.bench import REPO_ROOT, _free_port
@@ -22,14 +25,37 @@ from loadtest.overload_bench import _get, run_wrk
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stages import parse_duration
 
-CASES = (("admitted", 0.0), ("refused before the body", 10_000.0))
+# (name, the null engine's published backlog, whether every request is to be admitted)
+CASES = (("admitted", 0.0, True), ("refused before the body", 10_000.0, False))
+
+# A token-bucket refill no flood from one machine can drain, so that in the admitted case
+# only the null engine decides (default: 100,000 tokens/s, within reach of wrk's rate).
+UNLIMITED_RATE_PER_S = "1e9"
 
 
 PATHS = ("/infer", "/v1/embeddings")
 
 
+def check_answers(result: dict[str, Any], admitted: bool, path: str) -> None:
+    """Raise unless every answer in wrk's `result` is of the case measured: 2xx when
+    `admitted`, refusals (429/503) when not."""
+    if result["other"]:  # 4xx: the bodies were refused, and the figure would mean nothing
+        raise RuntimeError(f"{result['other']} answers to {path} were neither 2xx nor refusals")
+    if admitted:
+        wrong = {k: result[k] for k in ("throttled", "unavailable", "server_error") if result[k]}
+        expected = "all admitted, but some were refused or failed"
+    else:
+        wrong = {"ok": result["ok"]} if result["ok"] else {}
+        expected = "all refused, but some were answered 2xx"
+    if wrong:
+        raise RuntimeError(
+            f"answers to {path} were to be {expected} ({wrong}): the CPU per answer would "
+            "price a mix of the two"
+        )
+
+
 def measure(
-    backlog_ms: float, duration_s: float, log_path: Path, path: str = "/infer"
+    backlog_ms: float, duration_s: float, log_path: Path, path: str = "/infer", *, admitted: bool
 ) -> tuple[float, int]:
     """(microseconds of front-end CPU per answer, answers), flooding `path`."""
     port = _free_port()
@@ -39,7 +65,11 @@ def measure(
     ]  # fmt: skip
     # What one refusal costs: refused connections must resend as fast as wrk can, not be
     # paused for their Retry-After as `steadyserve serve` does by default.
-    env = {**os.environ, "STEADY_REFUSED_READ_PAUSE_S": "0"}
+    env = {
+        **os.environ,
+        "STEADY_REFUSED_READ_PAUSE_S": "0",
+        "STEADY_RATE_LIMIT_PER_S": UNLIMITED_RATE_PER_S,
+    }
     with log_path.open("wb") as log:
         server = subprocess.Popen(
             command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -57,8 +87,7 @@ def measure(
         spent = cpu_seconds(server.pid) - before
     finally:
         stop_process(server)
-    if result["other"]:  # 4xx: the bodies were refused, and the figure would mean nothing
-        raise RuntimeError(f"{result['other']} answers to {path} were neither 2xx nor refusals")
+    check_answers(result, admitted, path)
     answers = sum(result[k] for k in ("ok", "throttled", "unavailable", "server_error", "other"))
     return 1e6 * spent / max(answers, 1), answers
 
@@ -74,10 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = [f"| {options.path} requests | front-end CPU per answer | answers |"]
     rows.append("|---|---:|---:|")
-    for name, backlog_ms in CASES:
+    for name, backlog_ms, admitted in CASES:
         duration_s = parse_duration(options.duration)
         log = out / "null-engine.log"
-        cost_us, answers = measure(backlog_ms, duration_s, log, options.path)
+        cost_us, answers = measure(backlog_ms, duration_s, log, options.path, admitted=admitted)
         rows.append(f"| {name} | {cost_us:.0f} us | {answers} |")
     print("\n".join(rows))
     return 0

@@ -58,11 +58,13 @@ def test_the_overload_bench_floods_and_kills_the_engine(tmp_path: Path) -> None:
 def test_the_front_end_cost_bench_measures_both_paths(tmp_path: Path) -> None:
     require_tool("wrk")
     log = tmp_path / "null-engine.log"
-    admitted_us, admitted = frontend_cost.measure(0.0, 1.0, log)
-    refused_us, refused = frontend_cost.measure(10_000.0, 1.0, log)
+    admitted_us, admitted = frontend_cost.measure(0.0, 1.0, log, admitted=True)
+    refused_us, refused = frontend_cost.measure(10_000.0, 1.0, log, admitted=False)
     assert admitted > 0 and refused > 0
     # Refusing from headers skips parsing, tokenizing and serialising: it must cost less.
     assert refused_us < admitted_us
     # The OpenAI route's bodies are accepted (`measure` raises on any 4xx).
-    embeddings_us, embeddings = frontend_cost.measure(0.0, 1.0, log, "/v1/embeddings")
+    embeddings_us, embeddings = frontend_cost.measure(
+        0.0, 1.0, log, "/v1/embeddings", admitted=True
+    )
     assert embeddings > 0 and embeddings_us > 0

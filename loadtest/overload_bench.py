@@ -205,17 +205,20 @@ def run_wrk(url: str, connections: int, duration_s: float, path: str = "/infer")
 def measure_flood(server: Server, connections: int, duration_s: float) -> dict[str, Any]:
     engine = server.engine_pid() or 0
     frontends = server.frontend_pids()
+    refusals_before = refusal_counts(server.base_url)  # waits until the server is idle
+    # CPU readings and the wall clock share one span, from the end of that wait to the end
+    # of the flood: cores = CPU / wall would otherwise count the wait's CPU (or the scrape
+    # and wait after the flood) over a wall clock that leaves them out.
     cpu_before = {pid: cpu_seconds(pid) for pid in [engine, *frontends]}
     busy_before, own_before = _system_busy_s(), _own_cpu_s(server)
-    refusals_before = refusal_counts(server.base_url)
     wall_started = time.monotonic()
     with HealthProbe(server.base_url) as probe, HealthProbe(server.probe_url) as probe_port:
         result = run_wrk(server.base_url, connections, duration_s)
     wall = time.monotonic() - wall_started
-    refusals = refusal_counts(server.base_url) - refusals_before
-    own = _own_cpu_s(server) - own_before
     frontend_cpu = sum(cpu_seconds(p) - cpu_before[p] for p in frontends)
     engine_cpu = cpu_seconds(engine) - cpu_before[engine]
+    busy, own = _system_busy_s() - busy_before, _own_cpu_s(server) - own_before
+    refusals = refusal_counts(server.base_url) - refusals_before
     answers = sum(result[k] for k in ("ok", "throttled", "unavailable", "server_error", "other"))
     seconds = result["seconds"]
     healthz = sorted(probe.latencies_ms)
@@ -237,7 +240,7 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
         "frontend_cpu_us_per_answer": 1e6 * frontend_cpu / answers if answers else None,
         "engine_cores": engine_cpu / wall,
         "frontend_cores": frontend_cpu / wall,
-        "foreign_cores": max(0.0, (_system_busy_s() - busy_before) - own) / wall,
+        "foreign_cores": max(0.0, busy - own) / wall,
     }
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from app.settings import Settings
+from tests.deploy.tools import require_tool
 from tests.support.server import REPO_ROOT, ServerProcess, running_server
 
 pytestmark = pytest.mark.e2e
@@ -67,8 +68,10 @@ def test_the_readme_models_setting_declares_a_generate_model(tiny_causal_lm: Pat
 def test_every_readme_curl_command_answers(server: ServerProcess) -> None:
     curls = [command for command in _commands() if command[0] == "curl"]
     assert len(curls) == 3
+    curl = require_tool("curl")  # the README's own client, as a reader would run it
     for command in curls:
         command = [word.replace(README_ADDRESS, f"127.0.0.1:{server.port}") for word in command]
+        command[0] = curl
         result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
         if "-sN" in command:  # the streamed chat
             assert result.stdout.startswith("data: {"), result.stdout[:200]

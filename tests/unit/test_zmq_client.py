@@ -94,6 +94,18 @@ def test_a_front_ends_identity_names_its_process() -> None:
         assert identity_pid(other) is None
 
 
+async def connected(client: ZmqEngineClient) -> None:
+    """Until the client's socket can send: it connects in ZeroMQ's I/O thread, and with
+    IMMEDIATE a send before that is refused (as if no engine were there)."""
+    assert client._requests is not None
+    for _ in range(1000):  # bounded poll: 10 s
+        events = client._requests.get(zmq.EVENTS)
+        if isinstance(events, int) and events & zmq.POLLOUT:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the client never connected to the engine's socket")
+
+
 async def test_an_unreadable_answer_fails_the_open_requests_and_later_ones_are_answered(
     tmp_path: Path,
 ) -> None:
@@ -119,6 +131,7 @@ async def test_an_unreadable_answer_fails_the_open_requests_and_later_ones_are_a
         return [output async for output in client.stream(request)]
 
     try:
+        await connected(client)
         client._subscriber.take(status("e", time.monotonic()))
         answering = asyncio.create_task(answer_next(b"\xc1 not msgpack"))
         with pytest.raises(Rejected):  # engine_lost: 503, retry

@@ -19,3 +19,15 @@ UPSTREAM_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 class ConfigError(Exception):
     """A file is missing, unreadable or uses something this checker does not understand."""
+
+
+def dig(node: Any, path: str) -> Any:
+    """`a.b.0.c` into nested dicts and lists; None where any step is missing."""
+    for step in path.split("."):
+        if isinstance(node, dict):
+            node = node.get(step)
+        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
+            node = node[int(step)]
+        else:
+            return None
+    return node

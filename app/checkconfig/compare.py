@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from app.checkconfig.common import ENVOY_CONFIG_KEY, ENVOY_CONFIG_MAP_PREFIX, ConfigError, Manifest
 from app.checkconfig.kustomize import render_kustomization
@@ -19,6 +20,7 @@ from app.checkconfig.sources import (
     ENVOY_FIELDS,
     K8S_FIELDS,
     cpu_count,
+    describe_settings_error,
     pod_environment,
     probe_ports,
     read_envoy,
@@ -326,6 +328,10 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
     differences: list[str] = []
     try:
         process_settings = Settings()
+    except SettingsError as error:
+        # A STEADY_* variable of this process that cannot be parsed at all (not JSON for a
+        # list setting): the server would not start either.
+        raise ConfigError(f"this environment: {describe_settings_error(error)}") from error
     except ValidationError as error:
         differences.append(f"settings: Settings() does not validate: {error}")
     else:
@@ -346,9 +352,11 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
     for name in sorted(set(found) & set(baseline.overlays)):
         try:
             manifests = render_kustomization(overlays_dir / name)
+            differences += check_overlay(baseline, name, manifests, envoy_text)
         except OSError as error:
-            raise ConfigError(f"rendering overlay {name}: {error}") from error
-        differences += check_overlay(baseline, name, manifests, envoy_text)
+            raise ConfigError(f"overlay {name}: {error}") from error
+        except ConfigError as error:
+            raise ConfigError(f"overlay {name}: {error}") from error
     return differences
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from app.checkconfig.common import ConfigError, Manifest
+from app.checkconfig.common import ConfigError, Manifest, dig
 
 KUSTOMIZATION_FILENAMES = ("kustomization.yaml", "kustomization.yml", "Kustomization")
 SUPPORTED_KUSTOMIZATION_KEYS = frozenset(
@@ -54,7 +54,10 @@ def _load_kustomization(directory: Path) -> Mapping[str, Any]:
     for filename in KUSTOMIZATION_FILENAMES:
         path = directory / filename
         if path.is_file():
-            loaded = yaml.safe_load(path.read_text())
+            try:
+                loaded = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError) as error:
+                raise ConfigError(f"{path}: {_one_line(error)}") from error
             if not isinstance(loaded, dict):
                 raise ConfigError(f"{path}: not a mapping")
             unsupported = set(loaded) - SUPPORTED_KUSTOMIZATION_KEYS
@@ -68,21 +71,39 @@ def _load_manifests(path: Path) -> list[Manifest]:
     try:
         documents = list(yaml.safe_load_all(path.read_text()))
     except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"{path}: {error}") from error
+        raise ConfigError(f"{path}: {_one_line(error)}") from error
     manifests: list[Manifest] = []
     for document in documents:
         if document is None:
             continue
-        if not isinstance(document, dict) or "kind" not in document:
-            raise ConfigError(f"{path}: a document is not a Kubernetes object")
+        if not isinstance(document, dict) or not isinstance(document.get("kind"), str):
+            raise ConfigError(f"{path}: a document is not a Kubernetes object (no kind)")
+        if not isinstance(dig(document, "metadata.name"), str):
+            # kustomize refuses it too; every lookup here is by kind and name.
+            raise ConfigError(f"{path}: a {document['kind']} has no metadata.name")
         manifests.append(document)
     return manifests
+
+
+def _one_line(error: Exception) -> str:
+    """A YAML error's text (problem, then where) on one line."""
+    return " ".join(str(error).split())
+
+
+def _entries(mapping: Mapping[str, Any], key: str, where: Path) -> list[Any]:
+    """A list-valued field; absent or null is empty, anything else but a list is refused."""
+    value = mapping.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: {key} is not a list")
+    return value
 
 
 def _build_layer(directory: Path) -> _Layer:
     kustomization = _load_kustomization(directory)
     layer = _Layer()
-    for entry in kustomization.get("resources", []):
+    for entry in _entries(kustomization, "resources", directory):
         path = (directory / entry).resolve()
         if path.is_dir():
             child = _build_layer(path)
@@ -90,10 +111,10 @@ def _build_layer(directory: Path) -> _Layer:
             layer.generated |= child.generated
         else:
             layer.manifests.extend(_load_manifests(path))
-    for generator in kustomization.get("configMapGenerator", []):
+    for generator in _entries(kustomization, "configMapGenerator", directory):
         _apply_config_map_generator(directory, generator, layer)
-    for patch_entry in kustomization.get("patches", []):
-        if set(patch_entry) != {"path"}:
+    for patch_entry in _entries(kustomization, "patches", directory):
+        if not isinstance(patch_entry, dict) or set(patch_entry) != {"path"}:
             raise ConfigError(f"{directory}: only `patches: - path: <file>` is supported")
         for patch in _load_manifests(directory / patch_entry["path"]):
             target = find_manifest(layer.manifests, patch["kind"], patch["metadata"]["name"])
@@ -108,7 +129,7 @@ def _build_layer(directory: Path) -> _Layer:
 
 def find_manifest(manifests: Iterable[Manifest], kind: str, name: str) -> Manifest | None:
     for manifest in manifests:
-        if manifest.get("kind") == kind and manifest.get("metadata", {}).get("name") == name:
+        if manifest.get("kind") == kind and dig(manifest, "metadata.name") == name:
             return manifest
     return None
 
@@ -116,19 +137,21 @@ def find_manifest(manifests: Iterable[Manifest], kind: str, name: str) -> Manife
 def _apply_config_map_generator(
     directory: Path, generator: Mapping[str, Any], layer: _Layer
 ) -> None:
+    if not isinstance(generator, dict) or not isinstance(generator.get("name"), str):
+        raise ConfigError(f"{directory}: a configMapGenerator entry has no name")
     unsupported = set(generator) - SUPPORTED_GENERATOR_KEYS
     if unsupported:
         raise ConfigError(
             f"{directory}: unsupported configMapGenerator fields {sorted(unsupported)}"
         )
-    name = str(generator["name"])
+    name = generator["name"]
     data: dict[str, str] = {}
-    for literal in generator.get("literals", []):
+    for literal in _entries(generator, "literals", directory):
         key, separator, value = str(literal).partition("=")
         if not separator:
             raise ConfigError(f"{directory}: literal {literal!r} is not KEY=VALUE")
         data[key] = value
-    for file_entry in generator.get("files", []):
+    for file_entry in _entries(generator, "files", directory):
         key, separator, relative = str(file_entry).partition("=")
         if not separator:
             key, relative = Path(file_entry).name, str(file_entry)
@@ -209,22 +232,31 @@ def _add_name_suffixes(layer: _Layer) -> list[Manifest]:
             renamed[name] = f"{name}-{_kustomize_hash_suffix(manifest)}"
             manifest["metadata"]["name"] = renamed[name]
     for manifest in manifests:
-        if manifest["kind"] in POD_TEMPLATE_KINDS:
-            _rename_config_map_references(manifest["spec"]["template"]["spec"], renamed)
+        pod_spec = dig(manifest, "spec.template.spec")
+        if manifest["kind"] in POD_TEMPLATE_KINDS and isinstance(pod_spec, dict):
+            _rename_config_map_references(pod_spec, renamed)
     return manifests
 
 
 def _rename_config_map_references(pod_spec: Manifest, renamed: Mapping[str, str]) -> None:
-    def rename(reference: Manifest | None) -> None:
-        if reference is not None and reference.get("name") in renamed:
+    def rename(reference: Any) -> None:
+        if isinstance(reference, dict) and reference.get("name") in renamed:
             reference["name"] = renamed[reference["name"]]
 
-    for container in pod_spec.get("containers", []) + pod_spec.get("initContainers", []):
-        for source in container.get("envFrom", []):
+    # A field written with no value (`env:`) is null in YAML, and empty to Kubernetes.
+    containers = _mappings(pod_spec.get("containers")) + _mappings(pod_spec.get("initContainers"))
+    for container in containers:
+        for source in _mappings(container.get("envFrom")):
             rename(source.get("configMapRef"))
-        for variable in container.get("env", []):
-            rename(variable.get("valueFrom", {}).get("configMapKeyRef"))
-    for volume in pod_spec.get("volumes", []):
+        for variable in _mappings(container.get("env")):
+            rename(dig(variable, "valueFrom.configMapKeyRef"))
+    for volume in _mappings(pod_spec.get("volumes")):
         rename(volume.get("configMap"))
-        for source in volume.get("projected", {}).get("sources", []):
+        for source in _mappings(dig(volume, "projected.sources")):
             rename(source.get("configMap"))
+
+
+def _mappings(items: Any) -> list[Manifest]:
+    """The mappings of a list field; null or malformed entries are left to the readers that
+    need them (sources.py), which name the problem."""
+    return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []

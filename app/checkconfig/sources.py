@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsError,
+)
+from pydantic_settings.sources.utils import parse_env_vars
 
 from app.checkconfig.common import (
     ENV_PREFIX,
@@ -21,6 +26,7 @@ from app.checkconfig.common import (
     UPSTREAM_HTTP_OPTIONS,
     ConfigError,
     Manifest,
+    dig,
 )
 from app.checkconfig.kustomize import find_manifest
 from app.settings import Settings
@@ -34,18 +40,6 @@ def _seconds(value: Any) -> Any:
     if isinstance(value, str) and (match := _DURATION.match(value)):
         return float(match.group(1))
     return value
-
-
-def _dig(node: Any, path: str) -> Any:
-    """`a.b.0.c` into nested dicts and lists; None where any step is missing."""
-    for step in path.split("."):
-        if isinstance(node, dict):
-            node = node.get(step)
-        elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
-            node = node[int(step)]
-        else:
-            return None
-    return node
 
 
 def _named(items: Any, name: str, what: str) -> Any:
@@ -68,14 +62,14 @@ class _EnvoyParts:
 
 
 def _envoy_parts(config: Any) -> _EnvoyParts:
-    resources = _dig(config, "static_resources")
-    listener = _named(_dig(resources, "listeners"), INGRESS_LISTENER, "listener")
-    hcm_filter = _named(_dig(listener, "filter_chains.0.filters"), HCM_FILTER, "listener filter")
+    resources = dig(config, "static_resources")
+    listener = _named(dig(resources, "listeners"), INGRESS_LISTENER, "listener")
+    hcm_filter = _named(dig(listener, "filter_chains.0.filters"), HCM_FILTER, "listener filter")
     hcm = hcm_filter.get("typed_config")
-    cluster = _named(_dig(resources, "clusters"), UPSTREAM_CLUSTER, "cluster")
+    cluster = _named(dig(resources, "clusters"), UPSTREAM_CLUSTER, "cluster")
     # The extension's name contains dots, so it cannot be a step of a `_dig` path.
     protocol_options = cluster.get("typed_extension_protocol_options") or {}
-    routes = _dig(hcm, "route_config.virtual_hosts.0.routes") or []
+    routes = dig(hcm, "route_config.virtual_hosts.0.routes") or []
     return _EnvoyParts(
         config=config,
         listener=listener,
@@ -102,31 +96,31 @@ def _names(items: Any) -> Any:
 
 # Baseline key under `envoy:` -> how to read it from envoy.yaml.
 ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
-    "admin_address": lambda p: _dig(p.config, "admin.address.socket_address.address"),
+    "admin_address": lambda p: dig(p.config, "admin.address.socket_address.address"),
     "listener_per_connection_buffer_limit_bytes": lambda p: p.listener.get(
         "per_connection_buffer_limit_bytes"
     ),
-    "downstream_max_requests_per_connection": lambda p: _dig(
+    "downstream_max_requests_per_connection": lambda p: dig(
         p.hcm, "common_http_protocol_options.max_requests_per_connection"
     ),
-    "downstream_idle_timeout_s": lambda p: _dig(p.hcm, "common_http_protocol_options.idle_timeout"),
-    "downstream_stream_idle_timeout_s": lambda p: _dig(p.hcm, "stream_idle_timeout"),
-    "downstream_request_headers_timeout_s": lambda p: _dig(p.hcm, "request_headers_timeout"),
-    "route_timeout_s": lambda p: _dig(p.route, "timeout"),
-    "completions_route_timeout_s": lambda p: _dig(p.completions_route, "timeout"),
-    "chat_route_timeout_s": lambda p: _dig(p.chat_route, "timeout"),
+    "downstream_idle_timeout_s": lambda p: dig(p.hcm, "common_http_protocol_options.idle_timeout"),
+    "downstream_stream_idle_timeout_s": lambda p: dig(p.hcm, "stream_idle_timeout"),
+    "downstream_request_headers_timeout_s": lambda p: dig(p.hcm, "request_headers_timeout"),
+    "route_timeout_s": lambda p: dig(p.route, "timeout"),
+    "completions_route_timeout_s": lambda p: dig(p.completions_route, "timeout"),
+    "chat_route_timeout_s": lambda p: dig(p.chat_route, "timeout"),
     # None where a route keeps the listener's stream idle timeout.
-    "route_idle_timeout_s": lambda p: _dig(p.route, "idle_timeout"),
-    "completions_route_idle_timeout_s": lambda p: _dig(p.completions_route, "idle_timeout"),
-    "chat_route_idle_timeout_s": lambda p: _dig(p.chat_route, "idle_timeout"),
-    "retry_on": lambda p: _dig(p.route, "retry_policy.retry_on"),
-    "retriable_headers": lambda p: _names(_dig(p.route, "retry_policy.retriable_headers")),
-    "num_retries": lambda p: _dig(p.route, "retry_policy.num_retries"),
-    "retry_host_predicates": lambda p: _names(_dig(p.route, "retry_policy.retry_host_predicate")),
+    "route_idle_timeout_s": lambda p: dig(p.route, "idle_timeout"),
+    "completions_route_idle_timeout_s": lambda p: dig(p.completions_route, "idle_timeout"),
+    "chat_route_idle_timeout_s": lambda p: dig(p.chat_route, "idle_timeout"),
+    "retry_on": lambda p: dig(p.route, "retry_policy.retry_on"),
+    "retriable_headers": lambda p: _names(dig(p.route, "retry_policy.retriable_headers")),
+    "num_retries": lambda p: dig(p.route, "retry_policy.num_retries"),
+    "retry_host_predicates": lambda p: _names(dig(p.route, "retry_policy.retry_host_predicate")),
     "rate_limited_retry_reset_headers": lambda p: _names(
-        _dig(p.route, "retry_policy.rate_limited_retry_back_off.reset_headers")
+        dig(p.route, "retry_policy.rate_limited_retry_back_off.reset_headers")
     ),
-    "rate_limited_retry_max_interval_s": lambda p: _dig(
+    "rate_limited_retry_max_interval_s": lambda p: dig(
         p.route, "retry_policy.rate_limited_retry_back_off.max_interval"
     ),
     "upstream_lb_policy": lambda p: p.cluster.get("lb_policy"),
@@ -134,52 +128,50 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "upstream_per_connection_buffer_limit_bytes": lambda p: p.cluster.get(
         "per_connection_buffer_limit_bytes"
     ),
-    "upstream_max_requests_per_connection": lambda p: _dig(
+    "upstream_max_requests_per_connection": lambda p: dig(
         p.upstream_http, "common_http_protocol_options.max_requests_per_connection"
     ),
-    "upstream_idle_timeout_s": lambda p: _dig(
+    "upstream_idle_timeout_s": lambda p: dig(
         p.upstream_http, "common_http_protocol_options.idle_timeout"
     ),
-    "circuit_breaker_max_connections": lambda p: _dig(
+    "circuit_breaker_max_connections": lambda p: dig(
         p.cluster, "circuit_breakers.thresholds.0.max_connections"
     ),
-    "circuit_breaker_max_requests": lambda p: _dig(
+    "circuit_breaker_max_requests": lambda p: dig(
         p.cluster, "circuit_breakers.thresholds.0.max_requests"
     ),
-    "circuit_breaker_max_pending_requests": lambda p: _dig(
+    "circuit_breaker_max_pending_requests": lambda p: dig(
         p.cluster, "circuit_breakers.thresholds.0.max_pending_requests"
     ),
-    "retry_budget_percent": lambda p: _dig(
+    "retry_budget_percent": lambda p: dig(
         p.cluster, "circuit_breakers.thresholds.0.retry_budget.budget_percent.value"
     ),
-    "retry_budget_min_retry_concurrency": lambda p: _dig(
+    "retry_budget_min_retry_concurrency": lambda p: dig(
         p.cluster, "circuit_breakers.thresholds.0.retry_budget.min_retry_concurrency"
     ),
-    "outlier_consecutive_5xx": lambda p: _dig(p.cluster, "outlier_detection.consecutive_5xx"),
-    "outlier_consecutive_gateway_failure": lambda p: _dig(
+    "outlier_consecutive_5xx": lambda p: dig(p.cluster, "outlier_detection.consecutive_5xx"),
+    "outlier_consecutive_gateway_failure": lambda p: dig(
         p.cluster, "outlier_detection.consecutive_gateway_failure"
     ),
-    "outlier_enforcing_consecutive_gateway_failure": lambda p: _dig(
+    "outlier_enforcing_consecutive_gateway_failure": lambda p: dig(
         p.cluster, "outlier_detection.enforcing_consecutive_gateway_failure"
     ),
-    "outlier_base_ejection_time_s": lambda p: _dig(
+    "outlier_base_ejection_time_s": lambda p: dig(
         p.cluster, "outlier_detection.base_ejection_time"
     ),
-    "outlier_max_ejection_percent": lambda p: _dig(
+    "outlier_max_ejection_percent": lambda p: dig(
         p.cluster, "outlier_detection.max_ejection_percent"
     ),
-    "health_check_path": lambda p: _dig(p.cluster, "health_checks.0.http_health_check.path"),
-    "health_check_interval_s": lambda p: _dig(p.cluster, "health_checks.0.interval"),
-    "health_check_timeout_s": lambda p: _dig(p.cluster, "health_checks.0.timeout"),
-    "health_check_no_traffic_interval_s": lambda p: _dig(
+    "health_check_path": lambda p: dig(p.cluster, "health_checks.0.http_health_check.path"),
+    "health_check_interval_s": lambda p: dig(p.cluster, "health_checks.0.interval"),
+    "health_check_timeout_s": lambda p: dig(p.cluster, "health_checks.0.timeout"),
+    "health_check_no_traffic_interval_s": lambda p: dig(
         p.cluster, "health_checks.0.no_traffic_interval"
     ),
-    "health_check_unhealthy_threshold": lambda p: _dig(
+    "health_check_unhealthy_threshold": lambda p: dig(
         p.cluster, "health_checks.0.unhealthy_threshold"
     ),
-    "health_check_healthy_threshold": lambda p: _dig(
-        p.cluster, "health_checks.0.healthy_threshold"
-    ),
+    "health_check_healthy_threshold": lambda p: dig(p.cluster, "health_checks.0.healthy_threshold"),
 }
 
 
@@ -213,14 +205,16 @@ _PROBE_FIELDS = {
 
 
 def _container_field(path: str) -> Callable[[list[Manifest]], Any]:
-    return lambda manifests: _dig(_server_parts(manifests)[1], path)
+    return lambda manifests: dig(_server_parts(manifests)[1], path)
 
 
 def _server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
     deployment = find_manifest(manifests, "Deployment", SERVER_DEPLOYMENT)
     if deployment is None:
         raise ConfigError(f"no Deployment {SERVER_DEPLOYMENT}")
-    pod_spec = deployment["spec"]["template"]["spec"]
+    pod_spec = dig(deployment, "spec.template.spec")
+    if not isinstance(pod_spec, dict):
+        raise ConfigError(f"Deployment {SERVER_DEPLOYMENT} has no spec.template.spec")
     return pod_spec, _named(pod_spec.get("containers"), SERVER_CONTAINER, "container")
 
 
@@ -231,7 +225,7 @@ def probe_ports(manifests: list[Manifest]) -> dict[str, Any]:
     named = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
     ports: dict[str, Any] = {}
     for probe in ("startup", "readiness", "liveness"):
-        port = _dig(container, f"{probe}Probe.httpGet.port")
+        port = dig(container, f"{probe}Probe.httpGet.port")
         if port is not None:
             ports[probe] = named.get(port) if isinstance(port, str) else port
     return ports
@@ -242,41 +236,41 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
     "termination_grace_period_s": lambda m: _server_parts(m)[0].get(
         "terminationGracePeriodSeconds"
     ),
-    "pre_stop_sleep_s": lambda m: _dig(_server_parts(m)[1], "lifecycle.preStop.sleep.seconds"),
+    "pre_stop_sleep_s": lambda m: dig(_server_parts(m)[1], "lifecycle.preStop.sleep.seconds"),
     **{
         f"{probe}_probe_{key}": _container_field(f"{probe}Probe.{path}")
         for probe in ("startup", "readiness", "liveness")
         for key, path in _PROBE_FIELDS.items()
     },
-    "run_as_non_root": lambda m: _dig(_server_parts(m)[0], "securityContext.runAsNonRoot"),
-    "read_only_root_filesystem": lambda m: _dig(
+    "run_as_non_root": lambda m: dig(_server_parts(m)[0], "securityContext.runAsNonRoot"),
+    "read_only_root_filesystem": lambda m: dig(
         _server_parts(m)[1], "securityContext.readOnlyRootFilesystem"
     ),
-    "capabilities_drop": lambda m: _dig(_server_parts(m)[1], "securityContext.capabilities.drop"),
-    "deployment_replicas": lambda m: _dig(
+    "capabilities_drop": lambda m: dig(_server_parts(m)[1], "securityContext.capabilities.drop"),
+    "deployment_replicas": lambda m: dig(
         find_manifest(m, "Deployment", "steadyserve"), "spec.replicas"
     ),
-    "envoy_replicas": lambda m: _dig(
+    "envoy_replicas": lambda m: dig(
         find_manifest(m, "Deployment", "steadyserve-envoy"), "spec.replicas"
     ),
-    "cpu_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.cpu"),
-    "memory_request": lambda m: _dig(_server_parts(m)[1], "resources.requests.memory"),
-    "cpu_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.cpu"),
-    "memory_limit": lambda m: _dig(_server_parts(m)[1], "resources.limits.memory"),
-    "gpu_limit": lambda m: (_dig(_server_parts(m)[1], "resources.limits") or {}).get(
+    "cpu_request": lambda m: dig(_server_parts(m)[1], "resources.requests.cpu"),
+    "memory_request": lambda m: dig(_server_parts(m)[1], "resources.requests.memory"),
+    "cpu_limit": lambda m: dig(_server_parts(m)[1], "resources.limits.cpu"),
+    "memory_limit": lambda m: dig(_server_parts(m)[1], "resources.limits.memory"),
+    "gpu_limit": lambda m: (dig(_server_parts(m)[1], "resources.limits") or {}).get(
         "nvidia.com/gpu"
     ),
-    "hpa_min_replicas": lambda m: _dig(
+    "hpa_min_replicas": lambda m: dig(
         find_manifest(m, "HorizontalPodAutoscaler", "steadyserve"), "spec.minReplicas"
     ),
-    "hpa_max_replicas": lambda m: _dig(
+    "hpa_max_replicas": lambda m: dig(
         find_manifest(m, "HorizontalPodAutoscaler", "steadyserve"), "spec.maxReplicas"
     ),
     "hpa_cpu_utilization": lambda m: _hpa_metric(
         m, "Resource", "resource.target.averageUtilization"
     ),
     "hpa_inflight_per_pod": lambda m: _hpa_metric(m, "Pods", "pods.target.averageValue"),
-    "pdb_max_unavailable": lambda m: _dig(
+    "pdb_max_unavailable": lambda m: dig(
         find_manifest(m, "PodDisruptionBudget", "steadyserve"), "spec.maxUnavailable"
     ),
 }
@@ -284,9 +278,9 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
 
 def _hpa_metric(manifests: list[Manifest], metric_type: str, path: str) -> Any:
     hpa = find_manifest(manifests, "HorizontalPodAutoscaler", "steadyserve")
-    for metric in _dig(hpa, "spec.metrics") or []:
+    for metric in dig(hpa, "spec.metrics") or []:
         if metric.get("type") == metric_type:
-            return _dig(metric, path)
+            return dig(metric, path)
     return None
 
 
@@ -300,23 +294,36 @@ def pod_environment(manifests: list[Manifest]) -> dict[str, str]:
     then its own env, with resourceFieldRef on limits.cpu resolved as the kubelet does."""
     _, container = _server_parts(manifests)
     environment: dict[str, str] = {}
-    for source in container.get("envFrom", []):
+    for source in _container_list(container, "envFrom"):
         reference = source.get("configMapRef")
         if reference is None:
             continue
-        config_map = find_manifest(manifests, "ConfigMap", reference["name"])
+        config_map = find_manifest(manifests, "ConfigMap", dig(reference, "name"))
         if config_map is None:
-            raise ConfigError(f"envFrom names ConfigMap {reference['name']!r}, which is absent")
-        environment.update({str(k): str(v) for k, v in config_map.get("data", {}).items()})
-    for variable in container.get("env", []):
+            raise ConfigError(
+                f"envFrom names ConfigMap {dig(reference, 'name')!r}, which is absent"
+            )
+        environment.update({str(k): str(v) for k, v in (config_map.get("data") or {}).items()})
+    for variable in _container_list(container, "env"):
+        if not isinstance(variable.get("name"), str):
+            raise ConfigError(f"container {SERVER_CONTAINER}: an env entry has no name")
         if "value" in variable:
             environment[variable["name"]] = str(variable["value"])
-        elif _dig(variable, "valueFrom.resourceFieldRef.resource") == "limits.cpu":
-            if str(_dig(variable, "valueFrom.resourceFieldRef.divisor") or "1") != "1":
+        elif dig(variable, "valueFrom.resourceFieldRef.resource") == "limits.cpu":
+            if str(dig(variable, "valueFrom.resourceFieldRef.divisor") or "1") != "1":
                 raise ConfigError(f"{variable['name']}: only divisor 1 is understood")
-            cpu_limit = _dig(container, "resources.limits.cpu")
+            cpu_limit = dig(container, "resources.limits.cpu")
             environment[variable["name"]] = str(cpu_count(cpu_limit))
     return {key: value for key, value in environment.items() if key.startswith(ENV_PREFIX)}
+
+
+def _container_list(container: Manifest, key: str) -> list[Manifest]:
+    """`env` or `envFrom` of a container: null (`env:` with nothing under it) is empty, as to
+    Kubernetes; an entry that is not a mapping is refused."""
+    items = container.get(key) or []
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ConfigError(f"container {SERVER_CONTAINER}: {key} is not a list of mappings")
+    return items
 
 
 class _EnvironmentFreeSettings(Settings):
@@ -335,15 +342,35 @@ class _EnvironmentFreeSettings(Settings):
         return (init_settings,)
 
 
+def describe_settings_error(error: SettingsError) -> str:
+    """pydantic-settings' "error parsing value for field ..." as the variable that caused it."""
+    field = re.search(r'field "(\w+)"', str(error))
+    if field is None:
+        return f"{error}: {error.__cause__}"
+    return (
+        f"{ENV_PREFIX}{field.group(1).upper()} is not the JSON its setting's type needs "
+        f"({error.__cause__})"
+    )
+
+
 def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings, list[str]]:
-    """Settings from STEADY_* strings parsed the way pydantic-settings parses the environment
-    (JSON for lists and objects); also the variables that name no setting (typos)."""
-    values: dict[str, Any] = {}
-    unknown: list[str] = []
-    for name, raw in environment.items():
-        field_name = name[len(ENV_PREFIX) :].lower()
-        if field_name not in Settings.model_fields:
-            unknown.append(name)
-            continue
-        values[field_name] = json.loads(raw) if raw.strip()[:1] in ("[", "{") else raw
+    """Settings from a pod's environment, parsed by pydantic-settings' own environment source
+    (the server's parser: JSON only for fields whose type needs it, names matched as it
+    matches them); also the variables that carry the prefix but name no setting (typos).
+
+    Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError)."""
+    source = EnvSettingsSource(Settings)
+    source.env_vars = parse_env_vars(
+        environment, source.case_sensitive, source.env_ignore_empty, source.env_parse_none_str
+    )
+    try:
+        values = source()
+    except SettingsError as error:
+        raise ConfigError(describe_settings_error(error)) from error
+    unknown = [
+        name
+        for name in environment
+        if name.startswith(ENV_PREFIX)
+        and name[len(ENV_PREFIX) :].lower() not in Settings.model_fields
+    ]
     return _EnvironmentFreeSettings(**values), unknown

@@ -3,42 +3,15 @@ naming the field and both values, when any one source drifts from deploy/baselin
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from app.checkconfig import main
+from tests.deploy.checkconfig_support import check, replace_once
 from tests.deploy.tools import DEPLOY
 from tests.support.server import REPO_ROOT
-
-
-@pytest.fixture
-def deploy_copy(tmp_path: Path) -> Path:
-    copied = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, copied)
-    return copied
-
-
-def check(deploy: Path) -> int:
-    return main(
-        [
-            "--baseline",
-            str(deploy / "baseline.yaml"),
-            "--envoy",
-            str(deploy / "envoy" / "envoy.yaml"),
-            "--k8s",
-            str(deploy / "k8s"),
-        ]
-    )
-
-
-def replace_once(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert text.count(old) == 1, f"{old!r} in {path}"
-    path.write_text(text.replace(old, new))
 
 
 def test_shipped_configuration_matches_the_baseline(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,109 @@
+"""`steadyserve check-config` on files it cannot check: one clear line on stderr and exit
+status 2 (a config error), never a traceback, and never 1, which means "drift found"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.checkconfig_support import check, replace_once
+from tests.deploy.tools import DEPLOY
+
+
+def config_error(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line check-config wrote to stderr."""
+    err = capsys.readouterr().err
+    assert err.startswith("check-config: ") and err.count("\n") == 1, err
+    return err
+
+
+def edit_server_container(deploy: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    path = deploy / "k8s" / "base" / "steadyserve-deployment.yaml"
+    deployment = yaml.safe_load(path.read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    edit(container)
+    path.write_text(yaml.safe_dump(deployment))
+
+
+def test_malformed_kustomization_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "configMapGenerator:\n",
+        "configMapGenerator: [\n",
+    )
+    assert check(deploy_copy) == 2
+    err = config_error(capsys)
+    assert "overlay cpu:" in err and "base/kustomization.yaml:" in err
+
+
+def test_manifest_without_a_name_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(deploy_copy / "k8s" / "base" / "hpa.yaml", "\n  name: steadyserve\n", "\n")
+    assert check(deploy_copy) == 2
+    assert "hpa.yaml: a HorizontalPodAutoscaler has no metadata.name" in config_error(capsys)
+
+
+def test_patch_without_a_name_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    patch = deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml"
+    replace_once(patch, "metadata:\n  name: steadyserve\n", "metadata: {}\n")
+    assert check(deploy_copy) == 2
+    assert "steadyserve-cpu.yaml: a Deployment has no metadata.name" in config_error(capsys)
+
+
+def test_text_setting_that_looks_like_json_is_read_as_text(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pydantic-settings parses JSON only for list and object fields: the server takes this
+    token as it is, and so must the checker."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "      - STEADY_WARMUP=true\n",
+        "      - STEADY_WARMUP=true\n      - STEADY_DEBUG_TOKEN={abc\n",
+    )
+    assert check(deploy_copy) == 0, capsys.readouterr()
+
+
+def test_list_setting_that_is_not_json_in_the_config_map_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "STEADY_LENGTH_BUCKETS=[16,32,64,128,256,512]",
+        "STEADY_LENGTH_BUCKETS=16,32,64,128,256,512",
+    )
+    assert check(deploy_copy) == 2
+    err = config_error(capsys)
+    assert "overlay cpu: STEADY_LENGTH_BUCKETS is not the JSON its setting's type needs" in err
+
+
+def test_list_setting_that_is_not_json_in_this_environment_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STEADY_LENGTH_BUCKETS", "16,32")
+    assert check(DEPLOY) == 2
+    err = config_error(capsys)
+    assert "this environment: STEADY_LENGTH_BUCKETS is not the JSON its setting's type" in err
+
+
+@pytest.mark.parametrize("field", ["env", "envFrom"])
+def test_an_empty_env_list_is_read_as_empty(
+    field: str, deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`env:` with nothing under it is null in YAML and no variables to Kubernetes."""
+    edit_server_container(deploy_copy, lambda container: container.update({field: None}))
+    status = check(deploy_copy)
+    out = capsys.readouterr().out
+    if field == "envFrom":
+        # Without its ConfigMap the pod runs on the defaults: drift, named.
+        assert status == 1 and 'k8s[cpu].settings.device: baseline "cpu"' in out
+    else:
+        assert status == 0, out

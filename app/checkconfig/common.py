@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.settings import Settings
+
 Manifest = dict[str, Any]
 
-ENV_PREFIX = "STEADY_"
+# The prefix pydantic-settings reads settings variables with: the server's own.
+ENV_PREFIX: str = Settings.model_config.get("env_prefix") or ""
 SERVER_DEPLOYMENT = "steadyserve"
 SERVER_CONTAINER = "steadyserve"
 ENVOY_CONFIG_MAP_PREFIX = "envoy-config"

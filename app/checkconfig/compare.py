@@ -16,16 +16,18 @@ from pydantic_settings import SettingsError
 
 from app.checkconfig.common import ENVOY_CONFIG_KEY, ENVOY_CONFIG_MAP_PREFIX, ConfigError, Manifest
 from app.checkconfig.kustomize import render_kustomization
+from app.checkconfig.pod_settings import (
+    describe_settings_error,
+    pod_environment,
+    settings_from_environment,
+)
 from app.checkconfig.sources import (
     ENVOY_FIELDS,
     K8S_FIELDS,
     cpu_count,
-    describe_settings_error,
-    pod_environment,
     probe_ports,
     read_envoy,
     read_k8s,
-    settings_from_environment,
 )
 from app.dispatcher import engine_thread_plan
 from app.settings import Settings
@@ -155,7 +157,7 @@ def check_overlay(
     where = f"k8s[{name}]"
     environment = pod_environment(manifests)
     try:
-        settings, unknown = settings_from_environment(environment)
+        settings, unknown = settings_from_environment(environment.variables)
     except ValidationError as error:
         return [f"{where}: the ConfigMap/env settings do not validate: {error}"]
     expected_settings = {**baseline.settings, **overlay.get("settings", {})}
@@ -163,6 +165,7 @@ def check_overlay(
         f"{where}.settings", expected_settings, _settings_values(settings, expected_settings)
     )
     differences += [f"{where}.settings: {variable} is not a setting" for variable in unknown]
+    differences += [f"{where}.settings: {line}" for line in environment.unreadable]
     k8s_actual = read_k8s(manifests)
     differences += compare(where, {**baseline.k8s, **overlay.get("k8s", {})}, k8s_actual)
 

@@ -8,16 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic_settings import (
-    BaseSettings,
-    EnvSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsError,
-)
-from pydantic_settings.sources.utils import parse_env_vars
-
 from app.checkconfig.common import (
-    ENV_PREFIX,
     HCM_FILTER,
     INGRESS_LISTENER,
     SERVER_CONTAINER,
@@ -29,7 +20,6 @@ from app.checkconfig.common import (
     dig,
 )
 from app.checkconfig.kustomize import find_manifest
-from app.settings import Settings
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)s$")
 _CPU_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m?)$")
@@ -205,10 +195,10 @@ _PROBE_FIELDS = {
 
 
 def _container_field(path: str) -> Callable[[list[Manifest]], Any]:
-    return lambda manifests: dig(_server_parts(manifests)[1], path)
+    return lambda manifests: dig(server_parts(manifests)[1], path)
 
 
-def _server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
+def server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
     deployment = find_manifest(manifests, "Deployment", SERVER_DEPLOYMENT)
     if deployment is None:
         raise ConfigError(f"no Deployment {SERVER_DEPLOYMENT}")
@@ -221,7 +211,7 @@ def _server_parts(manifests: list[Manifest]) -> tuple[Manifest, Manifest]:
 def probe_ports(manifests: list[Manifest]) -> dict[str, Any]:
     """The port each of the server container's HTTP probes reaches, by probe, a named port
     resolved to its containerPort (None where it names none the container declares)."""
-    container = _server_parts(manifests)[1]
+    container = server_parts(manifests)[1]
     named = {p.get("name"): p.get("containerPort") for p in container.get("ports") or []}
     ports: dict[str, Any] = {}
     for probe in ("startup", "readiness", "liveness"):
@@ -233,31 +223,29 @@ def probe_ports(manifests: list[Manifest]) -> dict[str, Any]:
 
 # Baseline key under `k8s:` / `overlays.<name>.k8s:` -> how to read it from the manifests.
 K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
-    "termination_grace_period_s": lambda m: _server_parts(m)[0].get(
-        "terminationGracePeriodSeconds"
-    ),
-    "pre_stop_sleep_s": lambda m: dig(_server_parts(m)[1], "lifecycle.preStop.sleep.seconds"),
+    "termination_grace_period_s": lambda m: server_parts(m)[0].get("terminationGracePeriodSeconds"),
+    "pre_stop_sleep_s": lambda m: dig(server_parts(m)[1], "lifecycle.preStop.sleep.seconds"),
     **{
         f"{probe}_probe_{key}": _container_field(f"{probe}Probe.{path}")
         for probe in ("startup", "readiness", "liveness")
         for key, path in _PROBE_FIELDS.items()
     },
-    "run_as_non_root": lambda m: dig(_server_parts(m)[0], "securityContext.runAsNonRoot"),
+    "run_as_non_root": lambda m: dig(server_parts(m)[0], "securityContext.runAsNonRoot"),
     "read_only_root_filesystem": lambda m: dig(
-        _server_parts(m)[1], "securityContext.readOnlyRootFilesystem"
+        server_parts(m)[1], "securityContext.readOnlyRootFilesystem"
     ),
-    "capabilities_drop": lambda m: dig(_server_parts(m)[1], "securityContext.capabilities.drop"),
+    "capabilities_drop": lambda m: dig(server_parts(m)[1], "securityContext.capabilities.drop"),
     "deployment_replicas": lambda m: dig(
         find_manifest(m, "Deployment", "steadyserve"), "spec.replicas"
     ),
     "envoy_replicas": lambda m: dig(
         find_manifest(m, "Deployment", "steadyserve-envoy"), "spec.replicas"
     ),
-    "cpu_request": lambda m: dig(_server_parts(m)[1], "resources.requests.cpu"),
-    "memory_request": lambda m: dig(_server_parts(m)[1], "resources.requests.memory"),
-    "cpu_limit": lambda m: dig(_server_parts(m)[1], "resources.limits.cpu"),
-    "memory_limit": lambda m: dig(_server_parts(m)[1], "resources.limits.memory"),
-    "gpu_limit": lambda m: (dig(_server_parts(m)[1], "resources.limits") or {}).get(
+    "cpu_request": lambda m: dig(server_parts(m)[1], "resources.requests.cpu"),
+    "memory_request": lambda m: dig(server_parts(m)[1], "resources.requests.memory"),
+    "cpu_limit": lambda m: dig(server_parts(m)[1], "resources.limits.cpu"),
+    "memory_limit": lambda m: dig(server_parts(m)[1], "resources.limits.memory"),
+    "gpu_limit": lambda m: (dig(server_parts(m)[1], "resources.limits") or {}).get(
         "nvidia.com/gpu"
     ),
     "hpa_min_replicas": lambda m: dig(
@@ -287,90 +275,3 @@ def _hpa_metric(manifests: list[Manifest], metric_type: str, path: str) -> Any:
 def read_k8s(manifests: list[Manifest]) -> dict[str, Any]:
     """Every `K8S_FIELDS` value of one rendered overlay."""
     return {key: read(manifests) for key, read in K8S_FIELDS.items()}
-
-
-def pod_environment(manifests: list[Manifest]) -> dict[str, str]:
-    """The STEADY_* environment the server container starts with: its ConfigMaps (envFrom),
-    then its own env, with resourceFieldRef on limits.cpu resolved as the kubelet does."""
-    _, container = _server_parts(manifests)
-    environment: dict[str, str] = {}
-    for source in _container_list(container, "envFrom"):
-        reference = source.get("configMapRef")
-        if reference is None:
-            continue
-        config_map = find_manifest(manifests, "ConfigMap", dig(reference, "name"))
-        if config_map is None:
-            raise ConfigError(
-                f"envFrom names ConfigMap {dig(reference, 'name')!r}, which is absent"
-            )
-        environment.update({str(k): str(v) for k, v in (config_map.get("data") or {}).items()})
-    for variable in _container_list(container, "env"):
-        if not isinstance(variable.get("name"), str):
-            raise ConfigError(f"container {SERVER_CONTAINER}: an env entry has no name")
-        if "value" in variable:
-            environment[variable["name"]] = str(variable["value"])
-        elif dig(variable, "valueFrom.resourceFieldRef.resource") == "limits.cpu":
-            if str(dig(variable, "valueFrom.resourceFieldRef.divisor") or "1") != "1":
-                raise ConfigError(f"{variable['name']}: only divisor 1 is understood")
-            cpu_limit = dig(container, "resources.limits.cpu")
-            environment[variable["name"]] = str(cpu_count(cpu_limit))
-    return {key: value for key, value in environment.items() if key.startswith(ENV_PREFIX)}
-
-
-def _container_list(container: Manifest, key: str) -> list[Manifest]:
-    """`env` or `envFrom` of a container: null (`env:` with nothing under it) is empty, as to
-    Kubernetes; an entry that is not a mapping is refused."""
-    items = container.get(key) or []
-    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
-        raise ConfigError(f"container {SERVER_CONTAINER}: {key} is not a list of mappings")
-    return items
-
-
-class _EnvironmentFreeSettings(Settings):
-    """Settings built only from the values passed in: what a pod gets, not what this process
-    happens to have in its own environment."""
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
-
-
-def describe_settings_error(error: SettingsError) -> str:
-    """pydantic-settings' "error parsing value for field ..." as the variable that caused it."""
-    field = re.search(r'field "(\w+)"', str(error))
-    if field is None:
-        return f"{error}: {error.__cause__}"
-    return (
-        f"{ENV_PREFIX}{field.group(1).upper()} is not the JSON its setting's type needs "
-        f"({error.__cause__})"
-    )
-
-
-def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings, list[str]]:
-    """Settings from a pod's environment, parsed by pydantic-settings' own environment source
-    (the server's parser: JSON only for fields whose type needs it, names matched as it
-    matches them); also the variables that carry the prefix but name no setting (typos).
-
-    Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError)."""
-    source = EnvSettingsSource(Settings)
-    source.env_vars = parse_env_vars(
-        environment, source.case_sensitive, source.env_ignore_empty, source.env_parse_none_str
-    )
-    try:
-        values = source()
-    except SettingsError as error:
-        raise ConfigError(describe_settings_error(error)) from error
-    unknown = [
-        name
-        for name in environment
-        if name.startswith(ENV_PREFIX)
-        and name[len(ENV_PREFIX) :].lower() not in Settings.model_fields
-    ]
-    return _EnvironmentFreeSettings(**values), unknown

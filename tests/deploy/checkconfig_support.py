@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from app.checkconfig import main
 
@@ -26,3 +30,12 @@ def replace_once(path: Path, old: str, new: str) -> None:
     text = path.read_text()
     assert text.count(old) == 1, f"{old!r} in {path}"
     path.write_text(text.replace(old, new))
+
+
+def edit_server_container(deploy: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the server container of the base Deployment (as data; comments are lost)."""
+    path = deploy / "k8s" / "base" / "steadyserve-deployment.yaml"
+    deployment = yaml.safe_load(path.read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    edit(container)
+    path.write_text(yaml.safe_dump(deployment))

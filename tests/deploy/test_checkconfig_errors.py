@@ -3,14 +3,11 @@ status 2 (a config error), never a traceback, and never 1, which means "drift fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
-from tests.deploy.checkconfig_support import check, replace_once
+from tests.deploy.checkconfig_support import check, edit_server_container, replace_once
 from tests.deploy.tools import DEPLOY
 
 
@@ -19,14 +16,6 @@ def config_error(capsys: pytest.CaptureFixture[str]) -> str:
     err = capsys.readouterr().err
     assert err.startswith("check-config: ") and err.count("\n") == 1, err
     return err
-
-
-def edit_server_container(deploy: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    path = deploy / "k8s" / "base" / "steadyserve-deployment.yaml"
-    deployment = yaml.safe_load(path.read_text())
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    edit(container)
-    path.write_text(yaml.safe_dump(deployment))
 
 
 def test_malformed_kustomization_is_a_config_error(

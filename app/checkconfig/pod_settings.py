@@ -1,0 +1,177 @@
+"""The settings a pod really gets: its environment as Kubernetes builds it from the rendered
+manifests, parsed as the server parses it (pydantic-settings' own environment source)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsError,
+)
+from pydantic_settings.sources.utils import parse_env_vars
+
+from app.checkconfig.common import ENV_PREFIX, SERVER_CONTAINER, ConfigError, Manifest, dig
+from app.checkconfig.kustomize import find_manifest
+from app.checkconfig.sources import cpu_count, server_parts
+from app.settings import Settings
+
+# pydantic-settings matches variable names to fields ignoring case unless told otherwise;
+# whatever it would read, the checker must read too.
+_CASE_SENSITIVE = bool(Settings.model_config.get("case_sensitive", False))
+
+
+def is_setting_name(name: str) -> bool:
+    """Whether pydantic-settings would look at `name` for some setting (prefix matched as it
+    matches it); not whether the rest names a field."""
+    if _CASE_SENSITIVE:
+        return name.startswith(ENV_PREFIX)
+    return name.upper().startswith(ENV_PREFIX.upper())
+
+
+@dataclass
+class PodEnvironment:
+    # The settings variables the server container starts with, as Kubernetes sets them.
+    variables: dict[str, str] = field(default_factory=dict)
+    # One line per settings variable whose value comes from somewhere the checker cannot read.
+    unreadable: list[str] = field(default_factory=list)
+
+
+def pod_environment(manifests: list[Manifest]) -> PodEnvironment:
+    """The server container's settings variables: its envFrom ConfigMaps (with their
+    `prefix`), then its own env (later wins, as in Kubernetes), with configMapKeyRef resolved
+    from the rendered ConfigMaps and resourceFieldRef on limits.cpu as the kubelet does."""
+    _, container = server_parts(manifests)
+    environment = PodEnvironment()
+    for source in _container_list(container, "envFrom"):
+        reference = source.get("configMapRef")
+        if reference is None:
+            continue
+        config_map = _config_map(manifests, reference, "envFrom")
+        if config_map is None:
+            continue
+        prefix = str(source.get("prefix") or "")
+        for key, value in (config_map.get("data") or {}).items():
+            _set(environment, f"{prefix}{key}", str(value))
+    for variable in _container_list(container, "env"):
+        name = variable.get("name")
+        if not isinstance(name, str):
+            raise ConfigError(f"container {SERVER_CONTAINER}: an env entry has no name")
+        if is_setting_name(name):
+            _set_from_env_entry(environment, manifests, container, variable, name)
+    return environment
+
+
+def _set(environment: PodEnvironment, name: str, value: str) -> None:
+    if is_setting_name(name):
+        environment.variables[name] = value
+
+
+def _set_from_env_entry(
+    environment: PodEnvironment,
+    manifests: list[Manifest],
+    container: Manifest,
+    variable: Manifest,
+    name: str,
+) -> None:
+    if "valueFrom" not in variable:
+        environment.variables[name] = str(variable.get("value", ""))
+        return
+    value_from = variable.get("valueFrom") or {}
+    if "configMapKeyRef" in value_from:
+        reference = value_from["configMapKeyRef"] or {}
+        config_map = _config_map(manifests, reference, f"env {name}")
+        if config_map is None:
+            return
+        data = config_map.get("data") or {}
+        key = reference.get("key")
+        if key in data:
+            environment.variables[name] = str(data[key])
+        elif not reference.get("optional"):
+            raise ConfigError(
+                f"env {name} names key {key!r} of ConfigMap {reference.get('name')!r}, "
+                "which it lacks: the pod would not start"
+            )
+    elif dig(value_from, "resourceFieldRef.resource") == "limits.cpu":
+        if str(dig(value_from, "resourceFieldRef.divisor") or "1") != "1":
+            raise ConfigError(f"{name}: only divisor 1 is understood")
+        cpu_limit = dig(container, "resources.limits.cpu")
+        environment.variables[name] = str(cpu_count(cpu_limit))
+    else:
+        sources = ", ".join(sorted(value_from)) or "nothing"
+        environment.unreadable.append(
+            f"{name} is set from {sources}, which check-config cannot read: its value is "
+            "not checked"
+        )
+
+
+def _config_map(manifests: list[Manifest], reference: Any, where: str) -> Manifest | None:
+    """The rendered ConfigMap a reference names; None if absent and `optional`."""
+    name = dig(reference, "name")
+    config_map = find_manifest(manifests, "ConfigMap", name)
+    if config_map is None and not dig(reference, "optional"):
+        raise ConfigError(f"{where} names ConfigMap {name!r}, which is absent")
+    return config_map
+
+
+def _container_list(container: Manifest, key: str) -> list[Manifest]:
+    """`env` or `envFrom` of a container: null (`env:` with nothing under it) is empty, as to
+    Kubernetes; an entry that is not a mapping is refused."""
+    items = container.get(key) or []
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ConfigError(f"container {SERVER_CONTAINER}: {key} is not a list of mappings")
+    return items
+
+
+class _EnvironmentFreeSettings(Settings):
+    """Settings built only from the values passed in: what a pod gets, not what this process
+    happens to have in its own environment."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
+
+
+def describe_settings_error(error: SettingsError) -> str:
+    """pydantic-settings' "error parsing value for field ..." as the variable that caused it."""
+    field_name = re.search(r'field "(\w+)"', str(error))
+    if field_name is None:
+        return f"{error}: {error.__cause__}"
+    return (
+        f"{ENV_PREFIX}{field_name.group(1).upper()} is not the JSON its setting's type needs "
+        f"({error.__cause__})"
+    )
+
+
+def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings, list[str]]:
+    """Settings from a pod's environment, parsed by pydantic-settings' own environment source
+    (the server's parser: JSON only for fields whose type needs it, names matched as it
+    matches them); also the variables that carry the prefix but name no setting (typos).
+
+    Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError)."""
+    source = EnvSettingsSource(Settings)
+    source.env_vars = parse_env_vars(
+        environment, source.case_sensitive, source.env_ignore_empty, source.env_parse_none_str
+    )
+    try:
+        values = source()
+    except SettingsError as error:
+        raise ConfigError(describe_settings_error(error)) from error
+    unknown = [
+        name
+        for name in environment
+        if is_setting_name(name) and name[len(ENV_PREFIX) :].lower() not in Settings.model_fields
+    ]
+    return _EnvironmentFreeSettings(**values), unknown

@@ -1,0 +1,72 @@
+"""`steadyserve check-config` reads every variable the server would read as a setting, from
+wherever Kubernetes takes it, and names one it cannot read instead of passing over it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.deploy.checkconfig_support import check, edit_server_container, replace_once
+
+
+def test_a_lower_case_setting_name_is_read(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pydantic-settings matches names ignoring case: the server runs with 2048."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "STEADY_MAX_INFLIGHT=512",
+        "steady_max_inflight=2048",
+    )
+    assert check(deploy_copy) == 1
+    assert "k8s[cpu].settings.max_inflight: baseline 512, actual 2048" in capsys.readouterr().out
+
+
+def test_an_env_from_prefix_is_applied(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prefixed, no ConfigMap key is a setting any more: the pod runs on the defaults."""
+
+    def add_prefix(container: dict[str, Any]) -> None:
+        container["envFrom"][0]["prefix"] = "APP_"
+
+    edit_server_container(deploy_copy, add_prefix)
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert 'k8s[cpu].settings.device: baseline "cpu", actual "auto"' in out
+
+
+def test_a_config_map_key_reference_is_resolved(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The env entry wins over envFrom; its value is another key of the generated ConfigMap
+    (referenced by its unhashed name, renamed as kustomize renames it)."""
+
+    def reference_max_queue(container: dict[str, Any]) -> None:
+        reference = {"name": "steadyserve-settings", "key": "STEADY_MAX_QUEUE"}
+        container["env"].append(
+            {"name": "STEADY_MAX_INFLIGHT", "valueFrom": {"configMapKeyRef": reference}}
+        )
+
+    edit_server_container(deploy_copy, reference_max_queue)
+    assert check(deploy_copy) == 1
+    assert "k8s[cpu].settings.max_inflight: baseline 512, actual 4096" in capsys.readouterr().out
+
+
+def test_a_setting_from_a_source_it_cannot_read_is_named(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def token_from_secret(container: dict[str, Any]) -> None:
+        reference = {"name": "steadyserve-debug", "key": "token"}
+        container["env"].append(
+            {"name": "STEADY_DEBUG_TOKEN", "valueFrom": {"secretKeyRef": reference}}
+        )
+
+    edit_server_container(deploy_copy, token_from_secret)
+    assert check(deploy_copy) == 1
+    assert (
+        "k8s[cpu].settings: STEADY_DEBUG_TOKEN is set from secretKeyRef, which check-config "
+        "cannot read" in capsys.readouterr().out
+    )

@@ -34,3 +34,11 @@ def dig(node: Any, path: str) -> Any:
         else:
             return None
     return node
+
+
+def named(items: Any, name: str, what: str) -> Any:
+    """The item of a list of mappings whose `name` is `name`."""
+    for item in items or []:
+        if isinstance(item, dict) and item.get("name") == name:
+            return item
+    raise ConfigError(f"no {what} named {name!r}")

@@ -15,20 +15,14 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from app.checkconfig.common import ENVOY_CONFIG_KEY, ENVOY_CONFIG_MAP_PREFIX, ConfigError, Manifest
+from app.checkconfig.envoy_config import ENVOY_FIELDS, envoy_route_problems, read_envoy
 from app.checkconfig.kustomize import render_kustomization
 from app.checkconfig.pod_settings import (
     describe_settings_error,
     pod_environment,
     settings_from_environment,
 )
-from app.checkconfig.sources import (
-    ENVOY_FIELDS,
-    K8S_FIELDS,
-    cpu_count,
-    probe_ports,
-    read_envoy,
-    read_k8s,
-)
+from app.checkconfig.sources import K8S_FIELDS, cpu_count, probe_ports, read_k8s
 from app.dispatcher import engine_thread_plan
 from app.settings import Settings
 
@@ -147,7 +141,7 @@ CAPACITY_FIELDS = ("replica_inflight",)
 def check_envoy(baseline: Baseline, envoy_config: Any, where: str) -> list[str]:
     actual = read_envoy(envoy_config)
     expected = {**baseline.envoy, "deprecated_cluster_max_requests_per_connection": None}
-    return compare(where, expected, actual)
+    return compare(where, expected, actual) + envoy_route_problems(envoy_config)
 
 
 def check_overlay(

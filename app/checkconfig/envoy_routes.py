@@ -1,0 +1,118 @@
+"""The route Envoy picks for a request path, as its router picks it: the first entry of the
+virtual host whose match matches the path (so their order matters), with the retry policy it
+then applies (the route's own, else the virtual host's: they are never merged)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.checkconfig.common import ConfigError, dig
+
+# The paths whose routes the baseline pins: the two generation routes, and /infer for the
+# catch-all that every other path (embeddings, tensors, ...) shares.
+ROUTED_PATHS: Mapping[str, str] = {
+    "route": "/infer",
+    "completions_route": "/v1/completions",
+    "chat_route": "/v1/chat/completions",
+}
+_PATH_MATCHERS = frozenset({"prefix", "path", "path_separated_prefix", "safe_regex"})
+
+
+@dataclass(frozen=True)
+class PickedRoute:
+    match: Any  # the entry's match, for messages
+    route: Any  # its `route` action; None for a redirect or a direct response
+    retry_policy: Any  # the route's own retry policy, else the virtual host's; None if neither
+
+
+def pick_routes(virtual_host: Any) -> dict[str, PickedRoute | None]:
+    """The entry Envoy picks for each of `ROUTED_PATHS`; None where no entry matches (404)."""
+    entries = _route_entries(virtual_host)
+    picked: dict[str, PickedRoute | None] = {}
+    for name, path in ROUTED_PATHS.items():
+        entry = next((e for e in entries if _matches(e["match"], path)), None)
+        picked[name] = None
+        if entry is not None:
+            route = entry.get("route")
+            policy = dig(route, "retry_policy") or dig(virtual_host, "retry_policy")
+            picked[name] = PickedRoute(entry["match"], route, policy)
+    return picked
+
+
+def route_problems(virtual_host: Any) -> list[str]:
+    """Entries no request can reach (after a catch-all), and routed paths that would retry
+    differently from the catch-all: the baseline pins one retry policy for every route."""
+    problems: list[str] = []
+    catch_all = None
+    for entry in _route_entries(virtual_host):
+        if catch_all is not None:
+            problems.append(
+                f"envoy.routes: the route matching {_show(entry['match'])} comes after the "
+                f"catch-all {_show(catch_all)} and never matches (Envoy picks the first route "
+                "that matches a request)"
+            )
+        elif _is_catch_all(entry["match"]):
+            catch_all = entry["match"]
+    picked = pick_routes(virtual_host)
+    reference = picked["route"]
+    reference_policy = (reference.retry_policy if reference else None) or {}
+    for name, route in picked.items():
+        policy = (route.retry_policy if route else None) or {}
+        differing = sorted(
+            key
+            for key in set(policy) | set(reference_policy)
+            if policy.get(key) != reference_policy.get(key)
+        )
+        if differing:
+            problems.append(
+                f"envoy.{name}: its retry policy ({ROUTED_PATHS[name]}) differs from the "
+                f"{ROUTED_PATHS['route']} route's in {', '.join(differing)}: every route must "
+                "retry as the baseline says"
+            )
+    return problems
+
+
+def _route_entries(virtual_host: Any) -> list[dict[str, Any]]:
+    entries = dig(virtual_host, "routes") or []
+    if not isinstance(entries, list) or not all(
+        isinstance(entry, dict) and isinstance(entry.get("match"), dict) for entry in entries
+    ):
+        raise ConfigError("envoy.yaml: every entry of the virtual host's routes needs a match")
+    return entries
+
+
+def _is_catch_all(match: Mapping[str, Any]) -> bool:
+    return set(match) - {"case_sensitive"} == {"prefix"} and match["prefix"] in ("", "/")
+
+
+def _matches(match: Mapping[str, Any], path: str) -> bool:
+    """Whether Envoy's route match `match` takes a request for `path` (no query string)."""
+    not_understood = set(match) - _PATH_MATCHERS - {"case_sensitive"}
+    matchers = set(match) & _PATH_MATCHERS
+    if not_understood or len(matchers) != 1:
+        # Headers, query parameters, runtime fractions...: which requests the route takes
+        # depends on more than the path, so which route Envoy picks cannot be read here.
+        raise ConfigError(
+            f"envoy.yaml: route match {_show(match)} is not a single path matcher "
+            f"({', '.join(sorted(_PATH_MATCHERS))}); check-config cannot tell which route "
+            "Envoy picks"
+        )
+    (kind,) = matchers
+    value = match[kind]
+    if kind == "safe_regex":
+        return re.fullmatch(str(dig(value, "regex")), path) is not None
+    case_sensitive = match.get("case_sensitive", True) is not False
+    wanted, seen = (str(value), path) if case_sensitive else (str(value).lower(), path.lower())
+    if kind == "path":
+        return seen == wanted
+    if kind == "prefix":
+        return seen.startswith(wanted)
+    return seen == wanted or seen.startswith(wanted.rstrip("/") + "/")  # path_separated_prefix
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

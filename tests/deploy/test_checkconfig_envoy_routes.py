@@ -1,0 +1,104 @@
+"""`steadyserve check-config` reads each route's values from the route Envoy really picks
+for its path, and holds every route to the one retry policy the baseline pins."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.checkconfig_support import check, replace_once
+
+# Order of the shipped routes: /v1/completions, /v1/chat/completions, then the catch-all "/".
+COMPLETIONS, CHAT, CATCH_ALL = 0, 1, 2
+
+
+def edit_routes(deploy: Path, edit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Edit the ingress listener's routes as data (aliases expanded, comments lost)."""
+    path = deploy / "envoy" / "envoy.yaml"
+    config = yaml.safe_load(path.read_text())
+    (listener,) = [
+        entry
+        for entry in config["static_resources"]["listeners"]
+        if entry["name"] == "steadyserve_ingress"
+    ]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    edit(hcm["route_config"]["virtual_hosts"][0]["routes"])
+    path.write_text(yaml.safe_dump(config))
+
+
+def test_a_route_after_the_catch_all_is_refused_and_read_as_envoy_picks(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With "/" first, Envoy gives generation the 10 s of the catch-all."""
+    edit_routes(deploy_copy, lambda routes: routes.insert(0, routes.pop(CATCH_ALL)))
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "envoy.completions_route_timeout_s: baseline 60.0, actual 10.0" in out
+    assert "envoy.chat_route_timeout_s: baseline 60.0, actual 10.0" in out
+    assert (
+        'envoy.routes: the route matching {"path": "/v1/completions"} comes after the '
+        'catch-all {"prefix": "/"} and never matches' in out
+    )
+
+
+def test_a_route_that_retries_differently_is_named(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def retry_chat_more(routes: list[dict[str, Any]]) -> None:
+        routes[CHAT]["route"] = copy.deepcopy(routes[CHAT]["route"])
+        routes[CHAT]["route"]["retry_policy"]["num_retries"] = 5
+
+    edit_routes(deploy_copy, retry_chat_more)
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert (
+        "envoy.chat_route: its retry policy (/v1/chat/completions) differs from the /infer "
+        "route's in num_retries" in out
+    )
+    assert "envoy.completions_route:" not in out
+
+
+def test_a_retry_header_is_compared_with_its_format(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Retry-After read as a Unix timestamp: every 429 waits the whole max_interval."""
+    replace_once(deploy_copy / "envoy" / "envoy.yaml", "format: SECONDS", "format: UNIX_TIMESTAMP")
+    assert check(deploy_copy) == 1
+    assert (
+        'envoy.rate_limited_retry_reset_headers: baseline [{"name": "retry-after", "format": '
+        '"SECONDS"}], actual [{"name": "retry-after", "format": "UNIX_TIMESTAMP"}]'
+        in capsys.readouterr().out
+    )
+
+
+def test_a_retriable_header_matcher_is_compared_with_its_match_kind(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same header name, a prefix match instead of presence: other answers are retried."""
+    replace_once(
+        deploy_copy / "envoy" / "envoy.yaml",
+        "                                  present_match: true\n",
+        '                                  string_match: { prefix: "1" }\n',
+    )
+    assert check(deploy_copy) == 1
+    assert (
+        'envoy.retriable_headers: baseline [{"name": "x-steadyserve-retry-elsewhere", '
+        '"present_match": true}], actual [{"name": "x-steadyserve-retry-elsewhere", '
+        '"string_match": {"prefix": "1"}}]' in capsys.readouterr().out
+    )
+
+
+def test_a_route_chosen_by_more_than_its_path_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def match_a_header_too(routes: list[dict[str, Any]]) -> None:
+        routes[COMPLETIONS]["match"]["headers"] = [{"name": "x-model", "present_match": True}]
+
+    edit_routes(deploy_copy, match_a_header_too)
+    assert check(deploy_copy) == 2
+    assert "check-config cannot tell which route Envoy picks" in capsys.readouterr().err

@@ -18,7 +18,8 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 from app.checkconfig.common import ENV_PREFIX, SERVER_CONTAINER, ConfigError, Manifest, dig
 from app.checkconfig.kustomize import find_manifest
-from app.checkconfig.sources import cpu_count, server_parts
+from app.checkconfig.quantities import cpu_count
+from app.checkconfig.sources import server_parts
 from app.settings import Settings
 
 # pydantic-settings matches variable names to fields ignoring case unless told otherwise;

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,18 +14,6 @@ from app.checkconfig.common import (
     named,
 )
 from app.checkconfig.kustomize import find_manifest
-
-_CPU_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m?)$")
-
-
-def cpu_count(quantity: Any) -> int:
-    """A CPU quantity ("4", "500m") rounded up to whole CPUs, as a divisor-1 resourceFieldRef."""
-    match = _CPU_QUANTITY.match(str(quantity))
-    if match is None:
-        raise ConfigError(f"cannot read CPU quantity {quantity!r}")
-    cpus = float(match.group(1)) / (1000 if match.group(2) else 1)
-    return max(1, math.ceil(cpus))
-
 
 # Baseline key suffix -> path inside each of the server container's probes.
 _PROBE_FIELDS = {
@@ -65,6 +51,12 @@ def probe_ports(manifests: list[Manifest]) -> dict[str, Any]:
     return ports
 
 
+# Baseline keys whose values are Kubernetes quantities, compared as the amounts they stand for.
+QUANTITY_FIELDS = frozenset(
+    {"cpu_request", "memory_request", "cpu_limit", "memory_limit", "gpu_limit"}
+    | {"hpa_inflight_per_pod"}
+)
+
 # Baseline key under `k8s:` / `overlays.<name>.k8s:` -> how to read it from the manifests.
 K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
     "termination_grace_period_s": lambda m: server_parts(m)[0].get("terminationGracePeriodSeconds"),
@@ -85,8 +77,8 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
     "envoy_replicas": lambda m: dig(
         find_manifest(m, "Deployment", "steadyserve-envoy"), "spec.replicas"
     ),
-    "cpu_request": lambda m: dig(server_parts(m)[1], "resources.requests.cpu"),
-    "memory_request": lambda m: dig(server_parts(m)[1], "resources.requests.memory"),
+    "cpu_request": lambda m: _request(server_parts(m)[1], "cpu"),
+    "memory_request": lambda m: _request(server_parts(m)[1], "memory"),
     "cpu_limit": lambda m: dig(server_parts(m)[1], "resources.limits.cpu"),
     "memory_limit": lambda m: dig(server_parts(m)[1], "resources.limits.memory"),
     "gpu_limit": lambda m: (dig(server_parts(m)[1], "resources.limits") or {}).get(
@@ -106,6 +98,12 @@ K8S_FIELDS: Mapping[str, Callable[[list[Manifest]], Any]] = {
         find_manifest(m, "PodDisruptionBudget", "steadyserve"), "spec.maxUnavailable"
     ),
 }
+
+
+def _request(container: Manifest, resource: str) -> Any:
+    """The request Kubernetes gives the container: the one written, else its limit."""
+    request = dig(container, f"resources.requests.{resource}")
+    return request if request is not None else dig(container, f"resources.limits.{resource}")
 
 
 def _hpa_metric(manifests: list[Manifest], metric_type: str, path: str) -> Any:

@@ -1,0 +1,94 @@
+"""deploy/baseline.yaml: the production limits, loaded and checked for keys nothing reads."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from app.checkconfig.common import ConfigError
+from app.checkconfig.envoy_config import ENVOY_FIELDS
+from app.checkconfig.sources import K8S_FIELDS
+from app.settings import Settings
+
+
+@dataclass(frozen=True)
+class Baseline:
+    settings: Mapping[str, Any]
+    envoy: Mapping[str, Any]
+    k8s: Mapping[str, Any]
+    overlays: Mapping[str, Mapping[str, Mapping[str, Any]]]
+    # Measured capacity that other limits derive from (no file sets it directly).
+    capacity: Mapping[str, Any]
+
+    @classmethod
+    def load(cls, path: Path) -> Baseline:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as error:
+            raise ConfigError(f"{path}: {error}") from error
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: not a mapping")
+        baseline = cls(
+            settings=loaded.get("settings") or {},
+            envoy=loaded.get("envoy") or {},
+            k8s=loaded.get("k8s") or {},
+            overlays=loaded.get("overlays") or {},
+            capacity=loaded.get("capacity") or {},
+        )
+        baseline._check_keys(path)
+        return baseline
+
+    def _check_keys(self, path: Path) -> None:
+        """A baseline key nobody reads would pass silently: refuse it."""
+        problems = [
+            f"settings.{key} is not a Settings field"
+            for key in self.settings
+            if key not in Settings.model_fields
+        ]
+        problems += [
+            f"envoy.{key} is not read by check-config"
+            for key in self.envoy
+            if key not in ENVOY_FIELDS
+        ]
+        problems += [
+            f"envoy.{key} is read by check-config but missing from the baseline"
+            for key in ENVOY_FIELDS
+            if key not in self.envoy
+        ]
+        problems += [
+            f"capacity.{key} is not read by check-config"
+            for key in self.capacity
+            if key not in CAPACITY_FIELDS
+        ]
+        problems += [
+            f"capacity.{key} is read by check-config but missing from the baseline"
+            for key in CAPACITY_FIELDS
+            if key not in self.capacity
+        ]
+        for name, overlay in self.overlays.items():
+            problems += [
+                f"overlays.{name}.settings.{key} is not a Settings field"
+                for key in overlay.get("settings", {})
+                if key not in Settings.model_fields
+            ]
+            k8s_keys = {**self.k8s, **overlay.get("k8s", {})}
+            problems += [
+                f"overlays.{name}: k8s.{key} is not read by check-config"
+                for key in k8s_keys
+                if key not in K8S_FIELDS
+            ]
+            problems += [
+                f"overlays.{name}: k8s.{key} is missing from the baseline"
+                for key in K8S_FIELDS
+                if key not in k8s_keys
+            ]
+        if problems:
+            raise ConfigError(f"{path}: " + "; ".join(problems))
+
+
+# Baseline keys under `capacity:`.
+CAPACITY_FIELDS = ("replica_inflight",)

@@ -106,6 +106,9 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "retriable_headers": lambda p: dig(p.retry_policy, "retriable_headers"),
     "num_retries": lambda p: dig(p.retry_policy, "num_retries"),
     "retry_host_predicates": lambda p: _names(dig(p.retry_policy, "retry_host_predicate")),
+    "retry_host_selection_max_attempts": lambda p: dig(
+        p.retry_policy, "host_selection_retry_max_attempts"
+    ),
     "rate_limited_retry_reset_headers": lambda p: _reset_headers(
         dig(p.retry_policy, "rate_limited_retry_back_off.reset_headers")
     ),

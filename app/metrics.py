@@ -13,12 +13,19 @@ all (`render`). Each gauge says how its processes' values combine; the names sta
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# A multiprocess file's used-bytes word and padding, before its first value.
+_MMAP_HEADER_BYTES = 8
 
 
 def multiprocess_mode() -> bool:
@@ -348,6 +355,25 @@ class Metrics:
         """The Prometheus text of this process, or of every process in multiprocess mode."""
         if multiprocess_mode():
             merged = CollectorRegistry()
-            MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            merged.register(_WrittenFilesCollector(os.environ[MULTIPROCESS_DIR_ENV]))
             return generate_latest(merged)
         return generate_latest(self.registry)
+
+
+class _WrittenFilesCollector(Collector):
+    """prometheus_client's multiprocess collector over the files that hold at least their
+    header. The library creates a process's file empty and sizes it just after: a scrape
+    in between, or a file left so by a process killed in between, failed every /metrics
+    (client_python issue 1199)."""
+
+    def __init__(self, directory: str) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterable[Metric]:
+        written = []
+        for path in glob.glob(os.path.join(self._directory, "*.db")):
+            with contextlib.suppress(FileNotFoundError):  # a dead process's, just removed
+                if os.path.getsize(path) >= _MMAP_HEADER_BYTES:
+                    written.append(path)
+        merged: Iterable[Metric] = MultiProcessCollector.merge(written, accumulate=True)  # type: ignore[no-untyped-call]
+        return merged

@@ -21,6 +21,7 @@ REQUIRED_ALERTS = {
     "SteadyserveTimeToFirstTokenAboveObjective",
     "SteadyserveRejectingOverCapacity",
     "SteadyserveWarmupIncomplete",
+    "SteadyserveEngineRestarting",
     "SteadyserveGpuClockLow",
     "SteadyserveGpuHot",
     "EnvoyDownstreamConnectionsClosedWithActiveRequests",

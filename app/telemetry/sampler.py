@@ -12,6 +12,7 @@ Create, start and stop on the process's event loop thread.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -64,6 +65,7 @@ class ProcessTelemetry:
         listed: list[Probe] = [p for p in (loop, gc) if p is not None]
         self.probes = ProbeSet([*listed, *probes])
         self._published: Readings = {}
+        self._levels_set: set[str] = set()  # level gauges given a value (`_set_levels`)
         self._latest: Readings = {}
         self._latest_at = 0.0
         self._clock = clock
@@ -190,3 +192,9 @@ class ProcessTelemetry:
         for key, gauge in gauges.items():
             if key in readings:
                 gauge.set(readings[key])
+                self._levels_set.add(key)
+            elif key in self._levels_set:
+                # Its probe stopped reading (NVML lost the GPU): NaN, not the last healthy
+                # value shown as current (a multiprocess gauge cannot be removed).
+                gauge.set(math.nan)
+                self._levels_set.discard(key)

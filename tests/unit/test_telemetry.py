@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import threading
 from pathlib import Path
 
@@ -164,6 +165,21 @@ def test_publishing_feeds_the_metrics_by_increase() -> None:
     registry = metrics.registry
     assert registry.get_sample_value("steadyserve_cuda_alloc_retries_total") == 3
     assert registry.get_sample_value("steadyserve_gpu_sm_clock_hertz", {"gpu": "0"}) == 810e6
+
+
+def test_a_gpu_reading_that_stops_turns_its_gauges_to_nan_not_the_last_value() -> None:
+    """NVML failing (a GPU lost off the bus) ends the GPU readings: the gauges kept the last
+    healthy clock and temperature as current, and the clock and heat alerts could not fire."""
+    metrics = Metrics()
+    device = FakeProbe({"gpu_sm_clock_hertz": 1.4e9, "gpu_temperature_celsius": 70.0})
+    telemetry = ProcessTelemetry("engine", metrics, [device], gpu="0")
+    telemetry.start()
+    telemetry.publish()
+    device.readings.clear()  # what NvmlProbe reads once NVML has failed
+    telemetry.publish()
+    for name in ("steadyserve_gpu_sm_clock_hertz", "steadyserve_gpu_temperature_celsius"):
+        value = metrics.registry.get_sample_value(name, {"gpu": "0"})
+        assert value is not None and math.isnan(value), name
 
 
 def test_no_gpu_gauge_exists_until_the_engine_reads_its_gpu() -> None:

@@ -151,7 +151,9 @@ class ProcessTelemetry:
             for key, value in readings.items()
             if is_counter(key)
         }
-        self._published = dict(readings)
+        # Kept, not replaced: a counter missing from one reading (a cgroup file that could
+        # not be read) must not count its whole history again when it is back.
+        self._published.update(readings)
 
         def bump(key: str, counter: object) -> None:
             amount = increases.get(key, 0.0)

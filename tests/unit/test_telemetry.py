@@ -167,6 +167,18 @@ def test_publishing_feeds_the_metrics_by_increase() -> None:
     assert registry.get_sample_value("steadyserve_gpu_sm_clock_hertz", {"gpu": "0"}) == 810e6
 
 
+def test_a_counter_missing_from_one_reading_does_not_count_its_history_again() -> None:
+    metrics = Metrics()
+    device = FakeProbe({"cuda_alloc_retries_total": 5.0})
+    telemetry = ProcessTelemetry("engine", metrics, [device], gpu="0")
+    telemetry.start()  # counts from 5
+    del device.readings["cuda_alloc_retries_total"]  # unreadable for one publish
+    telemetry.publish()
+    device.set(cuda_alloc_retries_total=6.0)
+    telemetry.publish()
+    assert metrics.registry.get_sample_value("steadyserve_cuda_alloc_retries_total") == 1
+
+
 def test_a_gpu_reading_that_stops_turns_its_gauges_to_nan_not_the_last_value() -> None:
     """NVML failing (a GPU lost off the bus) ends the GPU readings: the gauges kept the last
     healthy clock and temperature as current, and the clock and heat alerts could not fire."""

@@ -107,7 +107,8 @@ def parse_infer_request(body: bytes, header_length: int | None) -> InferRequest:
             )
         header, binary = body[:header_length], body[header_length:]
     try:
-        document = _object(orjson.loads(header), "the request")
+        # A leading UTF-8 BOM is ignored, as on the other JSON routes (orjson refuses it).
+        document = _object(orjson.loads(header.removeprefix(b"\xef\xbb\xbf")), "the request")
     except orjson.JSONDecodeError:
         raise V2Error("the request's JSON is malformed") from None
     request_id = document.get("id")

@@ -32,12 +32,20 @@ class Baseline:
             raise ConfigError(f"{path}: {error}") from error
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: not a mapping")
+        # A section left empty (its entries commented out) is YAML null: no entries.
+        overlays: dict[str, dict[str, dict[str, Any]]] = {}
+        listed = _section(loaded, "overlays", path)
+        for name in listed:
+            overlay = _section(listed, name, path, "overlays.")
+            overlays[name] = {
+                part: _section(overlay, part, path, f"overlays.{name}.") for part in overlay
+            }
         baseline = cls(
-            settings=loaded.get("settings") or {},
-            envoy=loaded.get("envoy") or {},
-            k8s=loaded.get("k8s") or {},
-            overlays=loaded.get("overlays") or {},
-            capacity=loaded.get("capacity") or {},
+            settings=_section(loaded, "settings", path),
+            envoy=_section(loaded, "envoy", path),
+            k8s=_section(loaded, "k8s", path),
+            overlays=overlays,
+            capacity=_section(loaded, "capacity", path),
         )
         baseline._check_keys(path)
         return baseline
@@ -92,3 +100,13 @@ class Baseline:
 
 # Baseline keys under `capacity:`.
 CAPACITY_FIELDS = ("replica_inflight",)
+
+
+def _section(parent: Mapping[str, Any], key: str, path: Path, where: str = "") -> dict[str, Any]:
+    """`parent[key]` as a mapping: {} where it is absent or null; a ConfigError otherwise."""
+    value = parent.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: {where}{key} must be a mapping, not {type(value).__name__}")
+    return value

@@ -44,7 +44,7 @@ def pick_routes(virtual_host: Any) -> dict[str, PickedRoute | None]:
 
 
 def route_problems(virtual_host: Any) -> list[str]:
-    """Entries no request can reach (after a catch-all), and routed paths that would retry
+    """Entries no request can reach (after a catch-all), and entries that would retry
     differently from the catch-all: the baseline pins one retry policy for every route."""
     problems: list[str] = []
     catch_all = None
@@ -57,11 +57,15 @@ def route_problems(virtual_host: Any) -> list[str]:
             )
         elif _is_catch_all(entry["match"]):
             catch_all = entry["match"]
-    picked = pick_routes(virtual_host)
-    reference = picked["route"]
+    reference = pick_routes(virtual_host)["route"]
     reference_policy = (reference.retry_policy if reference else None) or {}
-    for name, route in picked.items():
-        policy = (route.retry_policy if route else None) or {}
+    # Every entry that forwards, not only the pinned paths': one that retried `5xx` on any
+    # path would carry a query of death (a 503 engine_lost) from replica to replica.
+    for entry in _route_entries(virtual_host):
+        route = entry.get("route")
+        if route is None:
+            continue  # a redirect or a direct response: nothing is forwarded or retried
+        policy = dig(route, "retry_policy") or dig(virtual_host, "retry_policy") or {}
         differing = sorted(
             key
             for key in set(policy) | set(reference_policy)
@@ -69,9 +73,9 @@ def route_problems(virtual_host: Any) -> list[str]:
         )
         if differing:
             problems.append(
-                f"envoy.{name}: its retry policy ({ROUTED_PATHS[name]}) differs from the "
-                f"{ROUTED_PATHS['route']} route's in {', '.join(differing)}: every route must "
-                "retry as the baseline says"
+                f"envoy.routes: the route matching {_show(entry['match'])} retries differently "
+                f"from the {ROUTED_PATHS['route']} route in {', '.join(differing)}: every "
+                "route must retry as the baseline says"
             )
     return problems
 
@@ -104,7 +108,13 @@ def _matches(match: Mapping[str, Any], path: str) -> bool:
     (kind,) = matchers
     value = match[kind]
     if kind == "safe_regex":
-        return re.fullmatch(str(dig(value, "regex")), path) is not None
+        try:
+            return re.fullmatch(str(dig(value, "regex")), path) is not None
+        except re.error as error:  # RE2 syntax Python does not share, or not a regex
+            raise ConfigError(
+                f"envoy.yaml: route regex {_show(value)} cannot be read here ({error}); "
+                "check-config cannot tell which route Envoy picks"
+            ) from None
     case_sensitive = match.get("case_sensitive", True) is not False
     wanted, seen = (str(value), path) if case_sensitive else (str(value).lower(), path.lower())
     if kind == "path":

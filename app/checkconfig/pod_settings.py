@@ -14,7 +14,6 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsError,
 )
-from pydantic_settings.sources.utils import parse_env_vars
 
 from app.checkconfig.common import ENV_PREFIX, SERVER_CONTAINER, ConfigError, Manifest, dig
 from app.checkconfig.kustomize import find_manifest
@@ -52,6 +51,10 @@ def pod_environment(manifests: list[Manifest]) -> PodEnvironment:
     for source in _container_list(container, "envFrom"):
         reference = source.get("configMapRef")
         if reference is None:
+            # A Secret's keys cannot be read here: say so, as for a valueFrom below.
+            environment.unreadable.append(
+                f"envFrom {_show_source(source)} is not checked (only ConfigMaps are read)"
+            )
             continue
         config_map = _config_map(manifests, reference, "envFrom")
         if config_map is None:
@@ -163,9 +166,15 @@ def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings,
 
     Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError)."""
     source = EnvSettingsSource(Settings)
-    source.env_vars = parse_env_vars(
-        environment, source.case_sensitive, source.env_ignore_empty, source.env_parse_none_str
-    )
+    # The source's own variables, replaced by the pod's, keyed as the source keys them
+    # (pydantic-settings' `parse_env_vars`, private, so written out here).
+    source.env_vars = {
+        (name if source.case_sensitive else name.lower()): (
+            None if value == source.env_parse_none_str else value
+        )
+        for name, value in environment.items()
+        if not (source.env_ignore_empty and value == "")
+    }
     try:
         values = source()
     except SettingsError as error:
@@ -176,3 +185,9 @@ def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings,
         if is_setting_name(name) and name[len(ENV_PREFIX) :].lower() not in Settings.model_fields
     ]
     return _EnvironmentFreeSettings(**values), unknown
+
+
+def _show_source(source: Mapping[str, Any]) -> str:
+    kinds = sorted(key for key in source if key.endswith("Ref"))
+    names = [str(dig(source, f"{kind}.name")) for kind in kinds]
+    return ", ".join(f"{kind} {name}" for kind, name in zip(kinds, names, strict=True)) or "?"

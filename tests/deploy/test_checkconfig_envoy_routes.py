@@ -57,10 +57,40 @@ def test_a_route_that_retries_differently_is_named(
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
     assert (
-        "envoy.chat_route: its retry policy (/v1/chat/completions) differs from the /infer "
-        "route's in num_retries" in out
+        'envoy.routes: the route matching {"path": "/v1/chat/completions"} retries '
+        "differently from the /infer route in num_retries" in out
     )
-    assert "envoy.completions_route:" not in out
+    assert '{"path": "/v1/completions"} retries' not in out
+
+
+def test_a_route_for_a_path_the_baseline_does_not_pin_must_retry_the_same_way(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A route of its own for /v1/embeddings retrying every 5xx would carry a 503
+    engine_lost (a query of death) from replica to replica."""
+
+    def embeddings_route_retrying_5xx(routes: list[dict[str, Any]]) -> None:
+        route = copy.deepcopy(routes[CATCH_ALL]["route"])
+        route["retry_policy"] = {"retry_on": "5xx", "num_retries": 3}
+        routes.insert(CATCH_ALL, {"match": {"path": "/v1/embeddings"}, "route": route})
+
+    edit_routes(deploy_copy, embeddings_route_retrying_5xx)
+    assert check(deploy_copy) == 1
+    assert (
+        'envoy.routes: the route matching {"path": "/v1/embeddings"} retries differently '
+        "from the /infer route in" in capsys.readouterr().out
+    )
+
+
+def test_a_route_regex_python_cannot_read_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def unicode_class_regex(routes: list[dict[str, Any]]) -> None:
+        routes[COMPLETIONS]["match"] = {"safe_regex": {"regex": "/v1/\\pL+"}}
+
+    edit_routes(deploy_copy, unicode_class_regex)
+    assert check(deploy_copy) == 2
+    assert "cannot be read here" in capsys.readouterr().err
 
 
 def test_a_retry_header_is_compared_with_its_format(

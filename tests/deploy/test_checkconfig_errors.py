@@ -96,3 +96,31 @@ def test_an_empty_env_list_is_read_as_empty(
         assert status == 1 and 'k8s[cpu].settings.device: baseline "cpu"' in out
     else:
         assert status == 0, out
+
+
+def test_a_baseline_section_left_empty_is_read_as_empty(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every entry of an overlay's `settings:` commented out leaves YAML null (it raised
+    TypeError): no entries, so the pod's settings differ from what it pins no more."""
+    baseline = deploy_copy / "baseline.yaml"
+    text = baseline.read_text()
+    start = text.index("  cpu:\n    settings:\n") + len("  cpu:\n    settings:\n")
+    end = text.index("\n    k8s:", start) if "\n    k8s:" in text[start:] else len(text)
+    commented = "".join(f"#{line}" for line in text[start:end].splitlines(keepends=True))
+    baseline.write_text(text[:start] + commented + text[end:])
+    status = check(deploy_copy)
+    captured = capsys.readouterr()
+    assert status in (0, 1) and "Traceback" not in captured.err, captured.err
+
+
+def test_a_baseline_section_of_the_wrong_kind_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "baseline.yaml",
+        "  cpu:\n    settings:\n",
+        "  cpu:\n    settings: 5\n    unused:\n",
+    )
+    assert check(deploy_copy) == 2
+    assert "overlays.cpu.settings must be a mapping, not int" in capsys.readouterr().err

@@ -70,3 +70,17 @@ def test_a_setting_from_a_source_it_cannot_read_is_named(
         "k8s[cpu].settings: STEADY_DEBUG_TOKEN is set from secretKeyRef, which check-config "
         "cannot read" in capsys.readouterr().out
     )
+
+
+def test_settings_from_a_secret_are_named_as_unchecked(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def add_secret(container: dict[str, Any]) -> None:
+        container["envFrom"].append({"secretRef": {"name": "steadyserve-extra"}})
+
+    edit_server_container(deploy_copy, add_secret)
+    assert check(deploy_copy) == 1
+    assert (
+        "k8s[cpu].settings: envFrom secretRef steadyserve-extra is not checked"
+        in capsys.readouterr().out
+    )

@@ -93,3 +93,13 @@ def test_a_value_that_is_no_quantity_is_a_config_error(
         "overlay cpu: k8s[cpu].hpa_inflight_per_pod: '96 pods' is not a Kubernetes quantity"
         in capsys.readouterr().err
     )
+
+
+def test_an_infinite_quantity_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "base" / "hpa.yaml", 'averageValue: "96"', "averageValue: .inf"
+    )
+    assert check(deploy_copy) == 2
+    assert "inf is not a Kubernetes quantity" in capsys.readouterr().err

@@ -181,7 +181,8 @@ def test_a_counter_missing_from_one_reading_does_not_count_its_history_again() -
 
 def test_a_gpu_reading_that_stops_turns_its_gauges_to_nan_not_the_last_value() -> None:
     """NVML failing (a GPU lost off the bus) ends the GPU readings: the gauges kept the last
-    healthy clock and temperature as current, and the clock and heat alerts could not fire."""
+    healthy clock and temperature as current, so a dashboard showed a healthy GPU and a
+    heat alert could keep firing on a value that no longer meant anything."""
     metrics = Metrics()
     device = FakeProbe({"gpu_sm_clock_hertz": 1.4e9, "gpu_temperature_celsius": 70.0})
     telemetry = ProcessTelemetry("engine", metrics, [device], gpu="0")

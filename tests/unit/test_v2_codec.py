@@ -171,3 +171,8 @@ def test_the_v2_front_end_does_not_import_torch() -> None:
         [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]"
+
+
+def test_a_leading_utf8_bom_is_ignored_as_on_the_other_json_routes() -> None:
+    parsed = parse_infer_request(b"\xef\xbb\xbf" + f'{{"inputs": [{X}]}}'.encode(), None)
+    assert [tensor.name for tensor in parsed.inputs] == ["x"]

@@ -5,10 +5,12 @@ while running; and it publishes a status only when it changed, or as a heartbeat
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from app.engine.process import EngineServer, worth_publishing
 from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import STATUS_HEARTBEAT_S
+from tests.support.engine_status import ready_status
 
 
 async def test_a_loop_that_ends_on_its_own_stops_the_engine() -> None:
@@ -34,21 +36,8 @@ async def test_a_loop_cancelled_at_shutdown_is_not_a_failure() -> None:
 
 
 def _status(published_at: float, **changes: object) -> EngineStatus:
-    fields: dict[str, object] = dict(
-        engine_id="e1",
-        pid=1,
-        state="ready",
-        warmup_done=4,
-        warmup_total=4,
-        healthy=True,
-        backlog_s=0.0,
-        seconds_per_input=0.001,
-        queued_inputs=0,
-        published_at=published_at,
-        taken_inputs={b"frontend-a": 3},
-    )
-    fields.update(changes)
-    return EngineStatus(**fields)  # type: ignore[arg-type]
+    fields: dict[str, Any] = {"engine_id": "e1", "taken_inputs": {b"frontend-a": 3}, **changes}
+    return ready_status(published_at=published_at, **fields)
 
 
 def test_a_status_that_changed_only_in_time_is_not_sent_again_until_the_heartbeat() -> None:

@@ -29,21 +29,11 @@ from app.engine.protocol import (
     identity_pid,
 )
 from app.engine.zmq_client import NEW_ENGINE, EngineAddresses, StatusSubscriber, ZmqEngineClient
+from tests.support.engine_status import ready_status
 
 
 def status(engine_id: str, published_at: float) -> EngineStatus:
-    return EngineStatus(
-        engine_id=engine_id,
-        pid=1,
-        state="ready",
-        warmup_done=0,
-        warmup_total=0,
-        healthy=True,
-        backlog_s=0.0,
-        seconds_per_input=0.0,
-        queued_inputs=0,
-        published_at=published_at,
-    )
+    return ready_status(engine_id, published_at)
 
 
 async def test_a_request_sent_while_no_engine_is_connected_is_refused_at_once(

@@ -38,8 +38,7 @@ def pick_routes(virtual_host: Any) -> dict[str, PickedRoute | None]:
         picked[name] = None
         if entry is not None:
             route = entry.get("route")
-            policy = dig(route, "retry_policy") or dig(virtual_host, "retry_policy")
-            picked[name] = PickedRoute(entry["match"], route, policy)
+            picked[name] = PickedRoute(entry["match"], route, _retry_policy(route, virtual_host))
     return picked
 
 
@@ -65,7 +64,7 @@ def route_problems(virtual_host: Any) -> list[str]:
         route = entry.get("route")
         if route is None:
             continue  # a redirect or a direct response: nothing is forwarded or retried
-        policy = dig(route, "retry_policy") or dig(virtual_host, "retry_policy") or {}
+        policy = _retry_policy(route, virtual_host) or {}
         differing = sorted(
             key
             for key in set(policy) | set(reference_policy)
@@ -78,6 +77,16 @@ def route_problems(virtual_host: Any) -> list[str]:
                 "route must retry as the baseline says"
             )
     return problems
+
+
+def _retry_policy(route: Any, virtual_host: Any) -> Any:
+    """The route's own retry policy where it has one (even an empty one: Envoy then retries
+    nothing), else the virtual host's; None if neither. ConfigError if it is no mapping."""
+    own = dig(route, "retry_policy")
+    policy = own if own is not None else dig(virtual_host, "retry_policy")
+    if policy is not None and not isinstance(policy, dict):
+        raise ConfigError(f"envoy.yaml: a retry_policy must be a mapping, not {policy!r}")
+    return policy
 
 
 def _route_entries(virtual_host: Any) -> list[dict[str, Any]]:
@@ -110,7 +119,8 @@ def _matches(match: Mapping[str, Any], path: str) -> bool:
     if kind == "safe_regex":
         try:
             return re.fullmatch(str(dig(value, "regex")), path) is not None
-        except re.error as error:  # RE2 syntax Python does not share, or not a regex
+        # RE2 syntax Python does not share, not a regex, or one too large for Python's.
+        except (re.error, OverflowError, RecursionError) as error:
             raise ConfigError(
                 f"envoy.yaml: route regex {_show(value)} cannot be read here ({error}); "
                 "check-config cannot tell which route Envoy picks"

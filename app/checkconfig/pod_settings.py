@@ -51,10 +51,12 @@ def pod_environment(manifests: list[Manifest]) -> PodEnvironment:
     for source in _container_list(container, "envFrom"):
         reference = source.get("configMapRef")
         if reference is None:
-            # A Secret's keys cannot be read here: say so, as for a valueFrom below.
-            environment.unreadable.append(
-                f"envFrom {_show_source(source)} is not checked (only ConfigMaps are read)"
-            )
+            # A Secret's keys cannot be read here: say so, as for a valueFrom below, unless
+            # its prefix rules out every setting name.
+            if _prefix_allows_settings(str(source.get("prefix") or "")):
+                environment.unreadable.append(
+                    f"envFrom {_show_source(source)} is not checked (only ConfigMaps are read)"
+                )
             continue
         config_map = _config_map(manifests, reference, "envFrom")
         if config_map is None:
@@ -167,11 +169,11 @@ def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings,
     Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError)."""
     source = EnvSettingsSource(Settings)
     # The source's own variables, replaced by the pod's, keyed as the source keys them
-    # (pydantic-settings' `parse_env_vars`, private, so written out here).
+    # (pydantic-settings' `parse_env_vars`, private, so written out here; it would also map
+    # `env_parse_none_str`, which Settings does not set: a test in test_checkconfig_pod_env
+    # holds that).
     source.env_vars = {
-        (name if source.case_sensitive else name.lower()): (
-            None if value == source.env_parse_none_str else value
-        )
+        (name if source.case_sensitive else name.lower()): value
         for name, value in environment.items()
         if not (source.env_ignore_empty and value == "")
     }
@@ -191,3 +193,12 @@ def _show_source(source: Mapping[str, Any]) -> str:
     kinds = sorted(key for key in source if key.endswith("Ref"))
     names = [str(dig(source, f"{kind}.name")) for kind in kinds]
     return ", ".join(f"{kind} {name}" for kind, name in zip(kinds, names, strict=True)) or "?"
+
+
+def _prefix_allows_settings(prefix: str) -> bool:
+    """Whether names `prefix` + key can be settings' (the prefix starts one, or is one)."""
+    if _CASE_SENSITIVE:
+        return prefix.startswith(ENV_PREFIX) or ENV_PREFIX.startswith(prefix)
+    return prefix.upper().startswith(ENV_PREFIX.upper()) or ENV_PREFIX.upper().startswith(
+        prefix.upper()
+    )

@@ -26,7 +26,7 @@ _SUFFIXES: dict[str, Fraction] = {
 def parse_quantity(value: Any) -> Fraction:
     """The amount a quantity stands for: CPUs for "500m" (1/2), bytes for "8Gi"."""
     if isinstance(value, int | float) and not isinstance(value, bool):
-        if not math.isfinite(value):  # YAML .inf or .nan
+        if isinstance(value, float) and not math.isfinite(value):  # YAML .inf or .nan
             raise ConfigError(f"{value!r} is not a Kubernetes quantity")
         return Fraction(str(value))
     match = _QUANTITY.match(value) if isinstance(value, str) else None

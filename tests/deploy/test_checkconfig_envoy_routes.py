@@ -132,3 +132,54 @@ def test_a_route_chosen_by_more_than_its_path_is_a_config_error(
     edit_routes(deploy_copy, match_a_header_too)
     assert check(deploy_copy) == 2
     assert "check-config cannot tell which route Envoy picks" in capsys.readouterr().err
+
+
+def test_a_regex_too_large_for_python_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def huge_repeat(routes: list[dict[str, Any]]) -> None:
+        routes[COMPLETIONS]["match"] = {"safe_regex": {"regex": "a{1,99999999999}"}}
+
+    edit_routes(deploy_copy, huge_repeat)
+    assert check(deploy_copy) == 2
+    assert "cannot be read here" in capsys.readouterr().err
+
+
+def test_an_empty_retry_policy_on_a_route_is_its_own_not_the_default(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Envoy applies a route's own retry_policy, even `{}` (no retries), over the virtual
+    host's: a draining replica's 503 would reach the client."""
+
+    path = deploy_copy / "envoy" / "envoy.yaml"
+    config = yaml.safe_load(path.read_text())
+    (listener,) = [
+        entry
+        for entry in config["static_resources"]["listeners"]
+        if entry["name"] == "steadyserve_ingress"
+    ]
+    virtual_host = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
+        "virtual_hosts"
+    ][0]
+    routes = virtual_host["routes"]
+    # The policy moves to the virtual host, for every route; chat then opts out with {}.
+    virtual_host["retry_policy"] = copy.deepcopy(routes[CATCH_ALL]["route"]["retry_policy"])
+    for entry in routes:
+        entry["route"] = copy.deepcopy(entry["route"])
+        del entry["route"]["retry_policy"]
+    routes[CHAT]["route"]["retry_policy"] = {}
+    path.write_text(yaml.safe_dump(config))
+    assert check(deploy_copy) == 1
+    assert '{"path": "/v1/chat/completions"} retries differently' in capsys.readouterr().out
+
+
+def test_a_retry_policy_that_is_no_mapping_is_a_config_error(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def listed_policy(routes: list[dict[str, Any]]) -> None:
+        routes[CHAT]["route"] = copy.deepcopy(routes[CHAT]["route"])
+        routes[CHAT]["route"]["retry_policy"] = ["5xx"]
+
+    edit_routes(deploy_copy, listed_policy)
+    assert check(deploy_copy) == 2
+    assert "a retry_policy must be a mapping" in capsys.readouterr().err

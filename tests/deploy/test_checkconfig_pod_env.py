@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from app.settings import Settings
 from tests.deploy.checkconfig_support import check, edit_server_container, replace_once
 
 
@@ -84,3 +85,19 @@ def test_settings_from_a_secret_are_named_as_unchecked(
         "k8s[cpu].settings: envFrom secretRef steadyserve-extra is not checked"
         in capsys.readouterr().out
     )
+
+
+def test_values_need_no_none_string_mapping() -> None:
+    """check-config reads the pod's variables as pydantic-settings does, without mapping an
+    `env_parse_none_str` (its private helper would): Settings must not set one."""
+    assert Settings.model_config.get("env_parse_none_str") is None
+
+
+def test_a_secret_whose_prefix_rules_out_settings_is_not_reported(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def add_secret(container: dict[str, Any]) -> None:
+        container["envFrom"].append({"secretRef": {"name": "db"}, "prefix": "DB_"})
+
+    edit_server_container(deploy_copy, add_secret)
+    assert check(deploy_copy) == 0, capsys.readouterr().out

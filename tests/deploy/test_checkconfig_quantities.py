@@ -103,3 +103,16 @@ def test_an_infinite_quantity_is_a_config_error(
     )
     assert check(deploy_copy) == 2
     assert "inf is not a Kubernetes quantity" in capsys.readouterr().err
+
+
+def test_an_integer_beyond_a_float_is_a_quantity_still(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It raised OverflowError (a traceback) where only floats can be infinite."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "hpa.yaml",
+        'averageValue: "96"',
+        "averageValue: 1" + "0" * 400,
+    )
+    assert check(deploy_copy) == 1
+    assert "k8s[cpu].hpa_inflight_per_pod: baseline" in capsys.readouterr().out

@@ -21,6 +21,7 @@ from app.checkconfig.kustomize import render_kustomization
 from app.checkconfig.pod_settings import (
     describe_settings_error,
     pod_environment,
+    pod_setting_fields,
     settings_from_environment,
 )
 from app.checkconfig.quantities import same_quantity
@@ -89,6 +90,13 @@ def check_overlay(
         f"{where}.settings", expected_settings, _settings_values(settings, expected_settings)
     )
     differences += [f"{where}.settings: {variable} is not a setting" for variable in unknown]
+    # A setting the pod sets that the baseline does not pin would pass unseen (a new
+    # STEADY_ENGINE=inprocess puts the probes back on the traffic loop).
+    differences += [
+        f"{where}.settings.{field}: set by the pod ({variable}), not pinned in the baseline"
+        for variable, field in pod_setting_fields(environment.variables)
+        if field not in expected_settings
+    ]
     differences += [f"{where}.settings: {line}" for line in environment.unreadable]
     k8s_actual = read_k8s(manifests)
     differences += compare(where, {**baseline.k8s, **overlay.get("k8s", {})}, k8s_actual)

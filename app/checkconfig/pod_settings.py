@@ -202,3 +202,13 @@ def _prefix_allows_settings(prefix: str) -> bool:
     return prefix.upper().startswith(ENV_PREFIX.upper()) or ENV_PREFIX.upper().startswith(
         prefix.upper()
     )
+
+
+def pod_setting_fields(variables: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(variable, Settings field) for each of the pod's variables that sets a setting."""
+    fields = []
+    for name in sorted(variables):
+        field = name[len(ENV_PREFIX) :].lower()
+        if is_setting_name(name) and field in Settings.model_fields:
+            fields.append((name, field))
+    return fields

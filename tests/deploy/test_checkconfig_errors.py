@@ -58,6 +58,12 @@ def test_text_setting_that_looks_like_json_is_read_as_text(
         "      - STEADY_WARMUP=true\n",
         "      - STEADY_WARMUP=true\n      - STEADY_DEBUG_TOKEN={abc\n",
     )
+    for device in ("cpu", "cuda"):  # pinned as text where each overlay's settings are
+        replace_once(
+            deploy_copy / "baseline.yaml",
+            f"      device: {device}\n",
+            f'      device: {device}\n      debug_token: "{{abc"\n',
+        )
     assert check(deploy_copy) == 0, capsys.readouterr()
 
 

@@ -101,3 +101,19 @@ def test_a_secret_whose_prefix_rules_out_settings_is_not_reported(
 
     edit_server_container(deploy_copy, add_secret)
     assert check(deploy_copy) == 0, capsys.readouterr().out
+
+
+def test_a_setting_the_baseline_does_not_pin_is_named(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It passed unseen: in-process, the probes answer from the loop the traffic floods."""
+    replace_once(
+        deploy_copy / "k8s" / "base" / "kustomization.yaml",
+        "      - STEADY_LOG_LEVEL=info\n",
+        "      - STEADY_LOG_LEVEL=info\n      - STEADY_ENGINE=inprocess\n",
+    )
+    assert check(deploy_copy) == 1
+    assert (
+        "k8s[cpu].settings.engine: set by the pod (STEADY_ENGINE), not pinned in the baseline"
+        in capsys.readouterr().out
+    )

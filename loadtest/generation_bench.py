@@ -271,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         _log(
             f"{len(prompts)} prompts x {options.prompt_tokens} tokens, {new} new; hidden "
             f"{options.hidden} x {options.layers} layers, {device}, {dtype}; engine "
-            f"{engine_plan.compute_threads} compute thread(s) x torch intra-op "
-            f"{engine_plan.torch_intra_op}, in-process baselines intra-op "
-            f"{engine_plan.torch_intra_op}, transformers serve OMP {available_cpus()}"
+            f"{engine_plan.compute_threads} compute thread(s), each torch intra-op "
+            f"{engine_plan.torch_intra_op} as the in-process baselines; transformers serve "
+            f"OMP {available_cpus()}"
         )
         _log("steadyserve engine process")
         engine = asyncio.run(engine_only(directory, prompts, options))

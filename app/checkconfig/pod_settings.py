@@ -26,12 +26,21 @@ from app.settings import Settings
 _CASE_SENSITIVE = bool(Settings.model_config.get("case_sensitive", False))
 
 
+def _folded(text: str) -> str:
+    """`text` as pydantic-settings compares variable names."""
+    return text if _CASE_SENSITIVE else text.upper()
+
+
 def is_setting_name(name: str) -> bool:
     """Whether pydantic-settings would look at `name` for some setting (prefix matched as it
     matches it); not whether the rest names a field."""
-    if _CASE_SENSITIVE:
-        return name.startswith(ENV_PREFIX)
-    return name.upper().startswith(ENV_PREFIX.upper())
+    return _folded(name).startswith(_folded(ENV_PREFIX))
+
+
+def _field_of(name: str) -> str | None:
+    """The setting a variable would set if the rest of its name is a field; None where it
+    does not carry the prefix."""
+    return name[len(ENV_PREFIX) :].lower() if is_setting_name(name) else None
 
 
 @dataclass
@@ -184,7 +193,7 @@ def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings,
     unknown = [
         name
         for name in environment
-        if is_setting_name(name) and name[len(ENV_PREFIX) :].lower() not in Settings.model_fields
+        if (field := _field_of(name)) is not None and field not in Settings.model_fields
     ]
     return _EnvironmentFreeSettings(**values), unknown
 
@@ -197,18 +206,13 @@ def _show_source(source: Mapping[str, Any]) -> str:
 
 def _prefix_allows_settings(prefix: str) -> bool:
     """Whether names `prefix` + key can be settings' (the prefix starts one, or is one)."""
-    if _CASE_SENSITIVE:
-        return prefix.startswith(ENV_PREFIX) or ENV_PREFIX.startswith(prefix)
-    return prefix.upper().startswith(ENV_PREFIX.upper()) or ENV_PREFIX.upper().startswith(
-        prefix.upper()
-    )
+    return is_setting_name(prefix) or _folded(ENV_PREFIX).startswith(_folded(prefix))
 
 
 def pod_setting_fields(variables: Mapping[str, str]) -> list[tuple[str, str]]:
     """(variable, Settings field) for each of the pod's variables that sets a setting."""
-    fields = []
-    for name in sorted(variables):
-        field = name[len(ENV_PREFIX) :].lower()
-        if is_setting_name(name) and field in Settings.model_fields:
-            fields.append((name, field))
-    return fields
+    return [
+        (name, field)
+        for name in sorted(variables)
+        if (field := _field_of(name)) is not None and field in Settings.model_fields
+    ]

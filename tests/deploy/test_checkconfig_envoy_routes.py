@@ -17,8 +17,8 @@ from tests.deploy.checkconfig_support import check, replace_once
 COMPLETIONS, CHAT, CATCH_ALL = 0, 1, 2
 
 
-def edit_routes(deploy: Path, edit: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Edit the ingress listener's routes as data (aliases expanded, comments lost)."""
+def edit_virtual_host(deploy: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Edit the ingress listener's virtual host as data (aliases expanded, comments lost)."""
     path = deploy / "envoy" / "envoy.yaml"
     config = yaml.safe_load(path.read_text())
     (listener,) = [
@@ -27,8 +27,12 @@ def edit_routes(deploy: Path, edit: Callable[[list[dict[str, Any]]], None]) -> N
         if entry["name"] == "steadyserve_ingress"
     ]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    edit(hcm["route_config"]["virtual_hosts"][0]["routes"])
+    edit(hcm["route_config"]["virtual_hosts"][0])
     path.write_text(yaml.safe_dump(config))
+
+
+def edit_routes(deploy: Path, edit: Callable[[list[dict[str, Any]]], None]) -> None:
+    edit_virtual_host(deploy, lambda virtual_host: edit(virtual_host["routes"]))
 
 
 def test_a_route_after_the_catch_all_is_refused_and_read_as_envoy_picks(
@@ -151,24 +155,15 @@ def test_an_empty_retry_policy_on_a_route_is_its_own_not_the_default(
     """Envoy applies a route's own retry_policy, even `{}` (no retries), over the virtual
     host's: a draining replica's 503 would reach the client."""
 
-    path = deploy_copy / "envoy" / "envoy.yaml"
-    config = yaml.safe_load(path.read_text())
-    (listener,) = [
-        entry
-        for entry in config["static_resources"]["listeners"]
-        if entry["name"] == "steadyserve_ingress"
-    ]
-    virtual_host = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"][
-        "virtual_hosts"
-    ][0]
-    routes = virtual_host["routes"]
-    # The policy moves to the virtual host, for every route; chat then opts out with {}.
-    virtual_host["retry_policy"] = copy.deepcopy(routes[CATCH_ALL]["route"]["retry_policy"])
-    for entry in routes:
-        entry["route"] = copy.deepcopy(entry["route"])
-        del entry["route"]["retry_policy"]
-    routes[CHAT]["route"]["retry_policy"] = {}
-    path.write_text(yaml.safe_dump(config))
+    def policy_on_the_host_chat_opting_out(virtual_host: dict[str, Any]) -> None:
+        routes = virtual_host["routes"]
+        virtual_host["retry_policy"] = copy.deepcopy(routes[CATCH_ALL]["route"]["retry_policy"])
+        for entry in routes:
+            entry["route"] = copy.deepcopy(entry["route"])
+            del entry["route"]["retry_policy"]
+        routes[CHAT]["route"]["retry_policy"] = {}
+
+    edit_virtual_host(deploy_copy, policy_on_the_host_chat_opting_out)
     assert check(deploy_copy) == 1
     assert '{"path": "/v1/chat/completions"} retries differently' in capsys.readouterr().out
 

@@ -82,37 +82,28 @@ def test_an_hpa_target_in_milli_units_is_read(
     assert check(deploy_copy) == 0, capsys.readouterr().out
 
 
-def test_a_value_that_is_no_quantity_is_a_config_error(
-    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+# An HPA target the checker cannot take as an amount is a config error (exit 2, on stderr);
+# a 400-digit integer is still one (it raised OverflowError: only floats are infinite).
+UNUSUAL_TARGETS = {
+    "not a quantity": (
+        '"96 pods"',
+        2,
+        "overlay cpu: k8s[cpu].hpa_inflight_per_pod: '96 pods' is not a Kubernetes quantity",
+    ),
+    "infinite": (".inf", 2, "inf is not a Kubernetes quantity"),
+    "beyond a float": ("1" + "0" * 400, 1, "k8s[cpu].hpa_inflight_per_pod: baseline"),
+}
+
+
+@pytest.mark.parametrize(
+    ("value", "status", "message"), UNUSUAL_TARGETS.values(), ids=UNUSUAL_TARGETS.keys()
+)
+def test_an_unusual_hpa_target_is_an_error_or_drift_never_a_traceback(
+    value: str, status: int, message: str, deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     replace_once(
-        deploy_copy / "k8s" / "base" / "hpa.yaml", 'averageValue: "96"', 'averageValue: "96 pods"'
+        deploy_copy / "k8s" / "base" / "hpa.yaml", 'averageValue: "96"', f"averageValue: {value}"
     )
-    assert check(deploy_copy) == 2
-    assert (
-        "overlay cpu: k8s[cpu].hpa_inflight_per_pod: '96 pods' is not a Kubernetes quantity"
-        in capsys.readouterr().err
-    )
-
-
-def test_an_infinite_quantity_is_a_config_error(
-    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    replace_once(
-        deploy_copy / "k8s" / "base" / "hpa.yaml", 'averageValue: "96"', "averageValue: .inf"
-    )
-    assert check(deploy_copy) == 2
-    assert "inf is not a Kubernetes quantity" in capsys.readouterr().err
-
-
-def test_an_integer_beyond_a_float_is_a_quantity_still(
-    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """It raised OverflowError (a traceback) where only floats can be infinite."""
-    replace_once(
-        deploy_copy / "k8s" / "base" / "hpa.yaml",
-        'averageValue: "96"',
-        "averageValue: 1" + "0" * 400,
-    )
-    assert check(deploy_copy) == 1
-    assert "k8s[cpu].hpa_inflight_per_pod: baseline" in capsys.readouterr().out
+    assert check(deploy_copy) == status
+    captured = capsys.readouterr()
+    assert message in (captured.err if status == 2 else captured.out)

@@ -7,12 +7,18 @@ BIN := $(VENV)/bin
 # Lines the batch client's bench pushes through one server (make bench BATCH_BENCH_LINES=20000)
 BATCH_BENCH_LINES ?= 100000
 
-.PHONY: setup setup-dev tools serve test lint typecheck pytest bench check-config clean
+.PHONY: setup setup-dev tools serve test lint typecheck pytest bench check-config clean FORCE
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) | $(BIN)/python
+# Which constraints file the venv was installed with, rewritten only when it changes: a
+# file given after the venv was made may be older than its stamp, and a switch back to the
+# CPU one as well, so its timestamp alone would keep the torch build installed before.
+$(VENV)/.torch-constraints: FORCE | $(BIN)/python
+	@echo '$(abspath $(TORCH_CONSTRAINTS))' | cmp -s - $@ || echo '$(abspath $(TORCH_CONSTRAINTS))' > $@
+
+$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) $(VENV)/.torch-constraints | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e .
 	touch $@
@@ -61,3 +67,5 @@ check-config: setup
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+FORCE:

@@ -5,8 +5,10 @@ Everything here runs on the engine's event loop thread; the batch itself runs on
 dispatcher compute thread (`execute.run_batch`). Every model's batcher draws on one shared
 `ComputeSlots`, so together they never start more batches than the dispatcher has threads.
 Each input's future is resolved exactly once (by its batch, or by the scheduler dropping
-it); resolving an already-done future is a no-op, and a batch that fails for any reason
-fails its inputs rather than leaving them waiting.
+it); resolving an already-done future is a no-op. A batch that fails leaves no input waiting:
+it is triaged (`batch_triage.py`), the rows that compute alone are answered, a row that fails
+alone fails as its input's fault, and when the server fails whatever it runs, every input
+fails as the server's.
 """
 
 from __future__ import annotations

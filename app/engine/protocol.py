@@ -1,9 +1,11 @@
 """The messages between front ends and the engine, and their encoding (msgpack via msgspec).
 
 A request is (id, model, deadline, payload); its answer is a *stream* of `Output` messages
-ending with one whose `final` is true (an embedding sends exactly one; generation will send
-many), or a single `Failure`. The payload is a tagged union: a new task adds a payload and an
-output type here, and a runner in the engine; nothing else in the pipeline changes.
+ending with one whose `final` is true (an embedding sends exactly one; generation one per
+dispatch while it streams), or a single `Failure`. The payload is a tagged union: a new task
+adds a payload and an output type here, and its host in the engine and its route in the
+front end (docs/ARCHITECTURE.md §9 lists the steps); the transport, shedding and admission
+stay as they are.
 
 Deadlines are `time.monotonic()` seconds: on Linux that clock is system-wide, so front ends
 and the engine on one host agree on it. Torch-free: front ends import this module.

@@ -23,6 +23,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from app.metrics_archive import scrape_lock
+
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # A multiprocess file's used-bytes word and padding, before its first value.
 _MMAP_HEADER_BYTES = 8
@@ -364,16 +366,19 @@ class _WrittenFilesCollector(Collector):
     """prometheus_client's multiprocess collector over the files that hold at least their
     header. The library creates a process's file empty and sizes it just after: a scrape
     in between, or a file left so by a process killed in between, failed every /metrics
-    (client_python issue 1199)."""
+    (client_python issue 1199). Dead processes' files are folded into archives meanwhile
+    (app/metrics_archive.py): the scrape holds their lock, so it sees each value once."""
 
     def __init__(self, directory: str) -> None:
         self._directory = directory
 
     def collect(self) -> Iterable[Metric]:
-        written = []
-        for path in glob.glob(os.path.join(self._directory, "*.db")):
-            with contextlib.suppress(FileNotFoundError):  # a dead process's, just removed
-                if os.path.getsize(path) >= _MMAP_HEADER_BYTES:
-                    written.append(path)
-        merged: Iterable[Metric] = MultiProcessCollector.merge(written, accumulate=True)  # type: ignore[no-untyped-call]
+        with scrape_lock(self._directory):
+            written = []
+            for path in glob.glob(os.path.join(self._directory, "*.db")):
+                with contextlib.suppress(FileNotFoundError):  # a dead process's, just removed
+                    if os.path.getsize(path) >= _MMAP_HEADER_BYTES:
+                        written.append(path)
+            # A list: the merge reads the files now, under the lock, not when iterated.
+            merged = list(MultiProcessCollector.merge(written, accumulate=True))  # type: ignore[no-untyped-call]
         return merged

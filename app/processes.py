@@ -44,6 +44,7 @@ from app.engine.zmq_client import (
     send_now,
 )
 from app.metrics import MULTIPROCESS_DIR_ENV
+from app.metrics_archive import compact_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.settings import Settings
 from app.telemetry.cgroup import available_cpus
@@ -139,6 +140,7 @@ class ProcessTree:
         self.frontends: list[BaseProcess] = []
         self._frontends_started: list[EventType] = []
         self._restarts_when_last_ready = 0
+        self._metric_folds: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._forced = False
         self._stop_requested = asyncio.Event()
@@ -179,8 +181,12 @@ class ProcessTree:
         return f"the engine restarted {restarts} times without becoming ready"
 
     def _engine_exited(self, pid: int) -> None:
-        _forget_metrics_of(pid)
         self._engine_status.forget()
+        # A task, as the supervisor's callback is synchronous; kept until done (the loop
+        # holds tasks weakly), and the thread it runs is waited for when the loop closes.
+        task = asyncio.create_task(_forget_metrics_of(pid))
+        self._metric_folds.add(task)
+        task.add_done_callback(self._metric_folds.discard)
 
     def _engine_lost(self, why: str) -> None:
         """An engine whose status went silent while its process lives has a hung event loop
@@ -310,8 +316,8 @@ class ProcessTree:
             if self._stopping:
                 return
             assert process.pid is not None
-            _forget_metrics_of(process.pid)
             self._tell_engine_frontend_gone(process.pid)
+            await _forget_metrics_of(process.pid)
             if time.monotonic() - spawned >= STABLE_AFTER_S:
                 backoff = None
             first, longest = self.settings.engine_restart_backoff_s
@@ -342,12 +348,17 @@ class ProcessTree:
             log.info("front end %d exited while no engine was connected", pid)
 
 
-def _forget_metrics_of(pid: int) -> None:
-    """Drop a dead process's live gauges (its counters and histograms stay counted)."""
-    if os.environ.get(MULTIPROCESS_DIR_ENV):
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+async def _forget_metrics_of(pid: int) -> None:
+    """Drop a dead process's live gauges, and fold its counters and histograms into the
+    archives (they stay counted; its files are deleted, not parsed by every scrape). In a
+    thread: the fold waits for scrapes in progress."""
+    directory = os.environ.get(MULTIPROCESS_DIR_ENV)
+    if directory:
+        try:
+            await asyncio.to_thread(compact_dead_process, directory, pid)
+        except OSError:
+            # Its files stay, and stay counted: /metrics is no worse than before.
+            log.exception("could not fold the metrics of dead process %d", pid)
 
 
 def port_problem(host: str, port: int) -> str | None:

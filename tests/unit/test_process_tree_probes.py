@@ -210,7 +210,7 @@ async def test_a_front_end_whose_restart_cannot_be_spawned_is_tried_again(
         return None
 
     monkeypatch.setattr("app.processes.wait_for_exit", exited_at_once)
-    monkeypatch.setattr("app.processes._forget_metrics_of", lambda pid: None)
+    monkeypatch.setattr("app.processes._forget_metrics_of", exited_at_once)
     monkeypatch.setattr(tree, "_tell_engine_frontend_gone", lambda pid: None)
     tries: list[int] = []
 
@@ -223,3 +223,33 @@ async def test_a_front_end_whose_restart_cannot_be_spawned_is_tried_again(
     monkeypatch.setattr(tree, "_spawn_frontend", spawn)
     await asyncio.wait_for(tree._keep_frontend(0), timeout=10)
     assert tries == [0, 0, 0]
+
+
+async def test_a_dead_front_ends_counters_are_folded_into_the_archive(
+    tree: ProcessTree, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only its live gauges were dropped: a crash-looping front end left thousands of
+    counter and histogram files a day, each parsed by every scrape."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from app.metrics import MULTIPROCESS_DIR_ENV
+
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    monkeypatch.setenv(MULTIPROCESS_DIR_ENV, str(metrics_dir))
+    written = MmapedDict(str(metrics_dir / "counter_10.db"))
+    written.write_value(mmap_key("steadyserve_demo", "steadyserve_demo_total", [], [], "d"), 3, 0)
+    written.close()
+
+    async def exited_at_once(process: object) -> None:
+        return None
+
+    def spawn(index: int) -> None:
+        tree._stopping = True  # restarted; then the server stops
+
+    monkeypatch.setattr("app.processes.wait_for_exit", exited_at_once)
+    monkeypatch.setattr(tree, "_tell_engine_frontend_gone", lambda pid: None)
+    monkeypatch.setattr(tree, "_spawn_frontend", spawn)
+    tree.settings = Settings(engine_restart_backoff_s=(0.001, 0.002))
+    await asyncio.wait_for(tree._keep_frontend(0), timeout=10)
+    assert sorted(path.name for path in metrics_dir.glob("*.db")) == ["counter_archive.db"]

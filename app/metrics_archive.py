@@ -1,0 +1,95 @@
+"""Dead processes' metric files folded into one archive per type (multiprocess mode).
+
+prometheus_client writes one file per process and metric type into the multiprocess
+directory, and every /metrics scrape parses all of them. Counters and histograms of a dead
+process must stay counted (a counter that drops reads as a reset to Prometheus), so the
+library never deletes them: a front end that crash-loops left thousands of files a day for
+every scrape to read. `compact_dead_process` folds a dead process's counter, histogram and
+summary values into `<type>_archive.db` (the library's own file format, so its collector
+merges the archive like any process's file) and deletes the process's files; its live-mode
+gauges are dropped as `mark_process_dead` does.
+
+Folding and scraping exclude each other through an advisory lock on a file in the directory:
+a scrape (`scrape_lock`, shared) never sees a value both in the archive and in the file it
+came from, nor in neither. Any process may call either; both block while the other runs
+(a fold takes milliseconds; a scrape as long as its merge).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+
+from prometheus_client import multiprocess
+from prometheus_client.mmap_dict import MmapedDict
+
+# The metric types whose values of every process add up (gauges combine by their mode and
+# die with their process instead).
+FOLDED_TYPES = ("counter", "histogram", "summary")
+ARCHIVE_PID = "archive"
+_LOCK_NAME = ".compaction.lock"
+
+
+@contextlib.contextmanager
+def _locked(directory: str, operation: int) -> Iterator[None]:
+    fd = os.open(os.path.join(directory, _LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, operation)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def scrape_lock(directory: str) -> contextlib.AbstractContextManager[None]:
+    """Held (shared) while a scrape lists and reads the directory's files."""
+    return _locked(directory, fcntl.LOCK_SH)
+
+
+def archive_path(directory: str, metric_type: str) -> str:
+    # `<type>_<pid>.db`, as the library names a process's file: its collector reads the
+    # type from the name.
+    return os.path.join(directory, f"{metric_type}_{ARCHIVE_PID}.db")
+
+
+def compact_dead_process(directory: str, pid: int) -> None:
+    """Fold the files of process `pid`, which must be dead (a live one would go on writing
+    to a deleted file, its later values lost), into the archives; drop its live gauges.
+    The merged value of every counter and histogram series is the same before and after."""
+    with _locked(directory, fcntl.LOCK_EX):
+        for metric_type in FOLDED_TYPES:
+            dead = os.path.join(directory, f"{metric_type}_{pid}.db")
+            if os.path.exists(dead):
+                _fold(directory, metric_type, dead)
+        multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+def _fold(directory: str, metric_type: str, dead: str) -> None:
+    archive = archive_path(directory, metric_type)
+    totals: dict[str, float] = {}
+    for path in (archive, dead):
+        with contextlib.suppress(FileNotFoundError):
+            for key, value, _timestamp, _position in _values_of(path):
+                totals[key] = totals.get(key, 0.0) + value
+    # Not `*.db`: a scrape never lists the half-written file. Removed first: the library's
+    # writer opens a file to append to it, and would keep an earlier failed fold's values.
+    temporary = archive + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(temporary)
+    written = MmapedDict(temporary)  # type: ignore[no-untyped-call]
+    try:
+        for key, value in totals.items():
+            written.write_value(key, value, 0.0)  # type: ignore[no-untyped-call]
+    finally:
+        written.close()  # type: ignore[no-untyped-call]
+    os.replace(temporary, archive)
+    os.remove(dead)
+
+
+def _values_of(path: str) -> Iterator[tuple[str, float, float, int]]:
+    # A file created but not yet sized (the library does that in two steps) holds nothing.
+    if os.path.getsize(path) < 8:
+        return iter(())
+    values: Iterator[tuple[str, float, float, int]] = MmapedDict.read_all_values_from_file(path)  # type: ignore[no-untyped-call]
+    return values

@@ -24,6 +24,7 @@ REQUIRED_ALERTS = {
     "SteadyserveEngineRestarting",
     "SteadyserveGpuClockLow",
     "SteadyserveGpuHot",
+    "SteadyserveGpuReadingsLost",
     "EnvoyDownstreamConnectionsClosedWithActiveRequests",
     "EnvoyUpstreamConnectionsClosedWithActiveRequests",
     "EnvoyAnsweringOverCapacity",

@@ -231,8 +231,8 @@ class Batcher(Generic[RowT, OutT]):
     async def _execute(self, batch: Batch) -> None:
         pendings = [self._pending.pop(item.item_id) for item in batch.items]
         failure: BaseException | None = None
+        started = self._clock()
         try:
-            started = self._clock()
             bucket = str(batch.shape.length)
             for pending in pendings:
                 self._metrics.queue_wait.labels(self.name, bucket).observe(
@@ -257,7 +257,7 @@ class Batcher(Generic[RowT, OutT]):
                 )
         except Exception as error:
             log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)
-            failure = await self._answer_failed_batch(batch, pendings, error)
+            failure = await self._answer_failed_batch(batch, pendings, error, started)
         except BaseException as error:
             failure = error
             for pending in pendings:
@@ -270,13 +270,20 @@ class Batcher(Generic[RowT, OutT]):
             self._on_batch_done(failure)
 
     async def _answer_failed_batch(
-        self, batch: Batch, pendings: list[_Pending[RowT, OutT]], error: Exception
+        self,
+        batch: Batch,
+        pendings: list[_Pending[RowT, OutT]],
+        error: Exception,
+        started: float,
     ) -> Exception | None:
         """Answer each row of a failed batch from its run alone (`batch_triage`), in the
         smallest batch of its length (a full-size padded batch per row cost as many full
         batches as rows); returns the failure to count against the engine's health, None
         when inputs were at fault. Out of memory is the server's (a transient one would
-        otherwise read as the input's fault), and so is a fault of the triage itself."""
+        otherwise read as the input's fault), and so is a fault of the triage itself.
+        A row answered waited in the queue until the failed batch `started`; all its time
+        since was spent computing, its own run alone and the rest lost to the failed batch
+        (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
         if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
             for pending in pendings:
                 _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
@@ -304,13 +311,17 @@ class Batcher(Generic[RowT, OutT]):
                 kind = BatchFailed if verdict.server_failing else InputFailed
                 _set_exception_if_not_done(pending.future, kind(repr(alone)))
                 continue
+            own_s = alone.timings.compute_s
+            since_started = self._clock() - started
             _set_result_if_not_done(
                 pending.future,
                 ItemResult(
                     value=alone.row(0),
-                    queue_wait_s=self._clock() - pending.item.enqueued_at,
-                    compute_s=alone.timings.compute_s,
-                    batch=_trace(batch, alone, alone.timings.compute_s, False),
+                    queue_wait_s=started - pending.item.enqueued_at,
+                    compute_s=since_started,
+                    batch=_trace(
+                        batch, alone, own_s, False, failed_batch_s=max(0.0, since_started - own_s)
+                    ),
                 ),
             )
         return error if verdict.server_failing else None
@@ -358,7 +369,11 @@ class Batcher(Generic[RowT, OutT]):
 
 
 def _trace(
-    batch: Batch, output: ComputedBatch[Any], expected_s: float, first_seen: bool
+    batch: Batch,
+    output: ComputedBatch[Any],
+    expected_s: float,
+    first_seen: bool,
+    failed_batch_s: float = 0.0,
 ) -> BatchTrace:
     timings = output.timings
     return BatchTrace(
@@ -373,4 +388,5 @@ def _trace(
         expected_compute_s=expected_s,
         runqueue_wait_s=timings.runqueue_wait_s,
         first_seen_shape=first_seen,
+        failed_batch_s=failed_batch_s,
     )

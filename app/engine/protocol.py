@@ -169,7 +169,8 @@ class BatchTrace(msgspec.Struct, frozen=True):
     reports: its rows, padded shape and the token lengths batched with it; the wait for a
     buffer slot; copy in, run and copy out; the compute the scheduler expected for the shape;
     how long its compute thread waited, runnable, for a CPU; whether warm-up had covered
-    the shape."""
+    the shape; for a row answered from its own run after its batch failed, the time lost
+    to that batch (its run, the triage's runs of other rows) before the answer."""
 
     rows: int
     padded_rows: int
@@ -182,6 +183,7 @@ class BatchTrace(msgspec.Struct, frozen=True):
     expected_compute_s: float
     runqueue_wait_s: float
     first_seen_shape: bool
+    failed_batch_s: float = 0.0
 
 
 class EngineTrace(msgspec.Struct, frozen=True):

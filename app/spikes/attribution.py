@@ -24,6 +24,7 @@ CAUSES = (
     "allocator_retry",
     "cuda_context_change",
     "unwarmed_shape",
+    "failed_batch",
     "engine_lost",
     "buffer_wait",
     "queueing",
@@ -217,6 +218,19 @@ def attribute(facts: RequestFacts) -> list[Cause]:
                 "unwarmed_shape",
                 unwarmed,
                 f"shape {shape} was not warmed up: its first batch took {_ms(compute)}",
+            )
+        )
+    if batch is not None and batch.failed_batch_s > 0:
+        # In the compute phase, and what its batch's failure cost it: not queue wait, and
+        # not the model being slow (`slow_compute`) at the row's own run.
+        failed = min(batch.failed_batch_s, compute)
+        explained = max(explained, failed)
+        causes.append(
+            Cause(
+                "failed_batch",
+                failed,
+                f"its batch of {batch.rows} rows at {shape} failed; answered from its own "
+                f"run alone, {_ms(failed)} later than its batch would have",
             )
         )
     if batch is not None:

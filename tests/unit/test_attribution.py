@@ -395,3 +395,17 @@ def test_a_request_the_engine_went_away_with_names_the_engine() -> None:
     name, ms, evidence = top(request)
     assert (name, ms) == ("engine_lost", 490)
     assert evidence.startswith("the engine went away with the request in it, 490 ms after")
+
+
+def test_a_row_answered_after_its_batch_failed_names_the_failed_batch() -> None:
+    """Its time in the failed batch read as queue wait (or, as compute, as the model being
+    slow at its own run): the failed batch is the cause."""
+    request = facts(
+        phases={"queue": 0.001, "compute": 0.22},
+        trace=batch(expected_compute_s=0.01, failed_batch_s=0.21),
+    )
+    name, ms, evidence = top(request)
+    assert (name, ms) == ("failed_batch", 210)
+    assert "its batch of 4 rows at (4, 64) failed" in evidence
+    names = {cause.name for cause in attribute(request)}
+    assert "slow_compute" not in names and "queueing" not in names

@@ -1,13 +1,22 @@
 """Telling a failing input from a failing server, over a fake model that throws on some
-rows (the point here is the verdict, not the compute)."""
+rows (the point here is the verdict, not the compute); and how the batcher accounts the time
+of a row answered after its batch failed."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 
 from app.batch_triage import triage
+from app.batcher import Batcher
+from app.compute_slots import ComputeSlots
+from app.execute import SlotTimings
+from app.failures import InputFailed
+from app.metrics import Metrics
+from app.scheduler import BatchPolicy, BatchShape
 
 BAD = -1
 
@@ -87,3 +96,51 @@ async def test_a_row_left_alone_by_the_others_going_runs_alone_before_it_is_blam
 async def test_a_failed_batch_whose_rows_all_went_says_nothing_of_the_server() -> None:
     verdict = await triage([], IndexError("batch"), model(), known_good=None, batch_rows=2)
     assert verdict.alone == [] and not verdict.server_failing
+
+
+async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing() -> None:
+    """The failed batch's 200 ms (and the triage's run of the other row) was counted as
+    the row's queue wait: its slow-request report blamed queueing on an idle queue."""
+    now = [100.0]
+
+    @dataclass(frozen=True)
+    class Computed:
+        rows: Sequence[int]
+        timings: SlotTimings
+
+        def row(self, index: int) -> int:
+            return 2 * self.rows[index]
+
+    def execute(shape: BatchShape, rows: Sequence[int]) -> Computed:
+        seconds = 0.2 if len(rows) > 1 else 0.01
+        now[0] += seconds  # the compute thread's time passes on the injected clock
+        if len(rows) > 1 or BAD + 10 in rows:
+            raise IndexError("index out of range")
+        return Computed(rows, SlotTimings(compute_s=seconds, acquire_wait_s=0.0, pool_miss=False))
+
+    class InlineDispatcher:
+        async def run_compute(self, fn, *args):  # type: ignore[no-untyped-def]
+            return fn(*args)
+
+    batcher: Batcher[int, int] = Batcher(
+        "m",
+        BatchPolicy(length_buckets=(16,), max_batch_size=4, max_batch_tokens=64, max_wait_s=0.0),
+        execute,
+        length_of=lambda row: row,
+        dispatcher=InlineDispatcher(),  # type: ignore[arg-type]
+        slots=ComputeSlots(1),
+        metrics=Metrics(),
+        clock=lambda: now[0],
+    )
+    good, bad = batcher.submit([5, BAD + 10], deadline=now[0] + 10)
+    batcher.start()
+    answered = await asyncio.wait_for(good, timeout=10)
+    with pytest.raises(InputFailed):
+        await bad
+    await batcher.close()
+    assert answered.value == 10
+    assert answered.queue_wait_s == pytest.approx(0.0)  # its batch started at once
+    # The failed batch, the bad row's run alone, its own: all compute.
+    assert answered.compute_s == pytest.approx(0.22)
+    assert answered.batch is not None
+    assert answered.batch.failed_batch_s == pytest.approx(0.21)

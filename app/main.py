@@ -37,6 +37,7 @@ from app.api.openapi import install_openapi
 from app.api.shedding import SheddingMiddleware
 from app.api.slow import SlowRequestMiddleware
 from app.engine.client import EngineClient
+from app.engine.protocol import EngineStatus
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.generation.pipeline import TextGeneration
@@ -86,7 +87,19 @@ def _engine_client(
         return ZmqEngineClient(engine_addresses), None
     run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-engine-"))
     addresses = EngineAddresses.in_directory(run_dir)
-    return ZmqEngineClient(addresses), EngineSupervisor(settings, addresses, run_dir=run_dir)
+    supervisor = EngineSupervisor(settings, addresses, run_dir=run_dir)
+    return ZmqEngineClient(addresses, on_status=_readiness_to(supervisor)), supervisor
+
+
+def _readiness_to(supervisor: EngineSupervisor) -> Callable[[EngineStatus], None]:
+    """Tells `supervisor` when its engine is heard ready (its restart backoff resets only
+    after a minute of that)."""
+
+    def heard(status: EngineStatus) -> None:
+        if status.state == "ready":
+            supervisor.saw_ready(status.pid)
+
+    return heard
 
 
 def create_app(

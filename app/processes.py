@@ -35,7 +35,7 @@ import zmq
 import zmq.asyncio
 
 from app.engine.orphans import die_with_parent
-from app.engine.protocol import FrontEndGone, encode
+from app.engine.protocol import EngineStatus, FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import (
     STATUS_WENT_STALE,
@@ -146,7 +146,7 @@ class ProcessTree:
         self._stop_requested = asyncio.Event()
         self._zmq = zmq.asyncio.Context()
         self._engine_status = StatusSubscriber(
-            self._zmq, self.addresses.status, on_lost=self._engine_lost
+            self._zmq, self.addresses.status, on_lost=self._engine_lost, on_status=self._engine_said
         )
         # The supervisor's own line to the engine, only to say a front end died (`run`).
         self._engine_notices: zmq.asyncio.Socket | None = None
@@ -182,11 +182,14 @@ class ProcessTree:
 
     def _engine_exited(self, pid: int) -> None:
         self._engine_status.forget()
-        # A task, as the supervisor's callback is synchronous; kept until done (the loop
-        # holds tasks weakly), and the thread it runs is waited for when the loop closes.
+        # Kept until done (the loop holds tasks weakly); its thread is waited for at exit.
         task = asyncio.create_task(_forget_metrics_of(pid))
         self._metric_folds.add(task)
         task.add_done_callback(self._metric_folds.discard)
+
+    def _engine_said(self, status: EngineStatus) -> None:
+        if status.state == "ready":
+            self.engine.saw_ready(status.pid)
 
     def _engine_lost(self, why: str) -> None:
         """An engine whose status went silent while its process lives has a hung event loop
@@ -349,15 +352,13 @@ class ProcessTree:
 
 
 async def _forget_metrics_of(pid: int) -> None:
-    """Drop a dead process's live gauges, and fold its counters and histograms into the
-    archives (they stay counted; its files are deleted, not parsed by every scrape). In a
-    thread: the fold waits for scrapes in progress."""
+    """Drop a dead process's live gauges; fold its counters and histograms into the archives
+    (`app/metrics_archive.py`), in a thread: the fold waits for scrapes in progress."""
     directory = os.environ.get(MULTIPROCESS_DIR_ENV)
     if directory:
         try:
             await asyncio.to_thread(compact_dead_process, directory, pid)
         except OSError:
-            # Its files stay, and stay counted: /metrics is no worse than before.
             log.exception("could not fold the metrics of dead process %d", pid)
 
 

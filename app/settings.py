@@ -119,7 +119,8 @@ class Settings(BaseSettings):
     engine_restart_backoff_s: tuple[float, float] = Field(
         default=(1.0, 30.0),
         description="First and longest wait before restarting an engine (or a front end) "
-        "that died; doubles per consecutive death, reset once one has run for a minute.",
+        "that died; doubles per consecutive death, reset once an engine has been ready (a front "
+        "end running) for a minute.",
     )
     unhealthy_after_failed_batches: int = Field(
         default=5,

@@ -26,7 +26,9 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# An engine that ran this long without dying resets the backoff.
+# An engine ready this long without dying resets the backoff (a front end: running this
+# long). Counted from ready, not from its start: an engine that crash-loops in a warm-up
+# longer than this reset its backoff at every death, restarted forever at the first wait.
 STABLE_AFTER_S = 60.0
 
 
@@ -59,9 +61,12 @@ class EngineSupervisor:
         addresses: EngineAddresses,
         on_exit: Callable[[int], None] = lambda pid: None,
         run_dir: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`run_dir`, if given, holds the engine's sockets and is removed on `stop`."""
+        """`run_dir`, if given, holds the engine's sockets and is removed on `stop`. The
+        owner says when it hears the engine ready (`saw_ready`)."""
         self._settings = settings
+        self._clock = clock
         self._run_dir = run_dir
         self._addresses = addresses
         self._on_exit = on_exit
@@ -71,6 +76,19 @@ class EngineSupervisor:
         self._one_died = False  # an engine started now replaces one that died
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._ready_since: float | None = None  # when the running engine was first heard ready
+
+    def saw_ready(self, pid: int) -> None:
+        """The engine `pid` published that it is ready (its owner's status subscriber, on
+        the event loop thread): from now on its running counts toward a stable engine."""
+        process = self.process
+        if process is not None and process.pid == pid and self._ready_since is None:
+            self._ready_since = self._clock()
+
+    def _ran_stable(self) -> bool:
+        """Whether the engine that just died had been ready for `STABLE_AFTER_S`."""
+        ready_since = self._ready_since
+        return ready_since is not None and self._clock() - ready_since >= STABLE_AFTER_S
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name="engine-supervisor")
@@ -89,6 +107,7 @@ class EngineSupervisor:
     async def _supervise(self) -> None:
         backoff: float | None = None
         while not self._stopping:
+            self._ready_since = None
             try:
                 self.process = process = self._spawn()
             except Exception:
@@ -100,14 +119,13 @@ class EngineSupervisor:
                 self.restarts += 1
                 await asyncio.sleep(backoff)
                 continue
-            started = time.monotonic()
             await wait_for_exit(process)
             assert process.pid is not None
             self._one_died = True
             self._on_exit(process.pid)
             if self._stopping:
                 return
-            if time.monotonic() - started >= STABLE_AFTER_S:
+            if self._ran_stable():
                 backoff = None
             first, longest = self._settings.engine_restart_backoff_s
             backoff = next_backoff(backoff, first, longest)

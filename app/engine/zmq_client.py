@@ -83,12 +83,15 @@ class StatusSubscriber:
         address: str,
         clock: Callable[[], float] = time.monotonic,
         on_lost: Callable[[str], None] = lambda why: None,
+        on_status: Callable[[EngineStatus], None] = lambda status: None,
     ) -> None:
-        """`on_lost(why)` is called when the status goes stale or a new engine appears."""
+        """`on_lost(why)` is called when the status goes stale or a new engine appears;
+        `on_status(status)` with each status heard (a dead engine's late ones left out)."""
         self._context = context
         self._address = address
         self._clock = clock
         self._on_lost = on_lost
+        self._on_status = on_status
         self._status: EngineStatus | None = None
         self._received_at = 0.0
         self._last_engine_id: str | None = None
@@ -141,6 +144,7 @@ class StatusSubscriber:
         self._status = status
         self._last_engine_id = status.engine_id
         self._received_at = self._clock()
+        self._on_status(status)
 
     async def _receive(self, socket: zmq.asyncio.Socket) -> None:
         while True:
@@ -155,8 +159,13 @@ class StatusSubscriber:
 
 class ZmqEngineClient(StreamingClient):
     def __init__(
-        self, addresses: EngineAddresses, clock: Callable[[], float] = time.monotonic
+        self,
+        addresses: EngineAddresses,
+        clock: Callable[[], float] = time.monotonic,
+        on_status: Callable[[EngineStatus], None] = lambda status: None,
     ) -> None:
+        """`on_status`: as `StatusSubscriber`'s (the owner of the engine's supervisor hears
+        its readiness there)."""
         self._identity = frontend_identity(os.getpid(), id(self))
         super().__init__(origin=self._identity)
         self._addresses = addresses
@@ -165,7 +174,7 @@ class ZmqEngineClient(StreamingClient):
         self._requests: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._subscriber = StatusSubscriber(
-            self._context, addresses.status, clock, on_lost=self._engine_gone
+            self._context, addresses.status, clock, on_lost=self._engine_gone, on_status=on_status
         )
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.engine.protocol import EngineStatus
-from app.engine.supervisor import EngineSupervisor
+from app.engine.supervisor import EngineSupervisor, next_backoff
 from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
 from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained
 from app.settings import Settings
@@ -253,3 +253,80 @@ async def test_a_dead_front_ends_counters_are_folded_into_the_archive(
     tree.settings = Settings(engine_restart_backoff_s=(0.001, 0.002))
     await asyncio.wait_for(tree._keep_frontend(0), timeout=10)
     assert sorted(path.name for path in metrics_dir.glob("*.db")) == ["counter_archive.db"]
+
+
+def dying_engines(
+    supervisor: EngineSupervisor,
+    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
+    ready_after_s: float | None,
+) -> list[float]:
+    """Engines that each run 70 s and die, heard ready `ready_after_s` into their run (never
+    when None); the fifth spawn stops the supervisor. Returns the backoffs it chose."""
+    backoffs: list[float] = []
+    spawned: list[StandIn] = []
+
+    def spawn() -> StandIn:
+        if len(spawned) == 4:
+            raise asyncio.CancelledError
+        spawned.append(StandIn(300 + len(spawned)))
+        return spawned[-1]
+
+    async def runs_70_s(process: StandIn) -> None:
+        if ready_after_s is not None:
+            clock[0] += ready_after_s
+            supervisor.saw_ready(process.pid)
+            clock[0] += 70 - ready_after_s
+        else:
+            clock[0] += 70
+
+    def recorded(previous_s: float | None, first_s: float, longest_s: float) -> float:
+        backoffs.append(next_backoff(previous_s, first_s, longest_s))
+        return backoffs[-1]
+
+    monkeypatch.setattr(supervisor, "_spawn", spawn)
+    monkeypatch.setattr("app.engine.supervisor.wait_for_exit", runs_70_s)
+    monkeypatch.setattr("app.engine.supervisor.next_backoff", recorded)
+    return backoffs
+
+
+@pytest.mark.parametrize(
+    ("ready_after_s", "expected"),
+    [
+        # Crash-looping in a warm-up over a minute long: never ready, the backoff grows.
+        (None, [0.001, 0.002, 0.004, 0.004]),
+        # Ready 50 s in, dead 20 s later: not a stable engine either.
+        (50.0, [0.001, 0.002, 0.004, 0.004]),
+        # Ready 5 s in, for 65 s: stable, each death starts the backoff over.
+        (5.0, [0.001, 0.001, 0.001, 0.001]),
+    ],
+)
+async def test_the_engine_restart_backoff_resets_after_a_minute_ready_not_running(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    ready_after_s: float | None,
+    expected: list[float],
+) -> None:
+    """It reset after a minute of the engine running: an engine crash-looping in a warm-up
+    longer than that was restarted at the first wait forever."""
+    clock = [1000.0]
+    settings = Settings(engine_restart_backoff_s=(0.001, 0.004))
+    supervisor = EngineSupervisor(
+        settings, EngineAddresses.in_directory(tmp_path), clock=lambda: clock[0]
+    )
+    backoffs = dying_engines(supervisor, monkeypatch, clock, ready_after_s)
+    supervisor.start()
+    assert supervisor._task is not None
+    with pytest.raises(asyncio.CancelledError):
+        await supervisor._task
+    assert backoffs == expected
+
+
+async def test_the_tree_tells_the_supervisor_when_its_engine_is_ready(tree: ProcessTree) -> None:
+    engine = StandIn(42)
+    tree.engine.process = engine  # type: ignore[assignment]
+    tree._engine_status.take(ready_status(41))  # another engine's (a dead one's)
+    tree._engine_status.forget()
+    assert tree.engine._ready_since is None
+    tree._engine_status.take(ready_status(42))
+    assert tree.engine._ready_since is not None

@@ -3,8 +3,11 @@ generate model, and OpenAI's /v1/completions and /v1/chat/completions.
 
 OpenAI's sampling conventions hold on the OpenAI routes (temperature 0 is greedy, the
 default 1.0 samples); /infer follows transformers' `generate` (greedy unless `do_sample`).
-Fields OpenAI defines that steadyserve does not implement are refused unless they carry
-their no-op value, so a request is never silently served differently than asked.
+Fields OpenAI defines that steadyserve does not implement are modelled at the value that asks
+for nothing (a request asking for more is refused, 422), and any other field is refused: a
+request is never silently served differently than asked. Fields that change nothing about
+the answer (an end-user id, chat's `store: false`, `metadata`, `service_tier`) are taken and
+ignored.
 """
 
 from __future__ import annotations
@@ -196,6 +199,14 @@ class ChatCompletionRequest(OpenAISampling):
     # send them so): no tools, plain text, no alternatives' log probabilities.
     tools: Annotated[list[object], Field(max_length=0)] | None = None
     tool_choice: Literal["none"] | None = None
+    # Change nothing about the answer (the openai client sends them where its caller does):
+    # nothing is stored, metadata only annotates a stored answer, one tier serves all,
+    # and identifiers only name the end user or a cache hint.
+    store: Literal[False] | None = None
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: TextResponseFormat | None = None
     top_logprobs: Literal[0] | None = None

@@ -41,6 +41,13 @@ NO_OP_CHAT_FIELDS = [
     {"logit_bias": {}},
     {"top_logprobs": 0},
     {"top_logprobs": None},
+    # Change nothing about the answer; the openai client sends them where its caller does.
+    {"store": False},
+    {"store": None},
+    {"metadata": {"job": "eval-7"}},
+    {"service_tier": "auto"},
+    {"safety_identifier": "user-1"},
+    {"prompt_cache_key": "eval"},
 ]
 
 
@@ -58,6 +65,9 @@ def test_unserved_fields_at_their_no_op_value_are_accepted(field: dict[str, obje
         {"response_format": {"type": "json_object"}},
         {"logit_bias": {"50256": -100}},
         {"top_logprobs": 2},
+        {"store": True},  # nothing is stored: it could never be retrieved
+        {"service_tier": "flex"},
+        {"metadata": {"k": 1}},
     ],
 )
 def test_unserved_fields_asking_for_something_are_refused(field: dict[str, object]) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -343,11 +344,11 @@ def test_a_schedstat_open_that_fails_leaves_no_error_behind(
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     monkeypatch.setattr(os, "open", out_of_descriptors)
 
-    def in_a_new_thread() -> None:
-        assert schedstat.thread_runqueue_wait_s() == 0.0
-
-    worker = threading.Thread(target=in_a_new_thread)
-    worker.start()
-    worker.join()
+    # A fresh thread has no schedstat file open yet, so the call must open one (and fail).
+    # The result comes back to this thread: an assertion inside a plain Thread would only
+    # be a warning and could not fail the test.
+    with ThreadPoolExecutor(max_workers=1) as fresh_thread:
+        wait_s = fresh_thread.submit(schedstat.thread_runqueue_wait_s).result()
+    assert wait_s == 0.0
     gc.collect()
     assert unraisable == []

@@ -3,17 +3,16 @@ READMEs name are the server's, and the commands it shows are the real Makefile's
 
 from __future__ import annotations
 
-import ast
 import importlib
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
-from app.api import errors
 from app.cli import DELEGATED, build_parser
 from app.metrics import Metrics
 from app.settings_doc import settings_table
+from tests.support.answered_errors import answered_error_types
 from tests.support.registry import exported_names
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -79,35 +78,11 @@ def test_every_metric_a_readme_names_is_in_the_registry() -> None:
     assert not {pair for pair in named if pair[1] not in exported}
 
 
-def _answered_error_types() -> set[tuple[int, str]]:
-    """(status, error.type) of every error the app's code answers: each `error_response`
-    call with a literal type (its status a literal or a name in app.api.errors), the
-    rejections by reason, and the HTTP exceptions' types."""
-    answered = {(status, reason.value) for reason, status in errors.REJECTION_STATUS.items()}
-    answered |= set(errors.HTTP_ERROR_TYPES.items()) | {(400, errors.HTTP_ERROR)}
-    for path in (README.parent / "app").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id == "error_response"
-                and len(node.args) >= 2
-                and isinstance(node.args[1], ast.Constant)
-            ):
-                continue
-            status = node.args[0]
-            if isinstance(status, ast.Constant):
-                answered.add((status.value, node.args[1].value))
-            elif isinstance(status, ast.Name) and hasattr(errors, status.id):
-                answered.add((getattr(errors, status.id), node.args[1].value))
-    return answered
-
-
 def test_the_readme_error_table_names_every_error_the_server_answers() -> None:
     rows = re.findall(r"^\| (\d{3}) \| .* \| (.*) \|$", README.read_text(), re.MULTILINE)
     table = {
         (int(status), kind) for status, kinds in rows for kind in re.findall(r"`(\w+)`", kinds)
     }
-    answered = _answered_error_types()
+    answered = answered_error_types()
     assert len(answered) > 20  # the scan found the app's errors
     assert answered <= table, sorted(answered - table)

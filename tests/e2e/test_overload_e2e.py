@@ -3,11 +3,16 @@ clients that resend the moment they get a 429, once directly and once through a 
 running the shipped deploy/envoy/envoy.yaml. All on 127.0.0.1, bounded in connections and
 time; every process is started here and stopped by its PID.
 
-What must hold under the flood: no 5xx, no connection reset or dropped by the server, every
-429 with Retry-After and a JSON error naming a rejection reason, and 2xx goodput that stays a
-good share of what the same server does at low concurrency. The share asserted here is
-deliberately loose (a shared 2-core machine also runs the flooding client); the real targets
-are benchmarks (docs/BENCHMARKS.md), not timed tests.
+What is asserted under the flood (counts, never rates): no 5xx, no connection refused,
+reset, closed or timed out, only 200s and 429s, every 429 with Retry-After and a JSON error
+naming a rejection reason, some 429s and still some 200s completed within the flood's
+window; directly, at least half of the server's refusals decided before the body was read;
+through Envoy, part of the overflow answered by Envoy itself and no 5xx from the replica.
+
+Goodput's share of what the same server does at low concurrency is a rate: it is printed
+here but not asserted (no timed assertions on a shared 2-core machine that also runs the
+flooding client). loadtest/overload_bench.py measures and reports it (its "vs first"
+column); the targets are in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations

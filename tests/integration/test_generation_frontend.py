@@ -447,7 +447,9 @@ async def test_outputs_that_arrive_together_are_one_piece_with_the_same_text_and
     (fewer writes), and the text, the stop and the token count stay what one output at a
     time gives."""
     engine = engine_of(app)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "stream": stream}
+    body: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "stream": stream}
+    if stream:  # else a stream has no usage to compare
+        body["stream_options"] = {"include_usage": True}
     stopped = {**body, "max_tokens": 200, "stop": [" over"]}
     answers = []
     for per_turn in (1, 4):
@@ -459,12 +461,14 @@ async def test_outputs_that_arrive_together_are_one_piece_with_the_same_text_and
         finally:
             engine.outputs_per_turn = 1
 
-    def texts_and_usage(content: bytes) -> tuple[list[str], dict[str, Any] | None]:
+    def texts_and_usage(content: bytes) -> tuple[list[str], dict[str, Any]]:
         if not stream:
             whole = orjson.loads(content)
             return [whole["choices"][0]["text"]], whole["usage"]
         chunks = sse_payloads(content)
-        return [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]], None
+        *texts, usage = chunks  # the usage chunk comes last, with no choice
+        assert usage["choices"] == [] and usage["usage"] is not None, usage
+        return [c["choices"][0]["text"] for c in texts if c["choices"][0]["text"]], usage["usage"]
 
     for one, together in zip(answers[0], answers[1], strict=True):
         texts_one, usage_one = texts_and_usage(one)
@@ -474,8 +478,8 @@ async def test_outputs_that_arrive_together_are_one_piece_with_the_same_text_and
         if stream:
             assert len(texts_together) < len(texts_one)
     _, stopped_usage = texts_and_usage(answers[1][1])
-    if not stream:  # the stop is at the same output: the same tokens counted
-        assert stopped_usage is not None and stopped_usage["completion_tokens"] < 200
+    # The stop is at the same output: the same tokens counted, streamed or not.
+    assert stopped_usage["completion_tokens"] < 200
 
 
 async def test_the_engine_streams_only_what_is_read_as_it_comes(

@@ -144,7 +144,7 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
     assert set(outcomes) <= allowed, outcomes
     assert outcomes[(503, "engine_lost")] + outcomes[(503, "not_ready")] >= 1, outcomes
     # Nothing waited for an answer that never came: the front end's guard against a silent
-    # engine would have answered it 504 (refused above) and logged it.
+    # engine would have answered it 503 `not_ready` and logged it (`engine/client.py`).
     assert "never answered" not in log
     # No request waited past its deadline: each sent timeout_ms=TIMEOUT_MS, and answered,
     # lost with the engine or refused while the new one warmed up, it had its answer by then.

@@ -37,6 +37,9 @@ class ThreadPlan:
     compute_threads: int
     torch_intra_op: int
     torch_inter_op: int
+    # The CPUs the plan divides among the compute threads (from `engine_thread_plan`: the
+    # quota less the front ends', `engine_cpus`); more threads than these oversubscribe them.
+    engine_cpus: int
 
 
 def plan_threads(
@@ -56,6 +59,7 @@ def plan_threads(
         compute_threads=compute,
         torch_intra_op=torch_threads or max(1, cpus // compute),
         torch_inter_op=torch_interop_threads or 1,
+        engine_cpus=cpus,
     )
 
 

@@ -13,20 +13,24 @@ from app.settings import Settings
 
 
 def check_thread_budget(where: str, settings: Settings, cpu_limit: Any) -> list[str]:
-    """Dispatcher threads x torch threads each must fit in the CPU limit: more is the
-    thread-starvation pattern of the incidents (CFS throttling as tail latency). Counts
-    are the server's own: `engine_thread_plan` on the CPUs the limit gives the pod."""
+    """Dispatcher threads x torch threads each must fit in the CPUs the engine gets, the CPU
+    limit less the front ends' (a CPU each): more is the thread-starvation pattern of the
+    incidents (CFS throttling as tail latency), between processes. Counts are the server's
+    own: `engine_thread_plan` on the CPUs the limit gives the pod."""
     if cpu_limit is None:
         return [f"{where}.cpu_limit: none set; thread counts cannot be derived from it"]
     cpus = cpu_count(cpu_limit)
     plan = engine_thread_plan(settings, cpus)
     used = plan.compute_threads * plan.torch_intra_op
-    if used <= cpus:
+    if used <= plan.engine_cpus:
         return []
+    frontends = settings.frontend_processes(cpus)
     return [
         f"{where}.threads: {plan.compute_threads} dispatcher threads x {plan.torch_intra_op} "
-        f"torch threads = {used} exceed the CPU limit ({cpus}); leave STEADY_TORCH_THREADS "
-        "unset (the server divides the limit among dispatcher threads) or lower it"
+        f"torch threads = {used} exceed the engine's CPUs ({plan.engine_cpus}: the CPU limit "
+        f"{cpus} less one for each of {frontends} front ends, at least one); leave "
+        "STEADY_TORCH_THREADS unset (the server divides those CPUs among dispatcher threads), "
+        "or lower it, STEADY_DISPATCHER_THREADS or STEADY_FRONTEND_WORKERS"
     ]
 
 

@@ -93,49 +93,6 @@ def test_cpu_limit_change_is_named_with_the_thread_count_it_implies(
     assert "k8s[gpu]" not in out
 
 
-def test_torch_threads_times_dispatcher_threads_over_the_cpu_limit_fails(
-    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # The GPU overlay's old mistake: 2 dispatcher threads, each with the whole 8-CPU limit.
-    replace_once(
-        deploy_copy / "k8s" / "overlays" / "gpu" / "kustomization.yaml",
-        "      - STEADY_DISPATCHER_THREADS=2\n",
-        "      - STEADY_DISPATCHER_THREADS=2\n      - STEADY_TORCH_THREADS=8\n",
-    )
-    replace_once(
-        deploy_copy / "baseline.yaml",
-        "null  # derived: (cpu_limit - 4 front ends) / dispatcher_threads = 2\n"
-        "      dispatcher_threads: 2",
-        "8\n      dispatcher_threads: 2",
-    )
-    assert check(deploy_copy) == 1
-    out = capsys.readouterr().out
-    assert (
-        "k8s[gpu].threads: 2 dispatcher threads x 8 torch threads = 16 exceed the CPU limit (8)"
-        in out
-    )
-    assert "k8s[cpu]" not in out
-
-
-def test_a_lower_cpu_limit_fails_an_explicit_thread_count_it_no_longer_holds(
-    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    replace_once(
-        deploy_copy / "k8s" / "overlays" / "cpu" / "kustomization.yaml",
-        "      - STEADY_DEVICE=cpu\n",
-        "      - STEADY_DEVICE=cpu\n      - STEADY_TORCH_THREADS=4\n",
-    )
-    patch = deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml"
-    text = patch.read_text().replace('cpu: "4"', 'cpu: "2"')
-    patch.write_text(text)
-    assert check(deploy_copy) == 1
-    out = capsys.readouterr().out
-    assert (
-        "k8s[cpu].threads: 1 dispatcher threads x 4 torch threads = 4 exceed the CPU limit (2)"
-        in out
-    )
-
-
 def test_probe_timing_drift_is_named(deploy_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     replace_once(
         deploy_copy / "k8s" / "overlays" / "gpu" / "steadyserve-gpu.yaml",

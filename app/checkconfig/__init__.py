@@ -9,8 +9,9 @@ Three sources are read and compared with the baseline, value by value:
 * the Kubernetes manifests rendered from each overlay (probes, grace period, resources, HPA).
 
 Every difference is printed with both values. Exit status: 0 when nothing differs, 1 when
-anything does, 2 on a config or usage error (a file it cannot read, parse or check, a baseline
-key nothing reads, a bad argument: one line on stderr, never a traceback). The
+anything does, 2 on a config or usage error (a file it cannot read, parse or check, a setting
+the server would refuse to start with, a baseline key nothing reads, a bad argument: one line
+on stderr, never a traceback). The
 manifests are rendered by `render_kustomization`, a small kustomize that understands exactly
 the subset the shipped kustomizations use and refuses anything else, so the files stay valid
 for `kubectl kustomize` too (tests/deploy compares the two where kubectl exists).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,6 +21,7 @@ from app.checkconfig.invariants import check_guaranteed_qos, check_invariants, c
 from app.checkconfig.kustomize import render_kustomization
 from app.checkconfig.pod_settings import (
     describe_settings_error,
+    describe_validation_error,
     pod_environment,
     pod_setting_fields,
     settings_from_environment,
@@ -84,7 +86,8 @@ def check_overlay(
     try:
         settings, unknown = settings_from_environment(environment.variables)
     except ValidationError as error:
-        return [f"{where}: the ConfigMap/env settings do not validate: {error}"]
+        # The server would not start: a config error (run_checks names the overlay).
+        raise ConfigError(describe_validation_error(error, environment.variables)) from error
     expected_settings = {**baseline.settings, **overlay.get("settings", {})}
     differences = compare(
         f"{where}.settings", expected_settings, _settings_values(settings, expected_settings)
@@ -160,7 +163,8 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
         # list setting): the server would not start either.
         raise ConfigError(f"this environment: {describe_settings_error(error)}") from error
     except ValidationError as error:
-        differences.append(f"settings: Settings() does not validate: {error}")
+        described = describe_validation_error(error, os.environ)
+        raise ConfigError(f"this environment: {described}") from error
     else:
         differences += compare(
             "settings", baseline.settings, _settings_values(process_settings, baseline.settings)

@@ -3,11 +3,13 @@ manifests, parsed as the server parses it (pydantic-settings' own environment so
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -170,12 +172,38 @@ def describe_settings_error(error: SettingsError) -> str:
     )
 
 
+def describe_validation_error(error: ValidationError, variables: Mapping[str, str]) -> str:
+    """Settings that parse but fail validation (a value out of range, a rule between settings)
+    as one line naming each variable, its value and the rule: a config error, as the server
+    would refuse to start on it, not a difference from the baseline."""
+    problems = []
+    for problem in error.errors(include_url=False):
+        reason = " ".join(str(problem["msg"]).removeprefix("Value error, ").split())
+        location = problem["loc"]
+        if not location:
+            problems.append(f"the settings together do not validate: {reason}")
+            continue
+        setting = str(location[0])
+        variable = next(
+            (name for name in sorted(variables) if _field_of(name) == setting),
+            f"{ENV_PREFIX}{setting.upper()}",
+        )
+        if variable in variables:  # as JSON: a ConfigMap value may span lines, the error not
+            variable = f"{variable}={json.dumps(variables[variable])}"
+        inside = "".join(f"[{step}]" for step in location[1:])
+        where = f" (at {inside})" if inside else ""
+        problems.append(f"{variable} does not validate{where}: {reason}")
+    return "; ".join(problems)
+
+
 def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings, list[str]]:
     """Settings from a pod's environment, parsed by pydantic-settings' own environment source
     (the server's parser: JSON only for fields whose type needs it, names matched as it
     matches them); also the variables that carry the prefix but name no setting (typos).
 
-    Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError)."""
+    Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError), and
+    pydantic's ValidationError where values parse but fail validation (for
+    `describe_validation_error`, which needs the variables to name them)."""
     source = EnvSettingsSource(Settings)
     # The source's own variables, replaced by the pod's, keyed as the source keys them
     # (pydantic-settings' `parse_env_vars`, private, so written out here; it would also map

@@ -89,6 +89,49 @@ def test_list_setting_that_is_not_json_in_this_environment_is_a_config_error(
     assert "this environment: STEADY_LENGTH_BUCKETS is not the JSON its setting's type" in err
 
 
+# Settings that parse but fail validation: the server would not start, so a config error (it
+# was a many-line "difference", exit 1), naming the overlay and the variable.
+INVALID_OVERLAY_SETTINGS = {
+    "out of range": (
+        "gpu",
+        "STEADY_MAX_INFLIGHT=0",
+        'overlay gpu: STEADY_MAX_INFLIGHT="0" does not validate: Input should be greater than '
+        "or equal to 1",
+    ),
+    "a rule between settings": (
+        "cpu",
+        "STEADY_RATE_LIMIT_BURST=1",
+        "overlay cpu: the settings together do not validate: rate_limit_burst must hold",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("overlay", "literal", "message"),
+    INVALID_OVERLAY_SETTINGS.values(),
+    ids=INVALID_OVERLAY_SETTINGS.keys(),
+)
+def test_an_overlay_setting_that_fails_validation_is_a_config_error(
+    overlay: str, literal: str, message: str, deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    replace_once(
+        deploy_copy / "k8s" / "overlays" / overlay / "kustomization.yaml",
+        "    behavior: merge\n    literals:\n",
+        f"    behavior: merge\n    literals:\n      - {literal}\n",
+    )
+    assert check(deploy_copy) == 2
+    assert message in config_error(capsys)
+
+
+def test_a_setting_that_fails_validation_in_this_environment_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STEADY_MAX_INFLIGHT", "0")
+    assert check(DEPLOY) == 2
+    err = config_error(capsys)
+    assert 'this environment: STEADY_MAX_INFLIGHT="0" does not validate: Input should be' in err
+
+
 @pytest.mark.parametrize("field", ["env", "envFrom"])
 def test_an_empty_env_list_is_read_as_empty(
     field: str, deploy_copy: Path, capsys: pytest.CaptureFixture[str]

@@ -17,7 +17,11 @@ from pydantic_settings import SettingsError
 from app.checkconfig.baseline import Baseline
 from app.checkconfig.common import ENVOY_CONFIG_KEY, ENVOY_CONFIG_MAP_PREFIX, ConfigError, Manifest
 from app.checkconfig.envoy_config import envoy_route_problems, read_envoy
-from app.checkconfig.invariants import check_guaranteed_qos, check_invariants, check_thread_budget
+from app.checkconfig.invariants import (
+    OverlayValues,
+    check_envoy_invariants,
+    check_overlay_invariants,
+)
 from app.checkconfig.kustomize import render_kustomization
 from app.checkconfig.pod_settings import (
     describe_settings_error,
@@ -109,40 +113,31 @@ def check_overlay(
         for m in manifests
         if m["kind"] == "ConfigMap" and m["metadata"]["name"].startswith(ENVOY_CONFIG_MAP_PREFIX)
     ]
+    # The relations below read the Envoy this overlay deploys: its ConfigMap's, where it has one.
+    overlay_envoy_text = envoy_file_text
     if len(envoy_config_maps) != 1:
         differences.append(f"{where}: expected one {ENVOY_CONFIG_MAP_PREFIX} ConfigMap")
-    elif envoy_config_maps[0].get("data", {}).get(ENVOY_CONFIG_KEY) != envoy_file_text:
+    elif (text := envoy_config_maps[0].get("data", {}).get(ENVOY_CONFIG_KEY)) != envoy_file_text:
         differences.append(f"{where}: the Envoy ConfigMap differs from deploy/envoy/envoy.yaml")
+        if isinstance(text, str):
+            overlay_envoy_text = text
 
-    # Invariants between sources, which no single baseline value can express.
-    differences += check_thread_budget(where, settings, k8s_actual["cpu_limit"])
-    differences += check_guaranteed_qos(where, k8s_actual)
-    # The probes must reach a port the server answers them on: its probe port when set.
-    served = settings.health_port if settings.health_port is not None else settings.port
-    for probe, port in probe_ports(manifests).items():
-        if port != served:
-            differences.append(
-                f"{where}.{probe}_probe port: {port} is not the port the server answers "
-                f"probes on ({served}: STEADY_HEALTH_PORT, else STEADY_PORT)"
-            )
-    routes = read_envoy(yaml.safe_load(envoy_file_text))
-    longest_route_s = max(
-        (t for k, t in routes.items() if k.endswith("route_timeout_s") and isinstance(t, float)),
-        default=0.0,
+    # Relations between sources, on this overlay's own values (the baseline's may differ).
+    try:
+        overlay_envoy = read_envoy(yaml.safe_load(overlay_envoy_text))
+    except yaml.YAMLError as error:
+        problem = " ".join(str(error).split())  # one line, as every config error
+        raise ConfigError(f"{where}: its Envoy ConfigMap: {problem}") from error
+    differences += check_overlay_invariants(
+        OverlayValues(
+            where=where,
+            settings=settings,
+            k8s=k8s_actual,
+            envoy=overlay_envoy,
+            probe_ports=probe_ports(manifests),
+            replica_inflight=int(baseline.capacity["replica_inflight"]),
+        )
     )
-    if settings.drain_timeout_s < longest_route_s:
-        differences.append(
-            f"{where}.settings.drain_timeout_s: {settings.drain_timeout_s} is under the longest "
-            f"Envoy route timeout ({longest_route_s}): a request admitted just before SIGTERM "
-            "may run that long, and the drain would cut it"
-        )
-    grace = k8s_actual["termination_grace_period_s"] or 0
-    pre_stop = k8s_actual["pre_stop_sleep_s"] or 0
-    if grace <= pre_stop + settings.drain_timeout_s:
-        differences.append(
-            f"{where}.termination_grace_period_s: {grace} must exceed pre_stop_sleep_s "
-            f"({pre_stop}) + drain_timeout_s ({settings.drain_timeout_s})"
-        )
     return differences
 
 
@@ -170,7 +165,7 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
             "settings", baseline.settings, _settings_values(process_settings, baseline.settings)
         )
     differences += check_envoy(baseline, envoy_config, "envoy")
-    differences += check_invariants(baseline, envoy_config)
+    differences += check_envoy_invariants(read_envoy(envoy_config))
 
     overlays_dir = k8s_path / "overlays"
     found = (

@@ -1,15 +1,184 @@
-"""Relations between sources that no single baseline value expresses."""
+"""Relations between sources that no single baseline value expresses, each evaluated on the
+values one overlay really deploys: its pod's settings, its rendered manifests and its Envoy
+ConfigMap. An overlay that changes one side of a relation (more replicas, another keep-alive)
+is checked against the other side, not against the baseline's shared values."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from app.checkconfig.baseline import Baseline
-from app.checkconfig.envoy_config import read_envoy
+from app.checkconfig.common import ConfigError
 from app.checkconfig.quantities import cpu_count, parse_quantity
 from app.dispatcher import engine_thread_plan
 from app.settings import Settings
+
+# The routes read out of envoy.yaml (envoy_config.ENVOY_FIELDS' `<route>_timeout_s`).
+_ROUTES = ("route", "completions_route", "chat_route")
+
+
+@dataclass(frozen=True)
+class OverlayValues:
+    """What one rendered overlay deploys, as the relations below read it."""
+
+    # Where its lines are reported: `k8s[<overlay>]`.
+    where: str
+    # The settings its server container gets (pod_settings).
+    settings: Settings
+    # Every K8S_FIELDS value of its manifests (sources.read_k8s).
+    k8s: Mapping[str, Any]
+    # Every ENVOY_FIELDS value of its Envoy ConfigMap (envoy_config.read_envoy).
+    envoy: Mapping[str, Any]
+    # The port each of the server container's probes reaches (sources.probe_ports).
+    probe_ports: Mapping[str, Any]
+    # capacity.replica_inflight: measured, so the baseline's (no file sets it).
+    replica_inflight: int
+
+
+def check_overlay_invariants(overlay: OverlayValues) -> list[str]:
+    """One line per relation the overlay's own values break."""
+    return (
+        check_thread_budget(overlay.where, overlay.settings, overlay.k8s["cpu_limit"])
+        + check_guaranteed_qos(overlay.where, overlay.k8s)
+        + _check_server_against_envoy(overlay)
+        + _check_shutdown(overlay)
+        + _check_replicas(overlay)
+        + _check_circuit_breakers(overlay)
+    )
+
+
+def check_envoy_invariants(envoy: Mapping[str, Any]) -> list[str]:
+    """Envoy's own relations (`envoy` as read_envoy reads it): each route's stream idle
+    timeout not under its route timeout."""
+    differences = []
+    listener_idle_s = envoy["downstream_stream_idle_timeout_s"]
+    for route in _ROUTES:
+        timeout_s, idle_s = envoy[f"{route}_timeout_s"], envoy[f"{route}_idle_timeout_s"]
+        idle_s = listener_idle_s if idle_s is None else idle_s
+        if isinstance(timeout_s, float) and isinstance(idle_s, float) and idle_s < timeout_s:
+            differences.append(
+                f"envoy.{route}_idle_timeout_s: {idle_s} (the stream idle timeout it gets) is "
+                f"under its route timeout ({timeout_s}): an answer that sends nothing until it "
+                "is done (a whole generation) is reset first"
+            )
+    return differences
+
+
+def _check_server_against_envoy(overlay: OverlayValues) -> list[str]:
+    """Envoy's deadlines within what the server allows, its idle upstream connections closed
+    before the server's keep-alive closes them, the probes on the port the server answers."""
+    where, settings, envoy = overlay.where, overlay.settings, overlay.envoy
+    differences = []
+    max_timeout_s = settings.max_timeout_ms / 1000
+    for route in _ROUTES:
+        timeout_s = envoy[f"{route}_timeout_s"]
+        if isinstance(timeout_s, float) and timeout_s > max_timeout_s:
+            differences.append(
+                f"{where}.envoy.{route}_timeout_s: {timeout_s} exceeds the server's "
+                f"max_timeout_ms ({settings.max_timeout_ms:g}): the server would cut Envoy's "
+                "deadline short"
+            )
+    keep_alive_s = settings.keep_alive_timeout_s
+    upstream_idle_s = envoy["upstream_idle_timeout_s"]
+    if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:
+        differences.append(
+            f"{where}.envoy.upstream_idle_timeout_s: {upstream_idle_s} must be below the "
+            f"server's keep_alive_timeout_s ({keep_alive_s:g}), or the server closes "
+            "connections Envoy is about to reuse"
+        )
+    served = settings.health_port if settings.health_port is not None else settings.port
+    for probe, port in overlay.probe_ports.items():
+        if port != served:
+            differences.append(
+                f"{where}.{probe}_probe port: {port} is not the port the server answers "
+                f"probes on ({served}: STEADY_HEALTH_PORT, else STEADY_PORT)"
+            )
+    return differences
+
+
+def _check_shutdown(overlay: OverlayValues) -> list[str]:
+    """The drain outlasts the longest route, and the grace period preStop plus the drain."""
+    where, drain_s, k8s = overlay.where, overlay.settings.drain_timeout_s, overlay.k8s
+    differences = []
+    longest_route_s = max(
+        (t for t in (overlay.envoy[f"{r}_timeout_s"] for r in _ROUTES) if isinstance(t, float)),
+        default=0.0,
+    )
+    if drain_s < longest_route_s:
+        differences.append(
+            f"{where}.settings.drain_timeout_s: {drain_s} is under the longest Envoy route "
+            f"timeout ({longest_route_s}): a request admitted just before SIGTERM may run that "
+            "long, and the drain would cut it"
+        )
+    grace = k8s["termination_grace_period_s"] or 0
+    pre_stop = k8s["pre_stop_sleep_s"] or 0
+    if grace <= pre_stop + drain_s:
+        differences.append(
+            f"{where}.termination_grace_period_s: {grace} must exceed pre_stop_sleep_s "
+            f"({pre_stop}) + drain_timeout_s ({drain_s})"
+        )
+    return differences
+
+
+def _check_replicas(overlay: OverlayValues) -> list[str]:
+    replicas = overlay.k8s["deployment_replicas"]
+    if replicas is None or overlay.k8s["hpa_max_replicas"] is None:
+        return []
+    return [
+        f"{overlay.where}.deployment_replicas: {replicas} on the Deployment the HPA scales: "
+        "every kubectl apply resets the replica count the HPA chose; leave it out"
+    ]
+
+
+def _count(overlay: OverlayValues, key: str, absent: int) -> int:
+    """A replica count of the manifests: `absent` (Kubernetes' default) where none is set."""
+    value = overlay.k8s[key]
+    if value is None:
+        return absent
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{overlay.where}.{key}: {value!r} is not a whole number")
+    return value
+
+
+def _check_circuit_breakers(overlay: OverlayValues) -> list[str]:
+    """Envoy holds no more than the fleet can serve within its delay budget, and answers the
+    rest itself: what one replica holds x the most replicas there can be (the HPA's maximum,
+    else the Deployment's count), shared among the Envoy pods (each enforces its own
+    breakers: with 1024 each, two Envoys let in twice what the fleet can serve)."""
+    where, envoy, replica_inflight = overlay.where, overlay.envoy, overlay.replica_inflight
+    max_inflight = overlay.settings.max_inflight
+    envoys = max(1, _count(overlay, "envoy_replicas", 1))
+    replicas = _count(overlay, "hpa_max_replicas", _count(overlay, "deployment_replicas", 1))
+    per_envoy = replica_inflight * replicas // envoys
+    differences = []
+    if replica_inflight > max_inflight:
+        differences.append(
+            f"{where}.capacity.replica_inflight: {replica_inflight} exceeds max_inflight "
+            f"({max_inflight}), each front end's own cap: any one of a replica's front ends "
+            "may hold all of its requests"
+        )
+    for key in ("circuit_breaker_max_requests", "circuit_breaker_max_connections"):
+        if envoy[key] != per_envoy:
+            differences.append(
+                f"{where}.envoy.{key}: {envoy[key]} is not capacity.replica_inflight x "
+                f"hpa_max_replicas / envoy_replicas ({per_envoy})"
+            )
+    target = overlay.k8s["hpa_inflight_per_pod"]
+    if target is not None and parse_quantity(target) >= replica_inflight:
+        differences.append(
+            f"{where}.hpa_inflight_per_pod: {target} is not under capacity.replica_inflight "
+            f"({replica_inflight}): replicas would shed (and Envoy answer the overflow) before "
+            "the HPA adds any"
+        )
+    pending = envoy["circuit_breaker_max_pending_requests"]
+    if not isinstance(pending, int) or pending > replica_inflight:
+        differences.append(
+            f"{where}.envoy.circuit_breaker_max_pending_requests: {pending} exceeds "
+            f"capacity.replica_inflight ({replica_inflight}): Envoy would queue more than a "
+            "replica holds instead of answering the overflow"
+        )
+    return differences
 
 
 def check_thread_budget(where: str, settings: Settings, cpu_limit: Any) -> list[str]:
@@ -32,90 +201,6 @@ def check_thread_budget(where: str, settings: Settings, cpu_limit: Any) -> list[
         "STEADY_TORCH_THREADS unset (the server divides those CPUs among dispatcher threads), "
         "or lower it, STEADY_DISPATCHER_THREADS or STEADY_FRONTEND_WORKERS"
     ]
-
-
-def _default(setting: str) -> Any:
-    return Settings.model_fields[setting].default
-
-
-def check_invariants(baseline: Baseline, envoy_config: Any) -> list[str]:
-    envoy = read_envoy(envoy_config)
-    settings = baseline.settings
-    differences = []
-    max_timeout_s = float(settings.get("max_timeout_ms", _default("max_timeout_ms"))) / 1000
-    for key in ("route_timeout_s", "completions_route_timeout_s", "chat_route_timeout_s"):
-        timeout_s = envoy[key]
-        if isinstance(timeout_s, float) and timeout_s > max_timeout_s:
-            differences.append(
-                f"envoy.{key}: {timeout_s} exceeds the server's max_timeout_ms "
-                f"({max_timeout_s * 1000:g}): the server would cut Envoy's deadline short"
-            )
-    listener_idle_s = envoy["downstream_stream_idle_timeout_s"]
-    for route in ("route", "completions_route", "chat_route"):
-        timeout_s, idle_s = envoy[f"{route}_timeout_s"], envoy[f"{route}_idle_timeout_s"]
-        idle_s = listener_idle_s if idle_s is None else idle_s
-        if isinstance(timeout_s, float) and isinstance(idle_s, float) and idle_s < timeout_s:
-            differences.append(
-                f"envoy.{route}_idle_timeout_s: {idle_s} (the stream idle timeout it gets) is "
-                f"under its route timeout ({timeout_s}): an answer that sends nothing until it "
-                "is done (a whole generation) is reset first"
-            )
-    keep_alive_s = float(settings.get("keep_alive_timeout_s", _default("keep_alive_timeout_s")))
-    upstream_idle_s = envoy["upstream_idle_timeout_s"]
-    if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:
-        differences.append(
-            f"envoy.upstream_idle_timeout_s: {upstream_idle_s} must be below the server's "
-            f"keep_alive_timeout_s ({keep_alive_s:g}), or the server closes connections Envoy "
-            "is about to reuse"
-        )
-    replicas = baseline.k8s.get("deployment_replicas")
-    if replicas is not None and baseline.k8s.get("hpa_max_replicas") is not None:
-        differences.append(
-            f"k8s.deployment_replicas: {replicas} on the Deployment the HPA scales: every "
-            "kubectl apply resets the replica count the HPA chose; leave it out"
-        )
-    differences += _check_circuit_breakers(baseline, envoy)
-    return differences
-
-
-def _check_circuit_breakers(baseline: Baseline, envoy: Mapping[str, Any]) -> list[str]:
-    """Envoy holds no more than the fleet can serve within its delay budget, and answers the
-    rest itself: what one replica holds x the most replicas there can be, shared among the
-    Envoy pods (each enforces its own breakers: with 1024 each, two Envoys let in twice
-    what the fleet can serve)."""
-    replica_inflight = int(baseline.capacity["replica_inflight"])
-    max_inflight = int(baseline.settings.get("max_inflight", _default("max_inflight")))
-    envoys = max(1, int(baseline.k8s.get("envoy_replicas", 1)))
-    fleet_inflight = replica_inflight * int(baseline.k8s.get("hpa_max_replicas", 0))
-    per_envoy = fleet_inflight // envoys
-    differences = []
-    if replica_inflight > max_inflight:
-        differences.append(
-            f"capacity.replica_inflight: {replica_inflight} exceeds max_inflight "
-            f"({max_inflight}), each front end's own cap: any one of a replica's front ends "
-            "may hold all of its requests"
-        )
-    for key in ("circuit_breaker_max_requests", "circuit_breaker_max_connections"):
-        if envoy[key] != per_envoy:
-            differences.append(
-                f"envoy.{key}: {envoy[key]} is not capacity.replica_inflight x "
-                f"hpa_max_replicas / envoy_replicas ({per_envoy})"
-            )
-    target = baseline.k8s.get("hpa_inflight_per_pod")
-    if target is not None and parse_quantity(target) >= replica_inflight:
-        differences.append(
-            f"k8s.hpa_inflight_per_pod: {target} is not under capacity.replica_inflight "
-            f"({replica_inflight}): replicas would shed (and Envoy answer the overflow) before "
-            "the HPA adds any"
-        )
-    pending = envoy["circuit_breaker_max_pending_requests"]
-    if not isinstance(pending, int) or pending > replica_inflight:
-        differences.append(
-            f"envoy.circuit_breaker_max_pending_requests: {pending} exceeds "
-            f"capacity.replica_inflight ({replica_inflight}): Envoy would queue more than a "
-            "replica holds instead of answering the overflow"
-        )
-    return differences
 
 
 def check_guaranteed_qos(where: str, k8s_actual: Mapping[str, Any]) -> list[str]:

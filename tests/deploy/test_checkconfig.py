@@ -211,10 +211,12 @@ def test_an_hpa_target_a_replica_cannot_reach_is_refused(
     replace_once(baseline, 'hpa_inflight_per_pod: "96"', 'hpa_inflight_per_pod: "256"')
     replace_once(hpa, 'averageValue: "96"', 'averageValue: "256"')
     assert check(deploy_copy) == 1
-    assert (
-        "k8s.hpa_inflight_per_pod: 256 is not under capacity.replica_inflight (128)"
-        in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    for overlay in ("cpu", "gpu"):
+        assert (
+            f"k8s[{overlay}].hpa_inflight_per_pod: 256 is not under capacity.replica_inflight"
+            in out
+        )
 
 
 def test_a_generation_route_longer_than_the_server_allows_is_refused(

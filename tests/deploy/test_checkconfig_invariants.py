@@ -100,3 +100,100 @@ def test_threads_within_the_cpu_limit_but_over_what_the_front_ends_leave_fail(
     out = capsys.readouterr().out
     assert out.count("\n") == 2, out  # the one difference and the summary
     assert f"k8s[cpu].threads: {message}" in out
+
+
+def test_an_overlays_own_keep_alive_is_checked_against_envoys_idle_timeout(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CPU overlay's pods close idle connections at 50 s, before Envoy's 60 s: pinned
+    in the baseline for that overlay, so only the relation catches it (it read the shared 75)."""
+    add_cpu_overlay_settings(deploy_copy, "STEADY_KEEP_ALIVE_TIMEOUT_S=50")
+    replace_once(
+        deploy_copy / "baseline.yaml",
+        "      device: cpu\n",
+        "      device: cpu\n      keep_alive_timeout_s: 50.0\n",
+    )
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert (
+        "k8s[cpu].envoy.upstream_idle_timeout_s: 60.0 must be below the server's "
+        "keep_alive_timeout_s (50)" in out
+    )
+    assert "k8s[gpu]" not in out
+
+
+# The GPU overlay scales differently from the shared baseline, through a patch of its own:
+# (the patch, its baseline key and value, what Envoy's breakers must then be per Envoy pod).
+FLEET_CHANGES = {
+    "more replicas": (
+        "apiVersion: autoscaling/v2\nkind: HorizontalPodAutoscaler\n"
+        "metadata:\n  name: steadyserve\nspec:\n  maxReplicas: 16\n",
+        "hpa_max_replicas: 16",
+        1024,  # 128 x 16 / 2
+    ),
+    "more Envoy pods": (
+        "apiVersion: apps/v1\nkind: Deployment\n"
+        "metadata:\n  name: steadyserve-envoy\nspec:\n  replicas: 4\n",
+        "envoy_replicas: 4",
+        256,  # 128 x 8 / 4
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("patch", "baseline_entry", "per_envoy"), FLEET_CHANGES.values(), ids=FLEET_CHANGES.keys()
+)
+def test_an_overlays_own_fleet_is_checked_against_the_circuit_breakers(
+    patch: str,
+    baseline_entry: str,
+    per_envoy: int,
+    deploy_copy: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Envoy's breakers (512) were checked against the shared 8 replicas and 2 Envoy pods,
+    whatever the overlay deployed."""
+    overlay = deploy_copy / "k8s" / "overlays" / "gpu"
+    (overlay / "fleet.yaml").write_text(patch)
+    replace_once(
+        overlay / "kustomization.yaml",
+        "  - path: steadyserve-gpu.yaml\n",
+        "  - path: steadyserve-gpu.yaml\n  - path: fleet.yaml\n",
+    )
+    replace_once(
+        deploy_copy / "baseline.yaml",
+        '      gpu_limit: "1"\n',
+        f'      gpu_limit: "1"\n      {baseline_entry}\n',
+    )
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    for key in ("circuit_breaker_max_requests", "circuit_breaker_max_connections"):
+        assert (
+            f"k8s[gpu].envoy.{key}: 512 is not capacity.replica_inflight x hpa_max_replicas "
+            f"/ envoy_replicas ({per_envoy})" in out
+        )
+    assert "k8s[cpu]" not in out
+
+
+def test_an_overlays_own_envoy_config_is_the_one_its_relations_read(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An overlay that ships another envoy.yaml is named as differing, and its relations are
+    read from the Envoy it deploys (idle upstream connections kept past the keep-alive)."""
+    overlay = deploy_copy / "k8s" / "overlays" / "gpu"
+    upstream_idle = "\n" + " " * 12 + "idle_timeout: "  # the cluster's (routes have theirs)
+    envoy = (deploy_copy / "envoy" / "envoy.yaml").read_text()
+    assert envoy.count(upstream_idle + "60s") == 1
+    (overlay / "envoy.yaml").write_text(envoy.replace(upstream_idle + "60s", upstream_idle + "90s"))
+    replace_once(
+        overlay / "kustomization.yaml",
+        "patches:\n",
+        "  - name: envoy-config\n    behavior: merge\n    files:\n      - envoy.yaml\npatches:\n",
+    )
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "k8s[gpu]: the Envoy ConfigMap differs from deploy/envoy/envoy.yaml" in out
+    assert (
+        "k8s[gpu].envoy.upstream_idle_timeout_s: 90.0 must be below the server's "
+        "keep_alive_timeout_s (75)" in out
+    )
+    assert "k8s[cpu]" not in out

@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="retries of one request (default 8)",
     )
     parser.add_argument(
+        "--max-deadline-retries",
+        type=_at_least(0, int),
+        default=2,
+        help="of those, retries after a 504: a request answered 504 once more fails, "
+        "as one that does not fit its deadline (default 2)",
+    )
+    parser.add_argument(
         "--header",
         action="append",
         default=[],
@@ -253,7 +260,9 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         rate=args.rate,
         inputs_per_request=args.inputs_per_request,
         timeout_s=args.timeout_ms / 1000.0,
-        retry=RetryPolicy(max_retries=args.max_retries),
+        retry=RetryPolicy(
+            max_retries=args.max_retries, max_deadline_retries=args.max_deadline_retries
+        ),
         headers=parse_headers(args.header),
         seed=args.seed,
     )

@@ -29,7 +29,7 @@ from app.batchclient.attempt import Attempt, error_of
 from app.batchclient.items import Failure, Item, Packer, Request, Result
 from app.batchclient.options import ClientOptions
 from app.batchclient.pacing import AimdController
-from app.batchclient.retry import Verdict, classify_status
+from app.batchclient.retry import DEADLINE_STATUS, Verdict, classify_status
 from app.batchclient.stats import BatchStats, Counters
 from app.batchclient.transport import ConnectionPool, RequestError
 from app.batchclient.window import Window
@@ -211,12 +211,15 @@ class BatchClient:
         """Send until answered or given up; None when stopped before an answer."""
         policy = self.options.retry
         attempt_number = 0
+        deadline_answers = 0  # 504s to this request
         while True:
             attempt_number += 1
-            attempt = await self._attempt(request)
+            attempt = await self._attempt(request, deadline_before=deadline_answers > 0)
             if attempt is None:  # stopped before it was sent
                 self._counters.lines_unfinished += len(request.items)
                 return None
+            if attempt.status == DEADLINE_STATUS:
+                deadline_answers += 1
             outcome = (
                 classify_status(attempt.status)
                 if attempt.status is not None
@@ -240,12 +243,20 @@ class BatchClient:
                 if len(request.items) > 1:
                     return await self._one_by_one(request)
                 return self._fail(request, attempt, attempt_number, retryable=False)
-            if attempt_number > policy.max_retries:
-                if len(request.items) > 1 and attempt.status == 500:
-                    # A 500 to every try may be one item's doing (a NaN from one input):
-                    # the others would succeed alone.
+            out_of_deadline = deadline_answers > policy.max_deadline_retries
+            if attempt_number > policy.max_retries or out_of_deadline:
+                if len(request.items) > 1 and attempt.status in (500, DEADLINE_STATUS):
+                    # A 500 to every try may be one item's doing (a NaN from one input), a
+                    # 504 one slow input's (the pack computes past its deadline): the
+                    # others would succeed alone.
                     return await self._one_by_one(request)
-                return self._fail(request, attempt, attempt_number, retryable=True)
+                reason = (
+                    f"answered 504 {deadline_answers} times: the server cannot compute this "
+                    "request within its deadline (a longer timeout_ms may let it)"
+                    if out_of_deadline
+                    else f"out of retries after {attempt_number} tries"
+                )
+                return self._fail(request, attempt, attempt_number, retryable=True, reason=reason)
             if self._stopping:
                 self._counters.lines_unfinished += len(request.items)
                 return None
@@ -286,9 +297,9 @@ class BatchClient:
             self._waiting.discard(task)
         return True
 
-    async def _attempt(self, request: Request) -> Attempt | None:
+    async def _attempt(self, request: Request, *, deadline_before: bool) -> Attempt | None:
         """One POST once the window and the rate limit allow it; None when stopped before
-        it was sent."""
+        it was sent. ``deadline_before``: this request was answered 504 already."""
         if not await self._wait(self._window.acquire()):
             return None
         try:
@@ -305,7 +316,7 @@ class BatchClient:
                 self._sending.discard(task)
             # Those actually sent, this one included; not those holding a window slot while
             # they wait for a rate token, which say nothing about the server's capacity.
-            self._pace(attempt, in_flight=len(self._sending) + 1)
+            self._pace(attempt, len(self._sending) + 1, deadline_before=deadline_before)
         finally:
             self._window.release()
         return attempt
@@ -328,11 +339,17 @@ class BatchClient:
         self._counters.statuses[response.status] += 1
         return Attempt(response.status, response.body, response.retry_after_s, latency, ticket)
 
-    def _pace(self, attempt: Attempt, in_flight: int) -> None:
-        """Tell the AIMD controller how the attempt went; a grown limit wakes waiters."""
+    def _pace(self, attempt: Attempt, in_flight: int, *, deadline_before: bool) -> None:
+        """Tell the AIMD controller how the attempt went; a grown limit wakes waiters.
+
+        A 504 to a request answered 504 before is not congestion: the request does not fit
+        its deadline, and each retry halving the window again took one such line's retries
+        down to a concurrency of 1 for every other line."""
         if attempt.status is not None and 200 <= attempt.status < 300:
             self.controller.on_success(attempt.ticket, in_flight)
             self._window.wake()
+        elif attempt.status == DEADLINE_STATUS and deadline_before:
+            return
         elif attempt.transport == "timeout" or (
             attempt.status is not None and classify_status(attempt.status).congestion
         ):
@@ -354,12 +371,18 @@ class BatchClient:
         return results
 
     def _fail(
-        self, request: Request, attempt: Attempt, attempts: int, *, retryable: bool
+        self,
+        request: Request,
+        attempt: Attempt,
+        attempts: int,
+        *,
+        retryable: bool,
+        reason: str | None = None,
     ) -> list[Result]:
         error = error_of(attempt)
         self._counters.lines_failed += len(request.items)
         return [
-            Failure(item.id, attempt.status, error, attempts, retryable=retryable)
+            Failure(item.id, attempt.status, error, attempts, retryable=retryable, reason=reason)
             for item in request.items
         ]
 

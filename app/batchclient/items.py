@@ -84,6 +84,7 @@ class Failure:
     retryable: bool
     line: int | None = None  # set, with its digest, for a line refused before any request
     line_digest: str | None = None
+    reason: str | None = None  # why the client gave up, when not the server's error alone
 
     def json_line(self) -> bytes:
         record: dict[str, Any] = {"id": self.id, "status": self.status, "error": self.error}
@@ -92,6 +93,8 @@ class Failure:
         if self.line is not None:
             record["line"] = self.line
             record["line_digest"] = self.line_digest
+        if self.reason is not None:
+            record["reason"] = self.reason
         return orjson.dumps(record) + b"\n"
 
 

@@ -32,15 +32,23 @@ class Outcome:
 CLIENT_REFUSED_STATUSES = frozenset({401, 407})
 
 
+# The server's "this request's deadline cannot be met". steadyserve answers a queue over
+# its delay budget with 429; its 504 says the wait the request's own deadline allows, or its
+# own compute, does not fit that deadline. Once it is congestion (the queue may shorten);
+# again for the same request it is about the request, and retrying cannot help for long.
+DEADLINE_STATUS = 504
+
+
 def classify_status(status: int) -> Outcome:
-    """2xx keep; 429 and 503 retry (429 also cuts concurrency); 504 is the server's deadline,
-    i.e. a queue too long: retry and cut; other 5xx and 408 (the server gave up reading the
-    body) retry; 401 and 407 stop the run; other 4xx fail at once."""
+    """2xx keep; 429 and 503 retry (429 also cuts concurrency); 504 (the request's deadline
+    cannot be met) retry and cut, a few times only (``RetryPolicy.max_deadline_retries``);
+    other 5xx and 408 (the server gave up reading the body) retry; 401 and 407 stop the
+    run; other 4xx fail at once."""
     if 200 <= status < 300:
         return Outcome(Verdict.SUCCESS, congestion=False)
     if status in CLIENT_REFUSED_STATUSES:
         return Outcome(Verdict.REFUSED, congestion=False)
-    if status in (429, 504):
+    if status in (429, DEADLINE_STATUS):
         return Outcome(Verdict.RETRY, congestion=True)
     if status >= 500 or status == 408:
         return Outcome(Verdict.RETRY, congestion=False)
@@ -49,9 +57,12 @@ def classify_status(status: int) -> Outcome:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """``max_retries`` bounds the retries of one request, whatever their cause."""
+    """``max_retries`` bounds the retries of one request, whatever their cause; of those,
+    at most ``max_deadline_retries`` follow a 504 (a request answered 504 that many times
+    plus one fails: it does not fit its deadline, and other lines go on without it)."""
 
     max_retries: int = 8
+    max_deadline_retries: int = 2
     base_backoff_s: float = 0.1
     max_backoff_s: float = 10.0
     # Retry-After is a floor: a fleet told "1 s" waits 1.0-1.5 s, so it does not come back

@@ -6,7 +6,8 @@ all). A 401 or 407 is about the client, not a line: the run stops, the lines not
 answered stay out of both files, and the job exits 1. Restarted with the same arguments
 it skips the ids already in either file, so a killed job resumes where it stopped.
 SIGINT/SIGTERM: stop sending, write what is in flight, print the summary, exit 128 +
-signal (a second signal drops what is in flight).
+signal (a second signal drops what is in flight). With --retry-errors the lines whose
+request failed in an earlier run are sent again, their failure records removed first.
 
 Exit status: 0 every line answered; 3 done, but some lines are in the errors file;
 128 + N stopped by signal N (run again to resume); 1 the job could not run (the server
@@ -37,7 +38,9 @@ from app.batchclient.journal import (
     IdSet,
     Journal,
     RefusedLines,
+    drop_failures,
     errors_path_for,
+    failed_lines_of,
     line_digest,
     read_ids,
     repair_torn_tail,
@@ -123,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="'NAME: VALUE'",
         help="extra request header, e.g. 'Authorization: Bearer T' (repeatable)",
+    )
+    parser.add_argument(
+        "--retry-errors",
+        action="store_true",
+        help="also send again the lines an earlier run recorded as failed in the errors "
+        "file (their records are replaced; invalid and duplicate lines stay)",
     )
     parser.add_argument("--summary-json", type=Path, help="write the final summary here")
     parser.add_argument(
@@ -247,6 +256,9 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         torn = repair_torn_tail(path)
         if torn:
             stream.write(f"batch: {path}: cut a torn last line ({torn} bytes); it is redone\n")
+    if args.retry_errors:
+        retried = drop_failures(errors_path, failed_lines_of(args.input, errors_path))
+        stream.write(f"batch: --retry-errors: {retried:,} failed lines are sent again\n")
     done = IdSet()
     refused_lines = RefusedLines()
     failed_before = IdSet()

@@ -6,7 +6,8 @@ line whole except possibly the last, which then lacks its newline. ``repair_torn
 cuts such a line off; its id is then not done and is sent again on restart. Flushing to
 the OS survives the death of the process, not of the machine (no fsync per line).
 
-Restart reads the ids back one line at a time into an ``IdSet``, never holding outputs.
+Restart reads the ids back one line at a time into an ``IdSet``, never holding outputs;
+``--retry-errors`` first rewrites the errors file without the failures it sends again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import BinaryIO
 
 import orjson
 
-from app.batchclient.items import ItemId
+from app.batchclient.items import InvalidLine, Item, ItemId
 
 _TAIL_CHUNK = 64 * 1024
 
@@ -160,6 +161,65 @@ def read_ids(
                     also_into.add(item_id)
             count += 1
     return count
+
+
+def drop_failures(path: Path, retried: IdSet) -> int:
+    """Remove from the errors file at ``path`` the failure records of the ids in
+    ``retried``, so those lines are unfinished and sent again; returns how many it removed.
+
+    The records of lines refused before any request (``invalid_line``, ``duplicate_id``)
+    stay: they are about the input line, read again only once it is edited. The file is
+    rewritten as a stream into a temporary file that replaces it (``os.replace``), so a
+    kill at any moment leaves the old file or the new one, never a mix. Call after
+    ``repair_torn_tail``, before the run appends to the file.
+    """
+    if not path.exists():
+        return 0
+    dropped = 0
+    temporary = path.with_name(path.name + ".retrying")
+    try:
+        with path.open("rb") as source, temporary.open("wb") as kept:
+            for number, line in enumerate(source, start=1):
+                try:
+                    record = orjson.loads(line)
+                    item_id = record["id"]
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    raise CorruptJournal(f"{path}:{number} is not a result line") from None
+                error = record.get("error")
+                kind = error.get("type") if isinstance(error, dict) else None
+                if kind not in REFUSED_LINE_ERRORS and item_id in retried:
+                    dropped += 1
+                else:
+                    kept.write(line)
+            kept.flush()
+            os.fsync(kept.fileno())
+        if dropped:
+            os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return dropped
+
+
+def failed_lines_of(input_path: Path, errors_path: Path) -> IdSet:
+    """The ids of INPUT's lines whose request failed in an earlier run (their record in
+    the errors file, not one of a line refused before any request). Memory grows with the
+    failures, not the input: the input is read as a stream against them."""
+    failed = IdSet()
+    read_ids(errors_path, failed, RefusedLines())
+    found = IdSet()
+    if not failed:
+        return found
+    with input_path.open("rb") as file:
+        for line_number, line in enumerate(file, start=1):
+            if not line.strip():
+                continue
+            try:
+                item_id = Item.from_line(line, line_number).id
+            except InvalidLine:
+                continue
+            if item_id in failed:
+                found.add(item_id)
+    return found
 
 
 class Journal:

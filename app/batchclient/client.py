@@ -192,6 +192,12 @@ class BatchClient:
         try:
             while (got := await results.get()) is not None:
                 for result in got:
+                    # Counted as handed over, not as answered: an answer `abort` drops (a
+                    # split pack's singles answered before it) is unfinished, not ok.
+                    if isinstance(result, Failure):
+                        self._counters.lines_failed += 1
+                    else:
+                        self._counters.lines_ok += 1
                     yield result
             if crashes:
                 raise crashes[0]
@@ -367,7 +373,6 @@ class BatchClient:
         if any(isinstance(result, Failure) for result in results):
             return None
         self._counters.latency.add(attempt.latency_s)
-        self._counters.lines_ok += len(results)
         return results
 
     def _fail(
@@ -380,7 +385,6 @@ class BatchClient:
         reason: str | None = None,
     ) -> list[Result]:
         error = error_of(attempt)
-        self._counters.lines_failed += len(request.items)
         return [
             Failure(item.id, attempt.status, error, attempts, retryable=retryable, reason=reason)
             for item in request.items

@@ -11,7 +11,8 @@ from loadtest.stats import LogHistogram
 
 @dataclass(frozen=True, slots=True)
 class BatchStats:
-    """Counts so far. Requests count every attempt; lines count items."""
+    """Counts so far. Requests count every attempt; lines count items: ``lines_ok`` and
+    ``lines_failed`` those whose result ``infer_many`` has yielded, no other."""
 
     requests: int
     statuses: Mapping[int, int]

@@ -12,6 +12,7 @@ Restart reads the ids back one line at a time into an ``IdSet``, never holding o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterable
@@ -228,20 +229,33 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: BinaryIO | None = None
+        self._whole_size = 0  # the file's size after its last whole line
         self.lines_written = 0
 
     def append(self, lines: Iterable[bytes]) -> None:
-        """Write ``lines`` (each ending in a newline) with one write, then flush."""
+        """Write ``lines`` (each ending in a newline) with one write, then flush. A write
+        that fails (a full disk) leaves no part of them: the file is cut back to its last
+        whole line before the error is raised. This process must be the file's only writer.
+        """
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Unbuffered: each write goes to the OS as one call, so nothing sits in a
             # Python buffer when the process is killed.
             self._file = self.path.open("ab", buffering=0)
+            self._whole_size = os.fstat(self._file.fileno()).st_size
         data = b"".join(lines)
         view = memoryview(data)
-        while view:
-            written = self._file.write(view)
-            view = view[written or 0 :]
+        try:
+            while view:
+                written = self._file.write(view)
+                view = view[written or 0 :]
+        except BaseException:
+            # Part of a line may be on disk: a reader of the file (or the summary's count)
+            # would take it for a result until the next run's repair_torn_tail.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._file.fileno(), self._whole_size)
+            raise
+        self._whole_size += len(data)
         self.lines_written += data.count(b"\n")
 
     def close(self) -> None:

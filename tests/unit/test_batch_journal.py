@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
+from typing import BinaryIO
 
 import orjson
 import pytest
@@ -118,6 +120,39 @@ def test_journal_appends_whole_lines(tmp_path: Path) -> None:
     journal.close()
     assert journal.lines_written == 3
     assert (tmp_path / "sub" / "out.jsonl").read_bytes().count(b"\n") == 3
+
+
+class _DiskFillsUp:
+    """A file whose disk fills up after ``room`` more bytes: short writes, then ENOSPC."""
+
+    def __init__(self, file: BinaryIO, room: int) -> None:
+        self._file = file
+        self._room = room
+
+    def write(self, data: memoryview) -> int:
+        if self._room == 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written = self._file.write(data[: self._room])
+        self._room -= written
+        return written
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._file, name)
+
+
+def test_a_write_that_fails_leaves_no_part_of_a_line(tmp_path: Path) -> None:
+    """A full disk mid-line left the torn line in the output until a rerun cut it."""
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id":0}\n')  # a previous run's
+    journal = Journal(path)
+    journal.append([b'{"id":1}\n'])
+    assert journal._file is not None
+    journal._file = _DiskFillsUp(journal._file, room=12)  # type: ignore[assignment]
+    with pytest.raises(OSError, match="No space"):
+        journal.append([b'{"id":2}\n', b'{"id":3}\n'])
+    journal.close()
+    assert path.read_bytes() == b'{"id":0}\n{"id":1}\n'
+    assert journal.lines_written == 1
 
 
 def test_errors_path_sits_next_to_the_output() -> None:

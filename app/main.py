@@ -114,8 +114,10 @@ def create_app(
     """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
     `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling); `engine`
     replaces the engine connection altogether (the null engine of the front-end bench).
-    `on_started(ok)` is called on the event loop once the front end's start-up (tokenizers,
-    engine connection) has succeeded or failed."""
+    `on_started(ok)` (the process tree's) is called on the event loop once the front end's
+    start-up (tokenizers, engine connection) has succeeded or failed; with it the lifespan's
+    start-up waits for that, and fails with it. Without it, start-up goes on in the
+    background while the app answers (the in-process server's probes report it)."""
     metrics = Metrics()
     supervisor: EngineSupervisor | None = None
     if engine is None:
@@ -156,12 +158,18 @@ def create_app(
             await probes.start()
         startup = asyncio.create_task(service.start(), name="startup")
         app.state.startup_task = startup
-        if on_started is not None:
-            report = on_started
-            startup.add_done_callback(
-                lambda task: None if task.cancelled() else report(service.started)
-            )
         try:
+            if on_started is not None:
+                # In the process tree uvicorn opens the shared port only once this returns,
+                # so a front end (re)starting takes no connection before it can serve: one
+                # answering /readyz 503 there got the whole replica marked unhealthy by
+                # Envoy's health check, which may land on any front end. One whose start-up
+                # failed exits (run_uvicorn: 1) without having listened. The supervisor's
+                # probe port answers meanwhile.
+                await asyncio.wait({startup})
+                on_started(service.started)
+                if not service.started:
+                    raise RuntimeError("front-end start-up failed (logged above)")
             yield
         finally:
             if not startup.done():

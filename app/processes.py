@@ -60,15 +60,16 @@ def configure_logging(level: str, role: str) -> None:
     )
 
 
-def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
-    """A listening socket that other front ends bind too: the kernel spreads connections
-    among them (SO_REUSEPORT), so no single accept loop is the bottleneck."""
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A socket bound where other front ends bind too: the kernel spreads connections among
+    those listening (SO_REUSEPORT), so no single accept loop is the bottleneck. Not yet
+    listening: uvicorn listens once the front end's start-up succeeded (`create_app`), and
+    until then the kernel gives this front end no connection."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -113,13 +114,11 @@ def run_frontend_process(
     configure_logging(settings.log_level, f"frontend[{os.getpid()}]")
     # Below the engine: a flood of connections must not take CPU from admitted work.
     os.nice(settings.frontend_nice)
-    sock = listening_socket(settings.host, settings.port, settings.listen_backlog)
+    sock = shared_port_socket(settings.host, settings.port)
 
     def on_started(ok: bool) -> None:
-        if ok:
+        if ok:  # else uvicorn's start-up fails, and run_uvicorn returns 1
             started.set()
-        else:  # drain and exit: run_uvicorn returns 1 for a failed start-up
-            os.kill(os.getpid(), DRAIN_OR_STOP)
 
     app = create_app(
         settings, engine_addresses=addresses, frontend_processes=processes, on_started=on_started

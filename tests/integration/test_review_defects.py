@@ -4,6 +4,7 @@ does with them, not the model)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -131,10 +132,47 @@ async def test_a_front_end_reports_how_its_start_up_ended(fails: bool) -> None:
         tokenizer_loader=tokenizer,  # type: ignore[arg-type]
         on_started=reports.append,
     )
-    async with app.router.lifespan_context(app):
-        await app.state.startup_task
-        assert reports == [not fails]
-        assert app.state.service.started is not fails
+    lifespan = app.router.lifespan_context(app)
+    if fails:  # uvicorn's start-up fails with it: the port is never listened on
+        with pytest.raises(RuntimeError, match="front-end start-up failed"):
+            await lifespan.__aenter__()
+        assert reports == [False]
+        return
+    async with lifespan:
+        assert reports == [True]
+        assert app.state.service.started
+
+
+async def test_a_front_end_in_the_process_tree_listens_only_once_it_can_serve() -> None:
+    """uvicorn opens its sockets after the lifespan's start-up: that start-up lasts until
+    the front end can serve, so a restarting front end takes no connection (nor answers a
+    health check 503) on the port its siblings serve."""
+    loader = GatedLoader()
+    loop = asyncio.get_running_loop()
+    tokenizer_called, tokenizer_may_load = asyncio.Event(), asyncio.Event()
+
+    def tokenizer(spec: ModelSpec, largest: int) -> object:  # on a thread (to_thread)
+        loop.call_soon_threadsafe(tokenizer_called.set)
+        asyncio.run_coroutine_threadsafe(tokenizer_may_load.wait(), loop).result()
+        return loader.tokenizer(spec, largest)
+
+    reports: list[bool] = []
+    app = create_app(
+        Settings(**BASE),  # type: ignore[arg-type]
+        loader=loader,
+        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
+        on_started=reports.append,
+    )
+    lifespan = app.router.lifespan_context(app)
+    entering = asyncio.create_task(lifespan.__aenter__())
+    await tokenizer_called.wait()  # start-up is under way, and cannot end before it loads
+    assert not entering.done() and reports == [], "start-up ended before it could serve"
+    tokenizer_may_load.set()
+    await entering
+    try:
+        assert reports == [True] and app.state.service.started
+    finally:
+        await lifespan.__aexit__(None, None, None)
 
 
 async def test_an_embedding_over_fp16s_range_is_refused_as_fp16_not_sent_as_null() -> None:

@@ -125,7 +125,11 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         http=shedding_protocol(
-            service, app.state.shed_paths, settings.refused_read_pause_s, budget
+            service,
+            app.state.shed_paths,
+            settings.refused_read_pause_s,
+            budget,
+            settings.trusted_proxies,
         ),
         host=settings.host,
         port=settings.port,

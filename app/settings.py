@@ -7,6 +7,7 @@ then: nothing in steadyserve reads the environment at import time. The CLI build
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Literal
 
@@ -98,7 +99,8 @@ class Settings(BaseSettings):
         description="After a 429/503 with Retry-After that admissions have not paid for "
         "(`refusals_at_once_per_admission`), the front end reads that connection's next "
         "request no sooner than Retry-After or this, whichever is shorter (0: at once; "
-        "a proxy's connections, which carry other clients' requests, are never paused). A "
+        "a trusted proxy's connections, which carry other clients' requests, are never "
+        "paused: `trusted_proxies`). A "
         "client that honours Retry-After never notices; one that resends at once can no "
         "longer make refusals crowd out admitted work.",
     )
@@ -109,6 +111,16 @@ class Settings(BaseSettings):
         "admitted request (a few dozen admissions' worth can be banked). An open loop at "
         "up to 6x capacity is never paused; a closed-loop flood outruns it and is paused "
         "as `refused_read_pause_s` says. 0: every refused connection is paused.",
+    )
+    trusted_proxies: tuple[str, ...] = Field(
+        default=(),
+        description="Proxies in front, as a JSON list of addresses or CIDR blocks "
+        '(`["10.0.0.0/8"]`): a request whose connection comes from one of them and that '
+        "carries a proxy's header (Via, Forwarded, X-Forwarded-*, x-envoy-*) is a proxy's, "
+        "and its connection is never paused after a refusal. From any other peer those "
+        "headers count for nothing: a client could send them to dodge the pause. Empty: no "
+        "peer is a proxy. The Kubernetes manifests trust the private ranges pod addresses "
+        "come from (deploy/README.md).",
     )
     body_read_timeout_s: float = Field(
         default=5.0,
@@ -319,6 +331,13 @@ class Settings(BaseSettings):
         description="Enables /debug/* when set; requests must send "
         "`Authorization: Bearer <token>`.",
     )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _valid_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        # A typo must stop the server (not trust nobody, in silence); `10.0.0.1/8`, with
+        # host bits set, is refused rather than guessed at.
+        return tuple(str(ipaddress.ip_network(address.strip())) for address in value)
 
     @field_validator("log_level", mode="before")
     @classmethod

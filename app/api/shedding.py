@@ -15,7 +15,8 @@ module only answers that verdict, in one of two places:
   is ready again at once, so every event-loop turn, which admitted requests wait in, grows
   with the number of connections (figures: docs/BENCHMARKS.md, "Refusals in the HTTP
   protocol"). A client that honours Retry-After sends nothing during the pause. A
-  connection from a proxy is never paused: it carries other clients' requests too.
+  connection from a trusted proxy (`STEADY_TRUSTED_PROXIES`) is never paused: it carries
+  other clients' requests too.
 - `SheddingMiddleware` (the outermost ASGI middleware): the same refusal under any ASGI
   server (tests through httpx, a server run without the protocol, a pipelined request,
   which the protocol leaves to it so that answers keep their order), and the owner of
@@ -26,8 +27,9 @@ Everything here runs on the event loop's thread.
 
 from __future__ import annotations
 
+import ipaddress
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from functools import lru_cache
 from http import HTTPStatus
 
@@ -136,25 +138,53 @@ async def send_rejection(rejection: Rejected, send: Send, started: float, close:
 # Headers a proxy adds (the shipped Envoy adds x-forwarded-for and x-envoy-*).
 _PROXY_HEADERS = frozenset({b"forwarded", b"via", b"x-forwarded-for", b"x-forwarded-proto"})
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-def came_through_a_proxy(headers: Sequence[tuple[bytes, bytes]]) -> bool:
-    """Whether a request arrived through a proxy. A proxy's upstream connection carries
-    many clients' requests one after another, so it is never paused: a refusal must not
-    stall the next client's request; the proxy sheds its own clients (Envoy's circuit
-    breakers, deploy/envoy)."""
-    return any(name in _PROXY_HEADERS or name.startswith(b"x-envoy-") for name, _ in headers)
+
+def trusted_networks(addresses: Iterable[str]) -> tuple[Network, ...]:
+    """`STEADY_TRUSTED_PROXIES` (addresses or CIDR blocks, already validated by `Settings`)
+    as networks; a bare address is a network of one."""
+    return tuple(ipaddress.ip_network(address) for address in addresses)
+
+
+def came_through_a_proxy(
+    peer: str | None, headers: Sequence[tuple[bytes, bytes]], trusted: Sequence[Network]
+) -> bool:
+    """Whether a request arrived through a proxy: its connection comes from a trusted
+    proxy's address (`peer`: the socket's, None for a Unix socket) and it carries a header a
+    proxy adds. A proxy's upstream connection carries many clients' requests one after
+    another, so it is never paused: a refusal must not stall the next client's request; the
+    proxy sheds its own clients (Envoy's circuit breakers, deploy/envoy). The headers alone
+    prove nothing: any client can send `Via:` to dodge the pause. Pure; any thread."""
+    if not trusted or peer is None:
+        return False
+    if not any(name in _PROXY_HEADERS or name.startswith(b"x-envoy-") for name, _ in headers):
+        return False
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # an IPv4 peer on a dual-stack socket
+    return any(address in network for network in trusted)
 
 
 def shedding_protocol(
-    service: Service, paths: Collection[str], read_pause_s: float, budget: RefusalBudget
+    service: Service,
+    paths: Collection[str],
+    read_pause_s: float,
+    budget: RefusalBudget,
+    trusted_proxies: Collection[str] = (),
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (pass it as `uvicorn.Config(http=...)`), refusing what
     `service.shed` refuses as soon as a request's headers are parsed, and pausing reads of
     a refused connection for its Retry-After, at most `read_pause_s`, when `budget` has no
-    refusal to answer at once (admissions earn them). A request it admits
+    refusal to answer at once (admissions earn them) and the connection is not a proxy's
+    (one from `trusted_proxies` whose request carries proxy headers). A request it admits
     goes on through the ASGI app marked `ADMITTED`, so `SheddingMiddleware` must wrap that
     app (it calls `Service.leave`)."""
     shed_paths = frozenset(path.encode() for path in paths)
+    trusted = trusted_networks(trusted_proxies)
 
     class SheddingProtocol(HttpToolsProtocol):
         # True from a refusal to the end of that request's message: its body is dropped.
@@ -227,7 +257,9 @@ def shedding_protocol(
             if (
                 keep_alive
                 and pause_s > 0
-                and not came_through_a_proxy(self.headers)
+                and not came_through_a_proxy(
+                    self.client[0] if self.client else None, self.headers, trusted
+                )
                 and not budget.answer_at_once()
             ):
                 self.flow.pause_reading()

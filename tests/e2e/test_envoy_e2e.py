@@ -36,11 +36,15 @@ from tests.support.server import (
 
 pytestmark = pytest.mark.e2e
 
+# Envoy connects from 127.0.0.1 here: trusted as the deployment trusts the Envoy tier's pod
+# addresses, so its connections are never paused after a refusal (deploy/README.md).
+BEHIND_ENVOY = {"STEADY_TRUSTED_PROXIES": '["127.0.0.1"]'}
 INFER_BODY = json.dumps({"inputs": "steady tails through envoy"}).encode()
 # One replica answers 429 to nearly everything: a 16-token bucket (the largest request of its
 # one 16-token length bucket) refilled at 16 tokens/s, about one request a second, no
 # waiting for a token, so Retry-After is 1 s (whole seconds, at least 1).
 SATURATED_ENV = {
+    **BEHIND_ENVOY,
     "STEADY_LENGTH_BUCKETS": "[16]",
     "STEADY_RATE_LIMIT_PER_S": "16",
     "STEADY_RATE_LIMIT_BURST": "16",
@@ -53,7 +57,10 @@ SATURATED_ENV = {
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ...]]:
     """Two ready replicas with the test defaults, shared by the tests that stop neither."""
     logs = tmp_path_factory.mktemp("replicas")
-    with running_server(logs) as first, running_server(logs) as second:
+    with (
+        running_server(logs, BEHIND_ENVOY) as first,
+        running_server(logs, BEHIND_ENVOY) as second,
+    ):
         yield first, second
 
 
@@ -213,7 +220,7 @@ class LoadThroughEnvoy:
 # The point is the drain, not shedding: on a busy machine (CI) the staying replica's delay
 # admission could answer a retried request 429, and Envoy's last retry then lands on the
 # replica that is leaving (503), which is a refusal under load rather than a lost request.
-NO_DELAY_SHEDDING = {"STEADY_MAX_QUEUE_DELAY_MS": "60000"}
+NO_DELAY_SHEDDING = {**BEHIND_ENVOY, "STEADY_MAX_QUEUE_DELAY_MS": "60000"}
 
 
 def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> None:
@@ -260,7 +267,7 @@ def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
     up and never gets ready (its front end answers /readyz 503 while it starts, then exits
     and is restarted with backoff)."""
     broken_model = [{"name": "broken", "source": str(tmp_path / "no-such-model")}]
-    replica = start_server(tmp_path, {"STEADY_MODELS": json.dumps(broken_model)})
+    replica = start_server(tmp_path, {**BEHIND_ENVOY, "STEADY_MODELS": json.dumps(broken_model)})
     try:
         wait_for(
             lambda: http_status(f"{replica.base_url}/readyz") == 503,

@@ -201,7 +201,9 @@ async def test_requests_the_protocol_admits_are_counted_in_once() -> None:
 
 
 async def test_a_connection_from_a_proxy_is_never_paused() -> None:
-    async with start(max_queue_delay_ms=50, refused_read_pause_s=1.0) as harness:
+    async with start(
+        max_queue_delay_ms=50, refused_read_pause_s=1.0, trusted_proxies=["127.0.0.1"]
+    ) as harness:
         holder = await overload(harness)
         async with listening(harness) as listener:
             reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)

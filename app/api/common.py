@@ -1,15 +1,17 @@
-"""What every inference route shares: Envoy's deadline header, the input-count limit, and
-rendering an answer as JSON (timed as the `serialise` phase)."""
+"""What every inference route shares: Envoy's deadline header, reading a JSON body (UTF-8
+only, the same for /infer, /v1/embeddings and the generation routes) and validating it, the
+input-count limit, and rendering an answer as JSON (timed as the `serialise` phase)."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.api.responses import error_response, json_response
@@ -17,6 +19,8 @@ from app.service import Service
 from app.timing import PhaseTimer
 
 ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
+
+Schema = TypeVar("Schema", bound=BaseModel)
 
 
 def envoy_timeout_in(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
@@ -87,3 +91,34 @@ async def json_body(request: Request) -> Any:
             [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
         )
     return body
+
+
+def validated(schema: type[Schema], body: Any, *, from_attributes: bool = False) -> Schema:
+    """`body` as `schema`, or the 422 FastAPI itself would answer. `from_attributes=True`
+    validates as FastAPI validates a parameter typed as the model (the message for a body
+    that is not an object differs); without it, as a `Body()` validated afterwards."""
+    try:
+        return schema.model_validate(body, from_attributes=from_attributes)
+    except ValidationError as error:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
+        raise RequestValidationError(errors) from None
+
+
+async def body_as(request: Request, schema: type[Schema]) -> Schema:
+    """The request's body (`json_body`) as `schema`, answered as FastAPI answers a body
+    parameter typed `schema`, except that the body must be UTF-8: the routes read their own
+    body so that every inference route decodes it the same way."""
+    return validated(schema, await json_body(request), from_attributes=True)
+
+
+def body_document(schema: type[BaseModel]) -> dict[str, Any]:
+    """A route's `openapi_extra` naming `schema` as its JSON body, as FastAPI names a body
+    parameter (the component itself: api/openapi.py)."""
+    return {
+        "requestBody": {
+            "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{schema.__name__}"}}
+            },
+            "required": True,
+        }
+    }

@@ -4,15 +4,21 @@ OpenAI-compatible /v1/embeddings and /v1/models."""
 from __future__ import annotations
 
 import base64
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.api.cancellation import run_until_disconnect
-from app.api.common import envoy_timeout_ms, json_body, render, too_many_inputs
+from app.api.common import (
+    body_as,
+    body_document,
+    envoy_timeout_ms,
+    json_body,
+    render,
+    too_many_inputs,
+    validated,
+)
 from app.api.errors_doc import ERRORS
 from app.api.generate import infer_generate
 from app.api.responses import error_response, json_response, service_of
@@ -30,8 +36,6 @@ from app.service import Service
 from app.timing import PhaseTimer
 
 router = APIRouter()
-
-Schema = TypeVar("Schema", bound=BaseModel)
 
 
 async def _embed(
@@ -84,17 +88,6 @@ def _asks_a_generate_model(service: Service, body: Any) -> bool:
     return chosen in service.model_names() and service.model_task(chosen) == "generate"
 
 
-def _validated(schema: type[Schema], body: Any, *, from_attributes: bool = False) -> Schema:
-    """`body` as `schema`, or the 422 FastAPI itself would answer. `from_attributes=True`
-    validates as FastAPI validates a parameter typed as the model (the message for a body
-    that is not an object differs); without it, as a `Body()` validated afterwards."""
-    try:
-        return schema.model_validate(body, from_attributes=from_attributes)
-    except ValidationError as error:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
-        raise RequestValidationError(errors) from None
-
-
 @router.post(
     "/infer",
     response_model=InferResponse | GenerateInferResponse,
@@ -107,8 +100,8 @@ async def infer(request: Request) -> Response:
     its own body so that the FastAPI route and the direct one run the same code."""
     body = await json_body(request)
     if _asks_a_generate_model(service_of(request), body):
-        return await infer_generate(request, _validated(GenerateInferRequest, body))
-    return await _infer_embed(request, _validated(InferRequest, body))
+        return await infer_generate(request, validated(GenerateInferRequest, body))
+    return await _infer_embed(request, validated(InferRequest, body))
 
 
 async def _infer_embed(request: Request, body: InferRequest) -> Response:
@@ -136,26 +129,14 @@ async def _infer_embed(request: Request, body: InferRequest) -> Response:
 async def embeddings_request(request: Request) -> EmbeddingsRequest:
     """The body of a /v1/embeddings request, or the exception FastAPI raised for a parameter
     typed `EmbeddingsRequest` (tested against FastAPI itself)."""
-    return _validated(EmbeddingsRequest, await json_body(request), from_attributes=True)
-
-
-# /v1/embeddings reads its own body; the document names its schema as FastAPI did (the
-# component: api/openapi.py).
-EMBEDDINGS_BODY_DOC = {
-    "requestBody": {
-        "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/EmbeddingsRequest"}}
-        },
-        "required": True,
-    }
-}
+    return await body_as(request, EmbeddingsRequest)
 
 
 @router.post(
     "/v1/embeddings",
     response_model=EmbeddingsResponse,
     responses=ERRORS,
-    openapi_extra=EMBEDDINGS_BODY_DOC,
+    openapi_extra=body_document(EmbeddingsRequest),
 )
 async def embeddings(request: Request) -> Response:
     # OpenAI's embeddings (no docstring: it would become the operation's description).

@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
-from app.api.common import envoy_timeout_ms, render, too_many_inputs
+from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
 from app.api.errors_doc import ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
@@ -163,8 +163,17 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
     )
 
 
-@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
-async def completions(request: Request, body: CompletionRequest) -> Response:
+# The OpenAI routes read their own body (`common.body_as`), as /infer and /v1/embeddings do:
+# UTF-8 only, where FastAPI's parsing also took UTF-16 and UTF-32. The document names their
+# schema as FastAPI did (the component: api/openapi.py).
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses=ERRORS,
+    openapi_extra=body_document(CompletionRequest),
+)
+async def completions(request: Request) -> Response:
+    body = await body_as(request, CompletionRequest)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     service = service_of(request)
     if (too_many := too_many_inputs(service, len(prompts), "prompt")) is not None:
@@ -176,8 +185,14 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     return await _answer(request, Reply(model, chat=False), prepared, body)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
-async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses=ERRORS,
+    openapi_extra=body_document(ChatCompletionRequest),
+)
+async def chat_completions(request: Request) -> Response:
+    body = await body_as(request, ChatCompletionRequest)
     service = service_of(request)
     model = service.resolve_model(body.model)
     messages = [

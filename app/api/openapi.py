@@ -7,8 +7,9 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
 - the list forms of `inputs` / `input` get `maxItems` = `STEADY_MAX_INPUTS_PER_REQUEST`;
 - `dimensions` of /v1/embeddings is narrowed to the served models' output widths once they
   are loaded (until then the document is rebuilt on each request and not cached);
-- /v1/embeddings reads its own body (to be served by `api/direct.py`): its request schema
-  is the component FastAPI writes for an `EmbeddingsRequest` body parameter, as before;
+- /v1/embeddings and the generation routes read their own body (`api/common.py::body_as`):
+  their request schemas are the components FastAPI writes for `EmbeddingsRequest`,
+  `CompletionRequest` and `ChatCompletionRequest` body parameters, as before;
 - /infer's body is either request model (it is validated by the named model's task); the
   generation routes, and /infer's generation form, are documented only when a generate
   model is served (chat: one with a chat template), `model` narrowed to those models.
@@ -28,7 +29,11 @@ from pydantic import BaseModel
 
 from app.generation.tokenizer import GenerationTokenizer
 from app.schemas import EmbeddingsRequest, InferRequest
-from app.schemas_generation import GenerateInferRequest
+from app.schemas_generation import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateInferRequest,
+)
 from app.service import Service
 
 # (component, field) of every request field that takes one text or a list of texts.
@@ -136,11 +141,12 @@ def install_openapi(app: FastAPI, service: Service) -> None:
             title=app.title, version=app.version, openapi_version=app.openapi_version,
             routes=app.routes,
         )  # fmt: skip
-        # In FastAPI's order (by name), as when it read /v1/embeddings' body itself.
+        # In FastAPI's order (by name), as when it read these routes' bodies itself.
         fastapi_components = document["components"]["schemas"]
-        components = dict(
-            sorted({**fastapi_components, **_body_components(EmbeddingsRequest)}.items())
+        read_by_routes = _body_components(
+            EmbeddingsRequest, CompletionRequest, ChatCompletionRequest
         )
+        components = dict(sorted({**fastapi_components, **read_by_routes}.items()))
         document["components"]["schemas"] = components
         _add_component(components, InferRequest)
         _add_component(components, GenerateInferRequest)

@@ -15,7 +15,9 @@ Only the event loop thread of its process calls an `Admission`.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
@@ -68,6 +70,23 @@ class AdmissionLimits:
     max_inflight: int
     default_timeout_s: float
     max_timeout_s: float
+    max_body_reads: int  # requests let in whose body is still arriving
+
+
+# A body normally follows its headers within a round trip. For this long after its headers a
+# request counts against the in-flight cap (and as work to come) as if its body were there,
+# so a burst let in on one event-loop turn is bounded as before; past it, a missing body
+# counts only against `max_body_reads`, and the request takes a place again when its body
+# arrives, if one is free.
+BODY_GRACE_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A request `Admission.enter` let in from its headers, until it leaves."""
+
+    number: int
+    entered_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,34 +259,98 @@ def resolve_deadline(
 
 
 class Admission:
-    """A front end's count of admitted requests, its in-flight cap and its draining flag."""
+    """A front end's requests let in (those whose body is still arriving, and those whose
+    body arrived), its in-flight cap, its allowance for bodies being read and its draining
+    flag.
+
+    What method, path and headers decide is decided before the body is read (`enter`), but
+    a request whose body does not follow holds no place under the in-flight cap for long:
+    slow or absent bodies (up to `STEADY_BODY_READ_TIMEOUT_S` each) cannot starve the cap,
+    only fill their own bounded allowance (`max_body_reads`)."""
 
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
-        self.inflight = 0
         self.draining = False
+        self.with_body = 0  # let in, body arrived: counted in flight until they leave
+        self._bodied: set[int] = set()
+        self._reading: dict[int, float] = {}  # let in, body still arriving: when they entered
+        # Readers in the order they entered, while within BODY_GRACE_S (those gone since
+        # are skipped when their grace ends), and how many of them are still reading.
+        self._recent: deque[tuple[float, int]] = deque()
+        self._recent_reading = 0
+        self._grace_cutoff = -math.inf
+        self._numbers = itertools.count()
         self._requests_completed = RateMeter()
 
-    def enter(self, now: float) -> Rejected | None:
-        """A request arrives (its headers, before its body is read): None if it may come
-        in, counted in flight until `leave`; else why not (draining, or the in-flight cap,
-        with a Retry-After from the measured completion rate). Counting from arrival, not
-        from admission, bounds the work a front end takes on wherever it waits."""
+    @property
+    def inflight(self) -> int:
+        """Requests let in and not yet answered, their bodies arrived or not."""
+        return self.with_body + len(self._reading)
+
+    @property
+    def reading(self) -> int:
+        """Requests let in whose body is still arriving."""
+        return len(self._reading)
+
+    def held(self, now: float) -> int:
+        """What the in-flight cap bounds: requests whose body arrived, and those whose body
+        may still follow at once (within BODY_GRACE_S of their headers)."""
+        self._end_grace(now)
+        return self.with_body + self._recent_reading
+
+    def enter(self, now: float) -> Entry | Rejected:
+        """A request arrives (its headers, before its body is read): its `Entry` if it may
+        come in, counted as reading until `body_arrived` or `leave`; else why not (draining,
+        the in-flight cap, the allowance for bodies being read, with a Retry-After from the
+        measured completion rate). Counting from arrival bounds the work a front end takes
+        on wherever it waits."""
         if self.draining:
             return self.draining_rejection()
-        if self.inflight + 1 > self.limits.max_inflight:
-            excess = self.inflight + 1 - self.limits.max_inflight
+        held = self.held(now)
+        if held >= self.limits.max_inflight:
             return Rejected(
                 RejectReason.INFLIGHT,
-                f"{self.inflight} requests in flight (cap {self.limits.max_inflight})",
-                self._time_to_drain(excess, self._requests_completed, now),
+                f"{held} requests in flight (cap {self.limits.max_inflight})",
+                self._time_to_drain(held + 1 - self.limits.max_inflight, now),
             )
-        self.inflight += 1
+        if len(self._reading) >= self.limits.max_body_reads:
+            return Rejected(
+                RejectReason.INFLIGHT,
+                f"{len(self._reading)} request bodies being read "
+                f"(cap {self.limits.max_body_reads})",
+                self._time_to_drain(1, now),
+            )
+        entry = Entry(next(self._numbers), now)
+        self._reading[entry.number] = now
+        self._recent.append((now, entry.number))
+        self._recent_reading += 1
+        return entry
+
+    def body_arrived(self, entry: Entry, now: float) -> Rejected | None:
+        """The request's body arrived in full: None once it counts in flight (until
+        `leave`). One whose body came within its grace kept its place; a later one takes a
+        free place, or is refused (429 `inflight`: the cap filled while its body was
+        read) and counts nowhere until it leaves. Calling it again changes nothing."""
+        if entry.number not in self._reading:
+            return None
+        kept_its_place = self._stop_reading(entry, now)
+        if not kept_its_place and (held := self.held(now)) >= self.limits.max_inflight:
+            return Rejected(
+                RejectReason.INFLIGHT,
+                f"{held} requests in flight (cap {self.limits.max_inflight}) when its body arrived",
+                self._time_to_drain(held + 1 - self.limits.max_inflight, now),
+            )
+        self.with_body += 1
+        self._bodied.add(entry.number)
         return None
 
-    def leave(self, now: float) -> None:
+    def leave(self, entry: Entry, now: float) -> None:
         """A request that entered was answered (whatever the outcome)."""
-        self.inflight -= 1
+        if entry.number in self._reading:
+            self._stop_reading(entry, now)
+        elif entry.number in self._bodied:
+            self._bodied.remove(entry.number)
+            self.with_body -= 1
         self._requests_completed.record(1, now)
 
     def admit(self, deadline: float, now: float) -> None:
@@ -276,6 +359,22 @@ class Admission:
         began (`enter` refuses those after), and entered requests finish."""
         if deadline <= now:
             raise Rejected(RejectReason.DEADLINE, "deadline passed before admission")
+
+    def _stop_reading(self, entry: Entry, now: float) -> bool:
+        """Forget a reader; True when it was still within its grace (it held a place)."""
+        del self._reading[entry.number]
+        self._end_grace(now)
+        if entry.entered_at > self._grace_cutoff:
+            self._recent_reading -= 1
+            return True
+        return False
+
+    def _end_grace(self, now: float) -> None:
+        self._grace_cutoff = max(self._grace_cutoff, now - BODY_GRACE_S)
+        while self._recent and self._recent[0][0] <= self._grace_cutoff:
+            _, number = self._recent.popleft()
+            if number in self._reading:
+                self._recent_reading -= 1
 
     @staticmethod
     def draining_rejection() -> Rejected:
@@ -291,7 +390,6 @@ class Admission:
             n_tokens / rate_per_s,
         )
 
-    @staticmethod
-    def _time_to_drain(excess: int, meter: RateMeter, now: float) -> float:
-        rate = meter.rate(now)
+    def _time_to_drain(self, excess: int, now: float) -> float:
+        rate = self._requests_completed.rate(now)
         return excess / rate if rate > 0 else _RETRY_AFTER_UNKNOWN_S

@@ -26,6 +26,7 @@ from typing import TypeVar, TypeVarTuple
 from app.admission import (
     Admission,
     AdmissionLimits,
+    Entry,
     Rejected,
     RejectReason,
     published_queue_verdict,
@@ -108,6 +109,7 @@ class Service:
                 max_inflight=settings.max_inflight,
                 default_timeout_s=settings.default_timeout_ms / 1000,
                 max_timeout_s=settings.max_timeout_ms / 1000,
+                max_body_reads=settings.max_body_reads,
             )
         )
         self.gate = AdmissionGate(
@@ -189,21 +191,31 @@ class Service:
         return next(spec for spec in self.settings.models if spec.name == name)
 
     # --- shedding before the body is read ---------------------------------------------------
-    def shed(self, envoy_timeout_ms: float | None) -> Rejected | None:
+    def shed(self, envoy_timeout_ms: float | None) -> Entry | Rejected:
         """What can be refused from headers alone, at almost no cost: draining, no ready
         engine, the engine's backlog over the delay budget, an empty token bucket, the
-        in-flight cap (counted from here on, so it bounds the requests this front end holds
-        wherever they wait). The rejection is counted here; the caller answers it. None:
-        the request is in, and the caller must call `leave` once it is answered."""
+        in-flight cap and the allowance for bodies being read (counted from here on, so
+        they bound the requests this front end holds wherever they wait). The rejection is
+        counted here; the caller answers it. An `Entry`: the request is in, and the caller
+        must call `body_arrived` once its body is read and `leave` once it is answered."""
         self.drain.arrived()
-        rejection = self._shed_reason(envoy_timeout_ms)
+        verdict = self._shed_reason(envoy_timeout_ms)
+        if isinstance(verdict, Rejected):
+            self.metrics.rejected.labels("", verdict.reason.value).inc()
+        return verdict
+
+    def body_arrived(self, entry: Entry) -> Rejected | None:
+        """The body of a request `shed` let in has been read: None once it counts in flight;
+        else the refusal (429 `inflight`, counted here, with no model: the body is not parsed
+        yet) of one whose body came so late that the cap filled meanwhile."""
+        rejection = self.admission.body_arrived(entry, self.clock())
         if rejection is not None:
             self.metrics.rejected.labels("", rejection.reason.value).inc()
         return rejection
 
-    def leave(self) -> None:
+    def leave(self, entry: Entry) -> None:
         """A request that `shed` let in was answered (whatever the outcome)."""
-        self.admission.leave(self.clock())
+        self.admission.leave(entry, self.clock())
         self.metrics.inflight.dec()
         self.drain.left()
 
@@ -218,9 +230,9 @@ class Service:
     def _not_ready() -> Rejected:
         return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
 
-    def _shed_reason(self, envoy_timeout_ms: float | None) -> Rejected | None:
-        """None once the request is let in and counted in flight (the caller must then
-        call `leave`); else why not."""
+    def _shed_reason(self, envoy_timeout_ms: float | None) -> Entry | Rejected:
+        """Its `Entry` once the request is let in (the caller must then call `leave`); else
+        why not."""
         if self.admission.draining:
             return self.admission.draining_rejection()
         if (status := self._ready_status()) is None:
@@ -228,8 +240,9 @@ class Service:
         now = self.clock()
         deadline = resolve_deadline(now, self.admission.limits, None, envoy_timeout_ms)
         # What this front end sent that the engine does not hold yet, and what it let in
-        # but has not sent (one input each, at least; the requests still read or tokenized).
-        unsent = max(0, self.admission.inflight - self._at_engine)
+        # but has not sent (one input each, at least; the requests still tokenized, or read
+        # within their grace: a body that does not come stops counting as work to come).
+        unsent = max(0, self.admission.held(now) - self._at_engine)
         sent = self.engine.inputs_in_transit(status) + unsent
         budget_s = self.settings.max_queue_delay_ms / 1000
         verdict = published_queue_verdict(status, sent, deadline, now, budget_s)
@@ -239,10 +252,10 @@ class Service:
             return self.admission.rate_limited(
                 self.settings.length_buckets[0], self.gate.rate_per_s
             )
-        refused = self.admission.enter(now)
-        if refused is None:
+        entered = self.admission.enter(now)
+        if isinstance(entered, Entry):
             self.metrics.inflight.inc()
-        return refused
+        return entered
 
     # --- requests -----------------------------------------------------------------------
     def resolve_model(self, name: str | None) -> str:

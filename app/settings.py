@@ -195,7 +195,17 @@ class Settings(BaseSettings):
         default=512,
         ge=1,
         description="Inference requests a front end holds, from their headers to their "
-        "answer; beyond it, 429 (reason `inflight`) before the body is read.",
+        "answer; beyond it, 429 (reason `inflight`) before the body is read. A request "
+        "whose body has not arrived 0.25 s after its headers holds no place until it does "
+        "(then 429 if none is free): slow or absent bodies cannot fill the cap.",
+    )
+    max_body_reads: int = Field(
+        default=2048,
+        ge=1,
+        description="Inference requests a front end holds whose body is still arriving; "
+        "beyond it, 429 (reason `inflight`) before the body is read. Bounds the memory of "
+        "partly read bodies (at most this x max_body_bytes); filling it takes as many "
+        "connections, each cut after body_read_timeout_s.",
     )
     max_queue: int = Field(
         default=4096,

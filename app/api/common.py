@@ -14,13 +14,18 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from app.api.responses import error_response, json_response
+from app.admission import Entry
+from app.api.responses import error_response, json_response, service_of
 from app.service import Service
 from app.timing import PhaseTimer
 
 ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
 
 Schema = TypeVar("Schema", bound=BaseModel)
+
+# Scope key: the `admission.Entry` of a request `Service.shed` let in from its headers (set by
+# api/shedding.py); its body counts in flight once read (`count_body_in`).
+ENTRY = "steadyserve.entry"
 
 
 def envoy_timeout_in(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
@@ -57,15 +62,31 @@ def render(request: Request, content: Any) -> Response:
     return response
 
 
+def count_body_in(request: Request) -> None:
+    """The request's body has been read: count it in flight (`Service.body_arrived`) if it
+    was let in from its headers; raises `Rejected` (429 `inflight`) for one whose body came
+    so late that the in-flight cap filled meanwhile. Event loop thread."""
+    entry: Entry | None = request.scope.get(ENTRY)
+    if entry is not None:
+        rejection = service_of(request).body_arrived(entry)
+        if rejection is not None:
+            raise rejection
+
+
 async def json_body(request: Request) -> Any:
     """The request's body as FastAPI parses a required `Body()` parameter: JSON when the
     content type says so (`application/json` or `application/*+json`), else the raw bytes
     (which the schema then refuses). An empty body is `missing` and JSON that does not
     parse is `json_invalid` (`RequestValidationError`, answered 422/400 by api/errors.py);
     a body that cannot be read or decoded at all is a 400 `HTTPException`. (A compressed
-    one never gets here: `BodyGuardMiddleware` answers it 415.)"""
+    one never gets here: `BodyGuardMiddleware` answers it 415.) Once read, the body counts
+    in flight (`count_body_in`), which may raise `Rejected`."""
     try:
         raw = await request.body()
+    except Exception as error:  # a broken stream (the body guard's limits included)
+        raise HTTPException(400, "There was an error parsing the body") from error
+    count_body_in(request)  # before any work is spent on it
+    try:
         content_type = request.headers.get("content-type", "")
         kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
         is_json = kind == "application" and (subtype == "json" or subtype.endswith("+json"))
@@ -84,7 +105,7 @@ async def json_body(request: Request) -> Any:
                 }
             ]
         ) from None
-    except Exception as error:  # undecodable bytes, nesting too deep, a broken stream
+    except Exception as error:  # undecodable bytes, nesting too deep
         raise HTTPException(400, "There was an error parsing the body") from error
     if not raw:
         raise RequestValidationError(

@@ -38,15 +38,15 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.admission import Rejected, RejectReason
-from app.api.common import envoy_timeout_in
+from app.admission import Entry, Rejected, RejectReason
+from app.api.common import ENTRY, envoy_timeout_in
 from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.refusal_budget import RefusalBudget
 from app.service import Service
 
-# Scope key set by the protocol on a request it admitted: the middleware must not count it
-# in again, only let it leave.
-ADMITTED = "steadyserve.admitted"
+# The protocol puts a request's `Entry` in its scope (under `ENTRY`) when it lets it in: the
+# middleware must not count it in again, only let it leave; its body is counted in flight by
+# the route once read (`common.count_body_in`).
 
 # Why a request was shed, as its body says (the exact figures are in the metrics; a
 # prebuilt answer cannot carry them).
@@ -106,18 +106,18 @@ class SheddingMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        if not scope.get(ADMITTED):
+        entry: Entry | None = scope.get(ENTRY)
+        if entry is None:
             started = time.perf_counter()
-            rejection = self.service.shed(envoy_timeout_in(scope["headers"]))
-            if rejection is not None:
-                await send_rejection(
-                    rejection, send, started, close=self.service.admission.draining
-                )
+            verdict = self.service.shed(envoy_timeout_in(scope["headers"]))
+            if isinstance(verdict, Rejected):
+                await send_rejection(verdict, send, started, close=self.service.admission.draining)
                 return
+            entry = scope[ENTRY] = verdict
         try:
             await self.app(scope, receive, send)
         finally:
-            self.service.leave()
+            self.service.leave(entry)
 
 
 async def send_rejection(rejection: Rejected, send: Send, started: float, close: bool) -> None:
@@ -181,8 +181,8 @@ def shedding_protocol(
     a refused connection for its Retry-After, at most `read_pause_s`, when `budget` has no
     refusal to answer at once (admissions earn them) and the connection is not a proxy's
     (one from `trusted_proxies` whose request carries proxy headers). A request it admits
-    goes on through the ASGI app marked `ADMITTED`, so `SheddingMiddleware` must wrap that
-    app (it calls `Service.leave`)."""
+    goes on through the ASGI app with its `Entry` in the scope, so `SheddingMiddleware` must
+    wrap that app (it calls `Service.leave`)."""
     shed_paths = frozenset(path.encode() for path in paths)
     trusted = trusted_networks(trusted_proxies)
 
@@ -224,12 +224,12 @@ def shedding_protocol(
             if httptools.parse_url(self.url).path not in shed_paths:
                 return False
             started = time.perf_counter()
-            rejection = service.shed(envoy_timeout_in(self.headers))
-            if rejection is None:
-                self.scope[ADMITTED] = True  # type: ignore[literal-required]
+            entry = service.shed(envoy_timeout_in(self.headers))
+            if isinstance(entry, Entry):
+                self.scope[ENTRY] = entry  # type: ignore[literal-required]
                 budget.admitted()
                 return False
-            self._send_refusal(rejection, started)
+            self._send_refusal(entry, started)
             return True
 
         def _send_refusal(self, rejection: Rejected, started: float) -> None:

@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from app import __version__
-from app.admission import Rejected
+from app.admission import Entry, Rejected
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.api.common import envoy_timeout_ms
 from app.api.errors import REJECTION_STATUS, engine_unavailable_headers, refusal_headers
@@ -165,8 +165,9 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
     compute."""
     service = service_of(request)
     started = time.perf_counter()
-    rejection = service.shed(envoy_timeout_ms(request))
-    if rejection is not None:
+    entry = service.shed(envoy_timeout_ms(request))
+    if isinstance(entry, Rejected):
+        rejection = entry
         timer: PhaseTimer = request.state.server_timing
         timer.add("shed", time.perf_counter() - started)
         # Answered in microseconds: timed as a request, a flood of them pulled the running
@@ -174,9 +175,9 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         timer.latency_bound = False
         return _rejected(rejection)
     try:
-        return await _guarded(_infer(request, service, name, version))
+        return await _guarded(_infer(request, service, name, version, entry))
     finally:
-        service.leave()
+        service.leave(entry)
 
 
 def _rejected(rejection: Rejected) -> Response:
@@ -184,7 +185,9 @@ def _rejected(rejection: Rejected) -> Response:
     return v2_error(rejection.message, REJECTION_STATUS[rejection.reason], headers)
 
 
-async def _infer(request: Request, service: Service, name: str, version: str | None) -> Response:
+async def _infer(
+    request: Request, service: Service, name: str, version: str | None, entry: Entry
+) -> Response:
     _check_version(version)
     spec = _spec(service, name)
     header = request.headers.get(HEADER_LENGTH)
@@ -196,6 +199,8 @@ async def _infer(request: Request, service: Service, name: str, version: str | N
         body = await request.body()
     except ClientDisconnect:  # gone mid-body: nothing to answer (it was a 500)
         raise ClientDisconnected() from None
+    if (late := service.body_arrived(entry)) is not None:
+        return _rejected(late)
     parsed = parse_infer_request(body, int(header) if header is not None else None)
     timeout_ms = _timeout_ms(parsed)
     timer: PhaseTimer = request.state.server_timing

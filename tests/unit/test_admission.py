@@ -10,10 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 from app.admission import (
+    BODY_GRACE_S,
     Admission,
     AdmissionLimits,
     BatchQueue,
     DelayEstimate,
+    Entry,
     RateMeter,
     Rejected,
     RejectReason,
@@ -24,32 +26,103 @@ from app.admission import (
 from app.gate import AdmissionGate
 from app.metrics import Metrics
 
-LIMITS = AdmissionLimits(max_inflight=3, default_timeout_s=5.0, max_timeout_s=30.0)
+LIMITS = AdmissionLimits(
+    max_inflight=3, default_timeout_s=5.0, max_timeout_s=30.0, max_body_reads=8
+)
+
+
+def limits(max_inflight: int, max_body_reads: int = 1000) -> AdmissionLimits:
+    return AdmissionLimits(max_inflight, 5.0, 30.0, max_body_reads)
+
+
+def entered(admission: Admission, now: float) -> Entry:
+    entry = admission.enter(now)
+    assert isinstance(entry, Entry), entry
+    return entry
+
+
+def with_body(admission: Admission, now: float) -> Entry:
+    """A request let in whose body arrives at once."""
+    entry = entered(admission, now)
+    assert admission.body_arrived(entry, now) is None
+    return entry
 
 
 def test_requests_come_in_until_the_inflight_cap() -> None:
     admission = Admission(LIMITS)
-    assert [admission.enter(now=0.0) for _ in range(3)] == [None, None, None]
+    first, _, _ = [with_body(admission, now=0.0) for _ in range(3)]
     refused = admission.enter(now=0.0)
-    assert refused is not None and refused.reason is RejectReason.INFLIGHT
-    admission.leave(now=0.1)
-    assert admission.enter(now=0.1) is None
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.INFLIGHT
+    admission.leave(first, now=0.1)
+    with_body(admission, now=0.1)
     assert admission.inflight == 3
+
+
+def test_a_body_that_follows_at_once_holds_its_place_from_the_headers() -> None:
+    # A burst let in on one loop turn, bodies not read yet: the cap still bounds it.
+    admission = Admission(LIMITS)
+    burst = [entered(admission, now=0.0) for _ in range(3)]
+    refused = admission.enter(now=0.1)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.INFLIGHT
+    assert [admission.body_arrived(entry, now=0.1) for entry in burst] == [None] * 3
+    assert admission.held(now=0.1) == 3 and admission.reading == 0
+
+
+def test_requests_whose_body_never_comes_cannot_starve_the_inflight_cap() -> None:
+    # Headers, then nothing (until the body timeout, 5 s): past their grace they hold no
+    # place, and everyone else still gets in.
+    admission = Admission(LIMITS)
+    stalled = [entered(admission, now=0.0) for _ in range(3)]
+    now = BODY_GRACE_S + 0.001
+    others = [with_body(admission, now) for _ in range(3)]
+    assert admission.held(now) == 3 and admission.reading == 3 and admission.inflight == 6
+    refused = admission.enter(now)  # the cap is full of requests with their body
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.INFLIGHT
+    # A late body gets a place only if one is free; refused, it counts nowhere.
+    late = admission.body_arrived(stalled[0], now)
+    assert isinstance(late, Rejected) and late.reason is RejectReason.INFLIGHT
+    admission.leave(stalled[0], now)
+    admission.leave(others[0], now)
+    assert admission.body_arrived(stalled[1], now) is None
+    admission.leave(stalled[2], now + 5)  # cut off by the body timeout
+    assert admission.held(now + 5) == 3 and admission.reading == 0
+    for entry in [stalled[1], *others[1:]]:
+        admission.leave(entry, now + 5)
+    assert admission.inflight == admission.held(now + 5) == 0
+
+
+def test_bodies_being_read_have_their_own_bounded_allowance() -> None:
+    admission = Admission(limits(max_inflight=100, max_body_reads=4))
+    stalled = [entered(admission, now=0.0) for _ in range(4)]
+    refused = admission.enter(now=1.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.INFLIGHT
+    assert "bodies being read" in refused.message
+    admission.leave(stalled[0], now=1.0)
+    with_body(admission, now=1.0)
+
+
+def test_a_body_counted_twice_or_after_leaving_changes_nothing() -> None:
+    admission = Admission(LIMITS)
+    entry = with_body(admission, now=0.0)
+    assert admission.body_arrived(entry, now=0.0) is None
+    assert admission.held(now=0.0) == 1
+    admission.leave(entry, now=0.0)
+    admission.leave(entry, now=0.0)
+    assert admission.inflight == admission.held(now=0.0) == 0
 
 
 def _inflight_retry_after(step_s: float) -> float:
     """Complete one request every `step_s` for 30 s (six meter time constants), fill the
     in-flight cap, overflow it by one and return the Retry-After that gives."""
-    admission = Admission(AdmissionLimits(3, 5.0, 30.0))
+    admission = Admission(limits(3))
     now = 0.0
     while now < 30.0:
         now += step_s
-        assert admission.enter(now) is None
-        admission.leave(now)
+        admission.leave(with_body(admission, now), now)
     for _ in range(3):
-        assert admission.enter(now) is None
+        with_body(admission, now)
     refused = admission.enter(now)
-    assert refused is not None and refused.retry_after_s is not None
+    assert isinstance(refused, Rejected) and refused.retry_after_s is not None
     return refused.retry_after_s
 
 
@@ -60,10 +133,10 @@ def test_inflight_retry_after_follows_the_measured_completion_rate() -> None:
 
 
 def test_inflight_retry_after_without_any_measurement_is_bounded() -> None:
-    admission = Admission(AdmissionLimits(1, 5.0, 30.0))
-    assert admission.enter(now=0.0) is None
+    admission = Admission(limits(1))
+    with_body(admission, now=0.0)
     refused = admission.enter(now=0.0)
-    assert refused is not None and refused.retry_after_s == 1.0
+    assert isinstance(refused, Rejected) and refused.retry_after_s == 1.0
 
 
 def test_a_request_is_admitted_while_its_predicted_wait_fits_the_budget() -> None:
@@ -139,7 +212,7 @@ def test_a_passed_deadline_is_refused_at_admission_and_draining_at_entry_only() 
     admission.draining = True
     admission.admit(deadline=10.0, now=1.0)  # it entered before the drain: it finishes
     refused = admission.enter(now=1.0)
-    assert refused is not None and refused.reason is RejectReason.DRAINING
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.DRAINING
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):
@@ -162,7 +235,7 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
     virtual_loop: VirtualClockLoop,
 ) -> None:
     metrics = Metrics()
-    admission = Admission(AdmissionLimits(100, 5.0, 30.0))
+    admission = Admission(limits(100))
     gate = AdmissionGate(
         admission, rate_per_s=100.0, burst=40, max_wait_s=0.0, metrics=metrics,
         clock=virtual_loop.time,
@@ -192,7 +265,7 @@ def test_token_bucket_admits_a_burst_then_rejects_with_retry_after(
 def test_a_request_refused_for_its_deadline_takes_no_bucket_tokens(
     virtual_loop: VirtualClockLoop,
 ) -> None:
-    admission = Admission(AdmissionLimits(100, 5.0, 30.0))
+    admission = Admission(limits(100))
     gate = AdmissionGate(
         admission, rate_per_s=100.0, burst=40, max_wait_s=0.0, metrics=Metrics(),
         clock=virtual_loop.time,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from app.admission import Rejected, RejectReason
+from app.admission import BODY_GRACE_S, Entry, Rejected, RejectReason
 from app.api.errors import RETRY_ELSEWHERE_HEADER, engine_unavailable_headers
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable, StreamingClient
 from app.engine.protocol import (
@@ -87,31 +87,43 @@ class PublishedStatus(AlwaysReadyEngine):
             self.on_cancel(message)
 
 
-async def started_service(least_own_compute_s: float = 0.0) -> tuple[Service, PublishedStatus]:
+async def started_service(
+    least_own_compute_s: float = 0.0, clock: Callable[[], float] | None = None
+) -> tuple[Service, PublishedStatus]:
     settings = Settings(max_queue_delay_ms=BUDGET_MS, max_inflight=1000)
     engine = PublishedStatus(settings, least_own_compute_s)
 
     def no_tokenizer(spec: ModelSpec, largest: int) -> Any:
         return object()
 
-    service = Service(settings, Metrics(), engine, tokenizer_loader=no_tokenizer)
+    # A clock that stands still: requests let in stay within their body's grace
+    # (admission.BODY_GRACE_S) however slowly the test runs.
+    started_at = time.monotonic()
+    service = Service(
+        settings,
+        Metrics(),
+        engine,
+        tokenizer_loader=no_tokenizer,
+        clock=clock or (lambda: started_at),
+    )
     await service.start()
     return service, engine
 
 
-def let_in(service: Service) -> int:
-    """Requests `shed` lets in before the first refusal (queue), each left in flight."""
-    count = 0
-    while (refused := service.shed(None)) is None:
-        count += 1
-    assert refused.reason is RejectReason.QUEUE
-    return count
+def let_in(service: Service) -> list[Entry]:
+    """Requests `shed` lets in before the first refusal (queue), each left in flight, its
+    body not read yet."""
+    entries = []
+    while not isinstance(verdict := service.shed(None), Rejected):
+        entries.append(verdict)
+    assert verdict.reason is RejectReason.QUEUE
+    return entries
 
 
 async def test_requests_let_in_but_not_yet_sent_count_as_queued_work() -> None:
     service, _ = await started_service()
     # With nothing queued ahead one is always let in; then each waits behind the last.
-    assert let_in(service) == 11
+    assert len(let_in(service)) == 11
 
 
 def in_transit(engine: PublishedStatus) -> int:
@@ -136,9 +148,27 @@ async def send_one(service: Service, engine: PublishedStatus) -> asyncio.Task[No
     return task
 
 
+async def test_requests_whose_body_does_not_come_stop_counting_as_queued_work() -> None:
+    # Headers, then no body (until the body timeout): past their grace they are no longer
+    # work to come, and no longer hold the next requests off as a predicted queue.
+    now = [time.monotonic()]
+    service, _ = await started_service(clock=lambda: now[0])
+    stalled = let_in(service)
+    assert len(stalled) == 11
+    now[0] += BODY_GRACE_S + 0.001
+    arriving = let_in(service)
+    assert len(arriving) == 11
+    for entry in arriving:  # bodies that came at once: counted until they leave
+        assert service.body_arrived(entry) is None
+    now[0] += BODY_GRACE_S + 0.001
+    assert len(let_in(service)) == 0
+    assert (service.admission.reading, service.admission.with_body) == (11, 11)
+
+
 async def test_sent_requests_count_until_the_engine_publishes_that_it_took_them() -> None:
     service, engine = await started_service()
-    assert let_in(service) == 11
+    entries = let_in(service)
+    assert len(entries) == 11
     sent = [await send_one(service, engine), await send_one(service, engine)]
     # Sent but not taken by the engine: still counted, so still full.
     assert in_transit(engine) == 2
@@ -154,11 +184,12 @@ async def test_sent_requests_count_until_the_engine_publishes_that_it_took_them(
     for task in sent:
         task.cancel()
     await asyncio.gather(*sent, return_exceptions=True)
-    service.leave()
-    service.leave()
+    for entry in entries[:2]:
+        service.body_arrived(entry)
+        service.leave(entry)
     # Answered and gone: the engine's next status no longer holds them, 9 wait unsent.
     engine.publish(backlog_s=0.0, taken=2)
-    assert let_in(service) == 2
+    assert len(let_in(service)) == 2
 
 
 async def test_the_engines_least_own_compute_counts_as_the_engine_counts_it() -> None:
@@ -167,7 +198,7 @@ async def test_the_engines_least_own_compute_counts_as_the_engine_counts_it() ->
     # (in a 3x open loop, 6,915 in 10 s: docs/BENCHMARKS.md). 30 ms of it leaves room
     # for 7 queued inputs of 10 ms after the first.
     service, _ = await started_service(least_own_compute_s=0.030)
-    assert let_in(service) == 8
+    assert len(let_in(service)) == 8
 
 
 async def test_what_the_old_engine_was_sent_is_not_in_transit_to_a_new_one() -> None:

@@ -264,16 +264,17 @@ def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> Non
 @contextlib.contextmanager
 def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
     """A real steadyserve whose start-up fails (its model source does not exist): it stays
-    up and never gets ready (its front end answers /readyz 503 while it starts, then exits
-    and is restarted with backoff)."""
+    up and never gets ready (its front end's start-up fails, so it never listens on the
+    traffic port, and is restarted with backoff)."""
     broken_model = [{"name": "broken", "source": str(tmp_path / "no-such-model")}]
     replica = start_server(tmp_path, {**BEHIND_ENVOY, "STEADY_MODELS": json.dumps(broken_model)})
     try:
         wait_for(
-            lambda: http_status(f"{replica.base_url}/readyz") == 503,
+            lambda: "front-end start-up failed" in replica.log(),
             timeout=60,
-            what="the broken replica to answer /readyz with 503",
+            what="the broken replica's front end to fail its start-up",
         )
+        assert replica.process.poll() is None, replica.log()
         yield replica
     finally:
         replica.kill()
@@ -298,6 +299,6 @@ def test_an_unready_replica_is_taken_out_by_the_health_check(
         assert int(envoy.host_stats(ready.port)["rq_total"]) >= 30
         assert int(envoy.host_stats(unready.port)["rq_total"]) == 0
         assert unready.process.poll() is None, "the unready replica must still be running"
-        # Its front end's start-up fails and is retried with backoff: 503, or no answer
-        # between two tries; never ready.
-        assert http_status(f"{unready.base_url}/readyz") in (503, None)
+        # Its front end's start-up fails and is retried with backoff, never listening on
+        # the traffic port: never ready.
+        assert http_status(f"{unready.base_url}/readyz") is None

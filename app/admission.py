@@ -362,8 +362,10 @@ class Admission:
 
     def _stop_reading(self, entry: Entry, now: float) -> bool:
         """Forget a reader; True when it was still within its grace (it held a place)."""
-        del self._reading[entry.number]
+        # Grace ended first, while it is still a reader: `_end_grace` gives back the place
+        # of each reader whose grace ends now, and would skip one already forgotten.
         self._end_grace(now)
+        del self._reading[entry.number]
         if entry.entered_at > self._grace_cutoff:
             self._recent_reading -= 1
             return True

@@ -91,6 +91,26 @@ def test_requests_whose_body_never_comes_cannot_starve_the_inflight_cap() -> Non
     assert admission.inflight == admission.held(now + 5) == 0
 
 
+@pytest.mark.parametrize("body_arrives", [True, False])
+def test_a_request_whose_grace_ends_as_it_stops_reading_gives_its_place_back(
+    body_arrives: bool,
+) -> None:
+    """Nothing else came in meanwhile, so its grace ended only when its body arrived (a slow
+    upload on a quiet front end) or when it left (a client gone, a body timeout): its place
+    was never given back, and each such request shrank the cap for good."""
+    admission = Admission(LIMITS)
+    for round_ in range(LIMITS.max_inflight + 1):
+        now = 10.0 * round_
+        entry = entered(admission, now)
+        if body_arrives:
+            later = now + BODY_GRACE_S + 1
+            assert admission.body_arrived(entry, later) is None  # a place is free
+            admission.leave(entry, later + 1)
+        else:
+            admission.leave(entry, now + 5)  # cut off by the body timeout
+        assert admission.inflight == admission.held(now + 9) == 0, round_
+
+
 def test_bodies_being_read_have_their_own_bounded_allowance() -> None:
     admission = Admission(limits(max_inflight=100, max_body_reads=4))
     stalled = [entered(admission, now=0.0) for _ in range(4)]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import orjson
 
 from app.engine.protocol import EngineStatus
+from app.schemas import error_object
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def probe_response(path: str, ready: Readiness, alive_problem: str | None) -> tu
         return 200, orjson.dumps({"status": "ok"})
     if path == "/readyz":
         return (200 if ready.ready else 503), orjson.dumps(ready.body())
-    return 404, orjson.dumps({"error": {"type": "not_found", "message": path, "param": None}})
+    return 404, orjson.dumps(error_object("not_found", path))
 
 
 _REASONS = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable", 400: b"Bad Request"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -112,6 +112,13 @@ class ErrorDetail(BaseModel):
     type: str
     message: str
     param: str | None = None
+    code: str = Field(description="The same as `type`: OpenAI's clients read it as `code`.")
+
+
+def error_object(error_type: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """Every error body (`ErrorBody`): OpenAI's envelope, where the openai client reads
+    `code` (e.g. `context_length_exceeded`, `model_not_found`) and `type`."""
+    return {"error": {"type": error_type, "message": message, "param": param, "code": error_type}}
 
 
 class ErrorBody(BaseModel):

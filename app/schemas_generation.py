@@ -12,10 +12,12 @@ ignored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal, Self
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
@@ -172,6 +174,22 @@ class CompletionRequest(OpenAISampling):
         return strings_only(value, "prompt")
 
 
+# Far above any conversation a model's context holds, and checked before the messages are
+# validated: a 1 MiB body of ~34,000 empty messages held the front end's event loop for a
+# quarter of a second of validation and templating before its prompt was found too long.
+MAX_CHAT_MESSAGES = 2048
+MAX_CONTENT_PARTS = 2048
+
+
+def _at_most(limit: int, what: str) -> Callable[[object], object]:
+    def check(value: object) -> object:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what} (got {len(value)})")
+        return value
+
+    return check
+
+
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str
@@ -181,7 +199,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # templates may read fields such as `name`
 
     role: NonEmptyText
-    content: str | list[TextPart] | None = None
+    content: (
+        str
+        | Annotated[list[TextPart], BeforeValidator(_at_most(MAX_CONTENT_PARTS, "content parts"))]
+        | None
+    ) = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -194,7 +216,11 @@ class TextResponseFormat(StrictModel):
 
 
 class ChatCompletionRequest(OpenAISampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[
+        list[ChatMessage],
+        Field(min_length=1, max_length=MAX_CHAT_MESSAGES),  # for the schema; checked before
+        BeforeValidator(_at_most(MAX_CHAT_MESSAGES, "messages")),
+    ]
     # Not served, and accepted at the value that asks for nothing (clients and wrappers
     # send them so): no tools, plain text, no alternatives' log probabilities.
     tools: Annotated[list[object], Field(max_length=0)] | None = None

@@ -12,6 +12,7 @@ import orjson
 
 from app.api.sse import DATA, END
 from app.generation.pipeline import SequenceEnd
+from app.schemas import error_object
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,7 @@ def usage_chunk(reply: Reply, ends: list[SequenceEnd]) -> dict[str, Any]:
 def error_chunk(error_type: str, message: str) -> dict[str, Any]:
     """A failure after the stream began (the status line was sent): as vLLM does, an
     `error` object, which the openai client raises as an APIError."""
-    return {"error": {"type": error_type, "message": message, "param": None}}
+    return error_object(error_type, message)
 
 
 class TextChunks:

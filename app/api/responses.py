@@ -10,6 +10,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.schemas import error_object
 from app.service import Service
 
 
@@ -27,8 +28,7 @@ def error_response(
     param: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> Response:
-    payload = {"error": {"type": error_type, "message": message, "param": param}}
-    return json_response(payload, status_code, headers)
+    return json_response(error_object(error_type, message, param), status_code, headers)
 
 
 def v2_error(message: str, status: int, headers: Mapping[str, str] | None = None) -> Response:

@@ -42,6 +42,7 @@ from app.admission import Entry, Rejected, RejectReason
 from app.api.common import ENTRY, envoy_timeout_in
 from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.refusal_budget import RefusalBudget
+from app.schemas import error_object
 from app.service import Service
 
 # The protocol puts a request's `Entry` in its scope (under `ENTRY`) when it lets it in: the
@@ -67,9 +68,7 @@ def _shed_response(
 ) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
     """Status, headers and body of a refusal, built once per distinct answer."""
     status = REJECTION_STATUS[RejectReason(reason)]
-    body = orjson.dumps(
-        {"error": {"type": reason, "message": _SHED_MESSAGES.get(reason, reason), "param": None}}
-    )
+    body = orjson.dumps(error_object(reason, _SHED_MESSAGES.get(reason, reason)))
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -248,7 +248,12 @@ async def test_a_failure_mid_stream_is_an_error_event_then_done(
         engine.fail_after_tokens = None
     chunks = sse_payloads(response.content)
     assert chunks[-1] == {
-        "error": {"type": "internal_error", "message": "internal server error", "param": None}
+        "error": {
+            "type": "internal_error",
+            "message": "internal server error",
+            "param": None,
+            "code": "internal_error",
+        }
     }
 
 

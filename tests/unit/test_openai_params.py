@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from app.schemas_generation import ChatCompletionRequest, CompletionRequest
+from app.schemas_generation import (
+    MAX_CHAT_MESSAGES,
+    MAX_CONTENT_PARTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -89,3 +94,22 @@ def test_a_value_of_another_json_type_is_refused_not_converted(field: dict[str, 
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": "Hi", **field})
     assert CompletionRequest.model_validate({"prompt": "Hi", "temperature": 1}).temperature == 1.0
+
+
+def test_too_many_messages_are_refused_before_any_is_validated() -> None:
+    """A 1 MiB body holds ~34,000 messages: validating each (and templating them) held the
+    event loop for a quarter of a second before the prompt was found too long."""
+    unvalidated = [{}] * (MAX_CHAT_MESSAGES + 1)  # no role: each would be an error
+    with pytest.raises(ValidationError) as refused:
+        ChatCompletionRequest.model_validate({"messages": unvalidated})
+    assert [e["msg"] for e in refused.value.errors()] == [
+        f"Value error, at most {MAX_CHAT_MESSAGES} messages (got {MAX_CHAT_MESSAGES + 1})"
+    ]
+    at_the_cap = [{"role": "user", "content": "Hi"}] * MAX_CHAT_MESSAGES
+    assert ChatCompletionRequest.model_validate({"messages": at_the_cap})
+
+
+def test_too_many_content_parts_are_refused() -> None:
+    parts = [{"type": "text", "text": "a"}] * (MAX_CONTENT_PARTS + 1)
+    with pytest.raises(ValidationError, match=f"at most {MAX_CONTENT_PARTS} content parts"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})

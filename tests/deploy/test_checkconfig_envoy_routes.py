@@ -13,8 +13,9 @@ import yaml
 
 from tests.deploy.checkconfig_support import check, replace_once
 
-# Order of the shipped routes: /v1/completions, /v1/chat/completions, then the catch-all "/".
-COMPLETIONS, CHAT, CATCH_ALL = 0, 1, 2
+# Order of the shipped routes: /v1/completions, /v1/chat/completions, first; the catch-all
+# "/" last (inserting at it puts a route just before it).
+COMPLETIONS, CHAT, CATCH_ALL = 0, 1, -1
 
 
 def edit_virtual_host(deploy: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -159,8 +160,9 @@ def test_an_empty_retry_policy_on_a_route_is_its_own_not_the_default(
         routes = virtual_host["routes"]
         virtual_host["retry_policy"] = copy.deepcopy(routes[CATCH_ALL]["route"]["retry_policy"])
         for entry in routes:
-            entry["route"] = copy.deepcopy(entry["route"])
-            del entry["route"]["retry_policy"]
+            if "route" in entry:  # not the direct responses (/metrics, /debug)
+                entry["route"] = copy.deepcopy(entry["route"])
+                del entry["route"]["retry_policy"]
         routes[CHAT]["route"]["retry_policy"] = {}
 
     edit_virtual_host(deploy_copy, policy_on_the_host_chat_opting_out)

@@ -228,3 +228,21 @@ def test_envoy_retries_refusals_that_did_no_work_but_never_a_lost_engine(
 def test_the_docs_name_the_header_the_server_sends() -> None:
     for doc in (REPO_ROOT / "README.md", DEPLOY / "envoy" / "README.md"):
         assert f"{RETRY_ELSEWHERE_HEADER}" in doc.read_text(), doc
+
+
+def test_envoy_keeps_metrics_and_debug_to_the_cluster(tmp_path: Path, echo_upstream: int) -> None:
+    """Prometheus scrapes each replica directly, operators reach /debug by port-forward;
+    through the proxy /metrics cost a front end a merge of every process's files per call
+    and /debug a token guess per call. Other paths still reach the replicas."""
+    listener, stats, admin = free_ports(3)
+    config = local_envoy_config(listener, stats, admin, [echo_upstream])
+    with running_envoy(tmp_path, config) as envoy:
+        answers = {
+            path: envoy_get(envoy.listener_port, path)
+            for path in ("/metrics", "/debug", "/debug/config", "/debugger", "/v1/models")
+        }
+    for path in ("/metrics", "/debug", "/debug/config"):
+        status, body = answers[path]
+        assert status == 404 and json.loads(body)["error"]["code"] == "not_found", path
+    # The echoing upstream answered these: they were forwarded.
+    assert answers["/debugger"][0] == 200 and answers["/v1/models"][0] == 200

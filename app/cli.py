@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
+from uvicorn.config import STARTUP_FAILURE
 
 from app.limits import lift_open_file_limit
 from app.settings import Settings
@@ -169,7 +170,13 @@ def run_uvicorn(
         drain_signals=drain_signals,
         ignored_signals=ignored_signals,
     )
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    except SystemExit as exit_:
+        # uvicorn exits 3 when the app's start-up failed (a front end in the process tree
+        # whose tokenizers or engine connection failed): answered as unhealthy, below.
+        if exit_.code != STARTUP_FAILURE:
+            raise
     return 0 if service.liveness() is None else 1
 
 

@@ -15,6 +15,13 @@ from app.admission import Admission
 
 log = logging.getLogger(__name__)
 
+# After a server's drain timeout: the time its stop may still take, for the front ends' own
+# shutdown and the engine's (ENGINE_STOP_S of it kept for the engine's); hung ones are
+# killed then (app/processes.py). A pod's grace period must exceed preStop + drain + this
+# (check-config checks it), or the kubelet's SIGKILL cuts the stop short.
+STOP_MARGIN_S = 10.0
+ENGINE_STOP_S = 5.0
+
 
 class Drain:
     def __init__(self, admission: Admission, clock: Callable[[], float]) -> None:

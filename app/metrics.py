@@ -354,7 +354,8 @@ class Metrics:
         )
 
     def render(self) -> bytes:
-        """The Prometheus text of this process, or of every process in multiprocess mode."""
+        """The Prometheus text of this process, or of every process in multiprocess mode.
+        Any thread (the /metrics route runs it off the event loop)."""
         if multiprocess_mode():
             merged = CollectorRegistry()
             merged.register(_WrittenFilesCollector(os.environ[MULTIPROCESS_DIR_ENV]))

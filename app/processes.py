@@ -34,6 +34,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.orphans import die_with_parent
 from app.engine.protocol import EngineStatus, FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
@@ -263,11 +264,10 @@ class ProcessTree:
             asyncio.create_task(self._keep_frontend(index)) for index in range(self.frontend_count)
         ]
         await self._stop_requested.wait()
-        await self._drain_frontends()
+        await self._stop_children(time.monotonic() + self.settings.drain_timeout_s + STOP_MARGIN_S)
         for watcher in watchers:
             watcher.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
-        await self.engine.stop()
         if self._probes is not None:
             await self._probes.close()
         await self._engine_status.close()
@@ -276,10 +276,12 @@ class ProcessTree:
 
     def exit_status(self) -> int:
         """The server's exit status once stopped: 1 when a front end ended badly on its own
-        (unhealthy, failed start-up); being stopped at once on a second signal is what the
+        (unhealthy, failed start-up) or the engine was crash-looping (Kubernetes probes no
+        liveness before start-up succeeds, so such a pod is stopped, not found unhealthy:
+        its exit must say it failed); being stopped at once on a second signal is what the
         operator asked for."""
-        clean = self._forced or all(drained(p.exitcode) for p in self.frontends)
-        return 0 if clean else 1
+        clean = all(drained(p.exitcode) for p in self.frontends) and self._crash_loop() is None
+        return 0 if self._forced or clean else 1
 
     def _on_signal(self, sig: int) -> None:
         if self._stopping:
@@ -294,14 +296,20 @@ class ProcessTree:
         log.info("received %s: draining the front ends", signal.Signals(sig).name)
         self._stop_requested.set()
 
-    async def _drain_frontends(self) -> None:
+    async def _stop_children(self, stop_by: float) -> None:
+        """Drain the front ends, then stop the engine, all by `stop_by` (hung ones killed):
+        one budget, which the pod's grace period covers (deploy/k8s: preStop + drain +
+        margin); waits of their own for each (70 s for the front ends, 10 for the engine)
+        added up past it, and the kubelet's SIGKILL left the run directory behind."""
+        await self._drain_frontends(stop_by - ENGINE_STOP_S)
+        await self.engine.stop(timeout_s=max(1.0, stop_by - time.monotonic()))
+
+    async def _drain_frontends(self, give_up_at: float) -> None:
         for process in self.frontends:
             if process.is_alive() and process.pid is not None:
                 os.kill(process.pid, DRAIN_OR_STOP)
-        # The front ends bound their own waits (drain timeout, then uvicorn's shutdown): one
-        # deadline for all of them, not a fresh one per front end (k hung front ends took
-        # k times as long).
-        give_up_at = time.monotonic() + self.settings.drain_timeout_s + 10
+        # One deadline for all of them, not a fresh one per front end (k hung front ends
+        # took k times as long).
         for process in self.frontends:
             await asyncio.to_thread(process.join, max(0.0, give_up_at - time.monotonic()))
             if process.is_alive():

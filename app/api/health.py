@@ -6,6 +6,8 @@ status), never by asking the engine, so they stay fast whatever the engine is do
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
@@ -52,4 +54,7 @@ def _probe(path: str, service: Service) -> Response:
 async def metrics(request: Request) -> Response:
     service = service_of(request)
     service.engine.refresh_metrics()
-    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    # Off the event loop: the merge reads every process's files, and waits (flock) while
+    # the supervisor folds a dead process's into the archive (app/metrics_archive.py).
+    body = await asyncio.to_thread(service.metrics.render)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

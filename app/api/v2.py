@@ -218,8 +218,10 @@ async def _infer(
         return v2_error(str(error), 400)
     except EngineUnavailable as error:
         return v2_error(str(error), 503, engine_unavailable_headers(error))
-    except BatchFailed as error:
-        return v2_error(f"batch failed: {error}", 500)
+    except BatchFailed:
+        # The server's fault, logged by the engine with its exception; that text (a torch
+        # error's repr) is not for the client, as on every other route's 500.
+        return v2_error("internal server error: the batch failed", 500)
     except NotJsonNumbers as error:  # what the client asked for: binary output carries it
         return v2_error(str(error), 400)
     except NonFiniteOutput as error:

@@ -12,6 +12,7 @@ from typing import Any
 from app.checkconfig.common import ConfigError
 from app.checkconfig.quantities import cpu_count, parse_quantity
 from app.dispatcher import engine_thread_plan
+from app.drain import STOP_MARGIN_S
 from app.settings import Settings
 
 # The routes read out of envoy.yaml (envoy_config.ENVOY_FIELDS' `<route>_timeout_s`).
@@ -98,7 +99,8 @@ def _check_server_against_envoy(overlay: OverlayValues) -> list[str]:
 
 
 def _check_shutdown(overlay: OverlayValues) -> list[str]:
-    """The drain outlasts the longest route, and the grace period preStop plus the drain."""
+    """The drain outlasts the longest route, and the grace period preStop, the drain and
+    the server's stop after it."""
     where, drain_s, k8s = overlay.where, overlay.settings.drain_timeout_s, overlay.k8s
     differences = []
     longest_route_s = max(
@@ -113,10 +115,11 @@ def _check_shutdown(overlay: OverlayValues) -> list[str]:
         )
     grace = k8s["termination_grace_period_s"] or 0
     pre_stop = k8s["pre_stop_sleep_s"] or 0
-    if grace <= pre_stop + drain_s:
+    if grace <= pre_stop + drain_s + STOP_MARGIN_S:
         differences.append(
             f"{where}.termination_grace_period_s: {grace} must exceed pre_stop_sleep_s "
-            f"({pre_stop}) + drain_timeout_s ({drain_s})"
+            f"({pre_stop}) + drain_timeout_s ({drain_s}) + the server's {STOP_MARGIN_S:g} s "
+            "to stop its processes after the drain"
         )
     return differences
 

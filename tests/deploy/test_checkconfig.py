@@ -124,6 +124,23 @@ def test_grace_period_shorter_than_the_drain_is_refused(
     assert "must exceed pre_stop_sleep_s (10) + drain_timeout_s (60.0)" in capsys.readouterr().out
 
 
+def test_a_grace_period_without_time_to_stop_after_the_drain_differs(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Over preStop + drain (70 s) but not over the server's stop after it: the kubelet's
+    SIGKILL would cut the stop of hung processes short."""
+    for path, key in (
+        (
+            deploy_copy / "k8s" / "base" / "steadyserve-deployment.yaml",
+            "terminationGracePeriodSeconds",
+        ),
+        (deploy_copy / "baseline.yaml", "termination_grace_period_s"),
+    ):
+        replace_once(path, f"{key}: 85", f"{key}: 78")
+    assert check(deploy_copy) == 1
+    assert "the server's 10 s to stop its processes" in capsys.readouterr().out
+
+
 def test_unknown_setting_in_the_config_map_is_named(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

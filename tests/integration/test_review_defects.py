@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import threading
 from collections.abc import AsyncIterator
 
 import httpx
@@ -13,9 +15,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from app.cli import run_uvicorn
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
 from app.model_specs import ModelSpec
+from app.processes import shared_port_socket
 from app.service import Service
 from app.settings import Settings
 from tests.support.asgi import serving
@@ -72,6 +76,24 @@ async def test_debug_endpoints_need_the_bearer_scheme_and_the_token() -> None:
         assert accepted.json()["settings"]["debug_token"] == "***"
 
 
+async def test_a_scrape_merges_the_metric_files_off_the_event_loop() -> None:
+    """The merge reads every process's files and waits (flock) while the supervisor folds a
+    dead process's into the archive: on the event loop it held admitted requests back."""
+    async with app_with() as (client, service, _):
+        loop_thread = threading.get_ident()
+        render = service.metrics.render
+        rendered_on: list[int] = []
+
+        def recording_render() -> bytes:
+            rendered_on.append(threading.get_ident())
+            return render()
+
+        service.metrics.render = recording_render  # type: ignore[method-assign]
+        scraped = await client.get("/metrics")
+        assert scraped.status_code == 200 and "steadyserve_" in scraped.text
+        assert rendered_on and loop_thread not in rendered_on
+
+
 async def test_a_non_finite_vector_is_a_500_not_a_null() -> None:
     async with app_with() as (client, _, runner):
 
@@ -91,6 +113,21 @@ async def test_a_non_finite_vector_is_a_500_not_a_null() -> None:
         v2 = await client.post("/v2/models/fake/infer", json={"inputs": [text]})
         assert v2.status_code == 500
         assert "non-finite" in v2.json()["error"]
+
+
+async def test_a_failed_batch_on_v2_is_a_500_that_keeps_the_exception_to_the_log() -> None:
+    """Every other route answers a server fault "internal server error"; v2 sent the repr of
+    the model's exception (a torch error with tensor shapes, paths) to the client."""
+    async with app_with() as (client, _, runner):
+
+        def failing_forward(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("CUDA error at /opt/secret/kernel.cu:42")
+
+        runner.forward = failing_forward  # type: ignore[method-assign]
+        text = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["anything"]}
+        v2 = await client.post("/v2/models/fake/infer", json={"inputs": [text]})
+        assert v2.status_code == 500
+        assert v2.json() == {"error": "internal server error: the batch failed"}
 
 
 async def test_outputs_keep_fp32_precision_whatever_the_weights_dtype() -> None:
@@ -141,6 +178,31 @@ async def test_a_front_end_reports_how_its_start_up_ended(fails: bool) -> None:
     async with lifespan:
         assert reports == [True]
         assert app.state.service.started
+
+
+def test_a_front_end_whose_start_up_fails_exits_1_without_listening() -> None:
+    """uvicorn itself exits 3 when the app's start-up fails; the process tree's front end
+    exits 1, as for any unhealthy end, and never listened on the port its siblings serve."""
+
+    def tokenizer(spec: ModelSpec, largest: int) -> object:
+        raise OSError("no tokenizer files in the cache")
+
+    sock = shared_port_socket("127.0.0.1", 0)
+    reports: list[bool] = []
+    settings = Settings(**BASE)  # type: ignore[arg-type]
+    app = create_app(
+        settings,
+        loader=GatedLoader(),
+        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
+        on_started=reports.append,
+    )
+    try:
+        status = run_uvicorn(app, settings, sockets=[sock], in_process_tree=True)
+        with pytest.raises(ConnectionRefusedError):  # bound, never listened on
+            socket.create_connection(sock.getsockname()[:2], timeout=2).close()
+    finally:
+        sock.close()
+    assert status == 1 and reports == [False]
 
 
 async def test_a_front_end_in_the_process_tree_listens_only_once_it_can_serve() -> None:

@@ -65,7 +65,7 @@ def test_sse_frames_are_single_data_lines_and_the_stream_ends_with_done() -> Non
     assert orjson.loads(frame[len(b"data: ") : -2])["choices"][0]["text"] == "two\nlines"
     assert DONE == b"data: [DONE]\n\n"
     assert event(error_chunk("queue", "full"))[6:-2] == (
-        b'{"error":{"type":"queue","message":"full","param":null}}'
+        b'{"error":{"type":"queue","message":"full","param":null,"code":"queue"}}'
     )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.protocol import EngineStatus
 from app.engine.supervisor import EngineSupervisor, next_backoff
 from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
@@ -124,6 +125,17 @@ async def test_a_server_whose_front_end_took_the_drain_signal_early_exits_0(
     assert tree.exit_status() == 1
 
 
+async def test_a_server_stopped_while_its_engine_crash_loops_exits_1(tree: ProcessTree) -> None:
+    """Kubernetes probes liveness only after start-up succeeded: a pod whose engine dies at
+    every start is stopped when its startup probe gives up, and exited 0 ("Completed")."""
+    for frontend in tree.frontends:
+        frontend.exitcode = 0  # drained as asked
+    tree.engine.restarts += RESTARTS_BEFORE_UNHEALTHY - 1
+    assert tree.exit_status() == 0  # not (yet) a crash loop
+    tree.engine.restarts += 1
+    assert tree.exit_status() == 1
+
+
 async def test_a_probe_port_in_use_stops_the_server_before_any_child_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -197,9 +209,35 @@ async def test_hung_front_ends_share_one_drain_deadline(
     tree.frontends = [Hung(11), Hung(12)]  # type: ignore[list-item]
     monkeypatch.setattr("app.processes.time.monotonic", lambda: clock[0])
     monkeypatch.setattr("app.processes.os.kill", lambda pid, sig: None)
-    await tree._drain_frontends()
-    limit = tree.settings.drain_timeout_s + 10
-    assert waits == [limit, 5, 0.0, 5]  # each killed after its join; the second waits no more
+    await tree._drain_frontends(clock[0] + 70)
+    assert waits == [70, 5, 0.0, 5]  # each killed after its join; the second waits no more
+
+
+async def test_hung_front_ends_and_engine_are_stopped_within_one_budget(
+    tree: ProcessTree, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The front ends' wait (drain + 10 s) and the engine's (10 s more) added up past the
+    pod's grace period: the kubelet's SIGKILL cut the stop short."""
+    clock = [1000.0]
+    engine_timeouts: list[float] = []
+
+    class Hung(StandIn):
+        def join(self, timeout: float | None = None) -> None:
+            if self.alive:  # the whole wait passes; once killed, it is reaped at once
+                clock[0] += timeout or 0.0
+
+    async def engine_stop(timeout_s: float = 10.0) -> None:
+        engine_timeouts.append(timeout_s)
+        clock[0] += timeout_s  # hung too: killed when its wait ends
+
+    tree.frontends = [Hung(11), Hung(12)]  # type: ignore[list-item]
+    monkeypatch.setattr("app.processes.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("app.processes.os.kill", lambda pid, sig: None)
+    monkeypatch.setattr(tree.engine, "stop", engine_stop)
+    stop_by = clock[0] + tree.settings.drain_timeout_s + STOP_MARGIN_S
+    await tree._stop_children(stop_by)
+    assert engine_timeouts == [ENGINE_STOP_S]  # what the front ends left of the budget
+    assert clock[0] == stop_by
 
 
 async def test_a_front_end_whose_restart_cannot_be_spawned_is_tried_again(

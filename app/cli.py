@@ -174,9 +174,10 @@ def run_uvicorn(
         server.run(sockets=sockets)
     except SystemExit as exit_:
         # uvicorn exits 3 when the app's start-up failed (a front end in the process tree
-        # whose tokenizers or engine connection failed): answered as unhealthy, below.
+        # whose tokenizers or engine connection failed): a failed start, status 1.
         if exit_.code != STARTUP_FAILURE:
             raise
+        return 1
     return 0 if service.liveness() is None else 1
 
 

@@ -17,7 +17,7 @@ import hashlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -147,13 +147,7 @@ def read_ids(
     count = 0
     with path.open("rb") as file:
         for number, line in enumerate(file, start=1):
-            try:
-                record = orjson.loads(line)
-                item_id = record["id"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                raise CorruptJournal(f"{path}:{number} is not a result line") from None
-            error = record.get("error")
-            kind = error.get("type") if isinstance(error, dict) else None
+            record, item_id, kind = _result_line(path, number, line)
             if refused_lines is not None and kind in REFUSED_LINE_ERRORS:
                 refused_lines.add(int(record["line"]), record.get("line_digest"))
             else:
@@ -162,6 +156,18 @@ def read_ids(
                     also_into.add(item_id)
             count += 1
     return count
+
+
+def _result_line(path: Path, number: int, line: bytes) -> tuple[dict[str, Any], Any, Any]:
+    """Line `number` of `path` as (its record, its id, its error type: None for an answer);
+    `CorruptJournal` unless it is a result line."""
+    try:
+        record = orjson.loads(line)
+        item_id = record["id"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise CorruptJournal(f"{path}:{number} is not a result line") from None
+    error = record.get("error")
+    return record, item_id, error.get("type") if isinstance(error, dict) else None
 
 
 def drop_failures(path: Path, retried: IdSet) -> int:
@@ -181,13 +187,7 @@ def drop_failures(path: Path, retried: IdSet) -> int:
     try:
         with path.open("rb") as source, temporary.open("wb") as kept:
             for number, line in enumerate(source, start=1):
-                try:
-                    record = orjson.loads(line)
-                    item_id = record["id"]
-                except (orjson.JSONDecodeError, KeyError, TypeError):
-                    raise CorruptJournal(f"{path}:{number} is not a result line") from None
-                error = record.get("error")
-                kind = error.get("type") if isinstance(error, dict) else None
+                _, item_id, kind = _result_line(path, number, line)
                 if kind not in REFUSED_LINE_ERRORS and item_id in retried:
                     dropped += 1
                 else:

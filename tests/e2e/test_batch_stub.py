@@ -121,7 +121,8 @@ def test_a_422_line_goes_to_errors_without_retries(tmp_path: Path) -> None:
     assert len(failed) == 5
     assert all(f["attempts"] == 1 and not f["retryable"] for f in failed)
     assert all(f["error"] == {"type": "invalid_request", "message": "invalid input",
-                              "param": "inputs[0]"} for f in failed)  # fmt: skip
+                              "param": "inputs[0]", "code": "invalid_request"}
+               for f in failed)  # fmt: skip
     assert len(read_lines(out)) == 45
 
 

@@ -227,6 +227,7 @@ async def test_long_text_is_refused_unless_truncation_is_asked_for(
         "type": "input_too_long",
         "message": refused.json()["error"]["message"],
         "param": "inputs[1]",
+        "code": "input_too_long",
     }
     truncated = await client.post(
         "/infer", json={"inputs": LONG_TEXT, "parameters": {"truncate": True}}

@@ -176,6 +176,7 @@ async def test_a_request_whose_deadline_passes_in_the_queue_gets_504_uncomputed(
         "type": "deadline",
         "message": "deadline passed in the queue",  # where it passed, as the engine said
         "param": None,
+        "code": "deadline",
     }
     assert "tokenize;" in late.headers["server-timing"]
     # Answered at its deadline, while the worker is still busy, not when it frees up.

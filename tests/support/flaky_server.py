@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from app.schemas import error_object
+
 MARKER_INVALID = "INVALID"
 # A text the "model" computes NaN for: every request carrying it is answered 500, as
 # steadyserve answers `non_finite_output`.
@@ -195,7 +197,7 @@ class FlakyServer:
 
 
 def _error(kind: str, message: str, param: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"type": kind, "message": message, "param": param}})
+    return orjson.dumps(error_object(kind, message, param))  # the server's own envelope
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 from uvicorn.config import STARTUP_FAILURE
 
+from app.drain import FRONTEND_GRACEFUL_SHUTDOWN_S
 from app.limits import lift_open_file_limit
 from app.settings import Settings
 from app.settings_doc import settings_table
@@ -141,7 +142,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         backlog=settings.listen_backlog,
         # A backstop only: by the time uvicorn shuts down, the drain has already waited for
         # every admitted request (see DrainingServer).
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=FRONTEND_GRACEFUL_SHUTDOWN_S,
         lifespan="on",
     )
 

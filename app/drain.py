@@ -18,9 +18,12 @@ log = logging.getLogger(__name__)
 # After a server's drain timeout: the time its stop may still take, for the front ends' own
 # shutdown and the engine's (ENGINE_STOP_S of it kept for the engine's); hung ones are
 # killed then (app/processes.py). A pod's grace period must exceed preStop + drain + this
-# (check-config checks it), or the kubelet's SIGKILL cuts the stop short.
-STOP_MARGIN_S = 10.0
-ENGINE_STOP_S = 5.0
+# (check-config checks it), or the kubelet's SIGKILL cuts the stop short. The front ends get
+# the drain + 8 s: after a drain that timed out, their own graceful shutdown takes up to
+# FRONTEND_GRACEFUL_SHUTDOWN_S (uvicorn's timeout_graceful_shutdown) and their lifespan's end.
+STOP_MARGIN_S = 12.0
+ENGINE_STOP_S = 4.0
+FRONTEND_GRACEFUL_SHUTDOWN_S = 5
 
 
 class Drain:

@@ -190,6 +190,11 @@ class ProcessTree:
     def _engine_said(self, status: EngineStatus) -> None:
         if status.state == "ready":
             self.engine.saw_ready(status.pid)
+            # Heard here too, not only when a probe asks: without a probe port, engines that
+            # died now and then over a long life read as a crash loop at exit.
+            process = self.engine.process
+            if process is not None and process.pid == status.pid:
+                self._restarts_when_last_ready = self.engine.restarts
 
     def _engine_lost(self, why: str) -> None:
         """An engine whose status went silent while its process lives has a hung event loop

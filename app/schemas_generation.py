@@ -201,7 +201,11 @@ class ChatMessage(BaseModel):
     role: NonEmptyText
     content: (
         str
-        | Annotated[list[TextPart], BeforeValidator(_at_most(MAX_CONTENT_PARTS, "content parts"))]
+        | Annotated[
+            list[TextPart],
+            Field(max_length=MAX_CONTENT_PARTS),  # for the schema; checked before
+            BeforeValidator(_at_most(MAX_CONTENT_PARTS, "content parts")),
+        ]
         | None
     ) = None
 

@@ -136,9 +136,9 @@ def test_a_grace_period_without_time_to_stop_after_the_drain_differs(
         ),
         (deploy_copy / "baseline.yaml", "termination_grace_period_s"),
     ):
-        replace_once(path, f"{key}: 85", f"{key}: 78")
+        replace_once(path, f"{key}: 85", f"{key}: 80")
     assert check(deploy_copy) == 1
-    assert "the server's 10 s to stop its processes" in capsys.readouterr().out
+    assert "the server's 12 s to stop its processes" in capsys.readouterr().out
 
 
 def test_unknown_setting_in_the_config_map_is_named(

@@ -230,6 +230,14 @@ def test_the_docs_name_the_header_the_server_sends() -> None:
         assert f"{RETRY_ELSEWHERE_HEADER}" in doc.read_text(), doc
 
 
+# Spelled as clients may: Envoy normalizes the path (dot segments, doubled slashes, escaped
+# unreserved characters) before routing, as the server's router would read it.
+KEPT_HERE = (
+    "/metrics", "/debug", "/debug/config", "/./metrics", "//debug/slow", "/x/../metrics",
+    "/%6Detrics", "/%64ebug/slow",
+)  # fmt: skip
+
+
 def test_envoy_keeps_metrics_and_debug_to_the_cluster(tmp_path: Path, echo_upstream: int) -> None:
     """Prometheus scrapes each replica directly, operators reach /debug by port-forward;
     through the proxy /metrics cost a front end a merge of every process's files per call
@@ -239,10 +247,18 @@ def test_envoy_keeps_metrics_and_debug_to_the_cluster(tmp_path: Path, echo_upstr
     with running_envoy(tmp_path, config) as envoy:
         answers = {
             path: envoy_get(envoy.listener_port, path)
-            for path in ("/metrics", "/debug", "/debug/config", "/debugger", "/v1/models")
+            for path in (
+                *KEPT_HERE,
+                "/debug%2Fconfig",
+                "/debug%2fconfig",
+                "/debugger",
+                "/v1/models",
+            )
         }
-    for path in ("/metrics", "/debug", "/debug/config"):
+    for path in KEPT_HERE:
         status, body = answers[path]
         assert status == 404 and json.loads(body)["error"]["code"] == "not_found", path
+    # An escaped slash is refused outright (no route could tell what the server would see).
+    assert answers["/debug%2Fconfig"][0] == 400 and answers["/debug%2fconfig"][0] == 400
     # The echoing upstream answered these: they were forwarded.
     assert answers["/debugger"][0] == 200 and answers["/v1/models"][0] == 200

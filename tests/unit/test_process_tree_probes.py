@@ -125,6 +125,19 @@ async def test_a_server_whose_front_end_took_the_drain_signal_early_exits_0(
     assert tree.exit_status() == 1
 
 
+async def test_a_server_whose_engines_recovered_exits_0_without_a_probe_port(
+    tree: ProcessTree,
+) -> None:
+    """Engines that died now and then over a long life, each replacement heard ready: not a
+    crash loop, though no probe port ever asked (the readiness was counted only there)."""
+    for frontend in tree.frontends:
+        frontend.exitcode = 0
+    tree.engine.process = StandIn(333)  # type: ignore[assignment]
+    tree.engine.restarts += RESTARTS_BEFORE_UNHEALTHY
+    tree._engine_said(ready_status(333))
+    assert tree.exit_status() == 0
+
+
 async def test_a_server_stopped_while_its_engine_crash_loops_exits_1(tree: ProcessTree) -> None:
     """Kubernetes probes liveness only after start-up succeeded: a pod whose engine dies at
     every start is stopped when its startup probe gives up, and exited 0 ("Completed")."""

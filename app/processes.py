@@ -23,7 +23,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -48,6 +47,7 @@ from app.metrics import MULTIPROCESS_DIR_ENV
 from app.metrics_archive import compact_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.settings import Settings
+from app.shared_port import port_problem, shared_port_socket
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)
@@ -59,20 +59,6 @@ def configure_logging(level: str, role: str) -> None:
         format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
         stream=sys.stderr,
     )
-
-
-def shared_port_socket(host: str, port: int) -> socket.socket:
-    """A socket bound where other front ends bind too: the kernel spreads connections among
-    those listening (SO_REUSEPORT), so no single accept loop is the bottleneck. Not yet
-    listening: uvicorn listens once the front end's start-up succeeded (`create_app`), and
-    until then the kernel gives this front end no connection."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.setblocking(False)
-    return sock
 
 
 # Engine restarts without it ever being seen ready before the supervisor's /healthz says the
@@ -372,24 +358,6 @@ async def _forget_metrics_of(pid: int) -> None:
             await asyncio.to_thread(compact_dead_process, directory, pid)
         except OSError:
             log.exception("could not fold the metrics of dead process %d", pid)
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why the front ends could not share (host, port), or None. Each front end binds it
-    with SO_REUSEPORT: a port some other server holds would make every one of them fail and
-    be restarted forever (or, another steadyserve's, silently split its connections), and
-    port 0 would give each front end a port of its own."""
-    if port == 0:
-        return "port 0 (any free port) would give each front end its own: name one"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # Without SO_REUSEPORT: the bind fails if anything listens there, ours or not.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            return f"cannot listen on {host}:{port}: {error.strerror}"
-    return None
 
 
 def serve_processes(settings: Settings) -> int:

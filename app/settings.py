@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.model_specs import ModelSpec
+from app.settings_rules import inconsistency
 
 Device = Literal["auto", "cpu", "cuda"]
 EngineMode = Literal["process", "inprocess"]
@@ -356,46 +357,9 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
-        buckets = self.length_buckets
-        if list(buckets) != sorted(set(buckets)) or buckets[0] < 2:
-            raise ValueError("length_buckets must be strictly increasing and >= 2")
-        if self.max_inputs_per_request * buckets[-1] > self.rate_limit_burst:
-            raise ValueError(
-                "rate_limit_burst must hold the largest request "
-                "(max_inputs_per_request x the largest length bucket, in tokens)"
-            )
-        if self.max_inputs_per_request > self.max_queue:
-            raise ValueError("max_inputs_per_request must not exceed max_queue")
-        names = [m.name for m in self.models]
-        if len(set(names)) != len(names):
-            raise ValueError("model names must be unique")
-        if self.default_model is not None and self.default_model not in names:
-            raise ValueError(f"default_model {self.default_model!r} is not among {names}")
-        if self.max_batch_tokens < buckets[-1]:
-            raise ValueError(
-                "max_batch_tokens must hold one input of the largest length bucket "
-                "(a batch of one such input would exceed it)"
-            )
-        first, longest = self.engine_restart_backoff_s
-        if not 0 < first <= longest:
-            raise ValueError(
-                "engine_restart_backoff_s must be (first, longest) with 0 < first <= longest: "
-                "a zero wait restarts a crashing process in a tight loop"
-            )
-        if self.health_port is not None and self.health_port == self.port:
-            raise ValueError("health_port must differ from port (it carries no traffic)")
-        generates = any(model.task == "generate" for model in self.models)
-        if generates and self.generate_slot_tokens > self.rate_limit_burst:
-            raise ValueError(
-                "rate_limit_burst must hold one full KV-cache slot (generate_slot_tokens): a "
-                "generation is charged its prompt + max_new_tokens, all a slot's room when "
-                "max_tokens is left out, and a charge over the burst is refused (413)"
-            )
-        if self.generate_max_batch_tokens < self.generate_slot_tokens:
-            raise ValueError(
-                "generate_max_batch_tokens must hold one full slot (generate_slot_tokens), "
-                "so every admitted prompt can be prefilled"
-            )
+        problem = inconsistency(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @property

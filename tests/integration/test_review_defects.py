@@ -19,9 +19,9 @@ from app.cli import run_uvicorn
 from app.engine.inprocess import InProcessEngine
 from app.main import create_app
 from app.model_specs import ModelSpec
-from app.processes import shared_port_socket
 from app.service import Service
 from app.settings import Settings
+from app.shared_port import shared_port_socket
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner
 

@@ -1,0 +1,54 @@
+"""The rules between settings that no single field's bounds express (a setting may be valid
+alone and the whole still unservable). Pure; `Settings` applies them when it is built."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.settings import Settings
+
+
+def inconsistency(settings: Settings) -> str | None:
+    """The first rule `settings` break, as the error to show; None when they hold."""
+    buckets = settings.length_buckets
+    if list(buckets) != sorted(set(buckets)) or buckets[0] < 2:
+        return "length_buckets must be strictly increasing and >= 2"
+    if settings.max_inputs_per_request * buckets[-1] > settings.rate_limit_burst:
+        return (
+            "rate_limit_burst must hold the largest request "
+            "(max_inputs_per_request x the largest length bucket, in tokens)"
+        )
+    if settings.max_inputs_per_request > settings.max_queue:
+        return "max_inputs_per_request must not exceed max_queue"
+    names = [m.name for m in settings.models]
+    if len(set(names)) != len(names):
+        return "model names must be unique"
+    if settings.default_model is not None and settings.default_model not in names:
+        return f"default_model {settings.default_model!r} is not among {names}"
+    if settings.max_batch_tokens < buckets[-1]:
+        return (
+            "max_batch_tokens must hold one input of the largest length bucket "
+            "(a batch of one such input would exceed it)"
+        )
+    first, longest = settings.engine_restart_backoff_s
+    if not 0 < first <= longest:
+        return (
+            "engine_restart_backoff_s must be (first, longest) with 0 < first <= longest: "
+            "a zero wait restarts a crashing process in a tight loop"
+        )
+    if settings.health_port is not None and settings.health_port == settings.port:
+        return "health_port must differ from port (it carries no traffic)"
+    generates = any(model.task == "generate" for model in settings.models)
+    if generates and settings.generate_slot_tokens > settings.rate_limit_burst:
+        return (
+            "rate_limit_burst must hold one full KV-cache slot (generate_slot_tokens): a "
+            "generation is charged its prompt + max_new_tokens, all a slot's room when "
+            "max_tokens is left out, and a charge over the burst is refused (413)"
+        )
+    if settings.generate_max_batch_tokens < settings.generate_slot_tokens:
+        return (
+            "generate_max_batch_tokens must hold one full slot (generate_slot_tokens), "
+            "so every admitted prompt can be prefilled"
+        )
+    return None

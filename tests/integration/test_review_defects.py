@@ -8,11 +8,12 @@ import asyncio
 import contextlib
 import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
 import torch
+from fastapi import FastAPI
 from pydantic import ValidationError
 
 from app.cli import run_uvicorn
@@ -152,6 +153,18 @@ async def test_warm_up_runs_every_shape_on_every_compute_thread() -> None:
         assert all(len(threads) == 2 for threads in threads_by_shape.values()), threads_by_shape
 
 
+def front_end_in_the_tree(
+    loader: GatedLoader, tokenizer: Callable[[ModelSpec, int], object], reports: list[bool]
+) -> FastAPI:
+    """A front end as the process tree starts it: its start-up's outcome goes to `reports`."""
+    return create_app(
+        Settings(**BASE),  # type: ignore[arg-type]
+        loader=loader,
+        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
+        on_started=reports.append,
+    )
+
+
 @pytest.mark.parametrize("fails", [False, True])
 async def test_a_front_end_reports_how_its_start_up_ended(fails: bool) -> None:
     """What the supervisor's probes count a front end by (and a failed one exits on)."""
@@ -163,12 +176,7 @@ async def test_a_front_end_reports_how_its_start_up_ended(fails: bool) -> None:
         return loader.tokenizer(spec, largest)
 
     reports: list[bool] = []
-    app = create_app(
-        Settings(**BASE),  # type: ignore[arg-type]
-        loader=loader,
-        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
-        on_started=reports.append,
-    )
+    app = front_end_in_the_tree(loader, tokenizer, reports)
     lifespan = app.router.lifespan_context(app)
     if fails:  # uvicorn's start-up fails with it: the port is never listened on
         with pytest.raises(RuntimeError, match="front-end start-up failed"):
@@ -189,15 +197,9 @@ def test_a_front_end_whose_start_up_fails_exits_1_without_listening() -> None:
 
     sock = shared_port_socket("127.0.0.1", 0)
     reports: list[bool] = []
-    settings = Settings(**BASE)  # type: ignore[arg-type]
-    app = create_app(
-        settings,
-        loader=GatedLoader(),
-        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
-        on_started=reports.append,
-    )
+    app = front_end_in_the_tree(GatedLoader(), tokenizer, reports)
     try:
-        status = run_uvicorn(app, settings, sockets=[sock], in_process_tree=True)
+        status = run_uvicorn(app, app.state.service.settings, sockets=[sock], in_process_tree=True)
         with pytest.raises(ConnectionRefusedError):  # bound, never listened on
             socket.create_connection(sock.getsockname()[:2], timeout=2).close()
     finally:
@@ -219,12 +221,7 @@ async def test_a_front_end_in_the_process_tree_listens_only_once_it_can_serve() 
         return loader.tokenizer(spec, largest)
 
     reports: list[bool] = []
-    app = create_app(
-        Settings(**BASE),  # type: ignore[arg-type]
-        loader=loader,
-        tokenizer_loader=tokenizer,  # type: ignore[arg-type]
-        on_started=reports.append,
-    )
+    app = front_end_in_the_tree(loader, tokenizer, reports)
     lifespan = app.router.lifespan_context(app)
     entering = asyncio.create_task(lifespan.__aenter__())
     await tokenizer_called.wait()  # start-up is under way, and cannot end before it loads

@@ -141,12 +141,23 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "retry_budget_min_retry_concurrency": lambda p: dig(
         p.cluster, "circuit_breakers.thresholds.0.retry_budget.min_retry_concurrency"
     ),
-    "outlier_consecutive_5xx": lambda p: dig(p.cluster, "outlier_detection.consecutive_5xx"),
-    "outlier_consecutive_gateway_failure": lambda p: dig(
-        p.cluster, "outlier_detection.consecutive_gateway_failure"
+    "outlier_split_external_local_origin_errors": lambda p: dig(
+        p.cluster, "outlier_detection.split_external_local_origin_errors"
+    ),
+    "outlier_consecutive_local_origin_failure": lambda p: dig(
+        p.cluster, "outlier_detection.consecutive_local_origin_failure"
+    ),
+    "outlier_enforcing_consecutive_local_origin_failure": lambda p: dig(
+        p.cluster, "outlier_detection.enforcing_consecutive_local_origin_failure"
+    ),
+    "outlier_enforcing_consecutive_5xx": lambda p: dig(
+        p.cluster, "outlier_detection.enforcing_consecutive_5xx"
     ),
     "outlier_enforcing_consecutive_gateway_failure": lambda p: dig(
         p.cluster, "outlier_detection.enforcing_consecutive_gateway_failure"
+    ),
+    "outlier_enforcing_success_rate": lambda p: dig(
+        p.cluster, "outlier_detection.enforcing_success_rate"
     ),
     "outlier_base_ejection_time_s": lambda p: dig(
         p.cluster, "outlier_detection.base_ejection_time"

@@ -1,4 +1,5 @@
-"""One request's answer as the client saw it, and the error object it reports for it."""
+"""One request's answer as the client saw it, the error object it reports for it, and the
+results it gives the request's items."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from app.batchclient.items import Failure, Request, Result
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +36,35 @@ def error_of(attempt: Attempt) -> dict[str, Any]:
         return error
     text = attempt.body[:1000].decode("utf-8", "replace")
     return {"type": "http_error", "message": text}
+
+
+def results_of(request: Request, attempt: Attempt, attempts: int) -> list[Result] | None:
+    """Each item's result from a 2xx, or None if the body is not the JSON expected (or
+    fails an item: the answer is then retried like a fault)."""
+    try:
+        response = orjson.loads(attempt.body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(response, dict):
+        return None
+    results = request.unpack(response, attempts, attempt.latency_s)
+    if any(isinstance(result, Failure) for result in results):
+        return None
+    return results
+
+
+def failures_of(
+    request: Request,
+    attempt: Attempt,
+    attempts: int,
+    *,
+    retryable: bool,
+    reason: str | None = None,
+) -> list[Result]:
+    """Every item of the request failed with the attempt's error (``reason``: why the client
+    gave up, when not the server's error alone)."""
+    error = error_of(attempt)
+    return [
+        Failure(item.id, attempt.status, error, attempts, retryable=retryable, reason=reason)
+        for item in request.items
+    ]

@@ -10,6 +10,7 @@ ahead of their answers. One event loop; ``stop`` and ``abort`` from that loop's 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import time
 from collections.abc import (
@@ -22,10 +23,9 @@ from collections.abc import (
 from types import TracebackType
 from typing import Any
 
-import orjson
 from aiolimiter import AsyncLimiter
 
-from app.batchclient.attempt import Attempt, error_of
+from app.batchclient.attempt import Attempt, error_of, failures_of, results_of
 from app.batchclient.items import Failure, Item, Packer, Request, Result
 from app.batchclient.options import ClientOptions
 from app.batchclient.pacing import AimdController
@@ -100,32 +100,14 @@ class BatchClient:
             task.cancel()
 
     def abort(self) -> None:
-        """Stop at once: requests in flight are dropped too (their items stay unfinished)."""
+        """Stop at once: requests in flight are dropped too (their items stay unfinished);
+        what was answered before is still yielded (a split pack's singles included)."""
         self.stop()
         for task in list(self._sending):
             task.cancel()
 
     def stats(self) -> BatchStats:
-        counters = self._counters
-        pacing = self.controller.snapshot()
-        latency = counters.latency
-        return BatchStats(
-            requests=counters.requests,
-            statuses=dict(counters.statuses),
-            resets=counters.resets,
-            timeouts=counters.timeouts,
-            retries=counters.retries,
-            lines_ok=counters.lines_ok,
-            lines_failed=counters.lines_failed,
-            lines_unfinished=counters.lines_unfinished,
-            in_flight=self._window.in_flight,
-            concurrency=pacing.limit,
-            lowest_concurrency=pacing.lowest_limit,
-            highest_concurrency=pacing.highest_limit,
-            concurrency_cuts=pacing.decreases,
-            latency_p50_s=latency.quantile(50.0) if latency.total else None,
-            latency_p99_s=latency.quantile(99.0) if latency.total else None,
-        )
+        return self._counters.snapshot(self.controller.snapshot(), self._window.in_flight)
 
     # -- the run -------------------------------------------------------------------------
     async def infer_many(
@@ -140,20 +122,27 @@ class BatchClient:
         if self._http is None:
             raise RuntimeError("use the client as `async with BatchClient(...) as client`")
         results: asyncio.Queue[list[Result] | None] = asyncio.Queue(maxsize=self._max_active)
+        # Answers received by tasks that `abort` (or a crash) then ended: yielded last, so
+        # that they are written and a rerun does not send them again.
+        salvaged: collections.deque[Result] = collections.deque()
         crashes: list[BaseException] = []
         active = asyncio.Semaphore(self._max_active)
         tasks: set[asyncio.Task[None]] = set()
 
         async def finish(request: Request) -> None:
+            received: list[Result] = []  # a split pack's singles answered so far
             try:
-                done = await self._complete(request)
+                done = await self._complete(request, received)
                 if done:
                     await results.put(done)
             except asyncio.CancelledError:
-                # Cancelled by stop/abort, which count on this: the items stay unfinished.
-                self._counters.lines_unfinished += len(request.items)
+                # Cancelled by stop/abort, which count on this: the items not answered stay
+                # unfinished.
+                self._counters.lines_unfinished += len(request.items) - len(received)
+                salvaged.extend(received)
             except Exception as error:  # a bug, not an answer: the consumer raises it
-                self._counters.lines_unfinished += len(request.items)
+                self._counters.lines_unfinished += len(request.items) - len(received)
+                salvaged.extend(received)
                 crashes.append(error)
                 self.abort()
             finally:
@@ -192,13 +181,9 @@ class BatchClient:
         try:
             while (got := await results.get()) is not None:
                 for result in got:
-                    # Counted as handed over, not as answered: an answer `abort` drops (a
-                    # split pack's singles answered before it) is unfinished, not ok.
-                    if isinstance(result, Failure):
-                        self._counters.lines_failed += 1
-                    else:
-                        self._counters.lines_ok += 1
-                    yield result
+                    yield self._handed_over(result)
+            while salvaged:  # every task has ended: nothing is added any more
+                yield self._handed_over(salvaged.popleft())
             if crashes:
                 raise crashes[0]
             if self._refused is not None:
@@ -212,9 +197,24 @@ class BatchClient:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(producer, *tasks, return_exceptions=True)
+            self._counters.lines_unfinished += len(salvaged)  # answered, never handed over
 
-    async def _complete(self, request: Request) -> list[Result] | None:
-        """Send until answered or given up; None when stopped before an answer."""
+    def _handed_over(self, result: Result) -> Result:
+        """Count a result as ``infer_many`` yields it: counted as handed over, not as
+        answered, so that one a consumer leaving early never gets is unfinished."""
+        if isinstance(result, Failure):
+            self._counters.lines_failed += 1
+        else:
+            self._counters.lines_ok += 1
+        return result
+
+    async def _complete(
+        self, request: Request, received: list[Result] | None = None
+    ) -> list[Result] | None:
+        """Send until answered or given up; None when stopped before an answer.
+        ``received``: where a pack resent one item at a time collects the items' results as
+        they come (its caller's, to hand them over if the task is cancelled)."""
+        received = [] if received is None else received
         policy = self.options.retry
         attempt_number = 0
         deadline_answers = 0  # 504s to this request
@@ -239,30 +239,31 @@ class BatchClient:
                 self._counters.lines_unfinished += len(request.items)
                 return None
             if outcome.verdict is Verdict.SUCCESS:
-                results = self._unpack(request, attempt, attempt_number)
+                results = results_of(request, attempt, attempt_number)
                 if results is not None:
+                    self._counters.latency.add(attempt.latency_s)
                     return results
                 outcome_retry = True
             else:
                 outcome_retry = outcome.verdict is Verdict.RETRY
             if not outcome_retry:
                 if len(request.items) > 1:
-                    return await self._one_by_one(request)
-                return self._fail(request, attempt, attempt_number, retryable=False)
+                    return await self._one_by_one(request, received)
+                return failures_of(request, attempt, attempt_number, retryable=False)
             out_of_deadline = deadline_answers > policy.max_deadline_retries
             if attempt_number > policy.max_retries or out_of_deadline:
                 if len(request.items) > 1 and attempt.status in (500, DEADLINE_STATUS):
                     # A 500 to every try may be one item's doing (a NaN from one input), a
                     # 504 one slow input's (the pack computes past its deadline): the
                     # others would succeed alone.
-                    return await self._one_by_one(request)
+                    return await self._one_by_one(request, received)
                 reason = (
                     f"answered 504 {deadline_answers} times: the server cannot compute this "
                     "request within its deadline (a longer timeout_ms may let it)"
                     if out_of_deadline
                     else f"out of retries after {attempt_number} tries"
                 )
-                return self._fail(request, attempt, attempt_number, retryable=True, reason=reason)
+                return failures_of(request, attempt, attempt_number, retryable=True, reason=reason)
             if self._stopping:
                 self._counters.lines_unfinished += len(request.items)
                 return None
@@ -272,19 +273,18 @@ class BatchClient:
                 self._counters.lines_unfinished += len(request.items)
                 return None
 
-    async def _one_by_one(self, request: Request) -> list[Result] | None:
-        """Which item did the server refuse? Each sent alone, with retries of its own; None
-        when stopped before the first was answered (the rest stay unfinished, and the
-        singles answered before are yielded)."""
-        split: list[Result] = []
+    async def _one_by_one(self, request: Request, received: list[Result]) -> list[Result] | None:
+        """Which item did the server refuse? Each sent alone, with retries of its own, its
+        results added to ``received`` as they come; None when stopped before the first was
+        answered (the rest stay unfinished, and the singles answered before are yielded)."""
         singles = request.split()
         for index, single in enumerate(singles):
             answered = await self._complete(single)
             if answered is None:
                 self._counters.lines_unfinished += len(singles) - index - 1
-                return split or None
-            split.extend(answered)
-        return split
+                return received or None
+            received.extend(answered)
+        return received
 
     async def _wait(self, awaitable: Any) -> bool:
         """Await something before a request is sent; False when ``stop`` ended the wait
@@ -360,35 +360,6 @@ class BatchClient:
             attempt.status is not None and classify_status(attempt.status).congestion
         ):
             self.controller.on_congestion(attempt.ticket)
-
-    def _unpack(self, request: Request, attempt: Attempt, attempts: int) -> list[Result] | None:
-        """Each item's result from a 2xx, or None if the body is not the JSON expected."""
-        try:
-            response = orjson.loads(attempt.body)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(response, dict):
-            return None
-        results = request.unpack(response, attempts, attempt.latency_s)
-        if any(isinstance(result, Failure) for result in results):
-            return None
-        self._counters.latency.add(attempt.latency_s)
-        return results
-
-    def _fail(
-        self,
-        request: Request,
-        attempt: Attempt,
-        attempts: int,
-        *,
-        retryable: bool,
-        reason: str | None = None,
-    ) -> list[Result]:
-        error = error_of(attempt)
-        return [
-            Failure(item.id, attempt.status, error, attempts, retryable=retryable, reason=reason)
-            for item in request.items
-        ]
 
 
 async def _each(items: Iterable[Item] | AsyncIterable[Item]) -> AsyncIterator[Item]:

@@ -6,6 +6,7 @@ import collections
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from app.batchclient.pacing import PacingSnapshot
 from loadtest.stats import LogHistogram
 
 
@@ -52,3 +53,24 @@ class Counters:
         self.lines_failed = 0
         self.lines_unfinished = 0
         self.latency = LogHistogram()  # 2xx attempts, seconds; bounded memory
+
+    def snapshot(self, pacing: PacingSnapshot, in_flight: int) -> BatchStats:
+        """The counts now, with the concurrency controller's state and what is in flight."""
+        latency = self.latency
+        return BatchStats(
+            requests=self.requests,
+            statuses=dict(self.statuses),
+            resets=self.resets,
+            timeouts=self.timeouts,
+            retries=self.retries,
+            lines_ok=self.lines_ok,
+            lines_failed=self.lines_failed,
+            lines_unfinished=self.lines_unfinished,
+            in_flight=in_flight,
+            concurrency=pacing.limit,
+            lowest_concurrency=pacing.lowest_limit,
+            highest_concurrency=pacing.highest_limit,
+            concurrency_cuts=pacing.decreases,
+            latency_p50_s=latency.quantile(50.0) if latency.total else None,
+            latency_p99_s=latency.quantile(99.0) if latency.total else None,
+        )

@@ -1,6 +1,6 @@
-"""A second SIGINT: the batch command stops at once, and its summary counts only the lines
-whose answers it wrote. Against a loopback server in the test's own event loop; the
-signals are real (sent to this process, handled by the command's handlers)."""
+"""SIGINT during a batch job: a second one stops at once, writing every answer received.
+Against a loopback server in the test's own event loop; the signals are real (sent to
+this process, handled by the command's handlers)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import asyncio
 import io
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import orjson
@@ -16,6 +18,7 @@ from app.batchclient.cli import parse_arguments, run_job
 
 ANSWER = b'{"outputs": [[0.5]]}'
 REFUSED = b'{"error": {"type": "too_large", "message": "pack refused"}}'
+LINES = b'{"id": "a", "inputs": "a"}\n{"id": "s", "inputs": "slow"}\n'
 
 
 def _response(status: int, body: bytes) -> bytes:
@@ -23,24 +26,30 @@ def _response(status: int, body: bytes) -> bytes:
     return head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
-async def test_a_second_sigint_counts_only_the_lines_written(tmp_path: Path) -> None:
-    """A pack refused (413) is resent one line per request; "a" is answered, "slow" never
-    is. Two SIGINTs while "slow" is in flight drop it and the pack with it: "a"'s answer
-    is not written, yet the summary said lines_ok 1 (and one line fewer unfinished)."""
-    slow_in_flight = asyncio.Event()
-    release = asyncio.Event()
+class PackRefusingServer:
+    """Refuses any pack (413), so a pack is resent one line per request; answers "slow"
+    only once `answer_slow` is set (never, in the first run), any other input at once.
+    `sent` holds every request's inputs, in order."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+        self.slow_in_flight = asyncio.Event()
+        self.answer_slow = False
+        self.release = asyncio.Event()  # ends the connection holding an unanswered "slow"
+        self.port = 0
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
                 inputs = orjson.loads(await reader.readexactly(length))["inputs"]
+                self.sent.append(inputs)
                 if isinstance(inputs, list):
                     writer.write(_response(413, REFUSED))
-                elif inputs == "slow":
-                    slow_in_flight.set()
-                    await release.wait()
+                elif inputs == "slow" and not self.answer_slow:
+                    self.slow_in_flight.set()
+                    await self.release.wait()
                     break
                 else:
                     writer.write(_response(200, ANSWER))
@@ -50,35 +59,65 @@ async def test_a_second_sigint_counts_only_the_lines_written(tmp_path: Path) -> 
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[PackRefusingServer]:
+        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        async with server:
+            try:
+                yield self
+            finally:
+                self.release.set()
+
+
+def _job(tmp_path: Path, port: int) -> list[str]:
     source = tmp_path / "in.jsonl"
-    source.write_bytes(b'{"id": "a", "inputs": "a"}\n{"id": "s", "inputs": "slow"}\n')
+    source.write_bytes(LINES)
+    command = [str(source), "--url", f"http://127.0.0.1:{port}", "--out"]
+    command += [str(tmp_path / "out.jsonl"), "--inputs-per-request", "2", "--progress", "off"]
+    return [*command, "--summary-json", str(tmp_path / "summary.json")]
+
+
+async def _interrupt_twice(server: PackRefusingServer) -> None:
+    await server.slow_in_flight.wait()
+    os.kill(os.getpid(), signal.SIGINT)  # handled before kill returns: one each
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _written_ids(tmp_path: Path) -> list[object]:
     out = tmp_path / "out.jsonl"
-    summary_path = tmp_path / "summary.json"
-    command = [str(source), "--url", f"http://127.0.0.1:{port}", "--out", str(out)]
-    command += ["--inputs-per-request", "2", "--progress", "off"]
-    args = parse_arguments([*command, "--summary-json", str(summary_path)])
+    lines = out.read_bytes().splitlines() if out.exists() else []
+    return [orjson.loads(line)["id"] for line in lines]
 
-    async def interrupt_twice() -> None:
-        await slow_in_flight.wait()
-        os.kill(os.getpid(), signal.SIGINT)  # handled before kill returns: one each
-        os.kill(os.getpid(), signal.SIGINT)
 
-    interrupter = asyncio.create_task(interrupt_twice())
-    async with server:
-        try:
-            # Prompt: the second signal drops what is in flight, so this does not wait
-            # for the server (which never answers "slow"); the bound only keeps a
-            # regression from hanging the suite.
-            status = await asyncio.wait_for(run_job(args, io.StringIO()), timeout=30.0)
-        finally:
-            release.set()
-            await interrupter
-    assert status == 128 + signal.SIGINT
-    written = out.read_bytes().splitlines() if out.exists() else []
-    summary = orjson.loads(summary_path.read_bytes())
-    assert summary["stopped_by"] == "SIGINT"
-    assert summary["lines_ok"] == len(written)
-    assert summary["lines_failed"] == 0
-    assert summary["lines_unfinished"] == 2 - len(written)
+async def test_a_second_sigint_writes_the_answers_received_and_a_rerun_skips_them(
+    tmp_path: Path,
+) -> None:
+    """The pack ["a", "slow"] is refused and resent one line at a time; "a" is answered,
+    "slow" never is. Two SIGINTs while "slow" is in flight dropped the whole pack, "a"'s
+    answer with it: not written, so the rerun sent "a" again."""
+    async with PackRefusingServer().running() as server:
+        args = parse_arguments(_job(tmp_path, server.port))
+        interrupter = asyncio.create_task(_interrupt_twice(server))
+        # Prompt: the second signal drops what is in flight, so this does not wait for the
+        # server (which never answers "slow"); the bound only keeps a regression from
+        # hanging the suite.
+        async with asyncio.timeout(30.0):
+            status = await run_job(args, io.StringIO())
+        await interrupter
+        assert status == 128 + signal.SIGINT
+        assert _written_ids(tmp_path) == ["a"]
+        summary = orjson.loads((tmp_path / "summary.json").read_bytes())
+        assert summary["stopped_by"] == "SIGINT"
+        assert (summary["lines_ok"], summary["lines_failed"], summary["lines_unfinished"]) == (
+            1,
+            0,
+            1,
+        )
+
+        server.answer_slow = True
+        server.sent.clear()
+        async with asyncio.timeout(30.0):
+            assert await run_job(args, io.StringIO()) == 0
+    assert server.sent == ["slow"]  # "a" is not sent again
+    assert sorted(map(str, _written_ids(tmp_path))) == ["a", "s"]

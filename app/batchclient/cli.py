@@ -6,8 +6,10 @@ all). A 401 or 407 is about the client, not a line: the run stops, the lines not
 answered stay out of both files, and the job exits 1. Restarted with the same arguments
 it skips the ids already in either file, so a killed job resumes where it stopped.
 SIGINT/SIGTERM: stop sending, write what is in flight, print the summary, exit 128 +
-signal (a second signal drops what is in flight). With --retry-errors the lines whose
-request failed in an earlier run are sent again, their failure records removed first.
+signal (a second signal drops what is in flight, still writing every answer received;
+later ones are ignored, the summary written all the same). With --retry-errors the lines
+whose request failed in an earlier run are sent again, their failure records removed
+first.
 
 Exit status: 0 every line answered; 3 done, but some lines are in the errors file;
 128 + N stopped by signal N (run again to resume); 1 the job could not run (the server
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from typing import TextIO
 import orjson
 
 from app.batchclient.client import BatchClient, ClientRefused
+from app.batchclient.interrupts import Interrupts
 from app.batchclient.items import Failure, InvalidLine, Item, ItemId, Success
 from app.batchclient.journal import (
     DUPLICATE_ID,
@@ -286,64 +288,53 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
     errors_journal = Journal(errors_path)
     source = _Source(args.input, done, errors_journal, refused_lines, failed_before)
     started = time.monotonic()
-    stopped_by: list[str] = []
     refused: list[ClientRefused] = []
-    loop = asyncio.get_running_loop()
+    client = BatchClient(args.url, options)
+    interrupts = Interrupts(client, stream)
 
-    async with BatchClient(args.url, options) as client:
+    def progress() -> JobProgress:
+        return JobProgress(
+            total, source.skipped, source.invalid, time.monotonic() - started, client.stats()
+        )
 
-        def progress() -> JobProgress:
-            return JobProgress(
-                total, source.skipped, source.invalid, time.monotonic() - started, client.stats()
-            )
+    async def show() -> None:
+        while True:
+            display.tick(progress())
+            await asyncio.sleep(TICK_S)
 
-        def on_signal(signum: signal.Signals) -> None:
-            stopped_by.append(signum.name)
-            if len(stopped_by) == 1:
-                stream.write(f"\nbatch: {signum.name}: finishing requests in flight\n")
-                client.stop()
-            else:
-                client.abort()
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, on_signal, signum)
-
-        async def show() -> None:
-            while True:
-                display.tick(progress())
-                await asyncio.sleep(TICK_S)
-
-        ticker = asyncio.create_task(show())
-        try:
-            async for result in client.infer_many(source.items()):
-                if isinstance(result, Success):
-                    results_journal.append([result.json_line()])
-                else:
-                    errors_journal.append([result.json_line()])
-        except ClientRefused as error:
-            refused.append(error)
-        finally:
-            ticker.cancel()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(signum)
-            results_journal.close()
-            errors_journal.close()
+    # Until the summary is written: a signal after the last answer is ignored, not fatal.
+    with interrupts.installed(asyncio.get_running_loop()):
+        async with client:
+            ticker = asyncio.create_task(show())
+            try:
+                async for result in client.infer_many(source.items()):
+                    if isinstance(result, Success):
+                        results_journal.append([result.json_line()])
+                    else:
+                        errors_journal.append([result.json_line()])
+            except ClientRefused as error:
+                refused.append(error)
+            finally:
+                ticker.cancel()
+                results_journal.close()
+                errors_journal.close()
         final = progress()
-    display.close(final)
-    document = summary(final, stopped_by[0] if stopped_by else None)
-    document["peak_resident_mb"] = peak_resident_mb()
-    # A rerun skips the lines earlier runs put in the errors file: those are still not
-    # answered, and the exit status says so. A record of a line since fixed (read again
-    # and answered) is not one of them.
-    document["lines_in_errors_file"] = source.skipped_as_failed + errors_journal.lines_written
-    stream.write("batch summary:\n" + summary_table(document) + "\n")
-    if args.summary_json is not None:
-        args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
+        display.close(final)
+        stopped_by = interrupts.first
+        document = summary(final, stopped_by.name if stopped_by is not None else None)
+        document["peak_resident_mb"] = peak_resident_mb()
+        # A rerun skips the lines earlier runs put in the errors file: those are still not
+        # answered, and the exit status says so. A record of a line since fixed (read again
+        # and answered) is not one of them.
+        document["lines_in_errors_file"] = source.skipped_as_failed + errors_journal.lines_written
+        stream.write("batch summary:\n" + summary_table(document) + "\n")
+        if args.summary_json is not None:
+            args.summary_json.write_bytes(orjson.dumps(document, option=orjson.OPT_INDENT_2))
     if refused:
         stream.write(f"batch: {refused[0]}; fix --header and run again to resume\n")
         return EXIT_FAILED
-    if stopped_by:
-        return 128 + int(signal.Signals[stopped_by[0]])
+    if stopped_by is not None:
+        return 128 + int(stopped_by)
     if document["lines_in_errors_file"] or document["lines_unfinished"]:
         return EXIT_SOME_ERRORS
     return EXIT_OK

@@ -1,6 +1,7 @@
-"""SIGINT during a batch job: a second one stops at once, writing every answer received.
-Against a loopback server in the test's own event loop; the signals are real (sent to
-this process, handled by the command's handlers)."""
+"""SIGINT during a batch job: a second one stops at once, writing every answer received; a
+third, however late, is ignored (it raised KeyboardInterrupt once the handlers were gone,
+and the summary was lost). Against a loopback server in the test's own event loop; the
+signals are real (sent to this process, handled by the command's handlers)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import orjson
+import pytest
 
 from app.batchclient.cli import parse_arguments, run_job
+from app.batchclient.interrupts import Interrupts
 
 ANSWER = b'{"outputs": [[0.5]]}'
 REFUSED = b'{"error": {"type": "too_large", "message": "pack refused"}}'
@@ -121,3 +124,59 @@ async def test_a_second_sigint_writes_the_answers_received_and_a_rerun_skips_the
             assert await run_job(args, io.StringIO()) == 0
     assert server.sent == ["slow"]  # "a" is not sent again
     assert sorted(map(str, _written_ids(tmp_path))) == ["a", "s"]
+
+
+class SummaryInterruptingStream(io.StringIO):
+    """Sends this process a SIGINT as the summary starts being written: after the job's
+    last answer, in the window where its signal handlers were already removed."""
+
+    def write(self, text: str) -> int:
+        if text.startswith("batch summary"):
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().write(text)
+
+
+async def test_a_third_sigint_while_the_summary_is_written_is_ignored(tmp_path: Path) -> None:
+    """The handlers were removed before the journals were closed and the summary written:
+    a SIGINT then raised KeyboardInterrupt, and the summary (printed and --summary-json)
+    and the exit status were lost."""
+    async with PackRefusingServer().running() as server:
+        args = parse_arguments(_job(tmp_path, server.port))
+        interrupter = asyncio.create_task(_interrupt_twice(server))
+        stream = SummaryInterruptingStream()
+        try:
+            # Awaited in this task, not wrapped in another: a KeyboardInterrupt raised in
+            # the job is caught here instead of ending the test session.
+            async with asyncio.timeout(30.0):
+                status = await run_job(args, stream)
+        except KeyboardInterrupt:
+            pytest.fail("a SIGINT while the summary was written raised KeyboardInterrupt")
+        await interrupter
+    assert status == 128 + signal.SIGINT
+    assert "batch summary:" in stream.getvalue()
+    summary = orjson.loads((tmp_path / "summary.json").read_bytes())
+    assert summary["stopped_by"] == "SIGINT"
+    assert summary["lines_ok"] == len(_written_ids(tmp_path))
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+
+
+def test_the_first_signal_stops_the_second_aborts_later_ones_do_nothing() -> None:
+    client = RecordingClient()
+    stream = io.StringIO()
+    interrupts = Interrupts(client, stream)
+    assert interrupts.first is None
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+        interrupts.handle(signum)
+    assert client.calls == ["stop", "abort"]
+    assert interrupts.first is signal.SIGTERM
+    assert stream.getvalue() == "\nbatch: SIGTERM: finishing requests in flight\n"

@@ -31,6 +31,9 @@ class RejectReason(Enum):
     DRAINING = "draining"
     NOT_READY = "not_ready"
     ENGINE_LOST = "engine_lost"  # the engine process died with the request in it
+    # A front end holds `max_connections` connections: answered by its HTTP protocol alone
+    # (`api/shedding.py`), never by the app.
+    CONNECTIONS = "connections"
 
     @property
     def retry_elsewhere(self) -> bool:

@@ -138,6 +138,8 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_keep_alive=math.ceil(settings.keep_alive_timeout_s),
+        # uvicorn's connection cap; the protocol answers it (429 `connections`, counted)
+        # in place of uvicorn's own plain-text 503.
         limit_concurrency=settings.max_connections,
         backlog=settings.listen_backlog,
         # A backstop only: by the time uvicorn shuts down, the drain has already waited for

@@ -86,8 +86,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         default=8192,
         ge=1,
-        description="Open connections per front-end process; beyond it uvicorn answers 503 "
-        "at once. Sized so a flood is answered with 429s, not refused.",
+        description="Open connections per front-end process; once this many are open, each "
+        "request is answered 429 (reason `connections`, Retry-After 1 s) from its headers and "
+        "its connection closed. Sized so a flood meets the in-flight cap's 429s long before it.",
     )
     listen_backlog: int = Field(
         default=4096,

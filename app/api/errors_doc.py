@@ -19,8 +19,9 @@ _ERROR_WHEN = {
     422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
     408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`).",
     429: "Over the token rate (`rate`), the in-flight cap (`inflight`), or a predicted wait "
-    "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; `Retry-After` "
-    "says when to retry.",
+    "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; a front end "
+    "holding STEADY_MAX_CONNECTIONS connections (`connections`: this connection is closed). "
+    "`Retry-After` says when to retry.",
     500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
     503: "Warming up or start-up failed (`not_ready`), the engine restarted with the request "
     "in it (`engine_lost`, retry), or draining (`draining`).",

@@ -22,6 +22,12 @@ module only answers that verdict, in one of two places:
   which the protocol leaves to it so that answers keep their order), and the owner of
   every admitted request's `Service.leave`, wherever it was admitted.
 
+The protocol also answers uvicorn's connection cap (`limit_concurrency`, set from
+`max_connections`): past it, uvicorn would answer a plain-text 503 of its own, counted
+nowhere, without `Retry-After` or the retry-elsewhere header. Instead every request there
+gets the prebuilt 429 `connections`, written from its headers like the refusals above and
+counted among them, and its connection is closed: closing is what frees a place.
+
 Everything here runs on the event loop's thread.
 """
 
@@ -30,13 +36,16 @@ from __future__ import annotations
 import ipaddress
 import time
 from collections.abc import Collection, Iterable, Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from http import HTTPStatus
 
 import httptools
 import orjson
+from prometheus_client import Counter
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn._types import ASGI3Application
+from uvicorn.protocols.http.flow_control import service_unavailable
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.admission import Entry, Rejected, RejectReason
 from app.api.common import ENTRY, envoy_timeout_in
@@ -59,7 +68,25 @@ _SHED_MESSAGES = {
     "inflight": "over capacity: too many requests in flight; retry after Retry-After seconds",
     "draining": "server is draining; retry on another replica",
     "not_ready": "the engine is not ready",
+    "connections": "over capacity: too many open connections; this one is closed, retry "
+    "after Retry-After seconds",
 }
+
+# The status of every refusal: the app's (`REJECTION_STATUS`) and the connection cap's, which
+# only the HTTP protocol answers. That cap is this process's capacity, as the in-flight cap
+# is, so it is answered as that one is: 429 (503 is for a server that cannot serve at all:
+# draining, no engine).
+REFUSAL_STATUS = {
+    **REJECTION_STATUS,
+    RejectReason.CONNECTIONS: REJECTION_STATUS[RejectReason.INFLIGHT],
+}
+
+# Connections free as their clients close them: there is no rate to predict a wait from, so
+# the next second (what Envoy answers for its own overflow: deploy/envoy/envoy.yaml).
+CONNECTION_CAP_RETRY_AFTER_S = 1.0
+_CONNECTION_CAP = Rejected(
+    RejectReason.CONNECTIONS, _SHED_MESSAGES["connections"], CONNECTION_CAP_RETRY_AFTER_S
+)
 
 
 @lru_cache(maxsize=64)
@@ -67,7 +94,7 @@ def _shed_response(
     reason: str, retry_after: str | None, close: bool
 ) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
     """Status, headers and body of a refusal, built once per distinct answer."""
-    status = REJECTION_STATUS[RejectReason(reason)]
+    status = REFUSAL_STATUS[RejectReason(reason)]
     body = orjson.dumps(error_object(reason, _SHED_MESSAGES.get(reason, reason)))
     headers = [
         (b"content-type", b"application/json"),
@@ -181,9 +208,25 @@ def shedding_protocol(
     refusal to answer at once (admissions earn them) and the connection is not a proxy's
     (one from `trusted_proxies` whose request carries proxy headers). A request it admits
     goes on through the ASGI app with its `Entry` in the scope, so `SheddingMiddleware` must
-    wrap that app (it calls `Service.leave`)."""
+    wrap that app (it calls `Service.leave`). Past uvicorn's connection cap
+    (`Config(limit_concurrency=...)`) every request gets the 429 `connections` instead of
+    uvicorn's 503."""
     shed_paths = frozenset(path.encode() for path in paths)
     trusted = trusted_networks(trusted_proxies)
+
+    @cache  # labelled once, at the first refusal: this runs for each request of a flood
+    def connection_cap_refusals() -> Counter:
+        return service.metrics.rejected.labels("", RejectReason.CONNECTIONS.value)
+
+    def count_connection_cap_refusal() -> None:
+        service.drain.arrived()  # a request arrived, as `Service.shed` counts them
+        connection_cap_refusals().inc()
+
+    async def refuse_at_connection_cap(scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI app uvicorn runs where it would run its own `service_unavailable`."""
+        started = time.perf_counter()
+        count_connection_cap_refusal()
+        await send_rejection(_CONNECTION_CAP, send, started, close=True)
 
     class SheddingProtocol(HttpToolsProtocol):
         # True from a refusal to the end of that request's message: its body is dropped.
@@ -209,17 +252,36 @@ def shedding_protocol(
             if not self._discarding:
                 super().on_message_complete()
 
+        def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+            # uvicorn decided on its connection cap itself (a request pipelined behind an
+            # unanswered one, which `_refused_here` leaves to it, or an upgrade): the same
+            # refusal as written from the headers, in place of its plain-text 503.
+            if app is service_unavailable:
+                app = refuse_at_connection_cap  # type: ignore[assignment]  # starlette's ASGI types
+            super()._start_asgi_task(cycle, app)
+
+        def _at_connection_cap(self) -> bool:
+            """uvicorn's own test of `limit_concurrency` (its `on_headers_complete`), on its
+            own state: this process's connections, or its requests' tasks, at the cap."""
+            cap = self.limit_concurrency
+            return cap is not None and (len(self.connections) >= cap or len(self.tasks) >= cap)
+
         def _refused_here(self) -> bool:
             """Shed the request whose headers were just parsed; True once it is answered."""
-            if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
-                return False
+            if self.parser.should_upgrade():
+                return False  # uvicorn's (`_start_asgi_task` still answers its cap)
             if self.cycle is not None and not self.cycle.response_complete:
-                return False  # pipelined behind an unanswered request: the middleware decides
-            if self.limit_concurrency is not None and (
-                len(self.connections) >= self.limit_concurrency
-                or len(self.tasks) >= self.limit_concurrency
-            ):
-                return False  # uvicorn answers 503 itself, without running the app
+                # Pipelined behind an unanswered request: answered in order, by the middleware
+                # (or, at the cap, by what `_start_asgi_task` puts in uvicorn's 503's place).
+                return False
+            if self._at_connection_cap():
+                # Any method and path, as uvicorn refused them: no task, no ASGI, and none of
+                # uvicorn's log lines, one per request of the flood.
+                self._send_refusal(_CONNECTION_CAP, time.perf_counter(), close=True)
+                count_connection_cap_refusal()
+                return True
+            if self.parser.get_method() != b"POST":
+                return False
             if httptools.parse_url(self.url).path not in shed_paths:
                 return False
             started = time.perf_counter()
@@ -231,11 +293,13 @@ def shedding_protocol(
             self._send_refusal(entry, started)
             return True
 
-        def _send_refusal(self, rejection: Rejected, started: float) -> None:
+        def _send_refusal(self, rejection: Rejected, started: float, close: bool = False) -> None:
             # A client waiting for 100 Continue will not send the body it declared, so the
-            # connection cannot carry another request: it is closed, as while draining.
+            # connection cannot carry another request: it is closed, as while draining, and
+            # as `close` asks (at the connection cap: closing is what frees a place).
             keep_alive = (
-                self.parser.get_http_version() == "1.1"
+                not close
+                and self.parser.get_http_version() == "1.1"
                 and self.parser.should_keep_alive()
                 and not self.expect_100_continue
                 and not service.admission.draining

@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 from app.api import errors
+from app.api.shedding import REFUSAL_STATUS
 
 APP = Path(__file__).resolve().parents[2] / "app"
 
@@ -14,8 +15,9 @@ APP = Path(__file__).resolve().parents[2] / "app"
 def answered_error_types() -> set[tuple[int, str]]:
     """(status, error.type) of every error the app's code answers: each `error_response`
     call with a literal type (its status a literal or a name in app.api.errors), the
-    rejections by reason, and the HTTP exceptions' types."""
-    answered = {(status, reason.value) for reason, status in errors.REJECTION_STATUS.items()}
+    rejections by reason (the HTTP protocol's connection cap too), and the HTTP exceptions'
+    types."""
+    answered = {(status, reason.value) for reason, status in REFUSAL_STATUS.items()}
     answered |= set(errors.HTTP_ERROR_TYPES.items()) | {(400, errors.HTTP_ERROR)}
     for path in APP.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -15,6 +15,8 @@ from uvicorn.server import ServerState
 from app.admission import Rejected, RejectReason
 from app.api.refusal_budget import RefusalBudget
 from app.api.shedding import came_through_a_proxy, shedding_protocol, trusted_networks
+from app.metrics import Metrics
+from tests.support.fake_transport import FakeTransport
 
 ENVOY_HEADERS = [(b"x-forwarded-for", b"203.0.113.9"), (b"x-envoy-attempt-count", b"1")]
 PRIVATE = trusted_networks(["10.0.0.0/8", "fc00::/7"])
@@ -39,32 +41,6 @@ def test_a_proxy_is_a_trusted_peer_that_sends_proxy_headers(
     assert came_through_a_proxy(peer, headers, trusted) is proxied
 
 
-@dataclass
-class FakeTransport:
-    peer: tuple[str, int]
-    written: bytearray = field(default_factory=bytearray)
-    reading: bool = True
-    closing: bool = False
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": self.peer, "sockname": ("10.9.9.9", 8000)}.get(name, default)
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-
 class FakeHandle:
     def cancel(self) -> None:
         pass
@@ -81,20 +57,12 @@ class FakeLoop:
         return FakeHandle()
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def inc(self) -> None:
-        self.value += 1
-
-
 class RefusingService:
     """What the protocol asks of a `Service` that refuses everything (in-flight cap full)."""
 
     def __init__(self) -> None:
         self.admission = type("Admission", (), {"draining": False})()
-        self.metrics = type("Metrics", (), {"refusals_paused": Counter()})()
+        self.metrics = Metrics()
 
     def shed(self, envoy_timeout_ms: float | None) -> Rejected:
         return Rejected(RejectReason.INFLIGHT, "full", retry_after_s=1.0)

@@ -1,0 +1,175 @@
+"""Past uvicorn's connection cap (`limit_concurrency`, set from STEADY_MAX_CONNECTIONS) a
+request is refused as the HTTP protocol refuses the others (`app/api/shedding.py`): the
+prebuilt JSON 429 `connections`, with `Retry-After` and the header the shipped Envoy retries
+on, counted in `steadyserve_rejected_total`, its connection closed; not uvicorn's own
+plain-text 503, which no metric counted. The protocol is driven with bytes through a fake
+transport on a real event loop (uvicorn answers in tasks): no socket, no server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httptools
+import orjson
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from app.api.errors import RETRY_ELSEWHERE_HEADER
+from app.api.refusal_budget import RefusalBudget
+from app.api.shedding import shedding_protocol
+from app.metrics import Metrics
+from tests.support.fake_transport import FakeTransport
+
+CAP = 2
+BODY = b'{"inputs": "x"}'
+POST_INFER = (
+    b"POST /infer HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+)
+GET_METRICS = b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n"
+
+
+class Arrivals:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def arrived(self) -> None:
+        self.count += 1
+
+
+class CappedService:
+    """What the protocol asks of a `Service`; admission is never reached at the cap."""
+
+    def __init__(self) -> None:
+        self.admission = type("Admission", (), {"draining": False})()
+        self.metrics = Metrics()
+        self.drain = Arrivals()
+
+    def shed(self, envoy_timeout_ms: float | None) -> Any:
+        raise AssertionError("a request past the connection cap is never admitted")
+
+    def refused_at_the_cap(self) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "steadyserve_rejected_total", {"model": "", "reason": "connections"}
+        )
+        return value or 0.0
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    """Answers 200 to any request it is handed."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def connect(
+    service: CappedService, state: ServerState, loop: asyncio.AbstractEventLoop
+) -> tuple[Any, FakeTransport]:
+    """A new connection to a front end whose connection cap is CAP."""
+    protocol_class = shedding_protocol(
+        service,  # type: ignore[arg-type]
+        ["/infer"],
+        read_pause_s=1.0,
+        budget=RefusalBudget(0),
+    )
+    config = uvicorn.Config(_app, lifespan="off", log_level="warning", limit_concurrency=CAP)
+    protocol = protocol_class(  # type: ignore[call-arg]
+        config=config, server_state=state, app_state={}, _loop=loop
+    )
+    transport = FakeTransport(("203.0.113.9", 40000))
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    return protocol, transport
+
+
+async def until_answered(state: ServerState) -> None:
+    """Until every task uvicorn started (and those they started) has ended."""
+    while state.tasks:
+        await asyncio.gather(*list(state.tasks))
+
+
+Response = tuple[int, dict[str, str], bytes]
+
+
+def responses(written: bytes) -> list[Response]:
+    """The HTTP/1.1 responses written to a connection, in order."""
+    parsed: list[Response] = []
+    headers: dict[str, str] = {}
+    body = bytearray()
+
+    class Callbacks:
+        def on_header(self, name: bytes, value: bytes) -> None:
+            headers[name.decode().lower()] = value.decode()
+
+        def on_body(self, chunk: bytes) -> None:
+            body.extend(chunk)
+
+        def on_message_complete(self) -> None:
+            parsed.append((parser.get_status_code(), dict(headers), bytes(body)))
+            headers.clear()
+            body.clear()
+
+    parser = httptools.HttpResponseParser(Callbacks())
+    parser.feed_data(bytes(written))
+    return parsed
+
+
+def assert_connection_cap_refusal(response: Response) -> None:
+    status, headers, body = response
+    assert status == 429, (status, body)  # capacity, as the in-flight cap answers
+    assert headers["content-type"] == "application/json"
+    assert headers["retry-after"] == "1"
+    assert headers[RETRY_ELSEWHERE_HEADER] == "1"  # no work done: another replica may take it
+    assert headers["connection"] == "close"  # closing the connection frees a place
+    error = orjson.loads(body)["error"]
+    assert error["type"] == error["code"] == "connections"
+    assert error["message"].startswith("over capacity")
+
+
+@pytest.mark.parametrize("request_bytes", [POST_INFER, GET_METRICS], ids=["infer", "metrics"])
+def test_a_request_past_the_connection_cap_gets_the_prebuilt_429_and_is_counted(
+    request_bytes: bytes,
+) -> None:
+    service = CappedService()
+    state = ServerState()
+
+    async def flood() -> tuple[FakeTransport, int]:
+        loop = asyncio.get_running_loop()
+        connect(service, state, loop)  # a connection already held
+        protocol, transport = connect(service, state, loop)  # the cap's: 2 of 2
+        protocol.data_received(request_bytes)
+        tasks_started = len(state.tasks)
+        await until_answered(state)
+        return transport, tasks_started
+
+    transport, tasks_started = asyncio.run(flood())
+    [response] = responses(transport.written)
+    assert_connection_cap_refusal(response)
+    assert "server-timing" in response[1]
+    assert transport.closing
+    assert tasks_started == 0  # answered from its headers: no task, no ASGI app
+    assert service.refused_at_the_cap() == 1
+    assert service.drain.count == 1  # an arrival, as the drain's quiet period counts them
+
+
+def test_a_request_pipelined_past_the_cap_gets_the_same_429_after_the_one_ahead() -> None:
+    """uvicorn itself decides on a pipelined request (the protocol leaves those to it so that
+    answers keep their order): its 503 is replaced by the same refusal."""
+    service = CappedService()
+    state = ServerState()
+
+    async def pipelined() -> FakeTransport:
+        loop = asyncio.get_running_loop()
+        protocol, transport = connect(service, state, loop)
+        protocol.data_received(b"GET /first HTTP/1.1\r\nhost: test\r\n\r\n")  # under the cap
+        connect(service, state, loop)  # another client fills the cap meanwhile
+        protocol.data_received(POST_INFER)  # behind the unanswered first request
+        await until_answered(state)
+        return transport
+
+    transport = asyncio.run(pipelined())
+    first, second = responses(transport.written)
+    assert first[0] == 200 and first[2] == b"ok"
+    assert_connection_cap_refusal(second)
+    assert transport.closing
+    assert service.refused_at_the_cap() == 1

@@ -11,8 +11,8 @@ every process's metrics appear on any front end's /metrics. On SIGTERM/SIGINT it
 front ends to drain (each answers what it admitted, then exits), then stops the engine; a
 second signal stops everything at once. Front ends that die are restarted too.
 
-Runs on the parent's event loop thread, except `run_frontend_process`, the entry point of
-each front-end process.
+Runs on the parent's event loop thread (each front-end process starts in
+`app/frontend_process.py`).
 """
 
 from __future__ import annotations
@@ -26,15 +26,15 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
 from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
-from app.engine.orphans import die_with_parent
 from app.engine.protocol import EngineStatus, FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import (
@@ -43,32 +43,26 @@ from app.engine.zmq_client import (
     StatusSubscriber,
     send_now,
 )
+from app.frontend_process import (
+    DRAIN_OR_STOP,
+    STARTED,
+    configure_logging,
+    run_frontend_process,
+)
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.metrics_archive import compact_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.settings import Settings
-from app.shared_port import port_problem, shared_port_socket
+from app.shared_port import port_problem
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)
-
-
-def configure_logging(level: str, role: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 # Engine restarts without it ever being seen ready before the supervisor's /healthz says the
 # pod should be restarted: an engine that crash-loops (a model that cannot load, a device
 # that fails) would otherwise leave it NotReady forever, live in Kubernetes' eyes.
 RESTARTS_BEFORE_UNHEALTHY = 5
-
-# How the parent talks to its children: drain (front ends) or stop (the engine). Children
-# ignore SIGTERM and SIGINT, which may reach the whole process group at once.
-DRAIN_OR_STOP = signal.SIGUSR1
 
 
 def drained(exitcode: int | None) -> bool:
@@ -78,53 +72,26 @@ def drained(exitcode: int | None) -> bool:
     return exitcode in (0, -DRAIN_OR_STOP)
 
 
-def run_frontend_process(
-    settings: Settings,
-    addresses: EngineAddresses,
-    processes: int,
-    started: EventType,
-    parent_pid: int,
-) -> None:
-    """Entry point of one front-end process. Sets `started` once its start-up succeeded (the
-    supervisor's probes count it as serving from then on); a start-up that fails ends the
-    process (exit status 1), which the supervisor restarts with backoff."""
-    die_with_parent(parent_pid)
-    # Until uvicorn installs its handlers: a drain asked for during start-up is a clean
-    # exit, and the group's SIGTERM/SIGINT are the parent's to handle.
-    signal.signal(DRAIN_OR_STOP, lambda signum, frame: sys.exit(0))
-    for ignored in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(ignored, signal.SIG_IGN)
-    # Imported here: the parent never needs uvicorn's app stack.
-    from app.cli import run_uvicorn
-    from app.main import create_app
-
-    configure_logging(settings.log_level, f"frontend[{os.getpid()}]")
-    # Below the engine: a flood of connections must not take CPU from admitted work.
-    os.nice(settings.frontend_nice)
-    sock = shared_port_socket(settings.host, settings.port)
-
-    def on_started(ok: bool) -> None:
-        if ok:  # else uvicorn's start-up fails, and run_uvicorn returns 1
-            started.set()
-
-    app = create_app(
-        settings, engine_addresses=addresses, frontend_processes=processes, on_started=on_started
-    )
-    sys.exit(run_uvicorn(app, settings, sockets=[sock], in_process_tree=True))
-
-
 class ProcessTree:
     """The engine and the front ends of one server. Parent's event loop thread only."""
 
-    def __init__(self, settings: Settings, run_dir: Path) -> None:
+    def __init__(
+        self, settings: Settings, run_dir: Path, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        """`clock` times how long the engine and each front end have served (their restart
+        backoff resets after `STABLE_AFTER_S` of it)."""
         self.settings = settings
         self.run_dir = run_dir
         self.addresses = EngineAddresses.in_directory(run_dir)
         self.frontend_count = settings.frontend_processes(available_cpus())
         self._context = multiprocessing.get_context("spawn")
-        self.engine = EngineSupervisor(settings, self.addresses, on_exit=self._engine_exited)
+        self._clock = clock
+        self.engine = EngineSupervisor(
+            settings, self.addresses, on_exit=self._engine_exited, clock=clock
+        )
         self.frontends: list[BaseProcess] = []
-        self._frontends_started: list[EventType] = []
+        # When the supervisor heard each front end's start-up succeed; None: not (yet).
+        self._frontends_serving_since: list[float | None] = []
         self._restarts_when_last_ready = 0
         self._metric_folds: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -151,8 +118,8 @@ class ProcessTree:
         if engine is not None and engine_process is not None and engine.pid != engine_process.pid:
             engine = None  # a dead engine's last word: its replacement has not spoken yet
         can_serve = any(
-            process.is_alive() and started.is_set()
-            for process, started in zip(self.frontends, self._frontends_started, strict=True)
+            process.is_alive() and since is not None
+            for process, since in zip(self.frontends, self._frontends_serving_since, strict=True)
         )
         if engine is not None and engine.state == "ready":
             self._restarts_when_last_ready = self.engine.restarts
@@ -193,18 +160,54 @@ class ProcessTree:
             process.kill()
 
     def _spawn_frontend(self, index: int) -> None:
-        started = self._context.Event()
+        # A pipe, not a shared flag: its end turns readable the moment the front end says it
+        # started (or dies), so the supervisor times its serving on its own clock.
+        heard, started = self._context.Pipe(duplex=False)
         process = self._context.Process(
             target=run_frontend_process,
             args=(self.settings, self.addresses, self.frontend_count, started, os.getpid()),
             name="steadyserve-frontend",
         )
-        process.start()
+        try:
+            process.start()
+        except BaseException:
+            heard.close()
+            raise
+        finally:
+            started.close()  # the child's copy is the only one left: its death is EOF
         if index == len(self.frontends):
             self.frontends.append(process)
-            self._frontends_started.append(started)
+            self._frontends_serving_since.append(None)
         else:
-            self.frontends[index], self._frontends_started[index] = process, started
+            self.frontends[index], self._frontends_serving_since[index] = process, None
+        asyncio.get_running_loop().add_reader(
+            heard.fileno(), self._heard_frontend, index, process, heard
+        )
+
+    def _heard_frontend(self, index: int, process: BaseProcess, heard: Connection) -> None:
+        """The start pipe of front end `index` turned readable: `STARTED`, or its death before
+        start-up succeeded (EOF). Read once, then closed."""
+        asyncio.get_running_loop().remove_reader(heard.fileno())
+        try:
+            said = heard.recv_bytes()
+        except (EOFError, OSError):
+            said = b""
+        finally:
+            heard.close()
+        if said == STARTED:
+            self._frontend_started(index, process)
+
+    def _frontend_started(self, index: int, process: BaseProcess) -> None:
+        """Front end `index` (`process`) said its start-up succeeded: it serves from now."""
+        if self.frontends[index] is process:  # not a replaced one's late word
+            self._frontends_serving_since[index] = self._clock()
+
+    def _served_stable(self, index: int) -> bool:
+        """Whether front end `index` (just dead) had served for `STABLE_AFTER_S`: counted
+        from its start-up's success, so one that crash-loops in a long start-up keeps
+        backing off."""
+        since = self._frontends_serving_since[index]
+        return since is not None and self._clock() - since >= STABLE_AFTER_S
 
     async def run(self) -> int:
         """Serve until a signal; the exit status. 2, with nothing started, when the probe
@@ -312,14 +315,13 @@ class ProcessTree:
         backoff: float | None = None
         while True:
             process = self.frontends[index]
-            spawned = time.monotonic()
             await wait_for_exit(process)
             if self._stopping:
                 return
             assert process.pid is not None
             self._tell_engine_frontend_gone(process.pid)
             await _forget_metrics_of(process.pid)
-            if time.monotonic() - spawned >= STABLE_AFTER_S:
+            if self._served_stable(index):
                 backoff = None
             first, longest = self.settings.engine_restart_backoff_s
             backoff = next_backoff(backoff, first, longest)

@@ -134,7 +134,7 @@ class Settings(BaseSettings):
         default=(1.0, 30.0),
         description="First and longest wait before restarting an engine (or a front end) "
         "that died; doubles per consecutive death, reset once an engine has been ready (a front "
-        "end running) for a minute.",
+        "end serving) for a minute.",
     )
     unhealthy_after_failed_batches: int = Field(
         default=5,

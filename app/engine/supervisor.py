@@ -26,9 +26,10 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# An engine ready this long without dying resets the backoff (a front end: running this
-# long). Counted from ready, not from its start: an engine that crash-loops in a warm-up
-# longer than this reset its backoff at every death, restarted forever at the first wait.
+# An engine ready this long without dying resets the backoff (a front end: serving this
+# long, from its start-up's success). Counted from ready, not from its start: an engine (or
+# front end) that crash-loops in a warm-up longer than this reset its backoff at every
+# death, restarted forever at the first wait.
 STABLE_AFTER_S = 60.0
 
 

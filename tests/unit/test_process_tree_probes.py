@@ -4,10 +4,12 @@ and the front ends, with stand-in processes: no child is started."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.protocol import EngineStatus
 from app.engine.supervisor import EngineSupervisor, next_backoff
 from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
+from app.frontend_process import STARTED
 from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained
 from app.settings import Settings
 
@@ -47,10 +50,8 @@ def ready_status(pid: int) -> EngineStatus:
 @pytest.fixture
 async def tree(tmp_path: Path) -> AsyncIterator[ProcessTree]:
     tree = ProcessTree(Settings(), tmp_path)
-    started = asyncio.Event()
-    started.set()
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
-    tree._frontends_started = [started]  # type: ignore[list-item]
+    tree._frontends_serving_since = [time.monotonic()]  # its start-up succeeded
     yield tree
     tree._zmq.destroy(linger=0)
 
@@ -74,7 +75,7 @@ async def test_ready_needs_the_running_engines_own_status(tree: ProcessTree) -> 
 async def test_a_front_end_still_starting_cannot_serve(tree: ProcessTree) -> None:
     tree.engine.process = StandIn(111)  # type: ignore[assignment]
     hear(tree, ready_status(111))
-    tree._frontends_started[0].clear()  # type: ignore[attr-defined]
+    tree._frontends_serving_since[0] = None
     status, body = tree._answer_probe("/readyz")
     assert status == 503 and b"frontend" in body
 
@@ -383,3 +384,132 @@ async def test_the_tree_tells_the_supervisor_when_its_engine_is_ready(tree: Proc
     assert tree.engine._ready_since is None
     tree._engine_status.take(ready_status(42))
     assert tree.engine._ready_since is not None
+
+
+def dying_frontends(
+    tree: ProcessTree,
+    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
+    serving_after_s: float | None,
+) -> list[float]:
+    """Front ends that each run 70 s and die, their start-up heard to succeed
+    `serving_after_s` into their run (never when None: a 70 s start-up that fails); the
+    fourth restart stops the server. Returns the backoffs the supervisor chose."""
+    backoffs: list[float] = []
+    spawned: list[StandIn] = []
+
+    def spawn(index: int) -> None:
+        if len(spawned) == 3:
+            tree._stopping = True
+        spawned.append(StandIn(400 + len(spawned)))
+        tree.frontends[index], tree._frontends_serving_since[index] = spawned[-1], None  # type: ignore[call-overload]
+
+    async def runs_70_s(process: StandIn) -> None:
+        if tree._stopping:
+            return
+        if serving_after_s is not None:
+            clock[0] += serving_after_s
+            tree._frontend_started(0, process)  # type: ignore[arg-type]
+            clock[0] += 70 - serving_after_s
+        else:
+            clock[0] += 70
+
+    async def nothing(*args: object) -> None:
+        return None
+
+    def recorded(previous_s: float | None, first_s: float, longest_s: float) -> float:
+        backoffs.append(next_backoff(previous_s, first_s, longest_s))
+        return backoffs[-1]
+
+    monkeypatch.setattr(tree, "_spawn_frontend", spawn)
+    monkeypatch.setattr(tree, "_tell_engine_frontend_gone", lambda pid: None)
+    monkeypatch.setattr("app.processes.wait_for_exit", runs_70_s)
+    monkeypatch.setattr("app.processes._forget_metrics_of", nothing)
+    monkeypatch.setattr("app.processes.next_backoff", recorded)
+    return backoffs
+
+
+@pytest.mark.parametrize(
+    ("serving_after_s", "expected"),
+    [
+        # A start-up that takes 70 s and fails: it never served, the backoff grows.
+        (None, [0.001, 0.002, 0.004, 0.004]),
+        # Serving 50 s in, dead 20 s later: not a stable front end either.
+        (50.0, [0.001, 0.002, 0.004, 0.004]),
+        # Serving 5 s in, for 65 s: stable, each death starts the backoff over.
+        (5.0, [0.001, 0.001, 0.001, 0.001]),
+    ],
+)
+async def test_the_front_end_restart_backoff_resets_after_a_minute_serving_not_running(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    serving_after_s: float | None,
+    expected: list[float],
+) -> None:
+    """It reset after a minute of the front end running: one whose start-up took over a
+    minute and then failed was restarted at the first wait forever."""
+    clock = [1000.0]
+    settings = Settings(engine_restart_backoff_s=(0.001, 0.004))
+    tree = ProcessTree(settings, tmp_path, clock=lambda: clock[0])
+    tree.frontends = [StandIn(10)]  # type: ignore[list-item]
+    tree._frontends_serving_since = [None]
+    backoffs = dying_frontends(tree, monkeypatch, clock, serving_after_s)
+    try:
+        await asyncio.wait_for(tree._keep_frontend(0), timeout=10)
+    finally:
+        tree._zmq.destroy(linger=0)
+    assert backoffs == expected
+
+
+class SpawnStandIn:
+    """The spawn context, but its processes only do what `act` does with their start pipe."""
+
+    def __init__(self, act: Callable[[Connection], None]) -> None:
+        self._act = act
+        self.Pipe = multiprocessing.get_context("spawn").Pipe
+
+    def Process(self, target: object, args: tuple[object, ...], name: str) -> StandIn:
+        act = self._act
+        started = args[3]
+        assert isinstance(started, Connection)
+
+        class Child(StandIn):
+            def start(self) -> None:
+                act(started)
+
+        return Child(500)
+
+
+@pytest.mark.parametrize("succeeds", [True, False])
+async def test_a_front_end_serves_from_when_its_start_pipe_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, succeeds: bool
+) -> None:
+    """The supervisor hears a front end's start-up succeed on its event loop, at once, and
+    times its serving on its own clock from then; one whose start-up failed (its pipe closed
+    with nothing said) never serves, and its pipe is closed."""
+    clock = [1000.0]
+    tree = ProcessTree(Settings(), tmp_path, clock=lambda: clock[0])
+
+    def act(started: Connection) -> None:
+        if succeeds:
+            started.send_bytes(STARTED)
+        started.close()  # as the child's end closes when it exits
+
+    heard = asyncio.Event()
+    pipes: list[Connection] = []
+    really_heard = tree._heard_frontend
+
+    def heard_frontend(index: int, process: StandIn, pipe: Connection) -> None:
+        pipes.append(pipe)
+        really_heard(index, process, pipe)  # type: ignore[arg-type]
+        heard.set()
+
+    monkeypatch.setattr(tree, "_context", SpawnStandIn(act))
+    monkeypatch.setattr(tree, "_heard_frontend", heard_frontend)
+    try:
+        tree._spawn_frontend(0)
+        await asyncio.wait_for(heard.wait(), timeout=10)
+    finally:
+        tree._zmq.destroy(linger=0)
+    assert tree._frontends_serving_since == [1000.0 if succeeds else None]
+    assert pipes[0].closed

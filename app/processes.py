@@ -21,10 +21,8 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -52,6 +50,7 @@ from app.frontend_process import (
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.metrics_archive import compact_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
+from app.run_dir import run_directory
 from app.settings import Settings
 from app.shared_port import port_problem
 from app.telemetry.cgroup import available_cpus
@@ -371,12 +370,10 @@ def serve_processes(settings: Settings) -> int:
         log.error("%s", problem)
         sys.stderr.write(f"steadyserve: {problem}\n")
         return 2
-    run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-"))
-    metrics_dir = run_dir / "metrics"
-    metrics_dir.mkdir()
-    # Before any child starts: each reads it when it first imports prometheus_client.
-    os.environ[MULTIPROCESS_DIR_ENV] = str(metrics_dir)
-    try:
+    # Removed on the way out; one a killed supervisor left is removed by the next to start.
+    with run_directory() as run_dir:
+        metrics_dir = run_dir / "metrics"
+        metrics_dir.mkdir()
+        # Before any child starts: each reads it when it first imports prometheus_client.
+        os.environ[MULTIPROCESS_DIR_ENV] = str(metrics_dir)
         return asyncio.run(ProcessTree(settings, run_dir).run())
-    finally:
-        shutil.rmtree(run_dir, ignore_errors=True)

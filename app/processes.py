@@ -52,7 +52,7 @@ from app.metrics_archive import compact_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.run_dir import run_directory
 from app.settings import Settings
-from app.shared_port import port_problem
+from app.shared_port import PortUnavailable, reserve_shared_port
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)
@@ -365,13 +365,15 @@ def serve_processes(settings: Settings) -> int:
     """Run the engine and the front ends until a signal; returns the exit status (2 when
     the port cannot be served)."""
     configure_logging(settings.log_level, "supervisor")
-    problem = port_problem(settings.host, settings.port)
-    if problem is not None:
+    try:
+        reservation = reserve_shared_port(settings.host, settings.port)
+    except PortUnavailable as problem:
         log.error("%s", problem)
         sys.stderr.write(f"steadyserve: {problem}\n")
         return 2
-    # Removed on the way out; one a killed supervisor left is removed by the next to start.
-    with run_directory() as run_dir:
+    # The run directory is removed on the way out; one a killed supervisor left is removed
+    # by the next to start.
+    with reservation, run_directory() as run_dir:
         metrics_dir = run_dir / "metrics"
         metrics_dir.mkdir()
         # Before any child starts: each reads it when it first imports prometheus_client.

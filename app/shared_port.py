@@ -1,9 +1,14 @@
 """The port every front end serves: each binds its own socket to it (SO_REUSEPORT), and the
-supervisor first checks nobody else holds it. Supervisor and front-end processes; no state."""
+supervisor first checks nobody else holds it, then holds it for them. Supervisor and
+front-end processes; no state."""
 
 from __future__ import annotations
 
 import socket
+
+
+class PortUnavailable(Exception):
+    """Why the front ends could not share the port: one line, for the operator."""
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:
@@ -19,21 +24,40 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why the front ends could not share (host, port), or None. Each front end binds it
-    with SO_REUSEPORT: a port some other server holds would make every one of them fail and
-    be restarted forever (or, another steadyserve's, silently split its connections), and
-    port 0 would give each front end a port of its own."""
+def reserve_shared_port(host: str, port: int) -> socket.socket:
+    """Check that nobody holds (host, port), then hold it for the front ends until the
+    returned socket is closed (the supervisor keeps it for its whole life); PortUnavailable
+    otherwise. Each front end binds it with SO_REUSEPORT: a port some other server holds
+    would make every one of them fail and be restarted forever (or, another steadyserve's,
+    silently split its connections), and port 0 would give each front end a port of its own.
+
+    Held, not only checked: the first front end listens only once its start-up succeeded,
+    and none does while they all restart; a server that bound the port meanwhile (with
+    SO_REUSEADDR it may, next to sockets that do not listen) made each front end's listen
+    fail, with a traceback, restarted forever. The reservation never listens (the kernel
+    gives it no connection) and has SO_REUSEPORT without SO_REUSEADDR: the front ends'
+    sockets join it, anything else is refused the port."""
     if port == 0:
-        return "port 0 (any free port) would give each front end its own: name one"
+        raise PortUnavailable("port 0 (any free port) would give each front end its own: name one")
     with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
         # Without SO_REUSEPORT: the bind fails if anything listens there, ours or not.
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            return f"cannot listen on {host}:{port}: {error.strerror}"
-    return None
+        _bind(probe, host, port)
+    reservation = socket.socket(_family(host), socket.SOCK_STREAM)
+    try:
+        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        _bind(reservation, host, port)  # taken in the instant since the check: refused too
+    except BaseException:
+        reservation.close()
+        raise
+    return reservation
+
+
+def _bind(sock: socket.socket, host: str, port: int) -> None:
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        raise PortUnavailable(f"cannot listen on {host}:{port}: {error.strerror}") from error
 
 
 def _family(host: str) -> socket.AddressFamily:

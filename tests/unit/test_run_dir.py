@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,7 @@ def test_serve_removes_a_dead_supervisors_run_directory_at_start_up(
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv(MULTIPROCESS_DIR_ENV, "")  # serve sets it: restored after the test
-    monkeypatch.setattr("app.processes.port_problem", lambda host, port: None)
+    monkeypatch.setattr("app.processes.reserve_shared_port", lambda host, port: socket.socket())
     monkeypatch.setattr("app.processes.ProcessTree", Tree)
     assert serve_processes(Settings()) == 0
     assert not dead.exists()

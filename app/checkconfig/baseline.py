@@ -48,6 +48,7 @@ class Baseline:
             capacity=_section(loaded, "capacity", path),
         )
         baseline._check_keys(path)
+        baseline._check_capacity(path)
         return baseline
 
     def _check_keys(self, path: Path) -> None:
@@ -96,6 +97,22 @@ class Baseline:
             ]
         if problems:
             raise ConfigError(f"{path}: " + "; ".join(problems))
+
+    def _check_capacity(self, path: Path) -> None:
+        """The capacity figures are counts the relations compute with: a value that is not
+        one is a config error, not a traceback (nor a float silently rounded down)."""
+        value = self.capacity["replica_inflight"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"{path}: capacity.replica_inflight must be a whole number of requests (at "
+                f"least 1), not {value!r}"
+            )
+
+    @property
+    def replica_inflight(self) -> int:
+        """capacity.replica_inflight, checked when loaded."""
+        value: int = self.capacity["replica_inflight"]
+        return value
 
 
 # Baseline keys under `capacity:`.

@@ -135,7 +135,7 @@ def check_overlay(
             k8s=k8s_actual,
             envoy=overlay_envoy,
             probe_ports=probe_ports(manifests),
-            replica_inflight=int(baseline.capacity["replica_inflight"]),
+            replica_inflight=baseline.replica_inflight,
         )
     )
     return differences

@@ -173,3 +173,15 @@ def test_a_baseline_section_of_the_wrong_kind_is_a_config_error(
     )
     assert check(deploy_copy) == 2
     assert "overlays.cpu.settings must be a mapping, not int" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["lots", "null", "12.5", "true", "0"])
+def test_a_replica_inflight_that_is_no_count_of_requests_is_a_config_error(
+    value: str, deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A word or null was a ValueError or TypeError traceback; 12.5 was read as 12."""
+    replace_once(
+        deploy_copy / "baseline.yaml", "replica_inflight: 128", f"replica_inflight: {value}"
+    )
+    assert check(deploy_copy) == 2
+    assert "capacity.replica_inflight must be a whole number of requests" in config_error(capsys)

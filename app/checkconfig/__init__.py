@@ -3,8 +3,8 @@
 Three sources are read and compared with the baseline, value by value:
 
 * the app's settings: `Settings()` (defaults + STEADY_* environment of this process) and, for
-  each overlay under deploy/k8s/overlays, the settings a pod would get from its ConfigMap and
-  container env;
+  each overlay under deploy/k8s/overlays (a tree without any: its base, as the overlay
+  `base`), the settings a pod would get from its ConfigMap and container env;
 * deploy/envoy/envoy.yaml (connection-reuse and buffer limits, retries, health checks, ...);
 * the Kubernetes manifests rendered from each overlay (probes, grace period, resources, HPA).
 

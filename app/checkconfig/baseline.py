@@ -84,19 +84,30 @@ class Baseline:
                 for key in overlay.get("settings", {})
                 if key not in Settings.model_fields
             ]
-            k8s_keys = {**self.k8s, **overlay.get("k8s", {})}
-            problems += [
-                f"overlays.{name}: k8s.{key} is not read by check-config"
-                for key in k8s_keys
-                if key not in K8S_FIELDS
-            ]
-            problems += [
-                f"overlays.{name}: k8s.{key} is missing from the baseline"
-                for key in K8S_FIELDS
-                if key not in k8s_keys
-            ]
+            problems += self._k8s_key_problems(overlay.get("k8s", {}), f"overlays.{name}: ")
         if problems:
             raise ConfigError(f"{path}: " + "; ".join(problems))
+
+    def check_base_keys(self, path: Path) -> None:
+        """For a tree checked by its base alone (no overlays): the shared `k8s` values must
+        name every field check-config reads, as an overlay's do."""
+        problems = self._k8s_key_problems({}, "")
+        if problems:
+            raise ConfigError(f"{path}: " + "; ".join(problems))
+
+    def _k8s_key_problems(self, overlay_k8s: Mapping[str, Any], where: str) -> list[str]:
+        k8s_keys = {**self.k8s, **overlay_k8s}
+        problems = [
+            f"{where}k8s.{key} is not read by check-config"
+            for key in k8s_keys
+            if key not in K8S_FIELDS
+        ]
+        problems += [
+            f"{where}k8s.{key} is missing from the baseline"
+            for key in K8S_FIELDS
+            if key not in k8s_keys
+        ]
+        return problems
 
     def _check_capacity(self, path: Path) -> None:
         """The capacity figures are counts the relations compute with: a value that is not

@@ -34,6 +34,9 @@ from app.checkconfig.quantities import same_quantity
 from app.checkconfig.sources import QUANTITY_FIELDS, probe_ports, read_k8s
 from app.settings import Settings
 
+# The overlay a deploy tree without overlays is checked as: its base (`k8s[base]`).
+BASE_ONLY = "base"
+
 
 def _normalise(value: Any) -> Any:
     if isinstance(value, tuple | list):
@@ -84,7 +87,7 @@ def check_envoy(baseline: Baseline, envoy_config: Any, where: str) -> list[str]:
 def check_overlay(
     baseline: Baseline, name: str, manifests: list[Manifest], envoy_file_text: str
 ) -> list[str]:
-    overlay = baseline.overlays[name]
+    overlay = baseline.overlays.get(name, {})  # none for BASE_ONLY
     where = f"k8s[{name}]"
     environment = pod_environment(manifests)
     try:
@@ -142,7 +145,9 @@ def check_overlay(
 
 
 def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[str]:
-    """Every difference between the baseline and the shipped configuration, one line each."""
+    """Every difference between the baseline and the shipped configuration, one line each.
+    Each overlay under `k8s_path`/overlays is checked; a tree with none, by its base as the
+    one overlay `BASE_ONLY` (its own values, if any, under `overlays.base`)."""
     baseline = Baseline.load(baseline_path)
     try:
         envoy_text = envoy_path.read_text()
@@ -167,23 +172,36 @@ def run_checks(baseline_path: Path, envoy_path: Path, k8s_path: Path) -> list[st
     differences += check_envoy(baseline, envoy_config, "envoy")
     differences += check_envoy_invariants(read_envoy(envoy_config))
 
-    overlays_dir = k8s_path / "overlays"
-    found = (
-        sorted(p.name for p in overlays_dir.iterdir() if p.is_dir())
-        if overlays_dir.is_dir()
-        else []
-    )
-    if found != sorted(baseline.overlays):
+    kustomizations = _deployed_overlays(k8s_path)
+    found = sorted(kustomizations)
+    # A base-only tree needs no `overlays.base` in the baseline: the shared values are its.
+    expected = sorted(baseline.overlays) or ([BASE_ONLY] if found == [BASE_ONLY] else [])
+    if found != expected:
         differences.append(f"k8s.overlays: baseline {sorted(baseline.overlays)}, actual {found}")
-    for name in sorted(set(found) & set(baseline.overlays)):
+    if found == [BASE_ONLY] and not baseline.overlays:
+        baseline.check_base_keys(baseline_path)
+    for name in sorted(set(found) & set(expected)):
+        kustomization = kustomizations[name]
         try:
-            manifests = render_kustomization(overlays_dir / name)
+            manifests = render_kustomization(kustomization)
             differences += check_overlay(baseline, name, manifests, envoy_text)
         except OSError as error:
             raise ConfigError(f"overlay {name}: {error}") from error
         except ConfigError as error:
             raise ConfigError(f"overlay {name}: {error}") from error
     return differences
+
+
+def _deployed_overlays(k8s_path: Path) -> dict[str, Path]:
+    """Each overlay's kustomization directory by name; a tree without overlays deploys its
+    base, checked as the one overlay `BASE_ONLY` (it was not checked at all, its relations
+    included)."""
+    overlays_dir = k8s_path / "overlays"
+    if overlays_dir.is_dir():
+        overlays = {p.name: p for p in overlays_dir.iterdir() if p.is_dir()}
+        if overlays:
+            return overlays
+    return {BASE_ONLY: k8s_path / "base"}
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,9 +4,11 @@ settings and the manifests that no single baseline value expresses."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.checkconfig_support import check, replace_once
 
@@ -197,3 +199,55 @@ def test_an_overlays_own_envoy_config_is_the_one_its_relations_read(
         "keep_alive_timeout_s (75)" in out
     )
     assert "k8s[cpu]" not in out
+
+
+def base_only(deploy: Path, own_values: bool) -> None:
+    """Make `deploy` a tree with only a base (the shipped base is a CPU replica): no
+    overlays; the CPU overlay's baseline values become the base's own (`overlays.base`,
+    less the device its ConfigMap sets) or, with `own_values` False, its k8s values the
+    shared ones and its settings dropped (the baseline has no overlays at all)."""
+    shutil.rmtree(deploy / "k8s" / "overlays")
+    path = deploy / "baseline.yaml"
+    baseline = yaml.safe_load(path.read_text())
+    cpu = baseline.pop("overlays")["cpu"]
+    if own_values:
+        del cpu["settings"]["device"]
+        baseline["overlays"] = {"base": cpu}
+    else:
+        baseline["k8s"].update(cpu["k8s"])
+    path.write_text(yaml.safe_dump(baseline))
+
+
+@pytest.mark.parametrize("own_values", [True, False], ids=["overlays.base", "no overlays"])
+def test_a_tree_with_only_a_base_is_checked_as_one_overlay(
+    own_values: bool, deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without overlays nothing was rendered, so no relation (nor value) of the base was
+    checked: an HPA target no replica can reach passed."""
+    base_only(deploy_copy, own_values)
+    if own_values:
+        assert check(deploy_copy) == 0, capsys.readouterr()
+    capsys.readouterr()
+    for path, old, new in [
+        (
+            deploy_copy / "baseline.yaml",
+            "hpa_inflight_per_pod: '96'",
+            "hpa_inflight_per_pod: '256'",
+        ),
+        (deploy_copy / "k8s" / "base" / "hpa.yaml", 'averageValue: "96"', 'averageValue: "256"'),
+    ]:
+        replace_once(path, old, new)
+    assert check(deploy_copy) == 1
+    out = capsys.readouterr().out
+    assert "k8s[base].hpa_inflight_per_pod: 256 is not under capacity.replica_inflight" in out
+    assert "k8s.overlays" not in out
+
+
+def test_a_base_only_baseline_must_name_every_k8s_field(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As an overlay's values must: a field left out would pass unchecked."""
+    base_only(deploy_copy, own_values=False)
+    replace_once(deploy_copy / "baseline.yaml", "  cpu_limit: '4'\n", "")
+    assert check(deploy_copy) == 2
+    assert "k8s.cpu_limit is missing from the baseline" in capsys.readouterr().err

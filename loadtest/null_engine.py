@@ -30,7 +30,7 @@ from app.engine.protocol import (
 )
 from app.main import create_app
 from app.model_specs import ModelSpec
-from app.processes import configure_logging
+from app.frontend_process import configure_logging
 from app.settings import Settings
 
 WIDTH = 384

@@ -52,7 +52,7 @@ from app.dispatcher import default_thread_plan
 from app.telemetry.cgroup import available_cpus
 from loadtest import torchserve_phase
 from loadtest.bodies import LengthDistribution, sentence
-from loadtest.cli import ProgressPrinter, execute, run_event_loop
+from loadtest.driver import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
 from loadtest.minilm import DTYPES, MiniLM, configure_torch
 from loadtest.proctree import cpu_seconds, descendants, tree_resident_mb

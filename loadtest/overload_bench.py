@@ -33,7 +33,7 @@ from typing import Any
 
 from app.limits import lift_open_file_limit
 from loadtest.bench import REPO_ROOT, _free_port, _system_busy_s, bench_sentences
-from loadtest.cli import execute, run_event_loop
+from loadtest.driver import execute, run_event_loop
 from loadtest.httpclient import Target
 from loadtest.proctree import (
     command_line,

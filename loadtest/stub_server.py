@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import cast
 
-from loadtest.cli import run_event_loop
+from loadtest.driver import run_event_loop
 
 _REASONS = {200: "OK", 429: "Too Many Requests", 500: "Internal Server Error", 503: "Unavailable"}
 

@@ -56,8 +56,8 @@ from loadtest.driver import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
 from loadtest.minilm import DTYPES, MiniLM, configure_torch
 from loadtest.proctree import cpu_seconds, descendants, tree_resident_mb
+from loadtest.records import Mode, Recorder, RunConfig, RunResult
 from loadtest.report import Summary, format_table, summarize, write_json, write_plots
-from loadtest.runner import Mode, Recorder, RunConfig, RunResult
 from loadtest.stages import Stage, parse_duration
 from loadtest.torchserve_phase import TorchServeLayout
 

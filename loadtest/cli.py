@@ -29,8 +29,8 @@ from app.limits import lift_open_file_limit
 from loadtest.bodies import BodyPool, LengthDistribution, generated_bodies, jsonl_bodies
 from loadtest.driver import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
+from loadtest.records import ERROR_KINDS, Mode, Recorder, RunConfig, RunResult
 from loadtest.report import Summary, format_table, judge, summarize, write_json, write_plots
-from loadtest.runner import ERROR_KINDS, Mode, Recorder, RunConfig, RunResult
 from loadtest.stages import Arrival, Stage, parse_duration, parse_stages
 
 DEFAULT_RESULTS_DIR = Path("loadtest/results")

@@ -12,7 +12,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TextIO, TypeVar
 
 from loadtest.httpclient import Target
-from loadtest.runner import LoadRun, MonitorSample, RunConfig, RunResult, http_connection_factory
+from loadtest.records import MonitorSample, RunConfig, RunResult
+from loadtest.runner import LoadRun, http_connection_factory
 
 T = TypeVar("T")
 

@@ -42,7 +42,7 @@ from loadtest.proctree import (
     stop_process,
     tree_resident_mb,
 )
-from loadtest.runner import Mode, RunConfig
+from loadtest.records import Mode, RunConfig
 from loadtest.stages import Stage, parse_duration
 from loadtest.stats import nearest_rank, p99_sample_note
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from loadtest.runner import ERROR_KINDS, Mode, RunResult
+from loadtest.records import ERROR_KINDS, Mode, RunResult
 from loadtest.stats import (
     REPORTED_PERCENTILES,
     LogBuckets,

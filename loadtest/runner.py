@@ -11,8 +11,9 @@ Closed loop: N workers each send, wait for the answer and send again, N followin
 stages. This is what hey and most benchmarks do; it measures capacity at a concurrency,
 and its latencies are those of the requests that could be sent.
 
-Time comes from an injected `Clock`, so tests can drive the schedule in virtual time; the
-connections come from an injected factory, so tests can replace the network.
+Time comes from an injected `Clock` (`loadtest/clocks.py`), so tests can drive the schedule
+in virtual time; the connections come from an injected factory, so tests can replace the
+network. What a run is given and what it records are in `loadtest/records.py`.
 """
 
 from __future__ import annotations
@@ -24,74 +25,20 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Protocol
 
+from loadtest.clocks import Clock, MonotonicClock
 from loadtest.httpclient import HttpConnection, RequestError, Response, Target
-from loadtest.stages import Arrival, Stage, arrival_times, target_at, total_duration
+from loadtest.records import Mode, MonitorSample, Recorder, RunConfig, RunResult
+from loadtest.stages import arrival_times, target_at
 from loadtest.stats import percentile_of_sorted
 
 logger = logging.getLogger(__name__)
-
-#: Error kinds in the order their codes are stored; code 0 means "an HTTP response came".
-ERROR_KINDS: tuple[str, ...] = (
-    "",
-    RequestError.CONNECT,
-    RequestError.CLOSED,
-    RequestError.TIMEOUT,
-    RequestError.PROTOCOL,
-    "unfinished",
-)
-_ERROR_CODE = {kind: code for code, kind in enumerate(ERROR_KINDS)}
 
 _COUNTERS = ("due", "sent", "completed", "ok", "rejected_429", "errors")
 
 # How often closed-loop stages re-evaluate the number of workers.
 _CLOSED_LOOP_TICK_S = 0.05
-
-
-class Mode(Enum):
-    OPEN = "open"
-    CLOSED = "closed"
-
-
-class Clock(Protocol):
-    """Monotonic seconds, and a way to wait for a moment on that scale."""
-
-    def now(self) -> float: ...
-
-    async def sleep_until(self, deadline: float) -> None: ...
-
-
-class MonotonicClock:
-    """The default: ``time.monotonic`` (nanosecond resolution) and asyncio timers to wait.
-
-    Not the loop's own clock: uvloop's ``loop.time()`` is libuv's millisecond clock, cached
-    per loop iteration, which would round every latency to whole milliseconds. Timers still
-    fire with about a millisecond of granularity; a send that is late by it counts the
-    lateness in its latency (the conservative side), and the report shows the dispatch lag.
-    """
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    async def sleep_until(self, deadline: float) -> None:
-        delay = deadline - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-
-class LoopClock:
-    """The running event loop's clock; under a loop with virtual time (the tests), virtual."""
-
-    def now(self) -> float:
-        return asyncio.get_running_loop().time()
-
-    async def sleep_until(self, deadline: float) -> None:
-        delay = deadline - asyncio.get_running_loop().time()
-        if delay > 0:
-            await asyncio.sleep(delay)
 
 
 class Connection(Protocol):
@@ -111,93 +58,6 @@ def http_connection_factory(target: Target, connect_timeout_s: float) -> Connect
         return await HttpConnection.open(target, connect_timeout_s)
 
     return connect
-
-
-@dataclass(frozen=True, slots=True)
-class RunConfig:
-    mode: Mode
-    stages: tuple[Stage, ...]
-    arrival: Arrival = Arrival.CONSTANT
-    #: Open loop: the most connections (requests in flight) it may use.
-    connections: int = 256
-    timeout_s: float = 30.0
-    retry_429: bool = False
-    max_retries: int = 3
-    #: Used when a 429 carries no usable Retry-After, and as a cap on the ones that do.
-    default_retry_after_s: float = 1.0
-    max_retry_after_s: float = 10.0
-    #: After the last scheduled send: how long outstanding requests may still take.
-    drain_timeout_s: float = 30.0
-    monitor_interval_s: float = 1.0
-    seed: int | None = None
-
-    @property
-    def duration_s(self) -> float:
-        return total_duration(self.stages)
-
-
-class Recorder:
-    """Per-request outcomes in compact arrays (about 30 bytes a request).
-
-    ``scheduled`` is when the request's latency starts: its scheduled time (open loop;
-    the send if that came earlier) or its first send (closed loop); ``sent`` is when its
-    first attempt went on the wire, ``done`` when its final answer (or error) came.
-    Latency is ``done - scheduled``.
-    """
-
-    def __init__(self) -> None:
-        self.scheduled = array("d")
-        self.sent = array("d")
-        self.done = array("d")
-        self.status = array("h")
-        self.error = array("b")
-        self.retries = array("b")
-        self.retried_requests = 0
-        self.retry_attempts = 0
-
-    def record(
-        self, scheduled: float, sent: float, done: float, status: int, error: str, retries: int
-    ) -> None:
-        self.scheduled.append(scheduled)
-        self.sent.append(sent)
-        self.done.append(done)
-        self.status.append(status)
-        self.error.append(_ERROR_CODE[error])
-        self.retries.append(min(retries, 127))
-
-    def __len__(self) -> int:
-        return len(self.done)
-
-
-@dataclass(slots=True)
-class MonitorSample:
-    """One interval of the run as the generator saw it (the JSON report's timeline)."""
-
-    elapsed_s: float
-    interval_s: float
-    cpu_fraction: float
-    due: int
-    sent: int
-    completed: int
-    ok: int
-    rejected_429: int
-    errors: int
-    backlog: int
-    in_flight: int
-    #: Open loop: worst lateness of the dispatcher itself (client-side lag) in the interval.
-    dispatch_lag_max_s: float
-    latency_p99_s: float | None
-
-
-@dataclass(slots=True)
-class RunResult:
-    config: RunConfig
-    recorder: Recorder
-    started_at: float
-    finished_at: float
-    scheduled_total: int
-    dispatch_lags: array[float]
-    timeline: list[MonitorSample] = field(default_factory=list)
 
 
 class _Pending:

@@ -17,16 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from loadtest.clocks import LoopClock
 from loadtest.httpclient import RequestError, Response
-from loadtest.runner import (
-    ERROR_KINDS,
-    Connection,
-    LoadRun,
-    LoopClock,
-    Mode,
-    RunConfig,
-    RunResult,
-)
+from loadtest.records import ERROR_KINDS, Mode, RunConfig, RunResult
+from loadtest.runner import Connection, LoadRun
 from loadtest.stages import (
     Arrival,
     Stage,

@@ -57,7 +57,9 @@ from loadtest.httpclient import Target
 from loadtest.minilm import DTYPES, MiniLM, configure_torch
 from loadtest.proctree import cpu_seconds, descendants, tree_resident_mb
 from loadtest.records import Mode, Recorder, RunConfig, RunResult
-from loadtest.report import Summary, format_table, summarize, write_json, write_plots
+from loadtest.report import Summary, summarize
+from loadtest.report_output import format_table, write_json
+from loadtest.report_plots import write_plots
 from loadtest.stages import Stage, parse_duration
 from loadtest.torchserve_phase import TorchServeLayout
 

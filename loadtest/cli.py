@@ -30,7 +30,9 @@ from loadtest.bodies import BodyPool, LengthDistribution, generated_bodies, json
 from loadtest.driver import ProgressPrinter, execute, run_event_loop
 from loadtest.httpclient import Target
 from loadtest.records import ERROR_KINDS, Mode, Recorder, RunConfig, RunResult
-from loadtest.report import Summary, format_table, judge, summarize, write_json, write_plots
+from loadtest.report import Summary, judge, summarize
+from loadtest.report_output import format_table, write_json
+from loadtest.report_plots import write_plots
 from loadtest.stages import Arrival, Stage, parse_duration, parse_stages
 
 DEFAULT_RESULTS_DIR = Path("loadtest/results")

@@ -21,7 +21,8 @@ import pytest
 
 from loadtest.cli import main, result_from_hey_csv
 from loadtest.httpclient import HttpConnection, RequestError, Target, retry_after_seconds
-from loadtest.report import format_table, judge, summarize
+from loadtest.report import judge, summarize
+from loadtest.report_output import format_table
 from loadtest.stub_server import StubBehaviour, StubServer
 
 

@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench import REPO_ROOT, _free_port, _http_status, _system_busy_s, bench_sentences
+from loadtest.bench_phases import bench_sentences
+from loadtest.cpuload import system_busy_s
+from loadtest.localserver import REPO_ROOT, free_port, http_status
 from loadtest.proctree import cpu_seconds, stop_process
 
 # phase -> (--concurrency, adaptive); None: the CLI's default ceiling
@@ -91,7 +93,7 @@ def run_phase(
     if not adaptive:
         command += ["--fixed-concurrency"]
     _log(f"{phase}: {' '.join(command[2:])}")
-    busy_before = _system_busy_s()
+    busy_before = system_busy_s()
     own_before = cpu_seconds(os.getpid()) + cpu_seconds(server)
     started = time.monotonic()
     client = subprocess.Popen(command, cwd=REPO_ROOT)
@@ -99,7 +101,7 @@ def run_phase(
     wall = time.monotonic() - started
     own = cpu_seconds(os.getpid()) + cpu_seconds(server) - own_before
     own += usage.ru_utime + usage.ru_stime
-    foreign = max(0.0, _system_busy_s() - busy_before - own) / wall
+    foreign = max(0.0, system_busy_s() - busy_before - own) / wall
     summary: dict[str, Any] = json.loads(summary_path.read_text())
     statuses = {int(k): v for k, v in summary["statuses"].items()}
     ok = sum(n for s, n in statuses.items() if 200 <= s < 300)
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     write_input(source, options.lines, options.words, options.seed)
     warmup = out_dir / "warmup.jsonl"
     write_input(warmup, 2000, options.words, options.seed + 1)
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[BatchOutcome] = []
     try:
         give_up_at = time.monotonic() + options.ready_timeout_s
-        while _http_status(f"{url}/readyz") != 200:
+        while http_status(f"{url}/readyz") != 200:
             if server.poll() is not None or time.monotonic() > give_up_at:
                 raise RuntimeError(f"server not ready; see {out_dir / 'server.log'}")
             time.sleep(0.2)  # polling the readiness endpoint

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from app.limits import lift_open_file_limit
-from loadtest.bench import REPO_ROOT, _free_port
+from loadtest.localserver import REPO_ROOT, free_port
 from loadtest.overload_bench import _get, run_wrk
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stages import parse_duration
@@ -58,7 +58,7 @@ def measure(
     backlog_ms: float, duration_s: float, log_path: Path, path: str = "/infer", *, admitted: bool
 ) -> tuple[float, int]:
     """(microseconds of front-end CPU per answer, answers), flooding `path`."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "loadtest.null_engine", "--port", str(port),
         "--backlog-ms", str(backlog_ms),

@@ -46,7 +46,6 @@ from app.model_specs import ModelSpec
 from app.models.base import resolve_device, resolve_dtype
 from app.settings import Settings
 from app.telemetry.cgroup import available_cpus
-from loadtest.bench import REPO_ROOT, _free_port
 from loadtest.generation_phases import (
     MODEL_NAME,
     Phase,
@@ -61,6 +60,7 @@ from loadtest.generation_phases import (
     pooled,
     transformers_serve,
 )
+from loadtest.localserver import REPO_ROOT, free_port
 from loadtest.overload_bench import start_server
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stats import nearest_rank, p99_sample_note
@@ -111,7 +111,7 @@ def over_http(directory: Path, texts: list[str], options: argparse.Namespace) ->
     """`steadyserve serve` with default settings, the model its only generate model."""
     models = [{"name": MODEL_NAME, "task": "generate", "source": str(directory)}]
     env = {"STEADY_MODELS": json.dumps(models)}
-    server = start_server(_free_port(), env, options.out / "generation-steadyserve.log")
+    server = start_server(free_port(), env, options.out / "generation-steadyserve.log")
     new, rounds = options.new_tokens, options.rounds
     try:
         server.wait_ready(300)

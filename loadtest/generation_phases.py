@@ -31,8 +31,8 @@ from transformers import PreTrainedModel
 from app.admission import Rejected
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.engine.zmq_client import ZmqEngineClient
-from loadtest.bench import _free_port
 from loadtest.httpclient import Target
+from loadtest.localserver import free_port
 from loadtest.proctree import stop_process
 from loadtest.stats import nearest_rank
 from tests.support.tiny_causal_lm import CORPUS
@@ -355,7 +355,7 @@ def transformers_serve(
     """`transformers serve --continuous-batching` with explicit cache sizes, on the device
     and in the dtype steadyserve serves the model with (a GPU where there is one), so the two
     are compared like for like; yields its base URL."""
-    port = _free_port()
+    port = free_port()
     command = [
         str(Path(sys.executable).with_name("transformers")), "serve", str(directory),
         "--continuous-batching",

@@ -20,15 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest.bench import (
-    REPO_ROOT,
-    PhaseOutcome,
-    _log,
-    bench_sentences,
-    build_parser,
-    measure_steadyserve,
-)
+from loadtest.bench import build_parser
+from loadtest.bench_phases import PhaseOutcome, bench_sentences, log, measure_steadyserve
 from loadtest.httpclient import Target
+from loadtest.localserver import REPO_ROOT
 from loadtest.stages import parse_duration
 
 ORDER = ("off", "on", "on", "off")
@@ -91,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     for index, setting in enumerate(order):
         env = {"STEADY_SPIKE_REPORTS": "true" if setting == "on" else "false"}
         for attempt in range(1 + options.retries):
-            _log(f"run {index + 1}/{len(order)}: spike reports {setting} (attempt {attempt + 1})")
+            log(f"run {index + 1}/{len(order)}: spike reports {setting} (attempt {attempt + 1})")
             outcome = measure_steadyserve(
                 options,
                 payloads_for,
@@ -104,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             # it is run again (a shared machine's builds and tests come and go).
             if foreign is None or float(foreign) <= options.max_other_cores:
                 break
-            _log(f"other processes took {float(foreign):.2f} cores: run {index + 1} again")
+            log(f"other processes took {float(foreign):.2f} cores: run {index + 1} again")
         rates[setting].append(_rate(outcome))
         server_cores = float(outcome.details.get("server_cores") or 0.0)
         cpu_ms = server_cores / _rate(outcome) * 1000 if _rate(outcome) else 0.0

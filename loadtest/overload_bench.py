@@ -32,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from app.limits import lift_open_file_limit
-from loadtest.bench import REPO_ROOT, _free_port, _system_busy_s, bench_sentences
+from loadtest.bench_phases import bench_sentences
+from loadtest.cpuload import system_busy_s
 from loadtest.driver import execute, run_event_loop
 from loadtest.httpclient import Target
+from loadtest.localserver import REPO_ROOT, free_port
 from loadtest.proctree import (
     command_line,
     cpu_seconds,
@@ -210,14 +212,14 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
     # of the flood: cores = CPU / wall would otherwise count the wait's CPU (or the scrape
     # and wait after the flood) over a wall clock that leaves them out.
     cpu_before = {pid: cpu_seconds(pid) for pid in [engine, *frontends]}
-    busy_before, own_before = _system_busy_s(), _own_cpu_s(server)
+    busy_before, own_before = system_busy_s(), _own_cpu_s(server)
     wall_started = time.monotonic()
     with HealthProbe(server.base_url) as probe, HealthProbe(server.probe_url) as probe_port:
         result = run_wrk(server.base_url, connections, duration_s)
     wall = time.monotonic() - wall_started
     frontend_cpu = sum(cpu_seconds(p) - cpu_before[p] for p in frontends)
     engine_cpu = cpu_seconds(engine) - cpu_before[engine]
-    busy, own = _system_busy_s() - busy_before, _own_cpu_s(server) - own_before
+    busy, own = system_busy_s() - busy_before, _own_cpu_s(server) - own_before
     refusals = refusal_counts(server.base_url) - refusals_before
     answers = sum(result[k] for k in ("ok", "throttled", "unavailable", "server_error", "other"))
     seconds = result["seconds"]
@@ -330,7 +332,7 @@ def _run_open_loops(
 
 
 def start_server(port: int, env: dict[str, str], log_path: Path) -> Server:
-    probe_port = _free_port()
+    probe_port = free_port()
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "STEADY_HEALTH_PORT": str(probe_port), **env}
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     lift_open_file_limit()
     env = dict(item.split("=", 1) for item in options.env)
-    server = start_server(_free_port(), env, out / "server.log")
+    server = start_server(free_port(), env, out / "server.log")
     try:
         ready_s = server.wait_ready(300)
         report: dict[str, Any] = {

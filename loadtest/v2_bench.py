@@ -34,15 +34,10 @@ import numpy as np
 
 from app.dispatcher import default_thread_plan
 from app.telemetry.cgroup import available_cpus
-from loadtest.bench import (
-    REPO_ROOT,
-    PhaseOutcome,
-    _free_port,
-    _log,
-    comparison_table,
-    measure_server,
-)
+from loadtest.bench import comparison_table
+from loadtest.bench_phases import PhaseOutcome, log, measure_server
 from loadtest.httpclient import Target
+from loadtest.localserver import REPO_ROOT, free_port
 from loadtest.minilm import configure_torch
 from loadtest.stages import parse_duration
 
@@ -85,10 +80,10 @@ def measure_raw(options: argparse.Namespace, path: Path) -> PhaseOutcome:
     rows_per_s(8, 1.0)  # one-off kernel set-up
     sweep = {batch: rows_per_s(batch, options.sweep_s) for batch in options.batch_sizes}
     for batch, rate in sweep.items():
-        _log(f"raw sweep: batch {batch:4d} -> {rate:9.1f} rows/s")
+        log(f"raw sweep: batch {batch:4d} -> {rate:9.1f} rows/s")
     best = max(sweep, key=lambda batch: sweep[batch])
     throughput = rows_per_s(best, options.duration_s)
-    _log(f"raw: {throughput:.1f} rows/s at batch {best}")
+    log(f"raw: {throughput:.1f} rows/s at batch {best}")
     return PhaseOutcome(
         "raw",
         f"raw in-process, batch {best}",
@@ -131,7 +126,7 @@ def json_request(target: Target, row: np.ndarray) -> bytes:
 def measure_v2(
     options: argparse.Namespace, path: Path, name: str, encode: Any, out_dir: Path
 ) -> PhaseOutcome:
-    port = _free_port()
+    port = free_port()
     target = Target.parse(f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer")
     plan = default_thread_plan(options.threads)
     spec = {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loadtest.bench import bench_sentences
+from loadtest.bench_phases import bench_sentences
 from loadtest.minilm import MiniLM
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from loadtest.bench import PhaseOutcome, bench_sentences, comparison_table
+from loadtest.bench import comparison_table
+from loadtest.bench_phases import PhaseOutcome, bench_sentences
 from loadtest.torchserve_phase import TorchServeLayout
 
 

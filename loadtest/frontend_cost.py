@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from app.limits import lift_open_file_limit
-from loadtest.localserver import REPO_ROOT, free_port
-from loadtest.overload_bench import _get, run_wrk
+from loadtest.localserver import REPO_ROOT, free_port, get_json
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stages import parse_duration
+from loadtest.wrk import run_wrk
 
 # (name, the null engine's published backlog, whether every request is to be admitted)
 CASES = (("admitted", 0.0, True), ("refused before the body", 10_000.0, False))
@@ -77,7 +77,7 @@ def measure(
     try:
         url = f"http://127.0.0.1:{port}"
         give_up_at = time.monotonic() + 60
-        while _get(f"{url}/readyz", timeout=1)[0] != 200:
+        while get_json(f"{url}/readyz", timeout=1)[0] != 200:
             if time.monotonic() > give_up_at or server.poll() is not None:
                 raise RuntimeError(f"null-engine front end did not start; see {log_path}")
             time.sleep(0.1)  # polling the readiness endpoint

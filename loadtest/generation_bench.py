@@ -61,7 +61,7 @@ from loadtest.generation_phases import (
     transformers_serve,
 )
 from loadtest.localserver import REPO_ROOT, free_port
-from loadtest.overload_bench import start_server
+from loadtest.overload_server import start_server
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stats import nearest_rank, p99_sample_note
 from tests.support.tiny_causal_lm import build_tiny_causal_lm

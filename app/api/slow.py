@@ -4,7 +4,9 @@ trace and the front end's probe changes over its lifetime (docs/SPIKES.md).
 
 It sits inside `ServerTimingMiddleware` (whose `PhaseTimer` the routes and the service fill
 in) and outside the routes; requests shed before the body are answered further out and are
-never slow. Front-end event loop thread only.
+never slow. A request whose route raised an error no handler answers (a fault of the
+server's, such as `BatchFailed`: `ServerTimingMiddleware` answers it 500) is timed until the
+error and judged with status 500. Front-end event loop thread only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SlowRequestMiddleware:
         telemetry: ProcessTelemetry,
         is_inference: Callable[[str], bool],
         batching_window_s: float,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """`is_inference(path)`: whether requests to `path` are timed and reported."""
         self.app = app
@@ -38,12 +41,13 @@ class SlowRequestMiddleware:
         self.is_inference = is_inference
         self.batching_window_s = batching_window_s
         self.pid = os.getpid()
+        self._clock = clock
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.is_inference(scope["path"]):
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
+        started = self._clock()
         # Where the probes stood as the request began (as of the last tick: the one before
         # a slow request's 150 ms is close enough); read afresh only if it turns out slow.
         readings = self.telemetry.snapshot()
@@ -56,13 +60,23 @@ class SlowRequestMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body"):
-                finished = time.perf_counter()
+                finished = self._clock()
 
+        failed: float | None = None
         try:
             await self.app(scope, receive, timed_send)
+        except Exception:
+            # No handler answered it (a batch that failed on the server's side, a bug):
+            # `ServerTimingMiddleware`, further out, answers 500. Judged here all the same,
+            # or the slow requests that end worst would be the ones never reported.
+            if finished is None:
+                failed = self._clock()
+            raise
         finally:
             if finished is not None:
                 self._finished(scope, status, finished - started, readings)
+            elif failed is not None:
+                self._finished(scope, 500, failed - started, readings)
 
     def _finished(
         self, scope: Scope, status: int, total_s: float, readings: dict[str, float]

@@ -108,13 +108,13 @@ class EngineCore:
 
     def _telemetry(self) -> ProcessTelemetry:
         """The engine's probes (docs/SPIKES.md). In-process, the front end's telemetry
-        already watches this process and its loop: only the device's probes are added."""
+        already watches this process and its loop: only the device's probes are added.
+        NVML and the allocator's snapshot are sampled on the sampler thread (on CUDA only:
+        a CPU engine has no background probe, so no such thread)."""
         index = (self.device.index or 0) if self.device.type == "cuda" else None
-        device_probes: list[Probe] = [
-            CudaAllocatorProbe(index),
-            self.cuda_context,
-            NvmlProbe(index),
-        ]
+        device_probes: list[Probe] = [self.cuda_context]
+        if index is not None:
+            device_probes += [CudaAllocatorProbe(index), NvmlProbe(index)]
         gpu = None if index is None else str(index)
         if self.settings.engine == "inprocess":
             return ProcessTelemetry("engine", self.metrics, device_probes, gpu=gpu)

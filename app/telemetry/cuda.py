@@ -3,7 +3,8 @@
 `CudaAllocatorProbe` reads `torch.cuda.memory_stats`: reserved and allocated bytes, segments,
 `num_alloc_retries` (the allocator freed its cache and retried a cudaMalloc: a stall of the
 whole device) and the largest free block inside reserved segments (from the allocator's
-snapshot, sampled at most once a second: it walks every block). `CudaContextProbe` counts
+snapshot, a dict per block built under the GIL: taken once a second on the sampler thread,
+`background.py`, never on the loop). `CudaContextProbe` counts
 the times a compute thread finds a different CUDA context current than at its previous
 batch (a context created lazily on a request, or switched under it), through the driver's
 `cuCtxGetCurrent`. Both read nothing where there is no CUDA device or driver.
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from app.telemetry.background import BackgroundProbe
 from app.telemetry.probe import Cached
 
 LARGEST_FREE_BLOCK_EVERY_S = 1.0
@@ -30,13 +32,17 @@ def _largest_free_block(snapshot: list[dict[str, Any]]) -> float:
     return float(largest)
 
 
-class CudaAllocatorProbe:
-    """Engine only (imports torch). `device_index` None: the probe reads nothing."""
+class CudaAllocatorProbe(BackgroundProbe):
+    """Engine only (imports torch). `device_index` None: the probe reads nothing. `read()`:
+    the loop thread (the allocator's counters, cached 5 ms, with the latest largest free
+    block); `sample()`: the sampler thread only (the snapshot)."""
+
+    sample_every_s = LARGEST_FREE_BLOCK_EVERY_S
 
     def __init__(self, device_index: int | None, max_age_s: float = 0.005) -> None:
+        super().__init__()
         self._device_index = device_index
         self._cached = Cached(self._read_now, max_age_s)
-        self._largest = Cached(self._read_largest, LARGEST_FREE_BLOCK_EVERY_S)
 
     def _read_now(self) -> Mapping[str, float]:
         if self._device_index is None:
@@ -52,12 +58,16 @@ class CudaAllocatorProbe:
             "cuda_segments": float(stats.get("segment.all.current", 0)),
             "cuda_alloc_retries_total": float(stats.get("num_alloc_retries", 0)),
             "cuda_ooms_total": float(stats.get("num_ooms", 0)),
-            **self._largest.read(),
+            **super().read(),  # the largest free block, as last sampled
         }
 
-    def _read_largest(self) -> Mapping[str, float]:
+    def sample(self) -> Mapping[str, float]:
+        if self._device_index is None:
+            return {}
         import torch
 
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return {}  # as above: the compute threads initialise CUDA
         snapshot = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
         return {"cuda_largest_free_block_bytes": _largest_free_block(snapshot)}
 

@@ -1,7 +1,8 @@
 """The GPU through NVML (nvidia-ml-py): SM clock and its maximum, temperature, power,
-clock-throttle reason bits and memory. Imports and reads nothing (an empty reading) where
-there is no GPU, no driver or no `pynvml`; a failing call disables the probe rather than
-raising on the request path. Readings are cached (NVML calls cost tens of microseconds).
+clock-throttle reason bits and memory. Reads nothing (an empty reading) where there is no
+GPU, no driver or no `pynvml`; a failing call disables the probe rather than raising on the
+request path. NVML is opened and read on the sampler thread (`background.py`: a driver call
+costs microseconds to milliseconds), every 50 ms; the loop reads the latest sample.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from app.telemetry.probe import Cached
+from app.telemetry.background import BackgroundProbe
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,18 @@ def throttle_reason_names(bits: int) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS.items() if bits & bit]
 
 
-class NvmlProbe:
-    def __init__(self, device_index: int | None, max_age_s: float = 0.05) -> None:
+class NvmlProbe(BackgroundProbe):
+    """`sample()`: the sampler thread only (NVML is opened there, on the first sample);
+    `read()`: any thread. `device_index` None: the probe reads nothing."""
+
+    sample_every_s = 0.05
+
+    def __init__(self, device_index: int | None) -> None:
+        super().__init__()
+        self._device_index = device_index
+        self._opened = False
         self._nvml: Any | None = None
         self._handle: Any | None = None
-        if device_index is not None:
-            self._open(device_index)
-        self._cached = Cached(self._read_now, max_age_s)
 
     def _open(self, device_index: int) -> None:
         try:
@@ -64,7 +70,12 @@ class NvmlProbe:
         )
         return int(reader(self._handle))
 
-    def _read_now(self) -> Mapping[str, float]:
+    def sample(self) -> Mapping[str, float]:
+        if self._device_index is None:
+            return {}
+        if not self._opened:
+            self._opened = True
+            self._open(self._device_index)
         nvml, handle = self._nvml, self._handle
         if nvml is None:
             return {}
@@ -86,6 +97,3 @@ class NvmlProbe:
             log.warning("NVML read failed (%s): GPU telemetry off", type(error).__name__)
             self._nvml = None
             return {}
-
-    def read(self) -> Mapping[str, float]:
-        return self._cached.read()

@@ -1,7 +1,10 @@
 """One process's telemetry: its probes (read together for per-request reports), its
 event-loop lag monitor, and the metrics they feed (docs/ARCHITECTURE.md §5).
 
-A front end and the engine each have one (`role` "frontend" or "engine"). The loop monitor's
+A front end and the engine each have one (`role` "frontend" or "engine"). Probes whose
+readings are slow (NVML, the CUDA allocator's snapshot: `background.py`) are sampled on the
+process's sampler thread, started and stopped with it; the rest are read on the loop, which
+reads only published samples of the former. The loop monitor's
 ticker publishes the probes' metrics every `PUBLISH_EVERY_S`; with the engine in the front
 end's process (`STEADY_ENGINE=inprocess`) the engine's telemetry leaves the process-wide
 probes (GC, CPU, cgroup, the shared loop) to the front end's, so nothing counts twice.
@@ -17,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from app.metrics import Metrics
+from app.telemetry.background import BackgroundProbe, ProbeSampler
 from app.telemetry.cpu import CpuProbe
 from app.telemetry.gc_pauses import GENERATIONS, GcPauseProbe
 from app.telemetry.loop_lag import LoopLagMonitor
@@ -64,6 +68,7 @@ class ProcessTelemetry:
         self.gc = gc
         listed: list[Probe] = [p for p in (loop, gc) if p is not None]
         self.probes = ProbeSet([*listed, *probes])
+        self.sampler = ProbeSampler(p for p in self.probes.probes if isinstance(p, BackgroundProbe))
         self._published: Readings = {}
         self._levels_set: set[str] = set()  # level gauges given a value (`_set_levels`)
         self._latest: Readings = {}
@@ -99,10 +104,12 @@ class ProcessTelemetry:
             self.gc.install()
         if self.loop is not None and self.own_ticker:
             self.loop.start()
+        self.sampler.start()
         self._running = True
 
     async def stop(self) -> None:
         self._running = False
+        self.sampler.stop()
         if self.gc is not None:
             self.gc.uninstall()
         if self.loop is not None:

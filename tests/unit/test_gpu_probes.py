@@ -1,0 +1,250 @@
+"""The GPU probes against a fake NVML (`pynvml` replaced in `sys.modules`) and a fake CUDA
+(torch.cuda's functions replaced): this machine has neither. Where the slow reads run (the
+sampler thread, never the loop) and the sampler's schedule."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from app.metrics import Metrics
+from app.telemetry.background import SAMPLER_THREAD_NAME, BackgroundProbe, ProbeSampler
+from app.telemetry.cuda import CudaAllocatorProbe
+from app.telemetry.gpu import NvmlProbe
+from app.telemetry.sampler import ProcessTelemetry
+
+NOT_SUPPORTED, NOT_FOUND, GPU_IS_LOST, UNKNOWN = 3, 6, 15, 999
+
+
+class FakeNvmlError(Exception):
+    def __init__(self, value: int) -> None:
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+@dataclass
+class FakeGpu:
+    """One physical GPU as NVML sees it."""
+
+    uuid: str
+    pci_bus_id: str
+    sm_clock_mhz: int = 1980
+    temperature_c: int = 40
+    # Errors each NVML function raises, in turn, before it answers again (by name).
+    errors: dict[str, list[int]] = field(default_factory=dict)
+    # Functions that raise `NOT_SUPPORTED` every time.
+    unsupported: set[str] = field(default_factory=set)
+
+
+class FakeNvml:
+    """The parts of `pynvml` the probe calls, over a list of GPUs in NVML's (PCI) order;
+    records each call with the thread that made it."""
+
+    NVML_CLOCK_SM = 1
+    NVML_TEMPERATURE_GPU = 0
+    NVML_ERROR_NOT_SUPPORTED = NOT_SUPPORTED
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13
+    NVML_ERROR_NO_PERMISSION = 4
+    NVML_ERROR_GPU_IS_LOST = GPU_IS_LOST
+    NVMLError = FakeNvmlError
+
+    def __init__(self, gpus: list[FakeGpu]) -> None:
+        self.gpus = gpus
+        self.calls: list[tuple[str, str]] = []  # (function, thread name)
+
+    def _call(self, function: str, gpu: FakeGpu | None = None) -> None:
+        self.calls.append((function, threading.current_thread().name))
+        if gpu is None:
+            return
+        if function in gpu.unsupported:
+            raise FakeNvmlError(NOT_SUPPORTED)
+        pending = gpu.errors.get(function)
+        if pending:
+            raise FakeNvmlError(pending.pop(0))
+
+    def calls_to(self, function: str) -> int:
+        return sum(1 for name, _ in self.calls if name == function)
+
+    def nvmlInit(self) -> None:
+        self._call("nvmlInit")
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> FakeGpu:
+        self._call("nvmlDeviceGetHandleByIndex")
+        return self.gpus[index]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> FakeGpu:
+        self._call("nvmlDeviceGetHandleByUUID")
+        for gpu in self.gpus:
+            if gpu.uuid == uuid:
+                return gpu
+        raise FakeNvmlError(NOT_FOUND)
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> FakeGpu:
+        self._call("nvmlDeviceGetHandleByPciBusId")
+        for gpu in self.gpus:
+            if gpu.pci_bus_id == bus_id:
+                return gpu
+        raise FakeNvmlError(NOT_FOUND)
+
+    def nvmlDeviceGetClockInfo(self, gpu: FakeGpu, kind: int) -> int:
+        self._call("nvmlDeviceGetClockInfo", gpu)
+        return gpu.sm_clock_mhz
+
+    def nvmlDeviceGetMaxClockInfo(self, gpu: FakeGpu, kind: int) -> int:
+        self._call("nvmlDeviceGetMaxClockInfo", gpu)
+        return 1980
+
+    def nvmlDeviceGetTemperature(self, gpu: FakeGpu, sensor: int) -> int:
+        self._call("nvmlDeviceGetTemperature", gpu)
+        return gpu.temperature_c
+
+    def nvmlDeviceGetPowerUsage(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetPowerUsage", gpu)
+        return 250_000  # milliwatts
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, gpu: FakeGpu) -> int:
+        self._call("nvmlDeviceGetCurrentClocksEventReasons", gpu)
+        return 0x1
+
+    def nvmlDeviceGetMemoryInfo(self, gpu: FakeGpu) -> Any:
+        self._call("nvmlDeviceGetMemoryInfo", gpu)
+        return type("Memory", (), {"used": 2e9, "free": 139e9})()
+
+
+@dataclass
+class FakeDeviceProperties:
+    """What `torch.cuda.get_device_properties` tells of a CUDA device."""
+
+    uuid: str  # as torch prints its `_CUuuid`: no "GPU-" prefix
+    pci_domain_id: int
+    pci_bus_id: int
+    pci_device_id: int
+
+
+@dataclass
+class FakeCuda:
+    """torch.cuda as the engine sees it once its compute threads initialised CUDA."""
+
+    nvml: FakeNvml
+    devices: list[FakeDeviceProperties]  # by CUDA index (what CUDA_VISIBLE_DEVICES left)
+    initialized: bool = True
+    snapshots_on: list[str] = field(default_factory=list)  # thread names
+
+    def memory_snapshot(self) -> list[dict[str, Any]]:
+        self.snapshots_on.append(threading.current_thread().name)
+        return [{"blocks": [{"state": "inactive", "size": 4096}]}]
+
+    def reads_on(self, thread: str) -> int:
+        """NVML calls and allocator snapshots made on `thread`."""
+        nvml = sum(1 for _, name in self.nvml.calls if name == thread)
+        return nvml + self.snapshots_on.count(thread)
+
+
+def physical_gpu(n: int, **overrides: Any) -> FakeGpu:
+    uuid = f"GPU-0000000{n}-7c78-7bcd-59f3-6eb718a047d3"
+    return FakeGpu(uuid, f"00000000:{0x10 + n:02x}:00.0", **overrides)
+
+
+def cuda_view(gpu: FakeGpu) -> FakeDeviceProperties:
+    bus = int(gpu.pci_bus_id.split(":")[1], 16)
+    return FakeDeviceProperties(gpu.uuid.removeprefix("GPU-"), 0, bus, 0)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
+    """Three GPUs; CUDA sees only the first (CUDA_VISIBLE_DEVICES=0) unless a test says."""
+    nvml = FakeNvml([physical_gpu(0), physical_gpu(1), physical_gpu(2)])
+    cuda = FakeCuda(nvml, [cuda_view(nvml.gpus[0])])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda.initialized)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 2})
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", cuda.memory_snapshot)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index=None: cuda.devices[index or 0]
+    )
+    yield cuda
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_nvml_and_the_allocator_snapshot_are_read_on_the_sampler_thread_not_the_loop(
+    fake_gpus: FakeCuda,
+) -> None:
+    """Each 5 ms tick of the engine's loop read every probe there: NVML's driver calls and,
+    once a second, the allocator's snapshot (a dict per block, under the GIL)."""
+    clock = Clock()
+    telemetry = ProcessTelemetry(
+        "engine",
+        Metrics(),
+        [CudaAllocatorProbe(0, max_age_s=0.0), NvmlProbe(0)],
+        gpu="0",
+        clock=clock,
+    )
+    loop_thread = threading.current_thread().name
+    telemetry.read()  # what each tick of the loop does
+    assert fake_gpus.reads_on(loop_thread) == 0
+
+    sampled = threading.Event()
+    telemetry.sampler.on_round = sampled.set
+    telemetry.start()
+    try:
+        assert sampled.wait(timeout=30)
+    finally:
+        await telemetry.stop()
+    assert telemetry.sampler.join(timeout_s=30)
+
+    clock.now += 1.0  # past the shared read
+    readings = telemetry.read()
+    assert readings["gpu_sm_clock_hertz"] == 1980e6
+    assert readings["cuda_largest_free_block_bytes"] == 4096
+    assert readings["cuda_alloc_retries_total"] == 2  # still read on the loop: cheap
+    assert fake_gpus.reads_on(loop_thread) == 0
+    assert fake_gpus.reads_on(SAMPLER_THREAD_NAME) > 0
+
+
+class Counting(BackgroundProbe):
+    def __init__(self, every_s: float, fail: bool = False) -> None:
+        super().__init__()
+        self.sample_every_s = every_s
+        self.samples = 0
+        self.fail = fail
+
+    def sample(self) -> Mapping[str, float]:
+        self.samples += 1
+        if self.fail:
+            raise RuntimeError("driver bug")
+        return {"samples_total": float(self.samples)}
+
+
+def test_the_sampler_samples_each_probe_when_due_and_survives_a_failing_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fast, slow, broken = Counting(0.05), Counting(1.0), Counting(0.05, fail=True)
+    sampler = ProbeSampler([fast, slow, broken])
+    with caplog.at_level(logging.WARNING, logger="app.telemetry.background"):
+        assert sampler.run_due(0.0) == pytest.approx(0.05)
+        assert sampler.run_due(0.05) == pytest.approx(0.1)
+        sampler.run_due(0.07)  # nothing due
+    assert (fast.samples, slow.samples, broken.samples) == (2, 1, 2)
+    assert fast.read() == {"samples_total": 2.0} and slow.read() == {"samples_total": 1.0}
+    assert broken.read() == {}
+    assert len(caplog.records) == 1  # a failing probe is logged once, not every 50 ms
+
+
+def test_a_process_without_slow_probes_starts_no_sampler_thread() -> None:
+    telemetry = ProcessTelemetry("frontend", Metrics(), [])
+    telemetry.start()
+    assert SAMPLER_THREAD_NAME not in {thread.name for thread in threading.enumerate()}

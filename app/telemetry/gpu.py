@@ -1,14 +1,21 @@
 """The GPU through NVML (nvidia-ml-py): SM clock and its maximum, temperature, power,
 clock-throttle reason bits and memory. Reads nothing (an empty reading) where there is no
-GPU, no driver or no `pynvml`; a failing call disables the probe rather than raising on the
-request path. NVML is opened and read on the sampler thread (`background.py`: a driver call
-costs microseconds to milliseconds), every 50 ms; the loop reads the latest sample.
+GPU, no driver or no `pynvml`. NVML is opened and read on the sampler thread
+(`background.py`: a driver call costs microseconds to milliseconds), every 50 ms; the loop
+reads the latest sample.
+
+Each field is read on its own, so one failing query costs that field alone: one this GPU
+or driver does not support (power on some boards) is left out for good, logged once; any
+other error leaves it out of that sample and it is retried after 1, 2, 4 ... samples (at
+most `MAX_RETRY_SKIP_SAMPLES`). Only a GPU that NVML reports lost ends every reading: the
+engine's GPU gauges turn NaN and `SteadyserveGpuReadingsLost` fires (the device cannot
+compute until the node is repaired).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from app.telemetry.background import BackgroundProbe
@@ -31,8 +38,69 @@ THROTTLE_REASONS = {
 SLOWDOWN_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 
 
+# A field failing transiently skips 1, 2, 4 ... samples before its next try, at most this
+# many (5 s at 50 ms a sample): a GPU busy in a driver call is not asked 20 times a second.
+MAX_RETRY_SKIP_SAMPLES = 100
+
+# NVML's error codes (nvml.h), where `pynvml` lacks the constant.
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_FUNCTION_NOT_FOUND = 13
+NVML_ERROR_GPU_IS_LOST = 15
+
+
 def throttle_reason_names(bits: int) -> list[str]:
     return [name for bit, name in THROTTLE_REASONS.items() if bits & bit]
+
+
+def _sm_clock(nvml: Any, handle: Any) -> Mapping[str, float]:
+    return {"gpu_sm_clock_hertz": nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM) * 1e6}
+
+
+def _sm_clock_max(nvml: Any, handle: Any) -> Mapping[str, float]:
+    clock = nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)
+    return {"gpu_sm_clock_max_hertz": clock * 1e6}
+
+
+def _temperature(nvml: Any, handle: Any) -> Mapping[str, float]:
+    celsius = nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+    return {"gpu_temperature_celsius": float(celsius)}
+
+
+def _power(nvml: Any, handle: Any) -> Mapping[str, float]:
+    return {"gpu_power_watts": nvml.nvmlDeviceGetPowerUsage(handle) / 1000}
+
+
+def _throttle_reasons(nvml: Any, handle: Any) -> Mapping[str, float]:
+    # Renamed "clocks event reasons" in newer drivers and nvidia-ml-py.
+    reader = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
+        nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+    )
+    return {"gpu_throttle_reasons": float(reader(handle))}
+
+
+def _memory(nvml: Any, handle: Any) -> Mapping[str, float]:
+    memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return {
+        "gpu_memory_used_bytes": float(memory.used),
+        "gpu_memory_free_bytes": float(memory.free),
+    }
+
+
+# Each field: one NVML query, and the readings it gives.
+FIELDS: dict[str, Callable[[Any, Any], Mapping[str, float]]] = {
+    "SM clock": _sm_clock,
+    "SM clock maximum": _sm_clock_max,
+    "temperature": _temperature,
+    "power": _power,
+    "throttle reasons": _throttle_reasons,
+    "memory": _memory,
+}
+
+
+def _code(nvml: Any, name: str, default: int) -> int:
+    value = getattr(nvml, name, default)
+    return value if isinstance(value, int) else default
 
 
 class NvmlProbe(BackgroundProbe):
@@ -47,6 +115,10 @@ class NvmlProbe(BackgroundProbe):
         self._opened = False
         self._nvml: Any | None = None
         self._handle: Any | None = None
+        self._lost = False
+        self._unsupported: set[str] = set()
+        self._failures: dict[str, int] = {}  # field -> failures in a row
+        self._skip: dict[str, int] = {}  # field -> samples to skip before its next try
 
     def _open(self, device_index: int) -> None:
         try:
@@ -61,39 +133,52 @@ class NvmlProbe(BackgroundProbe):
 
     @property
     def available(self) -> bool:
-        return self._nvml is not None
-
-    def _throttle_bits(self) -> int:
-        assert self._nvml is not None
-        reader = getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or (
-            self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        )
-        return int(reader(self._handle))
+        return self._nvml is not None and not self._lost
 
     def sample(self) -> Mapping[str, float]:
-        if self._device_index is None:
+        if self._device_index is None or self._lost:
             return {}
         if not self._opened:
             self._opened = True
             self._open(self._device_index)
-        nvml, handle = self._nvml, self._handle
-        if nvml is None:
+        if self._nvml is None:
             return {}
-        try:
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            return {
-                "gpu_sm_clock_hertz": nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM) * 1e6,
-                "gpu_sm_clock_max_hertz": nvml.nvmlDeviceGetMaxClockInfo(handle, nvml.NVML_CLOCK_SM)
-                * 1e6,
-                "gpu_temperature_celsius": float(
-                    nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
-                ),
-                "gpu_power_watts": nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
-                "gpu_throttle_reasons": float(self._throttle_bits()),
-                "gpu_memory_used_bytes": float(memory.used),
-                "gpu_memory_free_bytes": float(memory.free),
-            }
-        except Exception as error:
-            log.warning("NVML read failed (%s): GPU telemetry off", type(error).__name__)
-            self._nvml = None
-            return {}
+        readings: dict[str, float] = {}
+        for field, reader in FIELDS.items():
+            if field in self._unsupported:
+                continue
+            if self._skip.get(field, 0) > 0:
+                self._skip[field] -= 1
+                continue
+            try:
+                readings.update(reader(self._nvml, self._handle))
+            except Exception as error:
+                if self._failed(field, error):
+                    return {}  # the GPU is lost: nothing it read is worth keeping
+                continue
+            if self._failures.pop(field, 0):
+                log.info("NVML reads the GPU's %s again", field)
+        return readings
+
+    def _failed(self, field: str, error: Exception) -> bool:
+        """Note `field`'s failure; whether it says the GPU is lost."""
+        nvml, code = self._nvml, getattr(error, "value", None)
+        if code == _code(nvml, "NVML_ERROR_GPU_IS_LOST", NVML_ERROR_GPU_IS_LOST):
+            log.error("NVML: the GPU is lost (%s): every GPU reading is NaN from now on", error)
+            self._lost = True
+            return True
+        unsupported = {
+            _code(nvml, "NVML_ERROR_NOT_SUPPORTED", NVML_ERROR_NOT_SUPPORTED),
+            _code(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", NVML_ERROR_FUNCTION_NOT_FOUND),
+            _code(nvml, "NVML_ERROR_NO_PERMISSION", NVML_ERROR_NO_PERMISSION),
+        }
+        if code in unsupported or isinstance(error, AttributeError):
+            # Will not change while the engine runs: left out, not retried.
+            log.info("NVML cannot read the GPU's %s here (%s): left out", field, error)
+            self._unsupported.add(field)
+            return False
+        failures = self._failures[field] = self._failures.get(field, 0) + 1
+        self._skip[field] = min(2 ** (failures - 1), MAX_RETRY_SKIP_SAMPLES)
+        if failures == 1:  # once per run of failures, not 20 lines a second
+            log.warning("NVML read of the GPU's %s failed (%r): retrying", field, error)
+        return False

@@ -5,6 +5,7 @@ sampler thread, never the loop) and the sampler's schedule."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 from collections.abc import Iterator, Mapping
@@ -248,3 +249,74 @@ def test_a_process_without_slow_probes_starts_no_sampler_thread() -> None:
     telemetry = ProcessTelemetry("frontend", Metrics(), [])
     telemetry.start()
     assert SAMPLER_THREAD_NAME not in {thread.name for thread in threading.enumerate()}
+
+
+def gauge(metrics: Metrics, name: str) -> float | None:
+    return metrics.registry.get_sample_value(f"steadyserve_{name}", {"gpu": "0"})
+
+
+def test_an_unsupported_field_is_left_out_alone_and_logged_once(
+    fake_gpus: FakeCuda, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GPU whose power NVML cannot read lost every GPU reading for the engine's life."""
+    fake_gpus.nvml.gpus[0].unsupported.add("nvmlDeviceGetPowerUsage")
+    probe = NvmlProbe(0)
+    with caplog.at_level(logging.INFO, logger="app.telemetry.gpu"):
+        first, second = probe.sample(), probe.sample()
+    for readings in (first, second):
+        assert "gpu_power_watts" not in readings
+        assert readings["gpu_sm_clock_hertz"] == 1980e6
+        assert readings["gpu_temperature_celsius"] == 40.0
+        assert readings["gpu_memory_free_bytes"] == 139e9
+    assert fake_gpus.nvml.calls_to("nvmlDeviceGetPowerUsage") == 1  # not asked again
+    assert sum("power" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_a_one_off_error_costs_its_field_one_sample_not_the_gpu_gauges(
+    fake_gpus: FakeCuda,
+) -> None:
+    """One failed NVML call turned NVML off for good: the GPU gauges went NaN and
+    `SteadyserveGpuReadingsLost` paged "drain the node" three minutes later."""
+    metrics = Metrics()
+    probe = NvmlProbe(0)
+    telemetry = ProcessTelemetry("engine", metrics, [probe], gpu="0")
+    probe.publish(probe.sample())
+    telemetry.publish()
+    fake_gpus.nvml.gpus[0].errors["nvmlDeviceGetPowerUsage"] = [UNKNOWN]
+    probe.publish(probe.sample())
+    telemetry.publish()
+    assert gauge(metrics, "gpu_sm_clock_hertz") == 1980e6  # what the alert watches
+    assert gauge(metrics, "gpu_temperature_celsius") == 40.0
+    power = gauge(metrics, "gpu_power_watts")
+    assert power is not None and math.isnan(power)  # that field alone, this sample
+    probe.sample()  # the retry waits one sample
+    assert probe.sample()["gpu_power_watts"] == 250.0
+
+
+def test_a_field_failing_again_and_again_is_retried_less_and_less_often(
+    fake_gpus: FakeCuda, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_gpus.nvml.gpus[0].errors["nvmlDeviceGetTemperature"] = [UNKNOWN] * 4
+    probe = NvmlProbe(0)
+    tried_at = []
+    with caplog.at_level(logging.WARNING, logger="app.telemetry.gpu"):
+        for number in range(1, 25):
+            before = fake_gpus.nvml.calls_to("nvmlDeviceGetTemperature")
+            readings = probe.sample()
+            if fake_gpus.nvml.calls_to("nvmlDeviceGetTemperature") > before:
+                tried_at.append(number)
+            assert readings["gpu_sm_clock_hertz"] == 1980e6
+    # Fails at 1, 3, 6 and 11 (1, 2, 4 samples skipped after them), answers at 20.
+    assert tried_at[:5] == [1, 3, 6, 11, 20]
+    assert "gpu_temperature_celsius" in probe.sample()
+    assert len(caplog.records) == 1  # one warning for the whole run of failures
+
+
+def test_only_a_lost_gpu_ends_every_reading(fake_gpus: FakeCuda) -> None:
+    probe = NvmlProbe(0)
+    assert probe.sample()["gpu_sm_clock_hertz"] == 1980e6
+    fake_gpus.nvml.gpus[0].errors["nvmlDeviceGetTemperature"] = [GPU_IS_LOST]
+    assert probe.sample() == {}
+    calls = len(fake_gpus.nvml.calls)
+    assert probe.sample() == {} and not probe.available
+    assert len(fake_gpus.nvml.calls) == calls  # a lost GPU is not asked again

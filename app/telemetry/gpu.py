@@ -4,6 +4,12 @@ GPU, no driver or no `pynvml`. NVML is opened and read on the sampler thread
 (`background.py`: a driver call costs microseconds to milliseconds), every 50 ms; the loop
 reads the latest sample.
 
+NVML numbers every GPU of the machine in PCI order and ignores `CUDA_VISIBLE_DEVICES` (and
+CUDA's own order, fastest first): with `CUDA_VISIBLE_DEVICES=2`, CUDA's device 0 is NVML's
+device 2. The handle is found by the CUDA device's UUID, else its PCI bus id (a MIG instance's
+UUID is not a GPU's: its GPU's bus id finds the GPU), both as torch reports them once the
+compute threads have initialised CUDA; until then the probe reads nothing.
+
 Each field is read on its own, so one failing query costs that field alone: one this GPU
 or driver does not support (power on some boards) is left out for good, logged once; any
 other error leaves it out of that sample and it is retried after 1, 2, 4 ... samples (at
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from app.telemetry.background import BackgroundProbe
@@ -98,6 +105,35 @@ FIELDS: dict[str, Callable[[Any, Any], Mapping[str, float]]] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceIds:
+    """How NVML can find one CUDA device, in NVML's forms."""
+
+    uuid: str | None  # "GPU-<uuid>"
+    pci_bus_id: str | None  # "<domain>:<bus>:<device>.0", hexadecimal
+
+
+def cuda_device_ids(device_index: int) -> DeviceIds | None:
+    """CUDA device `device_index`'s ids as torch reports them; None while CUDA is not
+    initialised (reading a device's properties would initialise it, on the calling thread,
+    before the compute threads do). Any thread."""
+    import torch
+
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    properties = torch.cuda.get_device_properties(device_index)
+    uuid = getattr(properties, "uuid", None)
+    domain, bus, device = (
+        getattr(properties, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")
+    )
+    return DeviceIds(
+        uuid=None if uuid is None else f"GPU-{uuid}",
+        pci_bus_id=None
+        if None in (domain, bus, device)
+        else f"{domain:08x}:{bus:02x}:{device:02x}.0",
+    )
+
+
 def _code(nvml: Any, name: str, default: int) -> int:
     value = getattr(nvml, name, default)
     return value if isinstance(value, int) else default
@@ -109,10 +145,15 @@ class NvmlProbe(BackgroundProbe):
 
     sample_every_s = 0.05
 
-    def __init__(self, device_index: int | None) -> None:
+    def __init__(
+        self,
+        device_index: int | None,
+        device_ids: Callable[[int], DeviceIds | None] = cuda_device_ids,
+    ) -> None:
         super().__init__()
         self._device_index = device_index
-        self._opened = False
+        self._device_ids = device_ids
+        self._opened = False  # tried: NVML is opened once, or never
         self._nvml: Any | None = None
         self._handle: Any | None = None
         self._lost = False
@@ -121,15 +162,48 @@ class NvmlProbe(BackgroundProbe):
         self._skip: dict[str, int] = {}  # field -> samples to skip before its next try
 
     def _open(self, device_index: int) -> None:
+        """Find the device's NVML handle, once its ids are known (CUDA initialised)."""
+        try:
+            ids = self._device_ids(device_index)
+        except Exception as error:  # no torch, no such device
+            log.info("CUDA device %d unknown to torch (%r): no GPU telemetry", device_index, error)
+            self._opened = True
+            return
+        if ids is None:
+            return  # CUDA not initialised yet: asked again at the next sample
+        self._opened = True
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
-            self._nvml = pynvml
-        except Exception as error:  # no library, no driver, no such device
+        except Exception as error:  # no library, no driver
             log.info("NVML unavailable (%s): no GPU telemetry", type(error).__name__)
-            self._nvml = self._handle = None
+            return
+        self._handle = self._find(pynvml, ids)
+        if self._handle is None:
+            log.warning(
+                "NVML has no GPU with CUDA device %d's UUID %s or PCI bus id %s: no GPU telemetry",
+                device_index,
+                ids.uuid,
+                ids.pci_bus_id,
+            )
+            return
+        self._nvml = pynvml
+
+    @staticmethod
+    def _find(nvml: Any, ids: DeviceIds) -> Any | None:
+        lookups = (
+            (ids.uuid, nvml.nvmlDeviceGetHandleByUUID),
+            (ids.pci_bus_id, nvml.nvmlDeviceGetHandleByPciBusId),
+        )
+        for key, lookup in lookups:
+            if key is None:
+                continue
+            try:
+                return lookup(key)
+            except Exception as error:  # not found (a MIG instance's UUID): the next way
+                log.debug("NVML lookup of %s failed (%r)", key, error)
+        return None
 
     @property
     def available(self) -> bool:
@@ -139,7 +213,6 @@ class NvmlProbe(BackgroundProbe):
         if self._device_index is None or self._lost:
             return {}
         if not self._opened:
-            self._opened = True
             self._open(self._device_index)
         if self._nvml is None:
             return {}

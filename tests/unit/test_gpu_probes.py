@@ -9,7 +9,7 @@ import math
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -142,6 +142,10 @@ class FakeCuda:
         self.snapshots_on.append(threading.current_thread().name)
         return [{"blocks": [{"state": "inactive", "size": 4096}]}]
 
+    def get_device_properties(self, index: int | None = None) -> FakeDeviceProperties:
+        assert self.initialized, "reading a device's properties initialised CUDA"
+        return self.devices[index or 0]
+
     def reads_on(self, thread: str) -> int:
         """NVML calls and allocator snapshots made on `thread`."""
         nvml = sum(1 for _, name in self.nvml.calls if name == thread)
@@ -167,9 +171,7 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda.initialized)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {"num_alloc_retries": 2})
     monkeypatch.setattr(torch.cuda, "memory_snapshot", cuda.memory_snapshot)
-    monkeypatch.setattr(
-        torch.cuda, "get_device_properties", lambda index=None: cuda.devices[index or 0]
-    )
+    monkeypatch.setattr(torch.cuda, "get_device_properties", cuda.get_device_properties)
     yield cuda
 
 
@@ -320,3 +322,46 @@ def test_only_a_lost_gpu_ends_every_reading(fake_gpus: FakeCuda) -> None:
     calls = len(fake_gpus.nvml.calls)
     assert probe.sample() == {} and not probe.available
     assert len(fake_gpus.nvml.calls) == calls  # a lost GPU is not asked again
+
+
+def test_the_gpu_read_is_the_one_cuda_computes_on_not_nvml_index_0(fake_gpus: FakeCuda) -> None:
+    """CUDA_VISIBLE_DEVICES=2: CUDA's device 0 is the machine's third GPU, but NVML ignores
+    that variable, and the probe opened NVML's device 0 (another job's GPU)."""
+    visible = fake_gpus.nvml.gpus[2]
+    visible.temperature_c, visible.sm_clock_mhz = 83, 1410
+    fake_gpus.devices = [cuda_view(visible)]
+    readings = NvmlProbe(0).sample()
+    assert readings["gpu_temperature_celsius"] == 83.0
+    assert readings["gpu_sm_clock_hertz"] == 1410e6
+
+
+def test_a_device_whose_uuid_nvml_does_not_know_is_found_by_its_pci_bus_id(
+    fake_gpus: FakeCuda,
+) -> None:
+    """A MIG instance: CUDA's UUID is the instance's; its GPU's bus id finds the GPU."""
+    gpu = fake_gpus.nvml.gpus[1]
+    gpu.temperature_c = 61
+    fake_gpus.devices = [replace(cuda_view(gpu), uuid="5d4b1a2c-0000-0000-0000-000000000000")]
+    assert NvmlProbe(0).sample()["gpu_temperature_celsius"] == 61.0
+
+
+def test_nvml_is_opened_only_once_cuda_is_initialised(fake_gpus: FakeCuda) -> None:
+    """Torch tells the device's UUID only by initialising CUDA, which the compute threads
+    do (on the sampler thread it would be a context of its own, before theirs)."""
+    fake_gpus.initialized = False
+    fake_gpus.devices = [cuda_view(fake_gpus.nvml.gpus[2])]
+    probe = NvmlProbe(0)
+    assert probe.sample() == {} and fake_gpus.nvml.calls == []
+    fake_gpus.initialized = True
+    fake_gpus.nvml.gpus[2].temperature_c = 70
+    assert probe.sample()["gpu_temperature_celsius"] == 70.0
+
+
+def test_a_device_nvml_cannot_find_reads_nothing_and_is_not_looked_up_again(
+    fake_gpus: FakeCuda,
+) -> None:
+    fake_gpus.devices = [FakeDeviceProperties("0badc0de-0000-0000-0000-000000000000", 0, 0x99, 0)]
+    probe = NvmlProbe(0)
+    assert probe.sample() == {} and probe.sample() == {}
+    assert fake_gpus.nvml.calls_to("nvmlDeviceGetHandleByUUID") == 1
+    assert not probe.available

@@ -309,7 +309,9 @@ class Batcher(Generic[RowT, OutT]):
         for pending, alone in zip(waiting, verdict.alone, strict=True):
             if isinstance(alone, Exception):
                 kind = BatchFailed if verdict.server_failing else InputFailed
-                _set_exception_if_not_done(pending.future, kind(repr(alone)))
+                failure = kind(repr(alone))
+                failure.__cause__ = alone  # its traceback, for the log of whoever answers it
+                _set_exception_if_not_done(pending.future, failure)
                 continue
             own_s = alone.timings.compute_s
             since_started = self._clock() - started

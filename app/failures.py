@@ -14,4 +14,5 @@ class BatchFailed(Exception):
 
 class InputFailed(Exception):
     """The model failed on this input alone while it computes others (answered 400): the
-    input is at fault, not the server."""
+    input is at fault, not the server. Its `__cause__` is what the model raised: for the
+    engine's log, never for the client (its text may hold anything, the input included)."""

@@ -150,7 +150,10 @@ async def _chat_refused(request: Request, error: Exception) -> Response:
 
 
 async def _engine_refused(request: Request, error: Exception) -> Response:
-    return error_response(400, "invalid_request", str(error))
+    assert isinstance(error, EngineRefused)
+    index = error.input_index
+    param = None if index is None else _text_param(request, index)
+    return error_response(400, "invalid_request", str(error), param)
 
 
 async def _engine_unavailable(request: Request, error: Exception) -> Response:

@@ -43,7 +43,12 @@ ANSWER_GRACE_S = 5.0
 
 
 class EngineRefused(Exception):
-    """The engine could not serve the request as sent (answered 400)."""
+    """The engine could not serve the request as sent (answered 400); `input_index`: the
+    input the model failed on, where that was why."""
+
+    def __init__(self, message: str, input_index: int | None = None) -> None:
+        super().__init__(message)
+        self.input_index = input_index
 
 
 class EngineUnavailable(Exception):
@@ -77,7 +82,7 @@ def failure_error(failure: Failure) -> Exception:
     if failure.kind is FailureKind.DEADLINE:
         return DeadlineExceeded(failure.message)
     if failure.kind is FailureKind.BAD_REQUEST:
-        return EngineRefused(failure.message)
+        return EngineRefused(failure.message, failure.input_index)
     if failure.kind is FailureKind.ENGINE_RESTARTING:
         return engine_lost()
     return BatchFailed(failure.message)

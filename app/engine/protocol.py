@@ -221,9 +221,10 @@ class FailureKind(Enum):
 class Failure(msgspec.Struct, frozen=True, tag="failure"):
     request_id: int
     kind: FailureKind
-    message: str
+    message: str  # answered to the client: never the model's own exception text
     reason: str | None = None  # for REJECTED: a `RejectReason` value
     retry_after_s: float | None = None
+    input_index: int | None = None  # for BAD_REQUEST: the input the model failed on
 
 
 class DebugReply(msgspec.Struct, frozen=True, tag="debug_reply"):

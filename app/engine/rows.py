@@ -99,8 +99,7 @@ async def gather_rows(
         emit(Failure(request.request_id, FailureKind.DEADLINE, "deadline passed in the queue"))
         return None
     except InputFailed as error:
-        message = f"the model failed on this input: {error}"
-        emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
+        emit(input_failure(request, futures, error))
         return None
     except BatchFailed as error:
         emit(Failure(request.request_id, FailureKind.FAILED, str(error)))
@@ -108,6 +107,37 @@ async def gather_rows(
     finally:
         for future in futures:
             future.cancel()  # a no-op for those already done
+
+
+def input_failure(
+    request: Submit, futures: Sequence[asyncio.Future[Any]], error: InputFailed
+) -> Failure:
+    """The 400 of a request with an input the model fails on: which input, and the class
+    of what the model raised, for the client; its text and traceback only in this log,
+    under the request's id (the model's message may hold anything, the input itself or
+    the model's internals)."""
+    index = next(
+        (
+            i
+            for i, future in enumerate(futures)
+            if future.done() and not future.cancelled() and future.exception() is error
+        ),
+        None,
+    )
+    cause = error.__cause__ or error
+    log.warning(
+        "request %d to %s: the model failed on input %s of it",
+        request.request_id,
+        request.model,
+        index,
+        exc_info=error,
+    )
+    which = "an input" if index is None else f"input {index}"
+    message = (
+        f"the model could not process {which} ({type(cause).__name__}); "
+        f"the server logged why under request {request.request_id}"
+    )
+    return Failure(request.request_id, FailureKind.BAD_REQUEST, message, input_index=index)
 
 
 def final_output(

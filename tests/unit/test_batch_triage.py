@@ -135,8 +135,11 @@ async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing(
     good, bad = batcher.submit([5, BAD + 10], deadline=now[0] + 10)
     batcher.start()
     answered = await asyncio.wait_for(good, timeout=10)
-    with pytest.raises(InputFailed):
+    with pytest.raises(InputFailed) as failed:
         await bad
+    # What the model raised, traceback and all, for the engine's log (never the client's).
+    assert isinstance(failed.value.__cause__, IndexError)
+    assert failed.value.__cause__.__traceback__ is not None
     await batcher.close()
     assert answered.value == 10
     assert answered.queue_wait_s == pytest.approx(0.0)  # its batch started at once

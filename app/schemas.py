@@ -109,16 +109,50 @@ class ModelList(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    type: str
+    type: str = Field(
+        description="The reason, as `code`; on the OpenAI routes (`/v1/...`) OpenAI's class "
+        "of the error instead: `invalid_request_error` (4xx), `rate_limit_exceeded` (429), "
+        "`server_error` (5xx)."
+    )
     message: str
     param: str | None = None
-    code: str = Field(description="The same as `type`: OpenAI's clients read it as `code`.")
+    code: str = Field(description="Why, by name (e.g. `queue`, `context_length_exceeded`).")
 
 
 def error_object(error_type: str, message: str, param: str | None = None) -> dict[str, Any]:
     """Every error body (`ErrorBody`): OpenAI's envelope, where the openai client reads
-    `code` (e.g. `context_length_exceeded`, `model_not_found`) and `type`."""
+    `code` (e.g. `context_length_exceeded`, `model_not_found`) and `type`; outside the
+    OpenAI routes `type` is the reason too (`openai_error_object` for those routes)."""
     return {"error": {"type": error_type, "message": message, "param": param, "code": error_type}}
+
+
+# OpenAI's error `type`s: its API and SDK class an error by these, and name the reason in
+# `code`. OpenAI splits 429s by the quota hit ("requests", "tokens"); a server's refusals
+# over its capacity are no client's quota, so every 429 gets the one name of what OpenAI
+# puts in `code` for them.
+OPENAI_CLIENT_ERROR = "invalid_request_error"
+OPENAI_RATE_LIMITED = "rate_limit_exceeded"
+OPENAI_SERVER_ERROR = "server_error"
+
+
+def openai_error_type(status: int) -> str:
+    """OpenAI's `type` of an error answered with `status`: 429 over a limit, any 5xx the
+    server's, any other 4xx the request's."""
+    if status == 429:
+        return OPENAI_RATE_LIMITED
+    if status >= 500:
+        return OPENAI_SERVER_ERROR
+    return OPENAI_CLIENT_ERROR
+
+
+def openai_error_object(
+    status: int, reason: str, message: str, param: str | None = None
+) -> dict[str, Any]:
+    """An error body of the OpenAI routes: OpenAI's `type` for `status`, the reason (what
+    `error_object` makes the `type` elsewhere) in `code`."""
+    error = error_object(reason, message, param)
+    error["error"]["type"] = openai_error_type(status)
+    return error
 
 
 class ErrorBody(BaseModel):

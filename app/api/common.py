@@ -15,8 +15,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from app.admission import Entry
-from app.api.responses import error_response, json_response, service_of
-from app.service import Service
+from app.api.responses import error_response, in_envelope_of, json_response, service_of
 from app.timing import PhaseTimer
 
 ENVOY_TIMEOUT_HEADER = b"x-envoy-expected-rq-timeout-ms"
@@ -44,13 +43,14 @@ def envoy_timeout_ms(request: Request) -> float | None:
     return envoy_timeout_in(request.scope["headers"])
 
 
-def too_many_inputs(service: Service, count: int, param: str) -> Response | None:
-    limit = service.settings.max_inputs_per_request
+def too_many_inputs(request: Request, count: int, param: str) -> Response | None:
+    """The 413 of a request of `count` inputs over the limit (in its path's envelope), else
+    None."""
+    limit = service_of(request).settings.max_inputs_per_request
     if count <= limit:
         return None
-    return error_response(
-        413, "too_many_inputs", f"{count} inputs; at most {limit} per request", param
-    )
+    message = f"{count} inputs; at most {limit} per request"
+    return in_envelope_of(request.url.path, error_response(413, "too_many_inputs", message, param))
 
 
 def render(request: Request, content: Any) -> Response:

@@ -21,7 +21,7 @@ from app.api.common import (
 )
 from app.api.errors_doc import ERRORS
 from app.api.generate import infer_generate
-from app.api.responses import error_response, json_response, service_of
+from app.api.responses import error_response, in_envelope_of, json_response, service_of
 from app.embedding_service import EmbedResult, embed_texts
 from app.schemas import (
     EmbeddingsRequest,
@@ -106,7 +106,7 @@ async def infer(request: Request) -> Response:
 
 async def _infer_embed(request: Request, body: InferRequest) -> Response:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    if (too_many := too_many_inputs(service_of(request), len(texts), "inputs")) is not None:
+    if (too_many := too_many_inputs(request, len(texts), "inputs")) is not None:
         return too_many
     result = await _embed(
         request,
@@ -145,19 +145,16 @@ async def embeddings(request: Request) -> Response:
     # same code.
     body = await embeddings_request(request)
     texts = [body.input] if isinstance(body.input, str) else body.input
-    if (too_many := too_many_inputs(service_of(request), len(texts), "input")) is not None:
+    if (too_many := too_many_inputs(request, len(texts), "input")) is not None:
         return too_many
     service = service_of(request)
     model = service.resolve_model(body.model)
     service.require_task(model, "embed")  # before `dimensions`: a width of another task
     width = service.output_width(model)
     if body.dimensions is not None and width is not None and body.dimensions != width:
-        return error_response(
-            400,
-            "invalid_request",
-            f"dimensions={body.dimensions} is not supported; {model} gives {width}",
-            "dimensions",
-        )
+        message = f"dimensions={body.dimensions} is not supported; {model} gives {width}"
+        refused = error_response(400, "invalid_request", message, "dimensions")
+        return in_envelope_of(request.url.path, refused)
     result = await _embed(request, model, texts, True, False, None)
     data = [
         {

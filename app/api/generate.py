@@ -20,6 +20,7 @@ from starlette.responses import Response
 from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
+from app.api.errors import REJECTION_STATUS
 from app.api.errors_doc import ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
@@ -116,7 +117,7 @@ async def infer_generate(request: Request, body: GenerateInferRequest) -> Respon
     """/infer on a generate model (its request already validated)."""
     prompts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     service = service_of(request)
-    if (too_many := too_many_inputs(service, len(prompts), "inputs")) is not None:
+    if (too_many := too_many_inputs(request, len(prompts), "inputs")) is not None:
         return too_many
     model = service.resolve_model(body.model)
     parameters = body.parameters
@@ -176,7 +177,7 @@ async def completions(request: Request) -> Response:
     body = await body_as(request, CompletionRequest)
     prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
     service = service_of(request)
-    if (too_many := too_many_inputs(service, len(prompts), "prompt")) is not None:
+    if (too_many := too_many_inputs(request, len(prompts), "prompt")) is not None:
         return too_many
     model = service.resolve_model(body.model)
     generation_of(request).tokenizer(model)  # a model of another task: 400 before anything
@@ -261,10 +262,10 @@ async def _frames(
                     frames.clear()
                 batch = await anext(rest, None)
     except (Rejected, DeadlineExceeded, EngineRefused) as error:
-        frames.append(event(error_chunk(_error_type(error), str(error))))
+        frames.append(event(error_chunk(*_status_and_reason(error), str(error))))
     except Exception:
         log.exception("generation failed mid-stream")
-        frames.append(event(error_chunk("internal_error", "internal server error")))
+        frames.append(event(error_chunk(500, "internal_error", "internal server error")))
     else:
         if with_usage:
             frames.append(event(usage_chunk(reply, sorted(ends, key=lambda end: end.index))))
@@ -272,9 +273,11 @@ async def _frames(
     yield b"".join(frames)
 
 
-def _error_type(error: Exception) -> str:
+def _status_and_reason(error: Exception) -> tuple[int, str]:
+    """The status and reason the error would have been answered with before the stream
+    began (`api/errors.py`)."""
     if isinstance(error, Rejected):
-        return error.reason.value
+        return REJECTION_STATUS[error.reason], error.reason.value
     if isinstance(error, DeadlineExceeded):
-        return "deadline"
-    return "invalid_request"
+        return 504, "deadline"
+    return 400, "invalid_request"

@@ -12,7 +12,7 @@ import orjson
 
 from app.api.sse import DATA, END
 from app.generation.pipeline import SequenceEnd
-from app.schemas import error_object
+from app.schemas import openai_error_object
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +96,11 @@ def usage_chunk(reply: Reply, ends: list[SequenceEnd]) -> dict[str, Any]:
     return {**reply.header(stream=True), "choices": [], "usage": usage(ends)}
 
 
-def error_chunk(error_type: str, message: str) -> dict[str, Any]:
+def error_chunk(status: int, reason: str, message: str) -> dict[str, Any]:
     """A failure after the stream began (the status line was sent): as vLLM does, an
-    `error` object, which the openai client raises as an APIError."""
-    return error_object(error_type, message)
+    `error` object, which the openai client raises as an APIError; its `type` OpenAI's for
+    the `status` it would have been answered with before, its `reason` the `code`."""
+    return openai_error_object(status, reason, message)
 
 
 class TextChunks:

@@ -1,5 +1,6 @@
 """JSON rendering (orjson, numpy arrays included) and the error envelopes: the project's
-(docs/ARCHITECTURE.md §6) and, under /v2, the Open Inference Protocol's."""
+(docs/ARCHITECTURE.md §6), with OpenAI's error types under /v1, and, under /v2, the Open
+Inference Protocol's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.schemas import error_object
+from app.schemas import error_object, openai_error_type
 from app.service import Service
 
 
@@ -41,15 +42,24 @@ def speaks_open_inference(path: str) -> bool:
     return path == "/v2" or path.startswith("/v2/")
 
 
+def speaks_openai(path: str) -> bool:
+    """The OpenAI-compatible routes (/v1/embeddings, /v1/completions, ...)."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
 def in_envelope_of(path: str, response: Response) -> Response:
     """An `error_response` in the envelope of the protocol `path` belongs to: a KServe or
     Triton client reads `error` as a string, and got the project's object from every error
     answered outside the v2 routes (an unknown route, a wrong method, a body too large or
-    too slow, a server fault)."""
-    if not speaks_open_inference(path):
+    too slow, a server fault); under /v1 the object's `type` is OpenAI's for the status
+    (`schemas.openai_error_object`), its reason staying in `code`. Any other response, or
+    path, is returned as is."""
+    v2 = speaks_open_inference(path)
+    if not v2 and not speaks_openai(path):
         return response
     try:
-        message = orjson.loads(response.body)["error"]["message"]
+        error = orjson.loads(response.body)["error"]
+        message = error["message"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return response  # not an error envelope (a 499 the client never reads)
     headers = {
@@ -57,7 +67,10 @@ def in_envelope_of(path: str, response: Response) -> Response:
         for name, value in response.headers.items()
         if name not in ("content-length", "content-type")
     }
-    return v2_error(message, response.status_code, headers)
+    if v2:
+        return v2_error(message, response.status_code, headers)
+    error["type"] = openai_error_type(response.status_code)
+    return json_response({"error": error}, response.status_code, headers)
 
 
 def service_of(request: Request) -> Service:

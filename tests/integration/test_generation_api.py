@@ -277,7 +277,7 @@ async def test_a_request_over_the_sequence_limit_is_a_400_naming_it(
     )
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["type"] == "context_length_exceeded"
+    assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded"
     assert f"at most {SLOT_TOKENS} tokens" in error["message"]
     fine = await client.post(
         "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3}
@@ -384,7 +384,10 @@ async def test_integers_beyond_int64_are_a_client_error_not_a_500(
     response = await client.post(route, json={"model": "tiny", **body})
     assert response.status_code == 422, response.text
     error = response.json()["error"]  # the project's error body, naming the field
-    assert error["type"] == "invalid_request" and error["param"], error
+    assert error["code"] == "invalid_request" and error["param"], error
+    assert error["type"] == (
+        "invalid_request_error" if route.startswith("/v1/") else "invalid_request"
+    )
 
 
 async def test_the_v2_protocol_describes_a_generate_model_and_refuses_tensors_for_it(

@@ -230,7 +230,9 @@ async def test_a_prompt_and_new_tokens_over_the_sequence_limit_is_a_400_naming_i
     )
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["type"] == "context_length_exceeded" and error["param"] == "prompt[0]"
+    # OpenAI's type, the reason in `code`.
+    assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded"
+    assert error["param"] == "prompt[0]"
     assert "at most 256 tokens" in error["message"]
 
 
@@ -249,7 +251,7 @@ async def test_a_failure_mid_stream_is_an_error_event_then_done(
     chunks = sse_payloads(response.content)
     assert chunks[-1] == {
         "error": {
-            "type": "internal_error",
+            "type": "server_error",
             "message": "internal server error",
             "param": None,
             "code": "internal_error",

@@ -109,7 +109,8 @@ async def test_a_non_finite_vector_is_a_500_not_a_null() -> None:
         # One check serves every route that renders embeddings.
         openai = await client.post("/v1/embeddings", json={"input": "anything"})
         assert openai.status_code == 500
-        assert openai.json()["error"]["type"] == "non_finite_output"
+        assert openai.json()["error"]["code"] == "non_finite_output"
+        assert openai.json()["error"]["type"] == "server_error"  # OpenAI's, on /v1
         text = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["anything"]}
         v2 = await client.post("/v2/models/fake/infer", json={"inputs": [text]})
         assert v2.status_code == 500

@@ -64,8 +64,8 @@ def test_sse_frames_are_single_data_lines_and_the_stream_ends_with_done() -> Non
     assert frame.count(b"\n") == 2  # the text's newline is escaped inside the JSON
     assert orjson.loads(frame[len(b"data: ") : -2])["choices"][0]["text"] == "two\nlines"
     assert DONE == b"data: [DONE]\n\n"
-    assert event(error_chunk("queue", "full"))[6:-2] == (
-        b'{"error":{"type":"queue","message":"full","param":null,"code":"queue"}}'
+    assert event(error_chunk(429, "queue", "full"))[6:-2] == (
+        b'{"error":{"type":"rate_limit_exceeded","message":"full","param":null,"code":"queue"}}'
     )
 
 

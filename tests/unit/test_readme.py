@@ -11,6 +11,7 @@ from pathlib import Path
 
 from app.cli import DELEGATED, build_parser
 from app.metrics import Metrics
+from app.schemas import openai_error_type
 from app.settings_doc import settings_table
 from tests.support.answered_errors import answered_error_types
 from tests.support.registry import exported_names
@@ -86,3 +87,11 @@ def test_the_readme_error_table_names_every_error_the_server_answers() -> None:
     answered = answered_error_types()
     assert len(answered) > 20  # the scan found the app's errors
     assert answered <= table, sorted(answered - table)
+
+
+def test_the_readme_names_openai_s_error_type_of_every_status_answered() -> None:
+    """The OpenAI routes' `type` (`schemas.openai_error_type`) of each status the app answers."""
+    text = README.read_text()
+    types = {openai_error_type(status) for status, _ in answered_error_types()}
+    assert len(types) == 3
+    assert all(f"`{kind}`" in text for kind in types), types

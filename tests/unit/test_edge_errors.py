@@ -1,0 +1,182 @@
+"""The errors the real routes answer, a front end in front of an engine double (tokenizers
+made on the spot, no model): OpenAI's error types on the /v1 routes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+
+import httpx
+import orjson
+from fastapi import FastAPI
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from app.engine.protocol import (
+    Failure,
+    FailureKind,
+    FromEngine,
+    ModelInfo,
+    Output,
+    Submit,
+    ToEngine,
+    TokensOutput,
+)
+from app.generation.tokenizer import GenerationTokenizer
+from app.main import create_app
+from app.model_specs import ModelSpec
+from app.models.tokenizer import InputTooLong, TextTokenizer
+from app.settings import Settings
+from loadtest.null_engine import AlwaysReadyEngine
+from tests.support.asgi import serving
+
+# The generate model's sequence: a prompt plus its new tokens hold at most this many.
+CONTEXT = 16
+WORDS = ["<unk>", "<s>", "hello", "world", "again"]
+SETTINGS = Settings(
+    models=(
+        ModelSpec(name="tiny", task="generate", source="unused"),
+        ModelSpec(name="minilm", task="embed", source="unused"),
+    ),
+    max_inputs_per_request=4,
+)
+
+Answer = Callable[[Submit], FromEngine | list[FromEngine]]
+
+
+class WordTokenizer:
+    """An embedding model's tokenizer: one id per word, at most 4 words."""
+
+    max_input_tokens = 4
+    pad_token_id = 0
+
+    def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
+        ids = [[2 + len(word) for word in text.split()] for text in texts]
+        for index, row in enumerate(ids):
+            if len(row) > self.max_input_tokens:
+                raise InputTooLong(index, len(row), self.max_input_tokens)
+        return ids
+
+
+def word_level_tokenizer(directory: Path) -> GenerationTokenizer:
+    """A generate model's tokenizer from a word-level `tokenizer.json` (no chat template)."""
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(directory / "tokenizer.json"))
+    return GenerationTokenizer(directory, CONTEXT)
+
+
+class AnsweringEngine(AlwaysReadyEngine):
+    """Answers each Submit at once with `answer(submit)` (a message, or several sent
+    together); the engine's own refusal counting happens only where `answer` is a real
+    `EngineCore`'s."""
+
+    engine_id = "answering"
+
+    def __init__(self, settings: Settings, answer: Answer) -> None:
+        super().__init__(settings)
+        self.answer = answer
+        self.submitted: list[Submit] = []
+
+    def model_info(self, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(spec.task, 4, CONTEXT - 1)
+
+    def _send(self, message: ToEngine) -> None:
+        if isinstance(message, Submit):
+            self.submitted.append(message)
+            answer = self.answer(message)
+            for answered in answer if isinstance(answer, list) else [answer]:
+                self._deliver(answered)
+
+
+@contextlib.asynccontextmanager
+async def front_end(
+    tmp_path: Path, answer: Answer | None = None
+) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI, AnsweringEngine]]:
+    generation = word_level_tokenizer(tmp_path)
+
+    def tokenizers(spec: ModelSpec, largest: int) -> TextTokenizer:
+        return generation if spec.task == "generate" else WordTokenizer()
+
+    def refused(submit: Submit) -> FromEngine:
+        return Failure(submit.request_id, FailureKind.FAILED, "not expected in this test")
+
+    engine = AnsweringEngine(SETTINGS, answer or refused)
+    app = create_app(SETTINGS, tokenizer_loader=tokenizers, engine=engine)
+    async with serving(app) as client:
+        yield client, app, engine
+
+
+async def test_the_openai_routes_answer_openai_s_type_with_the_reason_in_code(
+    tmp_path: Path,
+) -> None:
+    """Answered by an exception handler, by the route itself (too many inputs, dimensions)
+    and by the middleware (a wrong method): the same vocabulary; /infer keeps its own."""
+    async with front_end(tmp_path) as (client, _, _):
+        too_long = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT}
+        )
+        too_many = await client.post("/v1/embeddings", json={"model": "minilm", "input": ["a"] * 5})
+        dimensions = await client.post(
+            "/v1/embeddings", json={"model": "minilm", "input": "a", "dimensions": 3}
+        )
+        unknown = await client.post("/v1/completions", json={"model": "gpt-17", "prompt": "a"})
+        invalid = await client.post("/v1/completions", json={"model": "tiny", "prompt": 5})
+        method = await client.get("/v1/completions")
+        native = await client.post("/infer", json={"model": "minilm", "inputs": ["a"] * 5})
+    answers = {
+        (r.status_code, r.json()["error"]["type"], r.json()["error"]["code"])
+        for r in (too_long, too_many, dimensions, unknown, invalid, method)
+    }
+    assert answers == {
+        (400, "invalid_request_error", "context_length_exceeded"),
+        (413, "invalid_request_error", "too_many_inputs"),
+        (400, "invalid_request_error", "invalid_request"),
+        (404, "invalid_request_error", "model_not_found"),
+        (422, "invalid_request_error", "invalid_request"),
+        (405, "invalid_request_error", "method_not_allowed"),
+    }
+    assert native.status_code == 413
+    assert native.json()["error"]["type"] == native.json()["error"]["code"] == "too_many_inputs"
+
+
+async def test_a_refusal_by_the_engine_is_of_openai_s_type(tmp_path: Path) -> None:
+    def queue_full(submit: Submit) -> FromEngine:
+        return Failure(submit.request_id, FailureKind.REJECTED, "full", "queue", 1.0)
+
+    async with front_end(tmp_path, queue_full) as (client, _, _):
+        response = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        )
+    assert response.status_code == 429
+    assert response.json()["error"] == {
+        "type": "rate_limit_exceeded",
+        "message": "full",
+        "param": None,
+        "code": "queue",
+    }
+
+
+async def test_a_failure_mid_stream_is_an_event_of_openai_s_type(tmp_path: Path) -> None:
+    def one_token_then_late(submit: Submit) -> list[FromEngine]:
+        token = Output(submit.request_id, False, TokensOutput([2], 1), 0.0, 0.0)
+        late = Failure(submit.request_id, FailureKind.DEADLINE, "deadline passed after 1 token")
+        return [token, late]
+
+    async with front_end(tmp_path, one_token_then_late) as (client, _, _):
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    events = [
+        orjson.loads(line[len(b"data: ") :])
+        for line in response.content.split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]
+    assert events[-1] == {
+        "error": {
+            "type": "server_error",  # a 504 had it come before the stream began
+            "message": "deadline passed after 1 token",
+            "param": None,
+            "code": "deadline",
+        }
+    }

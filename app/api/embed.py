@@ -19,6 +19,7 @@ from app.api.common import (
     too_many_inputs,
     validated,
 )
+from app.api.errors import texts_as_sent
 from app.api.errors_doc import ERRORS
 from app.api.generate import infer_generate
 from app.api.responses import error_response, in_envelope_of, json_response, service_of
@@ -105,7 +106,7 @@ async def infer(request: Request) -> Response:
 
 
 async def _infer_embed(request: Request, body: InferRequest) -> Response:
-    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    texts = texts_as_sent(request, "inputs", body.inputs)
     if (too_many := too_many_inputs(request, len(texts), "inputs")) is not None:
         return too_many
     result = await _embed(
@@ -144,7 +145,7 @@ async def embeddings(request: Request) -> Response:
     # a parameter typed `EmbeddingsRequest`, so the FastAPI route and the direct one run the
     # same code.
     body = await embeddings_request(request)
-    texts = [body.input] if isinstance(body.input, str) else body.input
+    texts = texts_as_sent(request, "input", body.input)
     if (too_many := too_many_inputs(request, len(texts), "input")) is not None:
         return too_many
     service = service_of(request)

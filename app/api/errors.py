@@ -8,6 +8,7 @@ server itself becomes a 500 (answered by `ServerTimingMiddleware`).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -113,17 +114,28 @@ async def _deadline(request: Request, error: Exception) -> Response:
     return error_response(504, "deadline", message)
 
 
-# The request field holding the texts, by route (OpenAI's names on the /v1/ routes).
-_TEXT_FIELD = {
-    "/v1/embeddings": "input",
-    "/v1/completions": "prompt",
-    "/v1/chat/completions": "messages",
-}
+@dataclass(frozen=True, slots=True)
+class TextsAsSent:
+    """How a request's texts came: in field `field`, as a list or as one string."""
+
+    field: str
+    as_list: bool
 
 
-def _text_param(request: Request, index: int) -> str:
-    field = _TEXT_FIELD.get(request.url.path, "inputs")
-    return field if field == "messages" else f"{field}[{index}]"
+def texts_as_sent(request: Request, field: str, value: str | list[str]) -> list[str]:
+    """The texts of the request's field `field` (one string: a list of one), noting how
+    the client sent them: an error about one of them names it as sent, `prompt` for a
+    string and `prompt[3]` for a list's element (`prompt[0]` named a field never sent as a
+    list). Event loop thread, before the texts are checked."""
+    request.state.texts_as_sent = TextsAsSent(field, isinstance(value, list))
+    return value if isinstance(value, list) else [value]
+
+
+def _text_param(request: Request, index: int) -> str | None:
+    sent: TextsAsSent | None = getattr(request.state, "texts_as_sent", None)
+    if sent is None:
+        return None
+    return f"{sent.field}[{index}]" if sent.as_list else sent.field
 
 
 async def _too_long(request: Request, error: Exception) -> Response:

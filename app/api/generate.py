@@ -20,7 +20,7 @@ from starlette.responses import Response
 from app.admission import Rejected
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
-from app.api.errors import REJECTION_STATUS
+from app.api.errors import REJECTION_STATUS, texts_as_sent
 from app.api.errors_doc import ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
@@ -115,7 +115,7 @@ async def _complete(
 
 async def infer_generate(request: Request, body: GenerateInferRequest) -> Response:
     """/infer on a generate model (its request already validated)."""
-    prompts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    prompts = texts_as_sent(request, "inputs", body.inputs)
     service = service_of(request)
     if (too_many := too_many_inputs(request, len(prompts), "inputs")) is not None:
         return too_many
@@ -175,7 +175,7 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
 )
 async def completions(request: Request) -> Response:
     body = await body_as(request, CompletionRequest)
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    prompts = texts_as_sent(request, "prompt", body.prompt)
     service = service_of(request)
     if (too_many := too_many_inputs(request, len(prompts), "prompt")) is not None:
         return too_many
@@ -200,9 +200,10 @@ async def chat_completions(request: Request) -> Response:
         {**message.model_dump(exclude={"content"}), "content": message.text()}
         for message in body.messages
     ]
-    prompt = generation_of(request).chat_prompt(model, messages)
+    # One prompt, rendered from the messages: an error about it names `messages`.
+    prompt = texts_as_sent(request, "messages", generation_of(request).chat_prompt(model, messages))
     sampling = _openai_sampling(body, body.max_new_tokens())
-    prepared = await _prepare(request, model, [prompt], sampling, templated=True, timeout_ms=None)
+    prepared = await _prepare(request, model, prompt, sampling, templated=True, timeout_ms=None)
     return await _answer(request, Reply(model, chat=True), prepared, body)
 
 

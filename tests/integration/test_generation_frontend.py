@@ -230,9 +230,9 @@ async def test_a_prompt_and_new_tokens_over_the_sequence_limit_is_a_400_naming_i
     )
     assert response.status_code == 400
     error = response.json()["error"]
-    # OpenAI's type, the reason in `code`.
+    # OpenAI's type, the reason in `code`; the field as sent (one string: not `prompt[0]`).
     assert error["type"] == "invalid_request_error" and error["code"] == "context_length_exceeded"
-    assert error["param"] == "prompt[0]"
+    assert error["param"] == "prompt"
     assert "at most 256 tokens" in error["message"]
 
 

@@ -1,5 +1,6 @@
 """The errors the real routes answer, a front end in front of an engine double (tokenizers
-made on the spot, no model): OpenAI's error types on the /v1 routes."""
+made on the spot, no model): which field an error names, OpenAI's error types on the /v1
+routes, and an input the model fails on."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 from fastapi import FastAPI
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from app.engine.protocol import (
+    EmbedPayload,
     Failure,
     FailureKind,
     FromEngine,
@@ -107,6 +110,38 @@ async def front_end(
         yield client, app, engine
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hello world", "max_tokens": CONTEXT}, "prompt"),
+        ("/v1/completions", {"prompt": ["hello", "hello world"], "max_tokens": 15}, "prompt[1]"),
+        ("/infer", {"inputs": "hello", "parameters": {"max_new_tokens": CONTEXT}}, "inputs"),
+    ],
+)
+async def test_an_error_about_one_text_names_it_as_the_client_sent_it(
+    tmp_path: Path, path: str, body: dict[str, object], param: str
+) -> None:
+    """`prompt[0]` named an index into a field the client sent as one string."""
+    async with front_end(tmp_path) as (client, _, _):
+        response = await client.post(path, json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"input": "a b c d e"}, "input"), ({"input": ["a", "a b c d e"]}, "input[1]")],
+)
+async def test_an_embedding_input_over_the_limit_is_named_as_sent(
+    tmp_path: Path, body: dict[str, object], param: str
+) -> None:
+    async with front_end(tmp_path) as (client, _, _):
+        response = await client.post("/v1/embeddings", json={"model": "minilm", **body})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["param"] == param
+
+
 async def test_the_openai_routes_answer_openai_s_type_with_the_reason_in_code(
     tmp_path: Path,
 ) -> None:
@@ -179,4 +214,28 @@ async def test_a_failure_mid_stream_is_an_event_of_openai_s_type(tmp_path: Path)
             "param": None,
             "code": "deadline",
         }
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "param"), [({"input": "a"}, "input"), ({"input": ["a", "b"]}, "input[1]")]
+)
+async def test_an_input_the_model_fails_on_is_a_400_naming_it(
+    tmp_path: Path, body: dict[str, object], param: str
+) -> None:
+    index = 0 if param == "input" else 1
+
+    def fails_on_one(submit: Submit) -> FromEngine:
+        assert isinstance(submit.payload, EmbedPayload)
+        message = f"the model could not process input {index} (IndexError)"
+        return Failure(submit.request_id, FailureKind.BAD_REQUEST, message, input_index=index)
+
+    async with front_end(tmp_path, fails_on_one) as (client, _, _):
+        response = await client.post("/v1/embeddings", json={"model": "minilm", **body})
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "type": "invalid_request_error",
+        "message": f"the model could not process input {index} (IndexError)",
+        "param": param,
+        "code": "invalid_request",
     }

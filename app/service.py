@@ -265,14 +265,18 @@ class Service:
         return chosen
 
     @contextlib.contextmanager
-    def at_engine(self, model: str, task: str, arrived_at: float) -> Iterator[Outcome]:
+    def at_engine(
+        self, model: str, task: str, arrived_at: float, *, counts_engine_refusals: bool = False
+    ) -> Iterator[Outcome]:
         """Wrap an admitted request's time at the engine, from sending it to its last
         answer. While in it, shedding counts it as sent (its inputs are then the engine
         client's to count until the engine's status holds them). On the way out its
         duration since `arrived_at` is observed by model, `task` and outcome: "ok" once the
         caller called `outcome.ok()`, else named by what ended it (a refusal, a deadline,
         a cancellation or client gone, a request the engine refused as sent, any other
-        error)."""
+        error). `counts_engine_refusals`: the request was sent as several Submits marked
+        `Submit.refusal_counted_by_sender`, so its refusal by the engine (or expiry there)
+        is counted here, once, not by the engine once per Submit."""
         self._at_engine += 1
         outcome = Outcome()
         try:
@@ -280,12 +284,14 @@ class Service:
         except Rejected as rejection:
             deadline = rejection.reason is RejectReason.DEADLINE
             outcome.name = "deadline" if deadline else "rejected"
-            if rejection.reason is RejectReason.ENGINE_LOST:
+            if rejection.reason is RejectReason.ENGINE_LOST or counts_engine_refusals:
                 # Decided here, by the engine client (the engine counts its own refusals).
                 self.metrics.rejected.labels(model, rejection.reason.value).inc()
             raise
         except DeadlineExceeded:
             outcome.name = "deadline"
+            if counts_engine_refusals:
+                self.metrics.rejected.labels(model, RejectReason.DEADLINE.value).inc()
             raise
         except EngineRefused:
             outcome.name = "bad_request"  # answered 400: the client's doing, not an error

@@ -280,7 +280,8 @@ class EngineCore:
         self._taken_inputs[origin] = taken
         rejection = self._admit(request)
         if rejection is not None:
-            self.metrics.rejected.labels(request.model, rejection.reason.value).inc()
+            if not request.refusal_counted_by_sender:
+                self.metrics.rejected.labels(request.model, rejection.reason.value).inc()
             emit(
                 Failure(
                     request.request_id,

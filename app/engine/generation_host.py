@@ -272,7 +272,9 @@ class GenerationHost:
             if end == "length":
                 sequence.emit(self._finish(sequence, [], FinishReason.LENGTH, now))
                 continue
-            self._context.metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
+            if not sequence.request.refusal_counted_by_sender:
+                metrics = self._context.metrics
+                metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
             self._fail(
                 sequence,
                 FailureKind.DEADLINE,

@@ -88,10 +88,15 @@ def payload_inputs(payload: Payload) -> int:
 
 
 class Submit(msgspec.Struct, frozen=True, tag="submit"):
+    """`refusal_counted_by_sender`: one of the Submits one client request was sent as (a
+    generation's prompts, one each): `steadyserve_rejected_total` counts requests, so its
+    refusal (or expiry) is counted by the front end, once, and not here per Submit."""
+
     request_id: int
     model: str
     deadline: float
     payload: Payload
+    refusal_counted_by_sender: bool = False
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):

@@ -213,7 +213,13 @@ class TextGeneration:
             for index in range(len(prepared.prompt_ids))
         ]
         try:
-            with self.service.at_engine(prepared.model, "generate", prepared.arrived_at) as outcome:
+            at_engine = self.service.at_engine(
+                prepared.model,
+                "generate",
+                prepared.arrived_at,
+                counts_engine_refusals=_sent_as_several(prepared),
+            )
+            with at_engine as outcome:
                 async with contextlib.aclosing(_merge(sequences)) as batches:
                     async for batch in batches:
                         yield batch
@@ -242,6 +248,7 @@ class TextGeneration:
             prepared.model,
             prepared.deadline,
             GeneratePayload(prompt_ids, _engine_sampling(prepared, index), stream=reads_as_it_goes),
+            refusal_counted_by_sender=_sent_as_several(prepared),
         )
         detokenizer: IncrementalDetokenizer | WholeText
         if reads_as_it_goes:
@@ -302,6 +309,12 @@ class TextGeneration:
                 yield _events(index, text, ended)
                 return
         raise EngineUnavailable("the engine's stream ended without a final output")
+
+
+def _sent_as_several(prepared: PreparedGeneration) -> bool:
+    """Whether the request goes to the engine as several Submits (one per prompt), whose
+    refusal the front end counts once (`Submit.refusal_counted_by_sender`)."""
+    return len(prepared.prompt_ids) > 1
 
 
 def _decoded(

@@ -1,6 +1,7 @@
 """The errors the real routes answer, a front end in front of an engine double (tokenizers
 made on the spot, no model): which field an error names, OpenAI's error types on the /v1
-routes, and an input the model fails on."""
+routes, an input the model fails on, and one refusal counted per request however many
+prompts it has."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from fastapi import FastAPI
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from app.engine.core import EngineCore
 from app.engine.protocol import (
     EmbedPayload,
     Failure,
@@ -239,3 +241,56 @@ async def test_an_input_the_model_fails_on_is_a_400_naming_it(
         "param": param,
         "code": "invalid_request",
     }
+
+
+def refused_total(app: FastAPI, model: str, reason: str) -> float:
+    labels = {"model": model, "reason": reason}
+    value = app.state.service.metrics.registry.get_sample_value(
+        "steadyserve_rejected_total", labels
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("prompts", [["hello"], ["hello", "world", "hello again"]])
+async def test_a_refused_request_counts_one_refusal_however_many_prompts(
+    tmp_path: Path, prompts: list[str]
+) -> None:
+    """Each prompt goes to the engine as a Submit of its own, and the engine counted each
+    one refused: `steadyserve_rejected_total` counts requests. (The engine here is a real
+    `EngineCore` not started, which refuses everything as not ready.)"""
+    core: list[EngineCore] = []
+
+    def to_the_engine(submit: Submit) -> FromEngine:
+        answers: list[FromEngine] = []
+        core[0].submit(b"front-end", submit, answers.append)
+        [answer] = answers
+        return answer
+
+    async with front_end(tmp_path, to_the_engine) as (client, app, engine):
+        core.append(EngineCore(SETTINGS, app.state.service.metrics))  # one registry for both
+        response = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 2}
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "not_ready"
+        assert len(engine.submitted) == len(prompts)  # the engine refused each
+        assert refused_total(app, "tiny", "not_ready") == 1
+
+
+async def test_a_request_whose_prompts_expire_in_the_engine_counts_one_deadline(
+    tmp_path: Path,
+) -> None:
+    """The engine counts no expiry of a Submit its front end counts for (as for its
+    refusals): the front end counts the request's one."""
+
+    def expired(submit: Submit) -> FromEngine:
+        assert submit.refusal_counted_by_sender  # the engine leaves the counting to us
+        message = "deadline passed after 0 generated tokens"
+        return Failure(submit.request_id, FailureKind.DEADLINE, message)
+
+    async with front_end(tmp_path, expired) as (client, app, _):
+        response = await client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": ["hello", "world"], "max_tokens": 2}
+        )
+        assert response.status_code == 504
+        assert refused_total(app, "tiny", "deadline") == 1

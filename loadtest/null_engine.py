@@ -28,9 +28,9 @@ from app.engine.protocol import (
     Submit,
     ToEngine,
 )
+from app.frontend_process import configure_logging
 from app.main import create_app
 from app.model_specs import ModelSpec
-from app.frontend_process import configure_logging
 from app.settings import Settings
 
 WIDTH = 384

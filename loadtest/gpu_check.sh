@@ -11,15 +11,16 @@
 # Steps, and what each writes to OUT_DIR (copy the folder's verdicts.txt and the figures
 # into docs/BENCHMARKS.md):
 #   1 gpu        env.txt           nvidia-smi, clocks, torch and CUDA versions
-#   2 tests      pytest.txt        unit + integration tests with STEADY_DEVICE=cuda
-#   3 streams    streams.txt       two compute threads at once: distinct non-default streams,
+#   2 streams    streams.txt       two compute threads at once: distinct non-default streams,
 #                                  pinned staging, results equal to one thread's
-#   4 cosine     cosine.txt        the served vectors vs a CPU fp32 reference (>= 0.999)
-#   5 load       load.txt, load/   20 s closed loop at 64 connections: p99 <= 150 ms, no errors
-#   6 telemetry  telemetry.txt     NVML (SM clock, temperature, power, memory) and CUDA
+#   3 cosine     cosine.txt        the served vectors vs a CPU fp32 reference (>= 0.999)
+#   4 load       load.txt, load/   20 s closed loop at 64 connections: p99 <= 150 ms, no errors
+#   5 telemetry  telemetry.txt     NVML (SM clock, temperature, power, memory) and CUDA
 #                slow.json         allocator metrics carry real values after the load; the
 #                spikes.txt        slow-request reports it left (slow past 2 x p99, at least
 #                                  5 ms), as JSON and as `steadyserve spikes` prints them
+#   6 tests      pytest.txt        $GPU_CHECK_TESTS (default: unit + integration) with
+#                                  STEADY_DEVICE=cuda, within $GPU_CHECK_TESTS_TIMEOUT_S (300)
 #   also         server.log, metrics.txt, debug_pool.json, verdicts.txt
 set -euo pipefail
 OUT=${1:?usage: gpu_check.sh OUT_DIR}
@@ -32,6 +33,9 @@ fi
 PORT=${PORT:-8077}
 SLO_P99_MS=${SLO_P99_MS:-150}
 MIN_COSINE=${MIN_COSINE:-0.999}
+# The suites of step 2 (word-split) and its time limit.
+TESTS=${GPU_CHECK_TESTS:-tests/unit tests/integration}
+TESTS_TIMEOUT_S=${GPU_CHECK_TESTS_TIMEOUT_S:-300}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 VERDICTS="$OUT/verdicts.txt"
 : >"$VERDICTS"
@@ -68,15 +72,7 @@ sys.exit(0 if torch.cuda.is_available() else 1)' >>"$OUT/env.txt" 2>&1; then
 fi
 verdict PASS gpu "$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0))')"
 
-# 2. The tests on CUDA.
-if STEADY_DEVICE=cuda timeout 300 "$PYTHON" -m pytest -q -ra -p no:cacheprovider \
-    tests/unit tests/integration >"$OUT/pytest.txt" 2>&1; then
-    verdict PASS tests "$(tail -1 "$OUT/pytest.txt")"
-else
-    verdict FAIL tests "$(tail -1 "$OUT/pytest.txt") (see pytest.txt)"
-fi
-
-# 3. Two compute threads at once: each its own stream, pinned host staging, same results.
+# 2. Two compute threads at once: each its own stream, pinned host staging, same results.
 if timeout 300 "$PYTHON" - >"$OUT/streams.txt" 2>&1 <<'PYTHON'
 import asyncio
 import threading
@@ -137,7 +133,7 @@ else
     verdict FAIL streams "$(tail -1 "$OUT/streams.txt") (see streams.txt)"
 fi
 
-# A server on CUDA for steps 4 and 5.
+# A server on CUDA for steps 3 to 5.
 STEADY_DEVICE=cuda STEADY_DISPATCHER_THREADS=2 STEADY_DEBUG_TOKEN=gpucheck \
     STEADY_SLOW_REQUEST_MS=5 STEADY_SLOW_REQUEST_P99_MULTIPLE=2 \
     "$PYTHON" -m app.cli serve --host 127.0.0.1 --port "$PORT" >"$OUT/server.log" 2>&1 &
@@ -155,7 +151,7 @@ if [[ $ready != 1 ]]; then
     verdict FAIL cosine "the server did not become ready (see server.log)"
 fi
 
-# 4. Served vectors against a CPU fp32 reference.
+# 3. Served vectors against a CPU fp32 reference.
 if timeout 300 "$PYTHON" - "http://127.0.0.1:$PORT" "$MIN_COSINE" >"$OUT/cosine.txt" 2>&1 <<'PYTHON'
 import json
 import sys
@@ -197,7 +193,7 @@ else
     verdict FAIL cosine "$(tail -1 "$OUT/cosine.txt") (need >= $MIN_COSINE; see cosine.txt)"
 fi
 
-# 5. A short load with an SLO.
+# 4. A short load with an SLO.
 if timeout 120 "$PYTHON" -m loadtest run --url "http://127.0.0.1:$PORT/infer" --mode closed \
     --concurrency 64 --duration 20s --words fixed:12 --out "$OUT/load" --no-plots \
     --slo-p99-ms "$SLO_P99_MS" --max-error-rate 0 >"$OUT/load.txt" 2>&1; then
@@ -211,7 +207,7 @@ curl -sf "http://127.0.0.1:$PORT/metrics" >"$OUT/metrics.txt" \
 curl -sf -H 'Authorization: Bearer gpucheck' "http://127.0.0.1:$PORT/debug/pool" \
     >"$OUT/debug_pool.json" || verdict FAIL artefacts "GET /debug/pool failed"
 
-# 6. GPU and allocator telemetry with real values; the slow-request reports of the load.
+# 5. GPU and allocator telemetry with real values; the slow-request reports of the load.
 curl -sf -H 'Authorization: Bearer gpucheck' "http://127.0.0.1:$PORT/debug/slow?limit=256" \
     >"$OUT/slow.json" || verdict FAIL telemetry "GET /debug/slow failed"
 "$PYTHON" -m app.cli spikes --url "http://127.0.0.1:$PORT" --token gpucheck --limit 30 \
@@ -255,5 +251,15 @@ else
     verdict FAIL telemetry "$(tail -1 "$OUT/telemetry.txt") (see telemetry.txt)"
 fi
 stop_server
+
+# 6. The tests on CUDA, last: the longest step, and the one most likely to stop at a package
+# the machine lacks, after the CUDA checks above have given their verdicts.
+if STEADY_DEVICE=cuda timeout "$TESTS_TIMEOUT_S" "$PYTHON" -m pytest -q -ra -p no:cacheprovider \
+    $TESTS >"$OUT/pytest.txt" 2>&1; then
+    verdict PASS tests "$(tail -1 "$OUT/pytest.txt")"
+else
+    verdict FAIL tests "$(tail -1 "$OUT/pytest.txt") (see pytest.txt)"
+fi
+
 nvidia-smi -q -d CLOCK,PERFORMANCE 2>/dev/null | head -40 >>"$OUT/env.txt" || true
 echo "ALL PASS ($(ls "$OUT" | tr '\n' ' '))" | tee -a "$VERDICTS"

@@ -84,6 +84,7 @@ from app.buffers import BufferPool
 from app.dispatcher import Dispatcher, plan_threads
 from app.execute import execute_batch
 from app.model_specs import ModelSpec
+from app.models.tokenizer import load_tokenizer
 from app.settings import Settings
 from app.startup import load_runner, policy_for
 
@@ -98,7 +99,7 @@ async def main() -> None:
     )
     shape = policy.shapes()[-1]
     texts = [f"sentence number {i} about streams and pinned memory" for i in range(shape.batch)]
-    ids = runner.tokenize(texts, False)
+    ids = load_tokenizer(ModelSpec().source, 64, None).tokenize(texts, False)
 
     def one_batch() -> tuple[str, int, bool, np.ndarray]:
         stream = dispatcher.stream()
@@ -161,7 +162,7 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from app.models.base import resolve_source
+from app.models.source import resolve_source
 from app.models.pooling import mean_pool
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 

@@ -9,6 +9,7 @@ runs on compute threads, one at a time per runner (the cache is the runner's).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,11 @@ class CausalLMRunner:
         self._mask_open = torch.zeros((), dtype=dtype, device=device)
         self._mask_blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=device)
         self._base = self.model.base_model
+        # transformers renamed the forward's cache argument from `past_key_values` to `cache`
+        # within 5.x (5.17 has the old name): one the forward does not name would be taken
+        # into its **kwargs and ignored, and each step would attend to its own tokens only.
+        forward_parameters = inspect.signature(self._base.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
         self._head = self.model.get_output_embeddings()
         # What some models' own forward does to the head's output, which `logits` (base
         # model + head, without that forward) must do too: Cohere multiplies, Granite
@@ -239,8 +245,8 @@ class CausalLMRunner:
                 input_ids=input_ids,
                 attention_mask=self._attention_mask(positions, kv_length),
                 position_ids=positions,
-                cache=self.cache,
                 use_cache=True,
+                **{self._cache_argument: self.cache},
             ).last_hidden_state
             if all(len(row.token_ids) == query for row in rows):
                 picked = hidden[:, -1]  # every row's last token is the last column: a view

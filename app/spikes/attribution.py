@@ -36,8 +36,8 @@ CAUSES = (
     "unaccounted",
 )
 # Root causes: something happened to the request. The others say in which phase its time
-# went, and a root cause's time is spent inside some phase: so phases are ranked by what
-# is left of them once the root causes' time is taken off (`rank`).
+# went, and a root cause's time is spent inside some phase: so a phase counts what is left
+# of it once the root causes on its side of the request are taken off (`attribute`).
 ROOT_CAUSES = frozenset(CAUSES[: CAUSES.index("buffer_wait")])
 # Causes explaining less than this are left out of a report.
 MIN_CAUSE_S = 0.0005
@@ -72,66 +72,125 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds >= 0.0095 else f"{seconds * 1000:.1f} ms"
 
 
-def _processes(facts: RequestFacts) -> list[tuple[str, Mapping[str, float]]]:
-    """Each process's probe changes, once: an in-process engine shares the front end's."""
-    listed: list[tuple[str, Mapping[str, float]]] = [("front end", facts.frontend_probes)]
-    if facts.engine is not None and facts.engine.pid != facts.frontend_pid:
-        listed.append(("engine", facts.engine.probes))
-    return listed
-
-
 def _device_probes(facts: RequestFacts) -> Mapping[str, float]:
     return facts.engine.probes if facts.engine is not None else {}
 
 
+# The engine's phases, and the front end's own: a process's loss could delay the request
+# only while the request was on that process's side (`_loss`).
+ENGINE_PHASES = ("queue", "compute", "engine_lost")
+FRONT_END_PHASES = ("tokenize", "admission", "serialise")
+
+
+@dataclass(frozen=True, slots=True)
+class _Loss:
+    """A process's time lost over the request, each part at most what could have delayed
+    it (`_loss`): its collections' pauses, its event loop blocked by other work, and that
+    loop's thread waiting for a CPU; `gc_measured`: all of its pauses."""
+
+    gc: float = 0.0
+    blocked: float = 0.0
+    starved: float = 0.0
+    gc_measured: float = 0.0
+
+    @property
+    def largest(self) -> float:
+        return max(self.gc, self.blocked, self.starved)
+
+
+def _loss(probes: Mapping[str, float], window: float) -> _Loss:
+    """The lost time `probes` show, at most `window`: the request's time on this process's
+    side (a front end's 180 ms collection while the engine computed delayed it not at all)."""
+    gc = sum(probes.get(f"gc_gen{g}_pause_seconds_total", 0.0) for g in (2, 1, 0))
+    busy = probes.get("loop_busy_lag_seconds_total", 0.0)
+    lag = probes.get("loop_lag_seconds_total", 0.0)
+    # A collection on the loop's thread shows up as lag too, and a CPU taken from it
+    # while it collects as starvation: both are the GC's pause (timed by the clock).
+    blocked = max(0.0, busy - gc)
+    starved = max(0.0, lag - busy - max(0.0, gc - busy))
+    gc_in = min(gc, window)
+    blocked_in = min(blocked, window - gc_in)
+    return _Loss(gc_in, blocked_in, min(starved, window - gc_in - blocked_in), gc)
+
+
+def _sum(phases: Mapping[str, float], names: tuple[str, ...]) -> float:
+    return sum(phases.get(name, 0.0) for name in names)
+
+
+def _gc_evidence(where: str, probes: Mapping[str, float], loss: _Loss, span: str) -> list[str]:
+    evidence = []
+    for generation in (2, 1, 0):
+        pause = probes.get(f"gc_gen{generation}_pause_seconds_total", 0.0)
+        count = int(probes.get(f"gc_gen{generation}_collections_total", 0.0))
+        if pause > 0:
+            plural = "s" if count != 1 else ""
+            collections = f"{count} collection{plural}"
+            evidence.append(
+                f"GC gen-{generation} pause {_ms(pause)} in the {where} ({collections})"
+            )
+    if loss.gc_measured - loss.gc >= MIN_CAUSE_S:
+        evidence.append(f"only {_ms(loss.gc)} of the {where}'s could delay it, {span}")
+    return evidence
+
+
+def _throttling(processes: list[Mapping[str, float]], total_s: float) -> Cause:
+    throttled_cpu = max(
+        (p.get("cgroup_throttled_seconds_total", 0.0) for p in processes), default=0
+    )
+    periods = max((p.get("cgroup_throttled_periods_total", 0.0) for p in processes), default=0)
+    # The kernel sums the throttled time of every CPU of the quota: wall time is at most
+    # that over the quota's CPUs (all of them throttled at once).
+    quota = max((p.get("cgroup_quota_cpus", 0.0) for p in processes), default=0)
+    cpus = max(1, math.ceil(quota))
+    throttled = throttled_cpu / cpus
+    over = f" ({_ms(throttled_cpu)} of CPU time over {cpus} CPUs)" if cpus > 1 else ""
+    return Cause(
+        "cgroup_throttled",
+        min(throttled, total_s),
+        f"cgroup throttled {_ms(throttled)}{over} in {int(periods)} CFS periods during "
+        "this request",
+    )
+
+
 def attribute(facts: RequestFacts) -> list[Cause]:
-    """The causes of a request's time, most first (ties: the more specific first)."""
+    """The causes of a request's time, most first (ties: the more specific first). A root
+    cause counts the time it could have delayed the request; a phase what the root causes
+    on its side of the request (the front end's, the engine's) leave of it."""
     causes: list[Cause] = []
-    processes = _processes(facts)
+    phases, total = facts.phases, facts.total_s
 
     # --- the processes: GC, the event loop, the CPU -------------------------------------
-    gc_by_process: dict[str, float] = {}
-    gc_evidence: list[str] = []
-    for where, probes in processes:
-        for generation in (2, 1, 0):
-            pause = probes.get(f"gc_gen{generation}_pause_seconds_total", 0.0)
-            count = int(probes.get(f"gc_gen{generation}_collections_total", 0.0))
-            if pause > 0:
-                gc_by_process[where] = gc_by_process.get(where, 0.0) + pause
-                plural = "s" if count != 1 else ""
-                gc_evidence.append(
-                    f"GC gen-{generation} pause {_ms(pause)} in the {where} "
-                    f"({count} collection{plural})"
-                )
-    gc_total = sum(gc_by_process.values())
-    causes.append(Cause("gc_pause", gc_total, "; ".join(gc_evidence)))
+    # In-process the engine's loss is the front end's (one process, one loop); else each
+    # process's loss counts only within the request's time on its side.
+    shared = facts.engine is not None and facts.engine.pid == facts.frontend_pid
+    in_engine = _sum(phases, ENGINE_PHASES)
+    front = _loss(facts.frontend_probes, total if shared else max(0.0, total - in_engine))
+    processes = [("front end", facts.frontend_probes, front, f"{_ms(in_engine)} in the engine")]
+    engine = front if shared else _Loss()
+    if facts.engine is not None and not shared:
+        in_front = _sum(phases, FRONT_END_PHASES)
+        engine = _loss(facts.engine.probes, max(0.0, total - in_front))
+        span = f"{_ms(in_front)} in the front end's phases"
+        processes.append(("engine", facts.engine.probes, engine, span))
 
-    blocked_total = 0.0
-    starved_loop = 0.0
-    # The front end's own loss of time, which falls outside the measured phases (in the
-    # gap); the engine's falls inside the queue and compute phases.
-    front_end_lost = gc_by_process.get("front end", 0.0)
-    blocked_evidence: list[str] = []
-    for where, probes in processes:
-        busy = probes.get("loop_busy_lag_seconds_total", 0.0)
-        lag = probes.get("loop_lag_seconds_total", 0.0)
-        # A collection on the loop's thread shows up as lag too, and a CPU taken from it
-        # while it collects as starvation: both are the GC's pause (timed by the clock).
-        gc_here = gc_by_process.get(where, 0.0)
-        blocked = max(0.0, busy - gc_here)
-        starved = max(0.0, lag - busy - max(0.0, gc_here - busy))
-        starved_loop = max(starved_loop, starved)
-        if where == "front end":
-            front_end_lost += blocked + starved
-        if blocked > 0:
-            blocked_total += blocked
-            blocked_evidence.append(f"the {where}'s event loop was blocked {_ms(blocked)}")
+    gc_evidence = [
+        line
+        for where, probes, loss, away in processes
+        for line in _gc_evidence(where, probes, loss, f"the rest fell in its {away}")
+    ]
+    causes.append(Cause("gc_pause", sum(p[2].gc for p in processes), "; ".join(gc_evidence)))
+    blocked_evidence = [
+        f"the {where}'s event loop was blocked {_ms(loss.blocked)}"
+        for where, _, loss, _ in processes
+        if loss.blocked > 0
+    ]
+    blocked_total = sum(p[2].blocked for p in processes)
     causes.append(Cause("event_loop_blocked", blocked_total, "; ".join(blocked_evidence)))
 
     batch = facts.engine.batch if facts.engine is not None else None
     batch_wall = batch.copy_in_s + batch.run_s + batch.copy_out_s if batch else 0.0
     starved_batch = min(batch.runqueue_wait_s, batch_wall) if batch else 0.0
-    contention = max(starved_batch, starved_loop)
+    starved_loop = max(front.starved, engine.starved)
     evidence = []
     if batch is not None and starved_batch > 0:
         evidence.append(
@@ -140,41 +199,24 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         )
     if starved_loop > 0:
         evidence.append(f"an event loop waited {_ms(starved_loop)} for a CPU")
-    own_cpu = sum(p.get("process_cpu_seconds_total", 0.0) for _, p in processes)
+    own_cpu = sum(p[1].get("process_cpu_seconds_total", 0.0) for p in processes)
     host = facts.frontend_probes.get("host_cpu_busy_seconds_total")
-    if host is not None and facts.total_s > 0:
-        others = max(0.0, host - own_cpu) / facts.total_s
+    if host is not None and total > 0:
+        others = max(0.0, host - own_cpu) / total
         evidence.append(f"other processes took {others:.1f} cores")
-    causes.append(Cause("cpu_contention", contention, "; ".join(evidence)))
-
-    throttled_cpu = max(
-        (p.get("cgroup_throttled_seconds_total", 0.0) for _, p in processes), default=0
-    )
-    periods = max((p.get("cgroup_throttled_periods_total", 0.0) for _, p in processes), default=0)
-    # The kernel sums the throttled time of every CPU of the quota: wall time is at most
-    # that over the quota's CPUs (all of them throttled at once).
-    quota = max((p.get("cgroup_quota_cpus", 0.0) for _, p in processes), default=0)
-    cpus = max(1, math.ceil(quota))
-    throttled = throttled_cpu / cpus
-    over = f" ({_ms(throttled_cpu)} of CPU time over {cpus} CPUs)" if cpus > 1 else ""
-    causes.append(
-        Cause(
-            "cgroup_throttled",
-            min(throttled, facts.total_s),
-            f"cgroup throttled {_ms(throttled)}{over} in {int(periods)} CFS periods during "
-            "this request",
-        )
-    )
+    causes.append(Cause("cpu_contention", max(starved_batch, starved_loop), "; ".join(evidence)))
+    throttling = _throttling([p[1] for p in processes], total)
+    causes.append(throttling)
+    throttled = throttling.seconds
 
     # --- the batch and the device -----------------------------------------------------
-    compute = facts.phases.get("compute", 0.0)
+    compute = phases.get("compute", 0.0)
     expected = batch.expected_compute_s if batch else 0.0
     excess = max(0.0, compute - expected) if expected > 0 else 0.0
     shape = f"({batch.padded_rows}, {batch.length_bucket})" if batch else "?"
     device = _device_probes(facts)
     # A collection in the engine process stops its compute thread too (the GIL).
-    engine_gc = min(gc_by_process.get("engine", 0.0), compute)
-    explained = max(starved_batch, min(throttled, compute), engine_gc)
+    explained = max(starved_batch, min(throttled, compute), min(engine.gc, compute))
 
     bits = int(device.get("gpu_throttle_reasons", 0.0))
     if bits & SLOWDOWN_BITS:
@@ -233,14 +275,21 @@ def attribute(facts: RequestFacts) -> list[Cause]:
                 f"run alone, {_ms(failed)} later than its batch would have",
             )
         )
+
+    # --- the phases, less the root causes on their side --------------------------------
+    # The root causes inside compute fill its excess first: a batch at its estimate was not
+    # slowed (a front end's pause meanwhile, in another process, stopped nothing of it).
+    compute_lost = max(0.0, explained - excess)
+    engine_lost = max(engine.largest, throttled)
     if batch is not None:
         causes.append(
             Cause(
                 "buffer_wait",
-                batch.acquire_wait_s,
+                _net(batch.acquire_wait_s, engine_lost),
                 f"waited {_ms(batch.acquire_wait_s)} for a buffer slot of shape {shape}",
             )
         )
+        # What no root cause explains of the excess: a net time already.
         causes.append(
             Cause(
                 "slow_compute",
@@ -254,7 +303,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
             causes.append(
                 Cause(
                     "compute",
-                    min(compute, expected) if expected > 0 else compute,
+                    _net(min(compute, expected) if expected > 0 else compute, compute_lost),
                     f"the model's own time for {batch.rows} inputs at {shape}, batched with "
                     f"lengths {batch.co_batched_lengths}",
                 )
@@ -264,34 +313,53 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         # The engine traces only a request slow at the engine (over half the threshold);
         # the time it computed is still the request's, and no other cause holds it.
         causes.append(
-            Cause("compute", compute, f"computed {_ms(compute)} (the engine sent no trace)")
+            Cause(
+                "compute",
+                _net(compute, compute_lost),
+                f"computed {_ms(compute)} (the engine sent no trace)",
+            )
         )
 
-    lost = facts.phases.get("engine_lost", 0.0)
+    lost = phases.get("engine_lost", 0.0)
     causes.append(
         Cause(
             "engine_lost",
-            lost,
+            _net(lost, engine_lost),
             f"the engine went away with the request in it, {_ms(lost)} after it was sent "
             f"(it died, or answered nothing past the deadline)",
         )
     )
 
-    queue = max(0.0, facts.phases.get("queue", 0.0) - facts.batching_window_s)
+    queue = max(0.0, phases.get("queue", 0.0) - facts.batching_window_s)
     depth = facts.engine.queue_depth_at_arrival if facts.engine else 0
-    causes.append(Cause("queueing", queue, f"queued {_ms(queue)} behind {depth} inputs"))
-    admission = facts.phases.get("admission", 0.0)
-    causes.append(Cause("admission_wait", admission, f"waited {_ms(admission)} for admission"))
-    tokenize = facts.phases.get("tokenize", 0.0)
-    causes.append(Cause("tokenize", tokenize, f"tokenizing took {_ms(tokenize)}"))
-    serialise = facts.phases.get("serialise", 0.0)
-    causes.append(Cause("serialise", serialise, f"rendering the answer took {_ms(serialise)}"))
+    causes.append(
+        Cause("queueing", _net(queue, engine_lost), f"queued {_ms(queue)} behind {depth} inputs")
+    )
+    front_lost = max(front.largest, throttled)
+    admission = phases.get("admission", 0.0)
+    causes.append(
+        Cause(
+            "admission_wait",
+            _net(admission, front_lost),
+            f"waited {_ms(admission)} for admission",
+        )
+    )
+    tokenize = phases.get("tokenize", 0.0)
+    causes.append(Cause("tokenize", _net(tokenize, front_lost), f"tokenizing took {_ms(tokenize)}"))
+    serialise = phases.get("serialise", 0.0)
+    causes.append(
+        Cause(
+            "serialise",
+            _net(serialise, front_lost),
+            f"rendering the answer took {_ms(serialise)}",
+        )
+    )
 
     # The wait for a buffer slot comes after the queue phase ends and before compute starts:
-    # it is in the gap, and already a cause of its own.
+    # it is in the gap, and already a cause of its own. The front end's losses were there.
     buffer_wait = batch.acquire_wait_s if batch is not None else 0.0
-    gap = facts.total_s - sum(facts.phases.values())
-    unaccounted = max(0.0, gap - front_end_lost - buffer_wait)
+    gap = total - sum(phases.values())
+    unaccounted = max(0.0, gap - front.gc - front.blocked - front.starved - buffer_wait)
     causes.append(
         Cause(
             "unaccounted",
@@ -303,17 +371,13 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     return rank(causes)
 
 
+def _net(phase_s: float, lost_s: float) -> float:
+    """What a phase of `phase_s` holds beyond the `lost_s` a root cause took of it (a 200 ms
+    collection during a 205 ms phase leaves it 5)."""
+    return max(0.0, phase_s - lost_s)
+
+
 def rank(causes: list[Cause]) -> list[Cause]:
-    """Causes worth naming, most time first; a phase counts only what the root causes
-    leave of it (a 200 ms GC pause during a 205 ms compute phase is the GC's); ties go to
-    the more specific cause."""
+    """Causes worth naming, most time first; ties go to the more specific cause."""
     kept = [c for c in causes if c.seconds >= MIN_CAUSE_S]
-    root_s = max((c.seconds for c in kept if c.name in ROOT_CAUSES), default=0.0)
-
-    def weight(cause: Cause) -> float:
-        # `unaccounted` already has the front end's losses taken out (`attribute`).
-        if cause.name in ROOT_CAUSES or cause.name == "unaccounted":
-            return cause.seconds
-        return max(0.0, cause.seconds - root_s)
-
-    return sorted(kept, key=lambda c: (-round(weight(c), 4), CAUSES.index(c.name)))
+    return sorted(kept, key=lambda c: (-round(c.seconds, 4), CAUSES.index(c.name)))

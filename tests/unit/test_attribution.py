@@ -42,6 +42,7 @@ def facts(
     engine_probes: dict[str, float] | None = None,
     trace: BatchTrace | None = None,
     depth: int = 0,
+    engine_pid: int = ENGINE,
 ) -> RequestFacts:
     phases = phases or {"tokenize": 0.0002, "admission": 0.0, "queue": 0.001, "compute": 0.02}
     return RequestFacts(
@@ -50,7 +51,7 @@ def facts(
         phases=phases,
         frontend_pid=FRONT,
         frontend_probes=front or {},
-        engine=EngineTrace(ENGINE, depth, trace or batch(), engine_probes or {}),
+        engine=EngineTrace(engine_pid, depth, trace or batch(), engine_probes or {}),
         batching_window_s=0.002,
     )
 
@@ -63,12 +64,13 @@ def top(request: RequestFacts) -> tuple[str, float, str]:
 def test_gc_pause_in_the_engine() -> None:
     name, ms, evidence = top(
         facts(
+            total_s=0.1,  # a pause can delay a request by no more than its time
             engine_probes={
                 "gc_gen2_pause_seconds_total": 0.08,
                 "gc_gen2_collections_total": 1,
                 "loop_lag_seconds_total": 0.08,
                 "loop_busy_lag_seconds_total": 0.08,
-            }
+            },
         )
     )
     assert (name, ms) == ("gc_pause", 80)
@@ -106,7 +108,10 @@ def test_loop_lag_from_a_collection_is_not_also_a_blocked_loop() -> None:
 
 def test_blocked_loop() -> None:
     name, ms, evidence = top(
-        facts(front={"loop_lag_seconds_total": 0.3, "loop_busy_lag_seconds_total": 0.29})
+        facts(
+            total_s=0.32,
+            front={"loop_lag_seconds_total": 0.3, "loop_busy_lag_seconds_total": 0.29},
+        )
     )
     assert (name, ms) == ("event_loop_blocked", 290)
     assert "front end's event loop was blocked 290 ms" in evidence
@@ -226,10 +231,13 @@ def test_slow_compute_without_an_explanation() -> None:
 
 def test_a_root_cause_outranks_the_phase_its_time_was_spent_in() -> None:
     # A 200 ms collection while the batch ran: the compute phase is 205 ms, the GC's 200.
+    # In-process (one process: its collection stops the compute thread too); a front end's
+    # own process's collection cannot delay the engine's compute (test_attribution_sides).
     causes = attribute(
         facts(
             phases={"compute": 0.205},
             front={"gc_gen2_pause_seconds_total": 0.2, "gc_gen2_collections_total": 1},
+            engine_pid=FRONT,
         )
     )
     assert causes[0].name == "gc_pause"

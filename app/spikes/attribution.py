@@ -98,18 +98,21 @@ class _Loss:
         return max(self.gc, self.blocked, self.starved)
 
 
-def _loss(probes: Mapping[str, float], window: float) -> _Loss:
+def _loss(probes: Mapping[str, float], window: float, own_s: float = 0.0) -> _Loss:
     """The lost time `probes` show, at most `window`: the request's time on this process's
-    side (a front end's 180 ms collection while the engine computed delayed it not at all)."""
+    side (a front end's 180 ms collection while the engine computed delayed it not at all).
+    `own_s`: the request's own work on this process's loop, which made its ticker late too
+    and is a phase of its own, not a blocked loop."""
     gc = sum(probes.get(f"gc_gen{g}_pause_seconds_total", 0.0) for g in (2, 1, 0))
     busy = probes.get("loop_busy_lag_seconds_total", 0.0)
     lag = probes.get("loop_lag_seconds_total", 0.0)
     # A collection on the loop's thread shows up as lag too, and a CPU taken from it
     # while it collects as starvation: both are the GC's pause (timed by the clock).
-    blocked = max(0.0, busy - gc)
+    blocked = max(0.0, busy - gc - own_s)
     starved = max(0.0, lag - busy - max(0.0, gc - busy))
     gc_in = min(gc, window)
-    blocked_in = min(blocked, window - gc_in)
+    # Other work cannot have held the loop while it ran this request's own.
+    blocked_in = min(blocked, window - gc_in, max(0.0, window - own_s))
     return _Loss(gc_in, blocked_in, min(starved, window - gc_in - blocked_in), gc)
 
 
@@ -164,7 +167,12 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # process's loss counts only within the request's time on its side.
     shared = facts.engine is not None and facts.engine.pid == facts.frontend_pid
     in_engine = _sum(phases, ENGINE_PHASES)
-    front = _loss(facts.frontend_probes, total if shared else max(0.0, total - in_engine))
+    # The request's own work on the front end's loop: rendering its answer, tokenizing a
+    # small input inline (a large one's on the tokenizer pool, while the loop's lateness
+    # could not delay it either).
+    on_loop = _sum(phases, ("tokenize", "serialise"))
+    front_window = total if shared else max(0.0, total - in_engine)
+    front = _loss(facts.frontend_probes, front_window, on_loop)
     processes = [("front end", facts.frontend_probes, front, f"{_ms(in_engine)} in the engine")]
     engine = front if shared else _Loss()
     if facts.engine is not None and not shared:
@@ -179,8 +187,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         for line in _gc_evidence(where, probes, loss, f"the rest fell in its {away}")
     ]
     causes.append(Cause("gc_pause", sum(p[2].gc for p in processes), "; ".join(gc_evidence)))
+    own = f" (beyond this request's own {_ms(on_loop)} on it)" if on_loop >= MIN_CAUSE_S else ""
     blocked_evidence = [
-        f"the {where}'s event loop was blocked {_ms(loss.blocked)}"
+        f"the {where}'s event loop was blocked {_ms(loss.blocked)}" + (own if loss is front else "")
         for where, _, loss, _ in processes
         if loss.blocked > 0
     ]

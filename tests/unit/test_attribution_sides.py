@@ -69,3 +69,38 @@ def test_a_front_end_pause_while_the_engine_computed_delayed_nothing() -> None:
     gc = next(cause for cause in causes if cause.name == "gc_pause")
     assert "GC gen-2 pause 180 ms in the front end" in gc.evidence
     assert "the rest fell in its 194 ms in the engine" in gc.evidence
+
+
+def test_the_requests_own_work_on_the_loop_is_its_phase_not_a_blocked_loop() -> None:
+    """Rendering a 120 ms answer made the front end's 10 ms ticker 120 ms late: reported as
+    the event loop blocked 120 ms, ranked above `serialise` (the remedy is base64, not
+    moving a blocking call off the loop)."""
+    phases = {"tokenize": 0.001, "admission": 0.0, "queue": 0.002, "compute": 0.02}
+    causes = attribute(
+        request(
+            total_s=0.15,
+            phases={**phases, "serialise": 0.12},
+            front={"loop_lag_seconds_total": 0.121, "loop_busy_lag_seconds_total": 0.12},
+            batch=estimated_batch(0.02),
+        )
+    )
+    assert causes[0].name == "serialise"
+    assert "event_loop_blocked" not in times(causes)
+
+
+def test_other_work_blocking_the_loop_is_counted_beyond_the_requests_own() -> None:
+    # 50 ms rendering its own answer, and 30 ms of another request's blocking call while
+    # this one waited on the loop: the ticker was 80 ms late.
+    causes = attribute(
+        request(
+            total_s=0.15,
+            phases={"queue": 0.002, "compute": 0.02, "serialise": 0.05},
+            front={"loop_lag_seconds_total": 0.08, "loop_busy_lag_seconds_total": 0.08},
+            batch=estimated_batch(0.02),
+        )
+    )
+    blocked = next(cause for cause in causes if cause.name == "event_loop_blocked")
+    assert round(blocked.seconds * 1000) == 30
+    assert blocked.evidence == (
+        "the front end's event loop was blocked 30 ms (beyond this request's own 50 ms on it)"
+    )

@@ -184,7 +184,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     gc_evidence = [
         line
         for where, probes, loss, away in processes
-        for line in _gc_evidence(where, probes, loss, f"the rest fell in its {away}")
+        for line in _gc_evidence(where, probes, loss, f"outside its {away}")
     ]
     causes.append(Cause("gc_pause", sum(p[2].gc for p in processes), "; ".join(gc_evidence)))
     own = f" (beyond this request's own {_ms(on_loop)} on it)" if on_loop >= MIN_CAUSE_S else ""
@@ -224,8 +224,10 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     excess = max(0.0, compute - expected) if expected > 0 else 0.0
     shape = f"({batch.padded_rows}, {batch.length_bucket})" if batch else "?"
     device = _device_probes(facts)
-    # A collection in the engine process stops its compute thread too (the GIL).
-    explained = max(starved_batch, min(throttled, compute), min(engine.gc, compute))
+    # A collection in the engine process stops its compute thread too (the GIL), so far
+    # as the batch took longer than its estimate (one at its estimate was not slowed).
+    held = min(engine.gc, excess)
+    explained = max(starved_batch, min(throttled, compute), held)
 
     bits = int(device.get("gpu_throttle_reasons", 0.0))
     if bits & SLOWDOWN_BITS:
@@ -289,12 +291,16 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # The root causes inside compute fill its excess first: a batch at its estimate was not
     # slowed (a front end's pause meanwhile, in another process, stopped nothing of it).
     compute_lost = max(0.0, explained - excess)
-    engine_lost = max(engine.largest, throttled)
+    # The engine process's stalls that its compute's excess does not hold (a collection
+    # stops the compute thread; a blocked loop does not) held up its queue or its answer
+    # after compute, outside every phase. In-process they are the front end's, below.
+    stalled = 0.0 if shared else max(0.0, engine.gc + engine.blocked + engine.starved - held)
+    engine_side_loss = max(stalled, throttled)
     if batch is not None:
         causes.append(
             Cause(
                 "buffer_wait",
-                _net(batch.acquire_wait_s, engine_lost),
+                _net(batch.acquire_wait_s, engine_side_loss),
                 f"waited {_ms(batch.acquire_wait_s)} for a buffer slot of shape {shape}",
             )
         )
@@ -333,7 +339,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     causes.append(
         Cause(
             "engine_lost",
-            _net(lost, engine_lost),
+            _net(lost, engine_side_loss),
             f"the engine went away with the request in it, {_ms(lost)} after it was sent "
             f"(it died, or answered nothing past the deadline)",
         )
@@ -342,42 +348,49 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     queue = max(0.0, phases.get("queue", 0.0) - facts.batching_window_s)
     depth = facts.engine.queue_depth_at_arrival if facts.engine else 0
     causes.append(
-        Cause("queueing", _net(queue, engine_lost), f"queued {_ms(queue)} behind {depth} inputs")
+        Cause(
+            "queueing", _net(queue, engine_side_loss), f"queued {_ms(queue)} behind {depth} inputs"
+        )
     )
-    front_lost = max(front.largest, throttled)
+    front_side_loss = max(front.largest, throttled)
     admission = phases.get("admission", 0.0)
     causes.append(
         Cause(
             "admission_wait",
-            _net(admission, front_lost),
+            _net(admission, front_side_loss),
             f"waited {_ms(admission)} for admission",
         )
     )
     tokenize = phases.get("tokenize", 0.0)
-    causes.append(Cause("tokenize", _net(tokenize, front_lost), f"tokenizing took {_ms(tokenize)}"))
+    causes.append(
+        Cause("tokenize", _net(tokenize, front_side_loss), f"tokenizing took {_ms(tokenize)}")
+    )
     serialise = phases.get("serialise", 0.0)
     causes.append(
         Cause(
             "serialise",
-            _net(serialise, front_lost),
+            _net(serialise, front_side_loss),
             f"rendering the answer took {_ms(serialise)}",
         )
     )
 
     # The wait for a buffer slot comes after the queue phase ends and before compute starts:
-    # it is in the gap, and already a cause of its own. The front end's losses were there.
+    # it is in the gap, and already a cause of its own. The gap holds what the processes
+    # lost outside the phases too: a front end's loss, an engine's stall after compute
+    # (each part counted once, as its root cause).
     buffer_wait = batch.acquire_wait_s if batch is not None else 0.0
-    gap = total - sum(phases.values())
-    unaccounted = max(0.0, gap - front.gc - front.blocked - front.starved - buffer_wait)
+    gap = max(0.0, total - sum(phases.values()) - buffer_wait)
+    front_total = front.gc + front.blocked + front.starved
+    unaccounted = _net(gap, max(front_total + stalled, throttled))
     causes.append(
         Cause(
             "unaccounted",
             unaccounted,
-            f"{_ms(unaccounted)} outside the measured phases (body, validation, routing, "
-            f"the hop to and from the engine)",
+            f"{_ms(gap)} outside the measured phases (body, validation, routing, the hop to "
+            f"and from the engine), {_ms(unaccounted)} of it not explained above",
         )
     )
-    return rank(causes)
+    return rank(causes, total)
 
 
 def _net(phase_s: float, lost_s: float) -> float:
@@ -386,7 +399,16 @@ def _net(phase_s: float, lost_s: float) -> float:
     return max(0.0, phase_s - lost_s)
 
 
-def rank(causes: list[Cause]) -> list[Cause]:
-    """Causes worth naming, most time first; ties go to the more specific cause."""
-    kept = [c for c in causes if c.seconds >= MIN_CAUSE_S]
-    return sorted(kept, key=lambda c: (-round(c.seconds, 4), CAUSES.index(c.name)))
+def rank(causes: list[Cause], total_s: float) -> list[Cause]:
+    """Causes worth naming, most time first (ties go to the more specific cause), together
+    never more than the request's `total_s`: root causes that explain the same time (a GPU
+    throttled and an allocator retry, both the batch's excess) count it once, the first."""
+    ranked = sorted(causes, key=lambda c: (-round(c.seconds, 4), CAUSES.index(c.name)))
+    kept: list[Cause] = []
+    left = total_s
+    for cause in ranked:
+        seconds = min(cause.seconds, left)
+        if seconds >= MIN_CAUSE_S:
+            kept.append(Cause(cause.name, seconds, cause.evidence))
+            left -= seconds
+    return kept

@@ -141,11 +141,17 @@ def _throttling(processes: list[Mapping[str, float]], total_s: float) -> Cause:
         (p.get("cgroup_throttled_seconds_total", 0.0) for p in processes), default=0
     )
     periods = max((p.get("cgroup_throttled_periods_total", 0.0) for p in processes), default=0)
-    # The kernel sums the throttled time of every CPU of the quota: wall time is at most
-    # that over the quota's CPUs (all of them throttled at once).
+    # The kernel sums the throttled time of each CPU's runqueue of the group, throttled on
+    # every CPU its threads ran on (the quota does not bound them): the wall time is at
+    # least that over the CPUs they may run on (app/telemetry/throttling.py); without
+    # them, over the quota's. And a throttle lasts at most until the next period's refill.
+    allowed = max((p.get("allowed_cpus", 0.0) for p in processes), default=0)
     quota = max((p.get("cgroup_quota_cpus", 0.0) for p in processes), default=0)
-    cpus = max(1, math.ceil(quota))
+    cpus = max(1, int(allowed) or math.ceil(quota))
     throttled = throttled_cpu / cpus
+    period_s = max((p.get("cgroup_period_seconds", 0.0) for p in processes), default=0)
+    if period_s > 0:
+        throttled = min(throttled, periods * period_s)
     over = f" ({_ms(throttled_cpu)} of CPU time over {cpus} CPUs)" if cpus > 1 else ""
     return Cause(
         "cgroup_throttled",

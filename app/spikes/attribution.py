@@ -352,12 +352,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     )
 
     queue = max(0.0, phases.get("queue", 0.0) - facts.batching_window_s)
-    depth = facts.engine.queue_depth_at_arrival if facts.engine else 0
-    causes.append(
-        Cause(
-            "queueing", _net(queue, engine_side_loss), f"queued {_ms(queue)} behind {depth} inputs"
-        )
-    )
+    causes.append(Cause("queueing", _net(queue, engine_side_loss), _queued(facts, queue)))
     front_side_loss = max(front.largest, throttled)
     admission = phases.get("admission", 0.0)
     causes.append(
@@ -397,6 +392,15 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         )
     )
     return rank(causes, total)
+
+
+def _queued(facts: RequestFacts, queue_s: float) -> str:
+    """What the request queued behind: its model's inputs (the scheduler's depth, not the
+    other models' batches on the shared compute slots), unknown without the engine's
+    trace (it traces only a request slow there)."""
+    if facts.engine is None:
+        return f"queued {_ms(queue_s)} (the engine sent no trace: the queue's depth is unknown)"
+    return f"queued {_ms(queue_s)} behind {facts.engine.queue_depth_at_arrival} inputs of its model"
 
 
 def _net(phase_s: float, lost_s: float) -> float:

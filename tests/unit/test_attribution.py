@@ -164,7 +164,7 @@ def test_cgroup_throttling_is_wall_time_not_the_sum_over_the_quotas_cpus() -> No
 def test_queueing_behind_inputs() -> None:
     name, ms, evidence = top(facts(phases={"queue": 0.302, "compute": 0.02}, depth=900))
     assert (name, ms) == ("queueing", 300)
-    assert evidence == "queued 300 ms behind 900 inputs"
+    assert evidence == "queued 300 ms behind 900 inputs of its model"
 
 
 def test_buffer_wait() -> None:
@@ -314,7 +314,7 @@ def test_spikes_table_renders_reports() -> None:
     lines = table.splitlines()
     assert lines[0] == "front end pid 7, slow past 100.0 ms: 1 report(s), newest first"
     assert "POST /infer" in lines[2] and "queueing 298" in lines[2]
-    assert lines[2].endswith("queued 298 ms behind 900 inputs")
+    assert lines[2].endswith("queued 298 ms behind 900 inputs of its model")
     assert render_table({"reports": []}).endswith("(no slow requests)")
 
 

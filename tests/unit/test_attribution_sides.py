@@ -187,3 +187,12 @@ def test_causes_never_explain_more_than_the_requests_time() -> None:
                 facts = RequestFacts(total_s, phases, FRONT, front, None, 0.002)
             causes = attribute(facts)
             assert sum(cause.seconds for cause in causes) <= total_s + 1e-9, times(causes)
+
+
+def test_queueing_without_the_engines_trace_does_not_claim_an_empty_queue() -> None:
+    # It said "queued 175 ms behind 0 inputs": the engine sent no trace, the depth is unknown.
+    facts = RequestFacts(0.2, {"queue": 0.175, "compute": 0.02}, FRONT, {}, None, 0.0)
+    queueing = next(cause for cause in attribute(facts) if cause.name == "queueing")
+    assert queueing.evidence == (
+        "queued 175 ms (the engine sent no trace: the queue's depth is unknown)"
+    )

@@ -127,7 +127,9 @@ class EngineCore:
         if not self.settings.spike_reports:
             return NO_TRACES
         # Half the front end's smallest threshold: see engine/tracing.py.
-        return ProbeTracer(self.telemetry, self._clock, self.settings.slow_request_ms / 2000)
+        return ProbeTracer(
+            self.telemetry, self._clock, self.settings.slow_request_ms / 2000, self.slots
+        )
 
     # --- start-up -----------------------------------------------------------------------
     async def start(self) -> None:

@@ -192,14 +192,18 @@ class BatchTrace(msgspec.Struct, frozen=True):
 
 
 class EngineTrace(msgspec.Struct, frozen=True):
-    """The engine's side of a request, sent with its final output: the engine's pid, the
-    inputs queued when it arrived, its batch, and each engine probe's change over the
-    request's time in the engine (docs/SPIKES.md; keys ending in `_total` are increases)."""
+    """The engine's side of a request, sent with its final output: the engine's pid, its
+    model's inputs queued when it arrived, its batch, each engine probe's change over the
+    request's time in the engine (docs/SPIKES.md; keys ending in `_total` are increases),
+    and the compute slots (shared by every model) running a batch when it arrived, of how
+    many (0: not known)."""
 
     pid: int
     queue_depth_at_arrival: int
     batch: BatchTrace | None
     probes: dict[str, float]
+    busy_compute_slots_at_arrival: int = 0
+    compute_slots: int = 0
 
 
 class Output(msgspec.Struct, frozen=True, tag="output"):

@@ -398,9 +398,17 @@ def _queued(facts: RequestFacts, queue_s: float) -> str:
     """What the request queued behind: its model's inputs (the scheduler's depth, not the
     other models' batches on the shared compute slots), unknown without the engine's
     trace (it traces only a request slow there)."""
-    if facts.engine is None:
+    engine = facts.engine
+    if engine is None:
         return f"queued {_ms(queue_s)} (the engine sent no trace: the queue's depth is unknown)"
-    return f"queued {_ms(queue_s)} behind {facts.engine.queue_depth_at_arrival} inputs of its model"
+    queued = f"queued {_ms(queue_s)} behind {engine.queue_depth_at_arrival} inputs of its model"
+    if engine.busy_compute_slots_at_arrival > 0:
+        busy, slots = engine.busy_compute_slots_at_arrival, engine.compute_slots
+        queued += (
+            f"; {busy} of the {slots} compute slots shared by every model were running "
+            f"a batch when it arrived"
+        )
+    return queued
 
 
 def _net(phase_s: float, lost_s: float) -> float:

@@ -196,3 +196,14 @@ def test_queueing_without_the_engines_trace_does_not_claim_an_empty_queue() -> N
     assert queueing.evidence == (
         "queued 175 ms (the engine sent no trace: the queue's depth is unknown)"
     )
+
+
+def test_queueing_behind_another_models_batch_says_the_compute_slots_were_busy() -> None:
+    trace = EngineTrace(ENGINE, 0, estimated_batch(0.02), {}, busy_compute_slots_at_arrival=1,
+                        compute_slots=1)  # fmt: skip
+    facts = RequestFacts(0.2, {"queue": 0.175, "compute": 0.02}, FRONT, {}, trace, 0.0)
+    queueing = next(cause for cause in attribute(facts) if cause.name == "queueing")
+    assert queueing.evidence == (
+        "queued 175 ms behind 0 inputs of its model; 1 of the 1 compute slots shared by "
+        "every model were running a batch when it arrived"
+    )

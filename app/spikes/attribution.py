@@ -7,11 +7,18 @@ Causes and how each is detected are listed in docs/SPIKES.md (kept in step with 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from app.engine.protocol import EngineTrace
+from app.spikes.losses import (
+    ENGINE_PHASES,
+    FRONT_END_PHASES,
+    ProcessLoss,
+    cgroup_throttling,
+    phases_sum,
+    process_loss,
+)
 from app.telemetry.gpu import SLOWDOWN_BITS, throttle_reason_names
 
 # Every cause, in the order ties are broken (the more specific first).
@@ -76,51 +83,9 @@ def _device_probes(facts: RequestFacts) -> Mapping[str, float]:
     return facts.engine.probes if facts.engine is not None else {}
 
 
-# The engine's phases, and the front end's own: a process's loss could delay the request
-# only while the request was on that process's side (`_loss`).
-ENGINE_PHASES = ("queue", "compute", "engine_lost")
-FRONT_END_PHASES = ("tokenize", "admission", "serialise")
-
-
-@dataclass(frozen=True, slots=True)
-class _Loss:
-    """A process's time lost over the request, each part at most what could have delayed
-    it (`_loss`): its collections' pauses, its event loop blocked by other work, and that
-    loop's thread waiting for a CPU; `gc_measured`: all of its pauses."""
-
-    gc: float = 0.0
-    blocked: float = 0.0
-    starved: float = 0.0
-    gc_measured: float = 0.0
-
-    @property
-    def largest(self) -> float:
-        return max(self.gc, self.blocked, self.starved)
-
-
-def _loss(probes: Mapping[str, float], window: float, own_s: float = 0.0) -> _Loss:
-    """The lost time `probes` show, at most `window`: the request's time on this process's
-    side (a front end's 180 ms collection while the engine computed delayed it not at all).
-    `own_s`: the request's own work on this process's loop, which made its ticker late too
-    and is a phase of its own, not a blocked loop."""
-    gc = sum(probes.get(f"gc_gen{g}_pause_seconds_total", 0.0) for g in (2, 1, 0))
-    busy = probes.get("loop_busy_lag_seconds_total", 0.0)
-    lag = probes.get("loop_lag_seconds_total", 0.0)
-    # A collection on the loop's thread shows up as lag too, and a CPU taken from it
-    # while it collects as starvation: both are the GC's pause (timed by the clock).
-    blocked = max(0.0, busy - gc - own_s)
-    starved = max(0.0, lag - busy - max(0.0, gc - busy))
-    gc_in = min(gc, window)
-    # Other work cannot have held the loop while it ran this request's own.
-    blocked_in = min(blocked, window - gc_in, max(0.0, window - own_s))
-    return _Loss(gc_in, blocked_in, min(starved, window - gc_in - blocked_in), gc)
-
-
-def _sum(phases: Mapping[str, float], names: tuple[str, ...]) -> float:
-    return sum(phases.get(name, 0.0) for name in names)
-
-
-def _gc_evidence(where: str, probes: Mapping[str, float], loss: _Loss, span: str) -> list[str]:
+def _gc_evidence(
+    where: str, probes: Mapping[str, float], loss: ProcessLoss, span: str
+) -> list[str]:
     evidence = []
     for generation in (2, 1, 0):
         pause = probes.get(f"gc_gen{generation}_pause_seconds_total", 0.0)
@@ -136,31 +101,6 @@ def _gc_evidence(where: str, probes: Mapping[str, float], loss: _Loss, span: str
     return evidence
 
 
-def _throttling(processes: list[Mapping[str, float]], total_s: float) -> Cause:
-    throttled_cpu = max(
-        (p.get("cgroup_throttled_seconds_total", 0.0) for p in processes), default=0
-    )
-    periods = max((p.get("cgroup_throttled_periods_total", 0.0) for p in processes), default=0)
-    # The kernel sums the throttled time of each CPU's runqueue of the group, throttled on
-    # every CPU its threads ran on (the quota does not bound them): the wall time is at
-    # least that over the CPUs they may run on (app/telemetry/throttling.py); without
-    # them, over the quota's. And a throttle lasts at most until the next period's refill.
-    allowed = max((p.get("allowed_cpus", 0.0) for p in processes), default=0)
-    quota = max((p.get("cgroup_quota_cpus", 0.0) for p in processes), default=0)
-    cpus = max(1, int(allowed) or math.ceil(quota))
-    throttled = throttled_cpu / cpus
-    period_s = max((p.get("cgroup_period_seconds", 0.0) for p in processes), default=0)
-    if period_s > 0:
-        throttled = min(throttled, periods * period_s)
-    over = f" ({_ms(throttled_cpu)} of CPU time over {cpus} CPUs)" if cpus > 1 else ""
-    return Cause(
-        "cgroup_throttled",
-        min(throttled, total_s),
-        f"cgroup throttled {_ms(throttled)}{over} in {int(periods)} CFS periods during "
-        "this request",
-    )
-
-
 def attribute(facts: RequestFacts) -> list[Cause]:
     """The causes of a request's time, most first (ties: the more specific first). A root
     cause counts the time it could have delayed the request; a phase what the root causes
@@ -172,18 +112,18 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # In-process the engine's loss is the front end's (one process, one loop); else each
     # process's loss counts only within the request's time on its side.
     shared = facts.engine is not None and facts.engine.pid == facts.frontend_pid
-    in_engine = _sum(phases, ENGINE_PHASES)
+    in_engine = phases_sum(phases, ENGINE_PHASES)
     # The request's own work on the front end's loop: rendering its answer, tokenizing a
     # small input inline (a large one's on the tokenizer pool, while the loop's lateness
     # could not delay it either).
-    on_loop = _sum(phases, ("tokenize", "serialise"))
+    on_loop = phases_sum(phases, ("tokenize", "serialise"))
     front_window = total if shared else max(0.0, total - in_engine)
-    front = _loss(facts.frontend_probes, front_window, on_loop)
+    front = process_loss(facts.frontend_probes, front_window, on_loop)
     processes = [("front end", facts.frontend_probes, front, f"{_ms(in_engine)} in the engine")]
-    engine = front if shared else _Loss()
+    engine = front if shared else ProcessLoss()
     if facts.engine is not None and not shared:
-        in_front = _sum(phases, FRONT_END_PHASES)
-        engine = _loss(facts.engine.probes, max(0.0, total - in_front))
+        in_front = phases_sum(phases, FRONT_END_PHASES)
+        engine = process_loss(facts.engine.probes, max(0.0, total - in_front))
         span = f"{_ms(in_front)} in the front end's phases"
         processes.append(("engine", facts.engine.probes, engine, span))
 
@@ -220,9 +160,17 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         others = max(0.0, host - own_cpu) / total
         evidence.append(f"other processes took {others:.1f} cores")
     causes.append(Cause("cpu_contention", max(starved_batch, starved_loop), "; ".join(evidence)))
-    throttling = _throttling([p[1] for p in processes], total)
-    causes.append(throttling)
+    throttling = cgroup_throttling([p[1] for p in processes], total)
     throttled = throttling.seconds
+    over = f" ({_ms(throttling.cpu_seconds)} of CPU time over {throttling.cpus} CPUs)"
+    causes.append(
+        Cause(
+            "cgroup_throttled",
+            throttled,
+            f"cgroup throttled {_ms(throttled)}{over if throttling.cpus > 1 else ''} in "
+            f"{throttling.periods} CFS periods during this request",
+        )
+    )
 
     # --- the batch and the device -----------------------------------------------------
     compute = phases.get("compute", 0.0)
@@ -300,7 +248,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # The engine process's stalls that its compute's excess does not hold (a collection
     # stops the compute thread; a blocked loop does not) held up its queue or its answer
     # after compute, outside every phase. In-process they are the front end's, below.
-    stalled = 0.0 if shared else max(0.0, engine.gc + engine.blocked + engine.starved - held)
+    stalled = 0.0 if shared else max(0.0, engine.total - held)
     engine_side_loss = max(stalled, throttled)
     if batch is not None:
         causes.append(
@@ -381,8 +329,7 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # (each part counted once, as its root cause).
     buffer_wait = batch.acquire_wait_s if batch is not None else 0.0
     gap = max(0.0, total - sum(phases.values()) - buffer_wait)
-    front_total = front.gc + front.blocked + front.starved
-    unaccounted = _net(gap, max(front_total + stalled, throttled))
+    unaccounted = _net(gap, max(front.total + stalled, throttled))
     causes.append(
         Cause(
             "unaccounted",

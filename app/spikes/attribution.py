@@ -178,9 +178,10 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     excess = max(0.0, compute - expected) if expected > 0 else 0.0
     shape = f"({batch.padded_rows}, {batch.length_bucket})" if batch else "?"
     device = _device_probes(facts)
-    # A collection in the engine process stops its compute thread too (the GIL), so far
-    # as the batch took longer than its estimate (one at its estimate was not slowed).
-    held = min(engine.gc, excess)
+    # A collection or a blocked loop in the engine's process stops its compute thread too
+    # (the GIL it holds), so far as the batch took longer than its estimate (one at its
+    # estimate was not slowed). In-process that process is the front end's.
+    held = min(engine.gc + engine.blocked, excess)
     explained = max(starved_batch, min(throttled, compute), held)
 
     bits = int(device.get("gpu_throttle_reasons", 0.0))
@@ -245,10 +246,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # The root causes inside compute fill its excess first: a batch at its estimate was not
     # slowed (a front end's pause meanwhile, in another process, stopped nothing of it).
     compute_lost = max(0.0, explained - excess)
-    # The engine process's stalls that its compute's excess does not hold (a collection
-    # stops the compute thread; a blocked loop does not) held up its queue or its answer
-    # after compute, outside every phase. In-process they are the front end's, below.
-    stalled = 0.0 if shared else max(0.0, engine.total - held)
+    # The engine process's stalls that its compute's excess does not hold held up its
+    # queue or its answer after compute, outside every phase.
+    stalled = max(0.0, engine.total - held)
     engine_side_loss = max(stalled, throttled)
     if batch is not None:
         causes.append(
@@ -329,7 +329,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # (each part counted once, as its root cause).
     buffer_wait = batch.acquire_wait_s if batch is not None else 0.0
     gap = max(0.0, total - sum(phases.values()) - buffer_wait)
-    unaccounted = _net(gap, max(front.total + stalled, throttled))
+    # In-process the engine's stalls are the front end's loss: counted once.
+    gap_loss = front.total + (0.0 if shared else stalled)
+    unaccounted = _net(gap, max(gap_loss, throttled))
     causes.append(
         Cause(
             "unaccounted",

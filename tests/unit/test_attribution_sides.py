@@ -207,3 +207,21 @@ def test_queueing_behind_another_models_batch_says_the_compute_slots_were_busy()
         "queued 175 ms behind 0 inputs of its model; 1 of the 1 compute slots shared by "
         "every model were running a batch when it arrived"
     )
+
+
+def test_in_process_a_blocked_loop_during_compute_is_the_cause_not_slow_compute() -> None:
+    """In-process (one process, one loop) a call blocking the loop for 250 ms while the
+    batch ran stops the compute thread too (the GIL): the batch's excess is the blocked
+    loop's, not unexplained slow compute (tests/integration/test_spikes.py causes it)."""
+    phases = {"tokenize": 0.0003, "admission": 0.0, "queue": 0.001, "compute": 0.262}
+    facts = RequestFacts(
+        total_s=0.268,
+        phases={**phases, "serialise": 0.0004},
+        frontend_pid=FRONT,
+        frontend_probes={"loop_lag_seconds_total": 0.246, "loop_busy_lag_seconds_total": 0.245},
+        engine=EngineTrace(FRONT, 0, estimated_batch(0.012), {}),
+        batching_window_s=0.002,
+    )
+    causes = attribute(facts)
+    assert causes[0].name == "event_loop_blocked"
+    assert times(causes).get("slow_compute", 0) < 10

@@ -31,6 +31,9 @@ REJECTION_STATUS = {
     RejectReason.RATE: 429,
     RejectReason.INFLIGHT: 429,
     RejectReason.QUEUE: 429,
+    # A front end's connection cap is its capacity, as the in-flight cap is (503 is for a
+    # server that cannot serve at all); only its HTTP protocol answers it (api/shedding.py).
+    RejectReason.CONNECTIONS: 429,
     RejectReason.DRAINING: 503,
     RejectReason.NOT_READY: 503,
     RejectReason.ENGINE_LOST: 503,

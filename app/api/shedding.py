@@ -51,7 +51,8 @@ from app.admission import Entry, Rejected, RejectReason
 from app.api.common import ENTRY, envoy_timeout_in
 from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.refusal_budget import RefusalBudget
-from app.schemas import error_object
+from app.api.responses import speaks_openai
+from app.schemas import error_object, openai_error_object
 from app.service import Service
 
 # The protocol puts a request's `Entry` in its scope (under `ENTRY`) when it lets it in: the
@@ -72,15 +73,6 @@ _SHED_MESSAGES = {
     "after Retry-After seconds",
 }
 
-# The status of every refusal: the app's (`REJECTION_STATUS`) and the connection cap's, which
-# only the HTTP protocol answers. That cap is this process's capacity, as the in-flight cap
-# is, so it is answered as that one is: 429 (503 is for a server that cannot serve at all:
-# draining, no engine).
-REFUSAL_STATUS = {
-    **REJECTION_STATUS,
-    RejectReason.CONNECTIONS: REJECTION_STATUS[RejectReason.INFLIGHT],
-}
-
 # Connections free as their clients close them: there is no rate to predict a wait from, so
 # the next second (what Envoy answers for its own overflow: deploy/envoy/envoy.yaml).
 CONNECTION_CAP_RETRY_AFTER_S = 1.0
@@ -89,13 +81,19 @@ _CONNECTION_CAP = Rejected(
 )
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=128)
 def _shed_response(
-    reason: str, retry_after: str | None, close: bool
+    reason: str, retry_after: str | None, close: bool, openai: bool = False
 ) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
-    """Status, headers and body of a refusal, built once per distinct answer."""
-    status = REFUSAL_STATUS[RejectReason(reason)]
-    body = orjson.dumps(error_object(reason, _SHED_MESSAGES.get(reason, reason)))
+    """Status, headers and body of a refusal, built once per distinct answer; `openai`: in
+    the error envelope of the OpenAI routes (OpenAI's `type`, the reason in `code`), as the
+    app answers their errors (`responses.in_envelope_of`)."""
+    status = REJECTION_STATUS[RejectReason(reason)]
+    message = _SHED_MESSAGES.get(reason, reason)
+    error = (
+        openai_error_object(status, reason, message) if openai else error_object(reason, message)
+    )
+    body = orjson.dumps(error)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -110,9 +108,11 @@ def _shed_response(
 
 
 @lru_cache(maxsize=64)
-def _raw_refusal(reason: str, retry_after: str | None, close: bool) -> tuple[bytes, bytes]:
+def _raw_refusal(
+    reason: str, retry_after: str | None, close: bool, openai: bool
+) -> tuple[bytes, bytes]:
     """The same refusal as HTTP/1.1 bytes: status line with its fixed headers, and body."""
-    status, headers, body = _shed_response(reason, retry_after, close)
+    status, headers, body = _shed_response(reason, retry_after, close, openai)
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
     lines.extend(name + b": " + value + b"\r\n" for name, value in headers)
     return b"".join(lines), body
@@ -137,7 +137,9 @@ class SheddingMiddleware:
             started = time.perf_counter()
             verdict = self.service.shed(envoy_timeout_in(scope["headers"]))
             if isinstance(verdict, Rejected):
-                await send_rejection(verdict, send, started, close=self.service.admission.draining)
+                await send_rejection(
+                    verdict, scope["path"], send, started, close=self.service.admission.draining
+                )
                 return
             entry = scope[ENTRY] = verdict
         try:
@@ -146,10 +148,13 @@ class SheddingMiddleware:
             self.service.leave(entry)
 
 
-async def send_rejection(rejection: Rejected, send: Send, started: float, close: bool) -> None:
-    """Answer a refusal with its prebuilt response (the body is never read)."""
+async def send_rejection(
+    rejection: Rejected, path: str, send: Send, started: float, close: bool
+) -> None:
+    """Answer a refusal to a request for `path` with its prebuilt response (the body is
+    never read)."""
     status, headers, body = _shed_response(
-        rejection.reason.value, rejection.retry_after_header, close
+        rejection.reason.value, rejection.retry_after_header, close, speaks_openai(path)
     )
     await send(
         {
@@ -226,7 +231,7 @@ def shedding_protocol(
         """The ASGI app uvicorn runs where it would run its own `service_unavailable`."""
         started = time.perf_counter()
         count_connection_cap_refusal()
-        await send_rejection(_CONNECTION_CAP, send, started, close=True)
+        await send_rejection(_CONNECTION_CAP, scope["path"], send, started, close=True)
 
     class SheddingProtocol(HttpToolsProtocol):
         # True from a refusal to the end of that request's message: its body is dropped.
@@ -304,8 +309,12 @@ def shedding_protocol(
                 and not self.expect_100_continue
                 and not service.admission.draining
             )
+            path = httptools.parse_url(self.url).path.decode("latin-1")
             head, body = _raw_refusal(
-                rejection.reason.value, rejection.retry_after_header, not keep_alive
+                rejection.reason.value,
+                rejection.retry_after_header,
+                not keep_alive,
+                speaks_openai(path),
             )
             defaults = b"".join(
                 name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers

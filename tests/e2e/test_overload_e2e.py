@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.api.shedding import REFUSAL_STATUS
+from app.api.errors import REJECTION_STATUS
 from tests.support.envoy import (
     free_ports,
     local_envoy_config,
@@ -50,7 +50,9 @@ FLOOD_SECONDS = 4.0
 # 99 %+. (Goodput itself is a rate, measured by loadtest/overload_bench.py, not asserted.)
 MIN_REFUSED_BEFORE_THE_BODY = 0.5
 
-REASONS_ANSWERED_429 = {reason.value for reason, status in REFUSAL_STATUS.items() if status == 429}
+REASONS_ANSWERED_429 = {
+    reason.value for reason, status in REJECTION_STATUS.items() if status == 429
+}
 
 
 def replica_inflight() -> int:

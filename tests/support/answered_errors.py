@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 from app.api import errors
-from app.api.shedding import REFUSAL_STATUS
+from app.api.errors import REJECTION_STATUS
 
 APP = Path(__file__).resolve().parents[2] / "app"
 
@@ -17,7 +17,7 @@ def answered_error_types() -> set[tuple[int, str]]:
     call with a literal type (its status a literal or a name in app.api.errors), the
     rejections by reason (the HTTP protocol's connection cap too), and the HTTP exceptions'
     types."""
-    answered = {(status, reason.value) for reason, status in REFUSAL_STATUS.items()}
+    answered = {(status, reason.value) for reason, status in REJECTION_STATUS.items()}
     answered |= set(errors.HTTP_ERROR_TYPES.items()) | {(400, errors.HTTP_ERROR)}
     for path in APP.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

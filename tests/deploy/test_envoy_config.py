@@ -21,6 +21,7 @@ from tests.deploy.test_grafana_dashboard import ENVOY_METRICS
 from tests.deploy.tools import DEPLOY, run_tool
 from tests.support.envoy import (
     ENVOY_YAML,
+    HealthyReplica,
     envoy_binary,
     free_ports,
     local_envoy_config,
@@ -168,19 +169,13 @@ def envoy_get(port: int, path: str) -> tuple[int, str]:
         connection.close()
 
 
-class _Refusing(BaseHTTPRequestHandler):
+class _Refusing(HealthyReplica):
     """An upstream whose health check passes and which refuses every POST as a replica
     refuses for `reason` (status and headers from the server's own rendering), counting
     the attempts."""
 
-    protocol_version = "HTTP/1.1"
     reason = RejectReason.DRAINING
     attempts = 0
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -193,9 +188,6 @@ class _Refusing(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet: the test counts attempts."""
 
 
 @pytest.mark.parametrize(

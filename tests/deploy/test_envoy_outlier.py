@@ -9,13 +9,14 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from app.admission import RejectReason
 from app.api.errors import REJECTION_STATUS
 from tests.support.envoy import (
     UPSTREAM_CLUSTER,
+    HealthyReplica,
     free_ports,
     local_envoy_config,
     running_envoy,
@@ -26,21 +27,7 @@ EJECTED = f"cluster.{UPSTREAM_CLUSTER}.outlier_detection.ejections_enforced_tota
 REQUESTS = 12  # four times the consecutive failures that ejected a replica before
 
 
-class _Replica(BaseHTTPRequestHandler):
-    """A replica whose health check passes; a subclass answers the POSTs."""
-
-    protocol_version = "HTTP/1.1"
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet: the tests read Envoy's counters."""
-
-
-class _DeadlineRefusing(_Replica):
+class _DeadlineRefusing(HealthyReplica):
     """Answers every POST as a healthy replica answers a deadline it cannot meet."""
 
     def do_POST(self) -> None:
@@ -53,7 +40,7 @@ class _DeadlineRefusing(_Replica):
         self.wfile.write(body)
 
 
-class _Answering(_Replica):
+class _Answering(HealthyReplica):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
         self.send_response(200)
@@ -63,7 +50,7 @@ class _Answering(_Replica):
 
 
 @contextmanager
-def replicas(*handlers: type[_Replica]) -> Iterator[list[ThreadingHTTPServer]]:
+def replicas(*handlers: type[HealthyReplica]) -> Iterator[list[ThreadingHTTPServer]]:
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), handler) for handler in handlers]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()

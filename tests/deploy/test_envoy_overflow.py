@@ -9,12 +9,13 @@ import http.client
 import json
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from tests.support.envoy import (
+    HealthyReplica,
     free_ports,
     local_envoy_config,
     running_envoy,
@@ -23,17 +24,11 @@ from tests.support.envoy import (
 )
 
 
-class _Holding(BaseHTTPRequestHandler):
-    """A replica whose health check passes and which holds every POST until released."""
+class _Holding(HealthyReplica):
+    """A replica which holds every POST until released."""
 
-    protocol_version = "HTTP/1.1"
     arrived = threading.Event()
     release = threading.Event()
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("content-length", "0")
-        self.end_headers()
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -43,9 +38,6 @@ class _Holding(BaseHTTPRequestHandler):
         self.send_header("content-length", "2")
         self.end_headers()
         self.wfile.write(b"{}")
-
-    def log_message(self, format: str, *args: object) -> None:
-        """Quiet."""
 
 
 def post(port: int, path: str) -> tuple[int, dict[str, str], bytes]:

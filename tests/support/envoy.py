@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,18 @@ def post_json(
     payload = response.read()
     headers = {name.lower(): value for name, value in response.getheaders()}
     return response.status, headers, payload
+
+
+class HealthyReplica(BaseHTTPRequestHandler):
+    """A stub replica for a real Envoy: its health check (GET) passes; a subclass answers
+    the POSTs. Quiet."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: the tests read what Envoy did."""

@@ -51,7 +51,7 @@ from app.admission import Entry, Rejected, RejectReason
 from app.api.common import ENTRY, envoy_timeout_in
 from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.refusal_budget import RefusalBudget
-from app.api.responses import speaks_openai
+from app.api.responses import speaks_open_inference, speaks_openai
 from app.schemas import error_object, openai_error_object
 from app.service import Service
 
@@ -81,18 +81,29 @@ _CONNECTION_CAP = Rejected(
 )
 
 
+def envelope_of(path: str) -> str:
+    """The error envelope of the protocol `path` belongs to, as the app answers its errors
+    (`responses.in_envelope_of`): "v2" (`{"error": message}`), "openai" (OpenAI's `type`,
+    the reason in `code`) or "steadyserve" (the reason as `type` too)."""
+    if speaks_open_inference(path):
+        return "v2"
+    return "openai" if speaks_openai(path) else "steadyserve"
+
+
 @lru_cache(maxsize=128)
 def _shed_response(
-    reason: str, retry_after: str | None, close: bool, openai: bool = False
+    reason: str, retry_after: str | None, close: bool, envelope: str = "steadyserve"
 ) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
-    """Status, headers and body of a refusal, built once per distinct answer; `openai`: in
-    the error envelope of the OpenAI routes (OpenAI's `type`, the reason in `code`), as the
-    app answers their errors (`responses.in_envelope_of`)."""
+    """Status, headers and body of a refusal in `envelope` (`envelope_of`), built once per
+    distinct answer."""
     status = REJECTION_STATUS[RejectReason(reason)]
     message = _SHED_MESSAGES.get(reason, reason)
-    error = (
-        openai_error_object(status, reason, message) if openai else error_object(reason, message)
-    )
+    if envelope == "v2":
+        error: object = {"error": message}
+    elif envelope == "openai":
+        error = openai_error_object(status, reason, message)
+    else:
+        error = error_object(reason, message)
     body = orjson.dumps(error)
     headers = [
         (b"content-type", b"application/json"),
@@ -109,10 +120,10 @@ def _shed_response(
 
 @lru_cache(maxsize=64)
 def _raw_refusal(
-    reason: str, retry_after: str | None, close: bool, openai: bool
+    reason: str, retry_after: str | None, close: bool, envelope: str
 ) -> tuple[bytes, bytes]:
     """The same refusal as HTTP/1.1 bytes: status line with its fixed headers, and body."""
-    status, headers, body = _shed_response(reason, retry_after, close, openai)
+    status, headers, body = _shed_response(reason, retry_after, close, envelope)
     lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()]
     lines.extend(name + b": " + value + b"\r\n" for name, value in headers)
     return b"".join(lines), body
@@ -154,7 +165,7 @@ async def send_rejection(
     """Answer a refusal to a request for `path` with its prebuilt response (the body is
     never read)."""
     status, headers, body = _shed_response(
-        rejection.reason.value, rejection.retry_after_header, close, speaks_openai(path)
+        rejection.reason.value, rejection.retry_after_header, close, envelope_of(path)
     )
     await send(
         {
@@ -216,6 +227,8 @@ def shedding_protocol(
     wrap that app (it calls `Service.leave`). Past uvicorn's connection cap
     (`Config(limit_concurrency=...)`) every request gets the 429 `connections` instead of
     uvicorn's 503."""
+    if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45 (pyproject pins it)
+        raise RuntimeError("uvicorn >= 0.45 is needed: its connection cap is answered here")
     shed_paths = frozenset(path.encode() for path in paths)
     trusted = trusted_networks(trusted_proxies)
 
@@ -314,7 +327,7 @@ def shedding_protocol(
                 rejection.reason.value,
                 rejection.retry_after_header,
                 not keep_alive,
-                speaks_openai(path),
+                envelope_of(path),
             )
             defaults = b"".join(
                 name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers

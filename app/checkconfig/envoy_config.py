@@ -159,6 +159,9 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
     "outlier_enforcing_success_rate": lambda p: dig(
         p.cluster, "outlier_detection.enforcing_success_rate"
     ),
+    "outlier_enforcing_local_origin_success_rate": lambda p: dig(
+        p.cluster, "outlier_detection.enforcing_local_origin_success_rate"
+    ),
     "outlier_base_ejection_time_s": lambda p: dig(
         p.cluster, "outlier_detection.base_ejection_time"
     ),

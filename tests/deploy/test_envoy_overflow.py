@@ -1,7 +1,7 @@
 """Envoy's own 429 for the overflow of its circuit breakers, run in a real Envoy with the
 shipped config (its breakers shrunk to one request in flight): the error envelope a replica would
-answer with on that route, OpenAI's on /v1 (OpenAI's `type`, the reason in `code`), the
-server's own elsewhere."""
+answer with on that route: OpenAI's on /v1 (OpenAI's `type`, the reason in `code`), the
+Open Inference Protocol's on /v2 (a string), the server's own elsewhere."""
 
 from __future__ import annotations
 
@@ -67,10 +67,14 @@ def holding_replica() -> Iterator[tuple[int, type[_Holding]]]:
 
 @pytest.mark.parametrize(
     ("path", "error_type"),
-    [("/v1/embeddings", "rate_limit_exceeded"), ("/infer", "inflight")],
+    [
+        ("/v1/embeddings", "rate_limit_exceeded"),
+        ("/v2/models/m/infer", None),  # the Open Inference Protocol's: error is a string
+        ("/infer", "inflight"),
+    ],
 )
 def test_envoy_answers_its_overflow_in_the_routes_error_envelope(
-    tmp_path: Path, holding_replica: tuple[int, type[_Holding]], path: str, error_type: str
+    tmp_path: Path, holding_replica: tuple[int, type[_Holding]], path: str, error_type: str | None
 ) -> None:
     port, handler = holding_replica
     listener, stats, admin = free_ports(3)
@@ -88,4 +92,7 @@ def test_envoy_answers_its_overflow_in_the_routes_error_envelope(
     assert status == 429 and headers["retry-after"] == "1"
     assert headers["content-type"] == "application/json"
     error = json.loads(body)["error"]
-    assert (error["type"], error["code"]) == (error_type, "inflight")
+    if error_type is None:
+        assert error.startswith("over capacity")
+    else:
+        assert (error["type"], error["code"]) == (error_type, "inflight")

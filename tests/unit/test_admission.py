@@ -217,11 +217,24 @@ def test_rate_meter_decays_without_events() -> None:
 def test_deadline_is_the_tightest_of_client_and_proxy_and_bounded() -> None:
     assert resolve_deadline(10.0, LIMITS) == 15.0
     assert resolve_deadline(10.0, LIMITS, timeout_ms=200) == pytest.approx(10.2)
+    # Envoy's less a margin (10 % of it, at most 100 ms), so the replica answers first
     assert resolve_deadline(10.0, LIMITS, timeout_ms=900, envoy_timeout_ms=300) == pytest.approx(
-        10.3
+        10.27
+    )
+    assert resolve_deadline(10.0, LIMITS, timeout_ms=900, envoy_timeout_ms=200) == pytest.approx(
+        10.18
     )
     assert resolve_deadline(10.0, LIMITS, timeout_ms=10**9) == 40.0
     assert resolve_deadline(10.0, LIMITS, envoy_timeout_ms=0) == 15.0  # 0 means "no timeout"
+
+
+def test_a_replica_answers_before_envoys_own_timeout() -> None:
+    """Envoy's route timer starts before the request reaches the replica: a replica whose
+    deadline was Envoy's timeout answered after Envoy had timed out, and each such timeout
+    counts against the replica (three in a row eject it: deploy/envoy/envoy.yaml)."""
+    for route_timeout_ms in (10_000, 20_000):
+        deadline = resolve_deadline(0.0, LIMITS, envoy_timeout_ms=route_timeout_ms)
+        assert deadline == pytest.approx(route_timeout_ms / 1000 - 0.1)
 
 
 def test_a_passed_deadline_is_refused_at_admission_and_draining_at_entry_only() -> None:

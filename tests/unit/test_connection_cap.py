@@ -175,17 +175,29 @@ def test_a_request_pipelined_past_the_cap_gets_the_same_429_after_the_one_ahead(
     assert service.refused_at_the_cap() == 1
 
 
-POST_EMBEDDINGS = (
-    b"POST /v1/embeddings HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
-    b"content-length: %d\r\n\r\n" % len(BODY) + BODY
+def post(path: bytes) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % (path, len(BODY)) + BODY
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "error_of"),
+    [
+        (b"/v1/embeddings", lambda body: (body["error"]["type"], body["error"]["code"])),
+        (b"/v2/models/m/infer", lambda body: body["error"].split(":")[0]),
+    ],
+    ids=["openai", "v2"],
 )
-
-
-def test_a_refusal_before_the_body_on_an_openai_route_is_in_openai_s_envelope() -> None:
-    """The OpenAI routes answer every error with OpenAI's `type` and the reason in `code`
-    (`responses.in_envelope_of`); a refusal written from the headers was the one exception,
-    its `type` the reason, which no OpenAI client knows. Both ways of answering: from the
-    headers, and in uvicorn's place for a pipelined request."""
+def test_a_refusal_before_the_body_is_in_its_protocol_s_envelope(
+    path: bytes, error_of: Any
+) -> None:
+    """The OpenAI routes answer every error with OpenAI's `type` and the reason in `code`,
+    the Open Inference Protocol's with `{"error": message}` (`responses.in_envelope_of`); a
+    refusal written from the headers was the one exception, in the server's own envelope,
+    which their clients do not read. Both ways of answering: from the headers, and in
+    uvicorn's place for a pipelined request."""
     service = CappedService()
     state = ServerState()
 
@@ -193,19 +205,22 @@ def test_a_refusal_before_the_body_on_an_openai_route_is_in_openai_s_envelope() 
         loop = asyncio.get_running_loop()
         connect(service, state, loop)
         protocol, at_the_cap = connect(service, state, loop)
-        protocol.data_received(POST_EMBEDDINGS)
+        protocol.data_received(post(path))
         await until_answered(state)
         at_the_cap_state = ServerState()
         first, pipelined = connect(service, at_the_cap_state, loop)
         first.data_received(b"GET /first HTTP/1.1\r\nhost: test\r\n\r\n")
         connect(service, at_the_cap_state, loop)
-        first.data_received(POST_EMBEDDINGS)
+        first.data_received(post(path))
         await until_answered(at_the_cap_state)
         return at_the_cap, pipelined
 
     at_the_cap, pipelined = asyncio.run(refused())
+    expected = {
+        "openai": ("rate_limit_exceeded", "connections"),
+        "v2": "over capacity",
+    }["v2" if path.startswith(b"/v2/") else "openai"]
     for response in (responses(at_the_cap.written)[0], responses(pipelined.written)[1]):
         status, headers, body = response
         assert status == 429 and headers["retry-after"] == "1"
-        error = orjson.loads(body)["error"]
-        assert (error["type"], error["code"]) == ("rate_limit_exceeded", "connections")
+        assert error_of(orjson.loads(body)) == expected

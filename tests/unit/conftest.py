@@ -1,0 +1,22 @@
+"""Fixtures of the unit tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from app.processes import ProcessTree
+from app.settings import Settings
+from tests.support.process_tree import StandIn
+
+
+@pytest.fixture
+async def tree(tmp_path: Path) -> AsyncIterator[ProcessTree]:
+    tree = ProcessTree(Settings(), tmp_path)
+    tree.frontends = [StandIn(10)]  # type: ignore[list-item]
+    tree._frontends_serving_since = [time.monotonic()]  # its start-up succeeded
+    yield tree
+    tree._zmq.destroy(linger=0)

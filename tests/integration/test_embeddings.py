@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 import numpy as np
 import numpy.typing as npt
+import orjson
 import pytest
 import pytest_asyncio
 import torch
@@ -305,6 +306,12 @@ async def test_openai_errors_are_4xx_too(client: httpx.AsyncClient) -> None:
 
 
 async def test_caps_and_rate_give_429_with_retry_after() -> None:
+    """The in-flight cap refuses at the door, the token bucket once a request's tokens are
+    counted (after its body), each counted under the model. Each request's body is held
+    until every request has been to the door, so the door never sees a bucket the others
+    already drew from: left to the event loop's order, under Python 3.12 (whose `wait_for`
+    no longer reads the body in a task of its own) each request ran from the door to the
+    bucket before the next arrived, and all were refused `rate` at the door, with no model."""
     tight = Settings(
         engine="inprocess",
         length_buckets=(16,),
@@ -318,10 +325,39 @@ async def test_caps_and_rate_give_429_with_retry_after() -> None:
         # a few batches of MiniLM exceed the default budget, and every refusal said `queue`.
         max_queue_delay_ms=60_000,
     )
+    texts = [f"burst {i}" for i in range(10)]
+    been_to_the_door = 0  # requests let in (now reading their body) or refused there
+    all_been = asyncio.Event()
+    release = asyncio.Event()
+
+    def went_to_the_door() -> None:
+        nonlocal been_to_the_door
+        been_to_the_door += 1
+        if been_to_the_door == len(texts):
+            all_been.set()
+
+    async def body(text: str) -> AsyncIterator[bytes]:
+        went_to_the_door()  # a body is read only once the door let its request in
+        await release.wait()
+        yield orjson.dumps({"inputs": text})
+
+    def answered(post: asyncio.Task[httpx.Response]) -> None:
+        if not release.is_set():  # refused at the door, its body never read
+            went_to_the_door()
+
     async with serving(create_app(tight)) as client:
-        responses = await asyncio.gather(
-            *(client.post("/infer", json={"inputs": f"burst {i}"}) for i in range(10))
-        )
+        posts = []
+        for text in texts:
+            post = asyncio.create_task(
+                client.post(
+                    "/infer", content=body(text), headers={"content-type": "application/json"}
+                )
+            )
+            post.add_done_callback(answered)
+            posts.append(post)
+        await asyncio.wait_for(all_been.wait(), 60)
+        release.set()
+        responses = await asyncio.gather(*posts)
         statuses = [r.status_code for r in responses]
         assert set(statuses) <= {200, 429}
         rejected = [r for r in responses if r.status_code == 429]

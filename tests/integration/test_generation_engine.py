@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,7 +238,9 @@ async def test_seeded_sampling_repeats_and_top_k_one_is_greedy(engine: InProcess
 async def test_a_full_cache_refuses_429_and_cancel_frees_it_at_once(tiny_causal_lm: Path) -> None:
     """One slot: while a long sequence holds it, a request needing the whole slot is refused
     429 with Retry-After (its wait is far over the 1 ms budget); once the long one is
-    cancelled after its first token, the same request is admitted at once and completes."""
+    cancelled after its first token, its slot is free at once, while the multi-step run
+    computing its row is still held in the model (so not at the run's end), and the same
+    request is then admitted and completes."""
     engine = await started(
         settings_for(
             tiny_causal_lm,
@@ -247,6 +250,23 @@ async def test_a_full_cache_refuses_429_and_cancel_frees_it_at_once(tiny_causal_
             generate_steps_per_dispatch=64,
         )
     )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    real_step = host.runner.step
+    steps = 0
+    in_the_run = threading.Event()  # the decode run after the prefill is in the model
+    let_it_go = threading.Event()
+
+    def held_after_the_prefill(rows: Sequence[StepRow]) -> list[int]:
+        """Compute thread: the first step (the prefill) runs; the next waits for the test."""
+        nonlocal steps
+        steps += 1
+        if steps > 1:
+            in_the_run.set()
+            let_it_go.wait(timeout=60)
+        return real_step(rows)
+
+    host.runner.step = held_after_the_prefill  # type: ignore[method-assign]
     try:
         prompt = [1, 40, 41, 42]
         request = Submit(
@@ -258,19 +278,27 @@ async def test_a_full_cache_refuses_429_and_cancel_frees_it_at_once(tiny_causal_
         whole_slot = SamplingParams(max_new_tokens=SLOT_TOKENS - 20)
         stream = engine.stream(request)
         await anext(stream)
+        assert await asyncio.to_thread(in_the_run.wait, 60), "the decode run never started"
         with pytest.raises(Rejected) as refused:
             await generate(engine, list(range(10, 30)), whole_slot)
         assert refused.value.reason is RejectReason.QUEUE
         assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
         await stream.aclose()  # the client went away: Cancel
-        for _ in range(100):  # the engine handles the Cancel on its next loop turns
+        # The engine handles the Cancel in its next loop turns; the run stays in the model.
+        # (In-process, `debug` can answer without a turn of the loop: Python 3.12's wait_for
+        # takes a queued reply at once, so the loop gets its turns here.)
+        for _ in range(1000):
             report = (await engine.debug("pool"))["tiny"]
             if report["slots_held"] == 0:  # type: ignore[index]
                 break
+            await asyncio.sleep(0)  # one turn of the loop, not a wait for time
         assert report["slots_held"] == 0, report  # type: ignore[index]
+        assert not let_it_go.is_set()  # freed while its run was still computing
+        let_it_go.set()
         whole = await generate(engine, list(range(10, 30)), whole_slot)
         assert len(whole.token_ids) == SLOT_TOKENS - 20 or whole.finish_reason is FinishReason.EOS
     finally:
+        let_it_go.set()
         await engine.close()
 
 

@@ -280,12 +280,29 @@ def ids_body(ids: list[list[int]]) -> dict[str, object]:
     return {"inputs": [{"name": "ids", "datatype": "INT64", "shape": [len(ids), 3], "data": flat}]}
 
 
+async def test_the_lookup_model_throws_on_a_bad_id_before_it_indexes(models: TensorModels) -> None:
+    """The test below needs an input the model throws on as a request's own error on every
+    device. Indexing past the table throws IndexError on the CPU, but on CUDA it is a
+    device-side assert that leaves the process's CUDA context unusable (the H200 run: every
+    later batch and test in the process failed); the exported program checks the ids on the
+    host (`_assert_scalar`) before its embedding reads them."""
+    program = torch.export.load(next(s["source"] for s in models.specs if s["name"] == "lookup"))
+    targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
+    checks = [i for i, t in enumerate(targets) if t is torch.ops.aten._assert_scalar.default]
+    embedding = targets.index(torch.ops.aten.embedding.default)
+    assert len(checks) >= 2 and max(checks) < embedding, targets
+    for bad in ([[1, 2, LOOKUP_ROWS]], [[1, -1, 2]]):
+        with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+            program.module()(torch.tensor(bad))
+
+
 async def test_an_input_the_model_throws_on_fails_only_its_own_request(
     client: httpx.AsyncClient, models: TensorModels
 ) -> None:
     """A batch fails whole when one input makes the model throw (an id past the embedding
-    table): every request sharing it got a 500, and a few such batches turned /healthz
-    503, so one client's bad ids failed others' requests and got the pod restarted."""
+    table, refused by the model's own check): every request sharing it got a 500, and a few
+    such batches turned /healthz 503, so one client's bad ids failed others' requests and got
+    the pod restarted."""
     good_ids = [[1, 2, 3], [4, 5, 6]]
     bad_ids = [[1, 2, LOOKUP_ROWS]]
     with torch.inference_mode():

@@ -7,7 +7,8 @@
 - `seq`: [batch, time, 4] FP32 with a dynamic time dimension -> `doubled` [batch, time, 4]
   and `total` [batch, 4] (the sum over time: zero padding leaves it unchanged), `.pt2`;
 - `lookup`: INT64 ids [batch, time] into an Embedding(10, 4), summed over time -> FP32
-  [batch, 4]: an id of 10 or more makes the model itself throw (IndexError), `.pt2`.
+  [batch, 4]: an id of 10 or more (or below 0) makes the model itself throw, a
+  RuntimeError raised on the host by its own check, on any device, `.pt2`.
 """
 
 from __future__ import annotations
@@ -48,12 +49,19 @@ class Typed(torch.nn.Module):
 
 
 class Lookup(torch.nn.Module):
+    """Throws on an id outside its table by checking the ids first (exported as runtime
+    asserts on the ids' `.item()`, on the host), never by indexing past the table: on CUDA
+    that is a device-side assert, which is no error of the request's but leaves the whole
+    process's CUDA context unusable (every later batch, test and seed fails)."""
+
     def __init__(self) -> None:
         super().__init__()
         # Row 0 is zeros: the zero padding to a length bucket adds nothing to the sum.
         self.table = torch.nn.Embedding(LOOKUP_ROWS, 4, padding_idx=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        torch._check(ids.min().item() >= 0, lambda: "an id below 0")
+        torch._check(ids.max().item() < LOOKUP_ROWS, lambda: "an id past the table")
         return self.table(ids).sum(dim=1)
 
 

@@ -3,10 +3,55 @@
 Start-up failures are reported separately; this watches the batches afterwards (a device
 lost, a driver fault, a model that throws on every input). After `threshold` consecutive
 failed batches the engine reports unhealthy, /healthz answers 503 and Kubernetes restarts
-the pod; a single successful batch clears it. Engine event loop thread only.
+the pod; a single successful batch clears it.
+
+A batch that failed with a sticky CUDA error (a device-side assert, an illegal memory
+access, ...) is different: the process's CUDA context is unusable from then on, every later
+batch fails the same way and nothing clears it, so health is lost at once, for good, and
+`on_device_lost` is called (the engine process exits, so that its supervisor starts a fresh
+one: `engine/process.py`). Engine event loop thread only; torch-free.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+# The CUDA (and ROCm HIP) runtime's own words for the errors after which "the process must
+# be terminated and relaunched" (CUDA Runtime API, cudaError), as torch raises them:
+# "CUDA error: <this>".
+_STICKY_DEVICE_ERRORS = (
+    "device-side assert triggered",
+    "an illegal memory access was encountered",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "invalid program counter",
+    "hardware stack error",
+    "unspecified launch failure",
+    "the launch timed out and was terminated",
+    "operation not supported on global/shared address space",
+    "uncorrectable ECC error encountered",
+)
+_ERROR_PREFIXES = ("CUDA error: ", "HIP error: ")
+
+
+def device_lost(error: BaseException) -> bool:
+    """Whether `error` (or an exception it was raised from, or while handling) is a sticky
+    device error that leaves the process's CUDA context unusable. Only torch's own: its
+    `AcceleratorError`, or a plain `RuntimeError` (older torch) whose message starts with
+    the runtime's prefix, never an exception of the model's whose text merely says so."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__name__ == "AcceleratorError" or type(current) is RuntimeError:
+            message = str(current)
+            for prefix in _ERROR_PREFIXES:
+                if message.startswith(prefix):
+                    rest = message[len(prefix) :]
+                    if any(rest.startswith(words) for words in _STICKY_DEVICE_ERRORS):
+                        return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class BatchHealth:
@@ -14,6 +59,9 @@ class BatchHealth:
         self.threshold = threshold
         self.consecutive_failures = 0
         self.last_error: str | None = None
+        self.lost_device = False
+        # Called once, when a batch fails with a sticky device error (`device_lost`).
+        self.on_device_lost: Callable[[], None] = lambda: None
 
     def record(self, error: BaseException | None) -> None:
         """Called once per finished batch, with its exception if it failed."""
@@ -23,13 +71,18 @@ class BatchHealth:
             return
         self.consecutive_failures += 1
         self.last_error = type(error).__name__
+        if not self.lost_device and device_lost(error):
+            self.lost_device = True
+            self.on_device_lost()
 
     @property
     def healthy(self) -> bool:
-        return self.consecutive_failures < self.threshold
+        return not self.lost_device and self.consecutive_failures < self.threshold
 
     @property
     def problem(self) -> str | None:
+        if self.lost_device:
+            return "the device's CUDA context is unusable (a sticky CUDA error)"
         if self.healthy:
             return None
         return f"{self.consecutive_failures} consecutive batches failed ({self.last_error})"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from app.engine.health import BatchHealth
 from app.engine.orphans import die_with_parent
 from app.engine.protocol import (
     Cancel,
@@ -50,12 +52,37 @@ log = logging.getLogger(__name__)
 # Engine-side gauges (queue depth, pool slots) are refreshed this often, not on every tick.
 GAUGE_INTERVAL_S = 0.25
 
+# The exit status of an engine whose CUDA context a sticky error made unusable.
+DEVICE_LOST_EXIT = 3
+
+
+def exit_when_device_lost(
+    health: BatchHealth, exit_process: Callable[[int], object] = os._exit
+) -> None:
+    """Have the engine process exit at once when a batch fails with a sticky CUDA error
+    (`health.device_lost`), so that its supervisor starts a fresh engine with a fresh CUDA
+    context. Otherwise it ran on with a dead one: every batch failed (500, after a triage
+    run that failed too) while `/readyz` still said ready, until enough failures turned
+    `/healthz` 503 and Kubernetes restarted the whole pod. Exiting, what was in flight is
+    answered a retryable 503 by its front end; nothing is left to finish on that device."""
+
+    def exit_now() -> None:
+        log.critical(
+            "engine: a batch failed with a sticky CUDA error; the CUDA context is unusable: "
+            "exiting (%d) for the supervisor to start a fresh engine",
+            DEVICE_LOST_EXIT,
+        )
+        exit_process(DEVICE_LOST_EXIT)
+
+    health.on_device_lost = exit_now
+
 
 class EngineServer:
     """Carries protocol messages between the sockets and the core. Event loop thread only."""
 
     def __init__(self, core: EngineCore, addresses: EngineAddresses) -> None:
         self.core = core
+        exit_when_device_lost(core.health)
         self._context = zmq.asyncio.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)

@@ -104,3 +104,52 @@ def test_protocol_messages_round_trip() -> None:
     final = Output(9, True, TokensOutput([], 4, FinishReason.EOS), queue_s=0.0, compute_s=0.02)
     batch = [tokens, final, failure]
     assert decode_batch_from_engine(encode_batch(batch)) == batch
+
+
+def test_a_sticky_cuda_error_loses_health_at_once_and_for_good() -> None:
+    """A device-side assert leaves the process's CUDA context unusable: the engine ran on
+    with it, every batch failing 500, for 5 batches before /healthz said so (the H200 run
+    of the tensor tests); and a lucky batch would have reset the count."""
+    import torch  # torch's own exception class, as CUDA raises it (built here on the CPU)
+
+    health = BatchHealth(threshold=5)
+    lost: list[bool] = []
+    health.on_device_lost = lambda: lost.append(True)
+    health.record(
+        torch.AcceleratorError(
+            "CUDA error: device-side assert triggered\n"
+            "Search for `cudaErrorAssert' in https://docs.nvidia.com/cuda/ for more information."
+        )
+    )
+    assert not health.healthy and lost == [True]
+    assert health.problem == "the device's CUDA context is unusable (a sticky CUDA error)"
+    health.record(None)
+    health.record(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not health.healthy and lost == [True]  # told once
+
+
+@pytest.mark.parametrize(
+    ("error", "lost"),
+    [
+        (RuntimeError("CUDA error: unspecified launch failure"), True),  # torch before 2.8
+        (RuntimeError("HIP error: an illegal memory access was encountered"), True),
+        (RuntimeError("the device fell over"), False),
+        (RuntimeError("CUDA error: out of memory"), False),  # not sticky
+        # A model's own exception whose text says so is not the runtime's.
+        (ValueError("CUDA error: device-side assert triggered"), False),
+    ],
+)
+def test_only_the_runtime_s_sticky_errors_lose_the_device(error: Exception, lost: bool) -> None:
+    health = BatchHealth(threshold=5)
+    health.record(error)
+    assert health.healthy is not lost
+    # Raised from, or while handling, one (a loader's ValueError naming the model).
+    try:
+        try:
+            raise error
+        except Exception as inner:
+            raise ValueError("mlp: could not be loaded") from inner
+    except ValueError as wrapped:
+        health = BatchHealth(threshold=5)
+        health.record(wrapped)
+        assert health.healthy is not lost

@@ -7,7 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from app.engine.process import EngineServer, worth_publishing
+from app.engine.health import BatchHealth
+from app.engine.process import (
+    DEVICE_LOST_EXIT,
+    EngineServer,
+    exit_when_device_lost,
+    worth_publishing,
+)
 from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import STATUS_HEARTBEAT_S
 from tests.support.engine_status import ready_status
@@ -54,3 +60,17 @@ def test_any_other_change_is_sent_at_once() -> None:
     assert worth_publishing(_status(soon, taken_inputs={b"frontend-a": 4}), sent)
     assert worth_publishing(_status(soon, state="failed", problem="CUDA error"), sent)
     assert worth_publishing(_status(soon, engine_id="e2"), sent)
+
+
+def test_the_engine_process_exits_when_its_device_is_lost() -> None:
+    """A device-side assert left the engine running with a dead CUDA context; it exits now,
+    so that its supervisor starts a fresh engine (a fresh context)."""
+    import torch  # torch's own exception class, as CUDA raises it (built here on the CPU)
+
+    health = BatchHealth(threshold=5)
+    exits: list[int] = []
+    exit_when_device_lost(health, exit_process=exits.append)
+    health.record(RuntimeError("the device fell over"))
+    assert exits == []
+    health.record(torch.AcceleratorError("CUDA error: device-side assert triggered"))
+    assert exits == [DEVICE_LOST_EXIT]

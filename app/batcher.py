@@ -8,7 +8,7 @@ Each input's future is resolved exactly once (by its batch, or by the scheduler 
 it); resolving an already-done future is a no-op. A batch that fails leaves no input waiting:
 it is triaged (`batch_triage.py`), the rows that compute alone are answered, a row that fails
 alone fails as its input's fault, and when the server fails whatever it runs, every input
-fails as the server's. An input that fails takes its request's still-queued inputs with it.
+fails as the server's.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ class _Pending(Generic[RowT, OutT]):
     item: WorkItem
     row: RowT
     future: asyncio.Future[ItemResult[OutT]]
-    request_items: tuple[int, ...]  # the item ids of its request's inputs, its own included
 
 
 def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
@@ -138,13 +137,12 @@ class Batcher(Generic[RowT, OutT]):
         now = self._clock()
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[ItemResult[OutT]]] = []
-        request_items = tuple(next(self._ids) for _ in rows)
-        for item_id, row, length, bucket in zip(request_items, rows, lengths, buckets, strict=True):
+        for row, length, bucket in zip(rows, lengths, buckets, strict=True):
             assert bucket is not None
-            item = WorkItem(item_id, length, bucket, enqueued_at=now, deadline=deadline)
+            item = WorkItem(next(self._ids), length, bucket, enqueued_at=now, deadline=deadline)
             future: asyncio.Future[ItemResult[OutT]] = loop.create_future()
             future.add_done_callback(partial(self._on_done, item.item_id))
-            self._pending[item.item_id] = _Pending(item, row, future, request_items)
+            self._pending[item.item_id] = _Pending(item, row, future)
             self.scheduler.enqueue(item)
             futures.append(future)
         # With every worker busy the loop only needs waking if these inputs expire before
@@ -161,18 +159,6 @@ class Batcher(Generic[RowT, OutT]):
             # The client went away: drop the input before it takes a buffer slot.
             self.scheduler.cancel(item_id)
             self._wakeup.set()
-
-    def _fail(self, pending: _Pending[RowT, OutT], error: BaseException) -> None:
-        """Fail one input and drop its request's queued inputs at once: the request is
-        answered with this failure, so nobody reads what they would compute (left to the
-        request's answer, callbacks later, the loop woken by the batch's end ran them first
-        on Python 3.12, whose `wait_for` no longer waits in a task of its own)."""
-        _set_exception_if_not_done(pending.future, error)
-        for item_id in pending.request_items:
-            queued = self._pending.pop(item_id, None)
-            if queued is not None:
-                self.scheduler.cancel(item_id)
-                queued.future.cancel()
 
     # --- the batch loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -237,9 +223,8 @@ class Batcher(Generic[RowT, OutT]):
 
     def _drop(self, decision: Decision) -> None:
         for item in decision.expired:
-            pending = self._pending.pop(item.item_id, None)
-            if pending is not None:  # else dropped with an input of its request that expired
-                self._fail(pending, DeadlineExceeded())
+            pending = self._pending.pop(item.item_id)
+            _set_exception_if_not_done(pending.future, DeadlineExceeded())
         for item in decision.cancelled:
             self._pending.pop(item.item_id, None)
 
@@ -276,7 +261,7 @@ class Batcher(Generic[RowT, OutT]):
         except BaseException as error:
             failure = error
             for pending in pendings:
-                self._fail(pending, BatchFailed(repr(error)))
+                _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
             raise
         finally:
             self.scheduler.finished(batch)
@@ -301,7 +286,7 @@ class Batcher(Generic[RowT, OutT]):
         (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
         if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
             for pending in pendings:
-                self._fail(pending, BatchFailed(repr(error)))
+                _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
             return error
         length = batch.shape.length
         solo = BatchShape(self.scheduler.policy.padded_batch(length, 1), length)
@@ -317,7 +302,7 @@ class Batcher(Generic[RowT, OutT]):
             )
         except BaseException as fault:
             for pending in pendings:
-                self._fail(pending, BatchFailed(repr(fault)))
+                _set_exception_if_not_done(pending.future, BatchFailed(repr(fault)))
             if isinstance(fault, Exception):
                 return fault
             raise
@@ -326,7 +311,7 @@ class Batcher(Generic[RowT, OutT]):
                 kind = BatchFailed if verdict.server_failing else InputFailed
                 failure = kind(repr(alone))
                 failure.__cause__ = alone  # its traceback, for the log of whoever answers it
-                self._fail(pending, failure)
+                _set_exception_if_not_done(pending.future, failure)
                 continue
             own_s = alone.timings.compute_s
             since_started = self._clock() - started

@@ -1,6 +1,6 @@
 """Telling a failing input from a failing server, over a fake model that throws on some
-rows (the point here is the verdict, not the compute); how the batcher accounts the time
-of a row answered after its batch failed, and drops the rest of a request that failed."""
+rows (the point here is the verdict, not the compute); and how the batcher accounts the time
+of a row answered after its batch failed."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from app.batch_triage import triage
 from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.execute import SlotTimings
-from app.failures import BatchFailed, InputFailed
+from app.failures import InputFailed
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
 
@@ -147,40 +147,3 @@ async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing(
     assert answered.compute_s == pytest.approx(0.22)
     assert answered.batch is not None
     assert answered.batch.failed_batch_s == pytest.approx(0.21)
-
-
-async def test_a_failed_input_drops_its_request_s_queued_inputs_before_the_loop_turns() -> None:
-    """A request is answered with its first failure, and its inputs still queued were
-    dropped only once that answer ran, callbacks after the failed batch's end woke the
-    batch loop: on Python 3.12 (whose `wait_for` resumes the loop sooner) the loop took
-    them first, computing for nobody. Here nobody drops them but the batcher itself."""
-    ran: list[list[int]] = []
-    last_dropped_at_batch_end: list[bool] = []
-
-    def execute(shape: BatchShape, rows: Sequence[int]) -> object:
-        ran.append(list(rows))
-        raise RuntimeError("the device fell over")
-
-    class InlineDispatcher:
-        async def run_compute(self, fn, *args):  # type: ignore[no-untyped-def]
-            return fn(*args)
-
-    batcher: Batcher[int, int] = Batcher(
-        "m",
-        BatchPolicy(length_buckets=(16,), max_batch_size=4, max_batch_tokens=64, max_wait_s=0.0),
-        execute,  # type: ignore[arg-type]
-        length_of=lambda row: row,
-        dispatcher=InlineDispatcher(),  # type: ignore[arg-type]
-        slots=ComputeSlots(1),
-        metrics=Metrics(),
-        clock=lambda: 0.0,
-        # Called as the batch ends, before anything it woke runs.
-        on_batch_done=lambda error: last_dropped_at_batch_end.append(last.cancelled()),
-    )
-    *first_four, last = batcher.submit([1, 2, 3, 4, 5], deadline=10.0)
-    batcher.start()
-    results = await asyncio.gather(*first_four, return_exceptions=True)
-    assert all(isinstance(result, BatchFailed) for result in results)
-    await batcher.close()
-    assert last_dropped_at_batch_end == [True]
-    assert [5] not in ran and all(5 not in rows for rows in ran)

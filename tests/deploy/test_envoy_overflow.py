@@ -70,6 +70,7 @@ def holding_replica() -> Iterator[tuple[int, type[_Holding]]]:
     [
         ("/v1/embeddings", "rate_limit_exceeded"),
         ("/v2/models/m/infer", None),  # the Open Inference Protocol's: error is a string
+        ("/v2", None),  # its server metadata route, no slash
         ("/infer", "inflight"),
     ],
 )

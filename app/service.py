@@ -30,8 +30,8 @@ from app.admission import (
     Rejected,
     RejectReason,
     published_queue_verdict,
-    resolve_deadline,
 )
+from app.deadlines import resolve_deadline
 from app.drain import Drain
 from app.engine.client import EngineClient, EngineRefused, EngineUnavailable
 from app.engine.protocol import EngineStatus, ModelInfo, OutputPayload, Payload, Submit

@@ -21,8 +21,8 @@ from app.admission import (
     RejectReason,
     batch_delay,
     delay_verdict,
-    resolve_deadline,
 )
+from app.deadlines import resolve_deadline
 from app.gate import AdmissionGate
 from app.metrics import Metrics
 

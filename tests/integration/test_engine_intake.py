@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from app.engine.health import BatchHealth
 from app.engine.host import Emit
 from app.engine.process import EngineServer
 from app.engine.protocol import (
@@ -29,6 +30,9 @@ from app.engine.zmq_client import EngineAddresses
 
 class ScriptedCore:
     """Answers a request of one input; raises on any other (a bug in the engine)."""
+
+    def __init__(self) -> None:
+        self.health = BatchHealth(threshold=5)  # the server exits on a lost device through it
 
     async def start(self) -> None:
         pass

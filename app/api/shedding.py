@@ -295,12 +295,14 @@ def shedding_protocol(
             if self._at_connection_cap():
                 # Any method and path, as uvicorn refused them: no task, no ASGI, and none of
                 # uvicorn's log lines, one per request of the flood.
-                self._send_refusal(_CONNECTION_CAP, time.perf_counter(), close=True)
+                path = httptools.parse_url(self.url).path
+                self._send_refusal(_CONNECTION_CAP, path, time.perf_counter(), close=True)
                 count_connection_cap_refusal()
                 return True
             if self.parser.get_method() != b"POST":
                 return False
-            if httptools.parse_url(self.url).path not in shed_paths:
+            path = httptools.parse_url(self.url).path
+            if path not in shed_paths:
                 return False
             started = time.perf_counter()
             entry = service.shed(envoy_timeout_in(self.headers))
@@ -308,10 +310,13 @@ def shedding_protocol(
                 self.scope[ENTRY] = entry  # type: ignore[literal-required]
                 budget.admitted()
                 return False
-            self._send_refusal(entry, started)
+            self._send_refusal(entry, path, started)
             return True
 
-        def _send_refusal(self, rejection: Rejected, started: float, close: bool = False) -> None:
+        def _send_refusal(
+            self, rejection: Rejected, path: bytes, started: float, close: bool = False
+        ) -> None:
+            # `path`: the request's, as `_refused_here` parsed it (its refusal's envelope).
             # A client waiting for 100 Continue will not send the body it declared, so the
             # connection cannot carry another request: it is closed, as while draining, and
             # as `close` asks (at the connection cap: closing is what frees a place).
@@ -322,12 +327,11 @@ def shedding_protocol(
                 and not self.expect_100_continue
                 and not service.admission.draining
             )
-            path = httptools.parse_url(self.url).path.decode("latin-1")
             head, body = _raw_refusal(
                 rejection.reason.value,
                 rejection.retry_after_header,
                 not keep_alive,
-                envelope_of(path),
+                envelope_of(path.decode("latin-1")),
             )
             defaults = b"".join(
                 name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers

@@ -150,10 +150,22 @@ async def _too_long(request: Request, error: Exception) -> Response:
     return error_response(413, "input_too_long", message, param)
 
 
+def _prompt_as_sent(request: Request, index: int) -> str:
+    """How a message names prompt `index`: by its index only where the client sent a list
+    (`prompt 0` of a prompt sent as one string read as an index into nothing)."""
+    sent: TextsAsSent | None = getattr(request.state, "texts_as_sent", None)
+    if sent is None or sent.as_list:
+        return f"prompt {index}"
+    if sent.field == "messages":  # chat: one prompt, rendered by the chat template
+        return "the prompt rendered from the messages"
+    return "the prompt"
+
+
 async def _context_too_long(request: Request, error: Exception) -> Response:
     assert isinstance(error, ContextTooLong)
     param = _text_param(request, error.index)
-    return error_response(400, "context_length_exceeded", str(error), param)
+    message = error.described(_prompt_as_sent(request, error.index))
+    return error_response(400, "context_length_exceeded", message, param)
 
 
 async def _too_many_tokens(request: Request, error: Exception) -> Response:

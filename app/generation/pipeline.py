@@ -48,14 +48,20 @@ class NoChatTemplate(Exception):
 
 
 class ContextTooLong(Exception):
-    """A prompt plus the tokens asked for exceed what one sequence may hold (400)."""
+    """A prompt plus the tokens asked for exceed what one sequence may hold (400). Its text
+    names the prompt by index; the edge, which knows how it was sent, words it `described`."""
 
     def __init__(self, index: int, prompt_tokens: int, new_tokens: int, limit: int) -> None:
-        super().__init__(
-            f"prompt {index} has {prompt_tokens} tokens and asks for {new_tokens} more; "
-            f"a sequence holds at most {limit} tokens (prompt + new tokens)"
+        self.index, self.sizes = index, (prompt_tokens, new_tokens, limit)
+        super().__init__(self.described(f"prompt {index}"))
+
+    def described(self, prompt: str) -> str:
+        """The message, naming the prompt `prompt` (`the prompt`: one sent alone)."""
+        prompt_tokens, new_tokens, limit = self.sizes
+        return (
+            f"{prompt} has {prompt_tokens} tokens and asks for {new_tokens} more; a sequence "
+            f"holds at most {limit} tokens (prompt + new tokens)"
         )
-        self.index = index
 
 
 class TooManyTokens(Exception):

@@ -46,6 +46,10 @@ SETTINGS = Settings(
     max_inputs_per_request=4,
 )
 
+# The contents of a conversation's messages, one after another (written into the model's
+# directory by the tests that chat).
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }} {% endfor %}"
+
 Answer = Callable[[Submit], FromEngine | list[FromEngine]]
 
 
@@ -113,22 +117,55 @@ async def front_end(
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "param"),
+    ("path", "body", "param", "named"),
     [
-        ("/v1/completions", {"prompt": "hello world", "max_tokens": CONTEXT}, "prompt"),
-        ("/v1/completions", {"prompt": ["hello", "hello world"], "max_tokens": 15}, "prompt[1]"),
-        ("/infer", {"inputs": "hello", "parameters": {"max_new_tokens": CONTEXT}}, "inputs"),
+        (
+            "/v1/completions",
+            {"prompt": "hello world", "max_tokens": CONTEXT},
+            "prompt",
+            "the prompt",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": ["hello", "hello world"], "max_tokens": 15},
+            "prompt[1]",
+            "prompt 1",
+        ),
+        ("/v1/completions", {"prompt": ["hello world"], "max_tokens": 15}, "prompt[0]", "prompt 0"),
+        (
+            "/infer",
+            {"inputs": "hello", "parameters": {"max_new_tokens": CONTEXT}},
+            "inputs",
+            "the prompt",
+        ),
+        (
+            "/infer",
+            {"inputs": ["hello"], "parameters": {"max_new_tokens": CONTEXT}},
+            "inputs[0]",
+            "prompt 0",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": CONTEXT},
+            "messages",
+            "the prompt rendered from the messages",
+        ),
     ],
 )
 async def test_an_error_about_one_text_names_it_as_the_client_sent_it(
-    tmp_path: Path, path: str, body: dict[str, object], param: str
+    tmp_path: Path, path: str, body: dict[str, object], param: str, named: str
 ) -> None:
-    """`prompt[0]` named an index into a field the client sent as one string."""
+    """`prompt[0]` named an index into a field the client sent as one string, and so did
+    the message ("prompt 0 has 2 tokens ..."), on every generation route; a list's prompt
+    is still named by its index."""
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     async with front_end(tmp_path) as (client, _, _):
         response = await client.post(path, json={"model": "tiny", **body})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+    assert error["message"].startswith(f"{named} has "), error
+    assert f"at most {CONTEXT} tokens" in error["message"], error
 
 
 @pytest.mark.parametrize(

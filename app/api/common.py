@@ -1,6 +1,7 @@
 """What every inference route shares: Envoy's deadline header, reading a JSON body (UTF-8
-only, the same for /infer, /v1/embeddings and the generation routes) and validating it, the
-input-count limit, and rendering an answer as JSON (timed as the `serialise` phase)."""
+only, the same for /infer, /v1/embeddings and the generation routes) and validating it
+(timed as the `parse_body` phase), the input-count limit, and rendering an answer as JSON
+(timed as the `serialise` phase)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,28 @@ def render(request: Request, content: Any) -> Response:
     return response
 
 
+class BodyParsePhase:
+    """Times the work inside as the request's `parse_body` phase: turning its body's bytes
+    into what the route reads (JSON decoding, validation), on the event loop, where a large
+    body's parse holds the loop as rendering a large answer does (`serialise`). Counted
+    whether the body parses or is refused. Without a `PhaseTimer` (an app without
+    `ServerTimingMiddleware`) nothing is timed. Event loop thread. (A class, not a
+    generator: it runs up to twice on every request of the hot routes.)"""
+
+    __slots__ = ("_started", "_timer")
+
+    def __init__(self, request: Request) -> None:
+        self._timer: PhaseTimer | None = getattr(request.state, "server_timing", None)
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._timer is not None:
+            self._timer.add("parse_body", time.perf_counter() - self._started)
+
+
 def count_body_in(request: Request) -> None:
     """The request's body has been read: count it in flight (`Service.body_arrived`) if it
     was let in from its headers; raises `Rejected` (429 `inflight`) for one whose body came
@@ -86,6 +109,13 @@ async def json_body(request: Request) -> Any:
     except Exception as error:  # a broken stream (the body guard's limits included)
         raise HTTPException(400, "There was an error parsing the body") from error
     count_body_in(request)  # before any work is spent on it
+    with BodyParsePhase(request):
+        return _decoded(request, raw)
+
+
+def _decoded(request: Request, raw: bytes) -> Any:
+    """`raw` as `json_body` reads it (its contract); raises `RequestValidationError` or
+    `HTTPException`."""
     try:
         content_type = request.headers.get("content-type", "")
         kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
@@ -114,12 +144,16 @@ async def json_body(request: Request) -> Any:
     return body
 
 
-def validated(schema: type[Schema], body: Any, *, from_attributes: bool = False) -> Schema:
-    """`body` as `schema`, or the 422 FastAPI itself would answer. `from_attributes=True`
-    validates as FastAPI validates a parameter typed as the model (the message for a body
-    that is not an object differs); without it, as a `Body()` validated afterwards."""
+def validated(
+    request: Request, schema: type[Schema], body: Any, *, from_attributes: bool = False
+) -> Schema:
+    """`request`'s `body` as `schema` (timed as its `parse_body` phase), or the 422 FastAPI
+    itself would answer. `from_attributes=True` validates as FastAPI validates a parameter
+    typed as the model (the message for a body that is not an object differs); without it,
+    as a `Body()` validated afterwards."""
     try:
-        return schema.model_validate(body, from_attributes=from_attributes)
+        with BodyParsePhase(request):
+            return schema.model_validate(body, from_attributes=from_attributes)
     except ValidationError as error:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
         raise RequestValidationError(errors) from None
@@ -129,7 +163,7 @@ async def body_as(request: Request, schema: type[Schema]) -> Schema:
     """The request's body (`json_body`) as `schema`, answered as FastAPI answers a body
     parameter typed `schema`, except that the body must be UTF-8: the routes read their own
     body so that every inference route decodes it the same way."""
-    return validated(schema, await json_body(request), from_attributes=True)
+    return validated(request, schema, await json_body(request), from_attributes=True)
 
 
 def body_document(schema: type[BaseModel]) -> dict[str, Any]:

@@ -101,8 +101,8 @@ async def infer(request: Request) -> Response:
     its own body so that the FastAPI route and the direct one run the same code."""
     body = await json_body(request)
     if _asks_a_generate_model(service_of(request), body):
-        return await infer_generate(request, validated(GenerateInferRequest, body))
-    return await _infer_embed(request, validated(InferRequest, body))
+        return await infer_generate(request, validated(request, GenerateInferRequest, body))
+    return await _infer_embed(request, validated(request, InferRequest, body))
 
 
 async def _infer_embed(request: Request, body: InferRequest) -> Response:

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from app import __version__
 from app.admission import Entry, Rejected
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
-from app.api.common import envoy_timeout_ms
+from app.api.common import BodyParsePhase, envoy_timeout_ms
 from app.api.errors import REJECTION_STATUS, engine_unavailable_headers, refusal_headers
 from app.api.responses import service_of, v2_error
 from app.api.v2_codec import (
@@ -201,7 +201,8 @@ async def _infer(
         raise ClientDisconnected() from None
     if (late := service.body_arrived(entry)) is not None:
         return _rejected(late)
-    parsed = parse_infer_request(body, int(header) if header is not None else None)
+    with BodyParsePhase(request):
+        parsed = parse_infer_request(body, int(header) if header is not None else None)
     timeout_ms = _timeout_ms(parsed)
     timer: PhaseTimer = request.state.server_timing
     envoy = envoy_timeout_ms(request)
@@ -351,7 +352,9 @@ async def _tensors(
     timer: PhaseTimer,
 ) -> list[OutputTensor]:
     wanted = _check_outputs(parsed, [t.name for t in spec.outputs])
-    checked = check_tensors(service, spec.name, {t.name: _sent(t) for t in parsed.inputs})
+    with BodyParsePhase(request):  # JSON numbers into arrays: the body's parse, finished
+        sent = {t.name: _sent(t) for t in parsed.inputs}
+    checked = check_tensors(service, spec.name, sent)
     work = infer_tensors(
         service, spec.name, checked, timeout_ms=timeout_ms, envoy_timeout_ms=envoy, timer=timer
     )

@@ -38,6 +38,7 @@ CAUSES = (
     "admission_wait",
     "slow_compute",
     "compute",
+    "parse_body",
     "tokenize",
     "serialise",
     "unaccounted",
@@ -46,6 +47,13 @@ CAUSES = (
 # went, and a root cause's time is spent inside some phase: so a phase counts what is left
 # of it once the root causes on its side of the request are taken off (`attribute`).
 ROOT_CAUSES = frozenset(CAUSES[: CAUSES.index("buffer_wait")])
+# The phases of the request's own work on the front end's event loop (which made its loop
+# late too: not a blocked loop), and what each was, as its evidence says it.
+_LOOP_WORK = {
+    "parse_body": "parsing the request's body (JSON, validation)",
+    "tokenize": "tokenizing",
+    "serialise": "rendering the answer",
+}
 # Causes explaining less than this are left out of a report.
 MIN_CAUSE_S = 0.0005
 
@@ -62,9 +70,9 @@ class Cause:
 
 @dataclass(frozen=True, slots=True)
 class RequestFacts:
-    """`phases`: the front end's phase seconds (tokenize, admission, queue, compute,
-    serialise); `frontend_probes`: the front end's probe changes over the request;
-    `batching_window_s`: queueing the batch policy intends (max wait), not counted as a
+    """`phases`: the front end's phase seconds (parse_body, tokenize, admission, queue,
+    compute, serialise, engine_lost); `frontend_probes`: the front end's probe changes over
+    the request; `batching_window_s`: queueing the batch policy intends (max wait), not counted as a
     cause."""
 
     total_s: float
@@ -113,10 +121,10 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     # process's loss counts only within the request's time on its side.
     shared = facts.engine is not None and facts.engine.pid == facts.frontend_pid
     in_engine = phases_sum(phases, ENGINE_PHASES)
-    # The request's own work on the front end's loop: rendering its answer, tokenizing a
-    # small input inline (a large one's on the tokenizer pool, while the loop's lateness
-    # could not delay it either).
-    on_loop = phases_sum(phases, ("tokenize", "serialise"))
+    # The request's own work on the front end's loop: parsing its body, rendering its
+    # answer, tokenizing a small input inline (a large one's on the tokenizer pool, while
+    # the loop's lateness could not delay it either).
+    on_loop = phases_sum(phases, tuple(_LOOP_WORK))
     front_window = total if shared else max(0.0, total - in_engine)
     front = process_loss(facts.frontend_probes, front_window, on_loop)
     processes = [("front end", facts.frontend_probes, front, f"{_ms(in_engine)} in the engine")]
@@ -310,18 +318,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
             f"waited {_ms(admission)} for admission",
         )
     )
-    tokenize = phases.get("tokenize", 0.0)
-    causes.append(
-        Cause("tokenize", _net(tokenize, front_side_loss), f"tokenizing took {_ms(tokenize)}")
-    )
-    serialise = phases.get("serialise", 0.0)
-    causes.append(
-        Cause(
-            "serialise",
-            _net(serialise, front_side_loss),
-            f"rendering the answer took {_ms(serialise)}",
-        )
-    )
+    for phase, work in _LOOP_WORK.items():
+        spent = phases.get(phase, 0.0)
+        causes.append(Cause(phase, _net(spent, front_side_loss), f"{work} took {_ms(spent)}"))
 
     # The wait for a buffer slot comes after the queue phase ends and before compute starts:
     # it is in the gap, and already a cause of its own. The gap holds what the processes
@@ -336,8 +335,8 @@ def attribute(facts: RequestFacts) -> list[Cause]:
         Cause(
             "unaccounted",
             unaccounted,
-            f"{_ms(gap)} outside the measured phases (body, validation, routing, the hop to "
-            f"and from the engine), {_ms(unaccounted)} of it not explained above",
+            f"{_ms(gap)} outside the measured phases (receiving the body, routing, the hop "
+            f"to and from the engine), {_ms(unaccounted)} of it not explained above",
         )
     )
     return rank(causes, total)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 # The engine's phases, and the front end's own: a process's loss could delay the request
 # only while the request was on that process's side.
 ENGINE_PHASES = ("queue", "compute", "engine_lost")
-FRONT_END_PHASES = ("tokenize", "admission", "serialise")
+FRONT_END_PHASES = ("parse_body", "tokenize", "admission", "serialise")
 
 
 def phases_sum(phases: Mapping[str, float], names: tuple[str, ...]) -> float:

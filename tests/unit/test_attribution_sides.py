@@ -109,6 +109,47 @@ def test_other_work_blocking_the_loop_is_counted_beyond_the_requests_own() -> No
     )
 
 
+def test_parsing_a_large_body_on_the_loop_is_its_own_phase_not_a_blocked_loop() -> None:
+    """A 20 MB body decoded and validated in 120 ms on the front end's loop made its 10 ms
+    ticker 120 ms late; the rest was 25 ms of the request's other phases. With parsing
+    untimed that read as the event loop blocked 120 ms by other work (the remedy for which,
+    moving a blocking call off the loop, is not this one's: a smaller body is)."""
+    phases = {"tokenize": 0.001, "admission": 0.0, "queue": 0.002, "compute": 0.02}
+    causes = attribute(
+        request(
+            total_s=0.15,
+            phases={"parse_body": 0.12, **phases, "serialise": 0.001},
+            front={"loop_lag_seconds_total": 0.12, "loop_busy_lag_seconds_total": 0.12},
+            batch=estimated_batch(0.02),
+        )
+    )
+    assert (causes[0].name, round(causes[0].seconds * 1000)) == ("parse_body", 120)
+    assert causes[0].evidence == "parsing the request's body (JSON, validation) took 120 ms"
+    assert "event_loop_blocked" not in times(causes)
+    assert times(causes).get("unaccounted", 0) <= 6
+
+
+def test_an_engine_pause_while_the_front_end_parsed_the_body_delayed_nothing() -> None:
+    """The engine process collected for 100 ms while the front end was still parsing the
+    request's body (120 ms): the request had not reached the engine, so at most its 30 ms
+    outside the front end's phases could have been that collection's."""
+    causes = attribute(
+        request(
+            total_s=0.15,
+            phases={"parse_body": 0.12, "queue": 0.002, "compute": 0.02},
+            engine={
+                "gc_gen2_pause_seconds_total": 0.1,
+                "gc_gen2_collections_total": 1,
+                "loop_lag_seconds_total": 0.1,
+                "loop_busy_lag_seconds_total": 0.1,
+            },
+            batch=estimated_batch(0.02),
+        )
+    )
+    assert causes[0].name == "parse_body"
+    assert times(causes)["gc_pause"] <= 30
+
+
 def test_an_engine_stall_after_compute_is_its_root_cause_not_also_unaccounted() -> None:
     """Tokenize 1 ms, queue 5, compute 20 (at its estimate); then a 150 ms collection in the
     engine before it sent the answer (outside every phase), and 24 ms of hops: 200 ms. The
@@ -169,9 +210,9 @@ TIMELINES = [
         },
         estimated_batch(0.01, first_seen_shape=True, runqueue_wait_s=0.05),
     ),
-    (  # pauses longer than the request, a buffer wait and a long render
+    (  # pauses longer than the request, a buffer wait, a long parse and a long render
         0.1,
-        {"tokenize": 0.01, "queue": 0.03, "compute": 0.01, "serialise": 0.04},
+        {"parse_body": 0.02, "tokenize": 0.01, "queue": 0.03, "compute": 0.01, "serialise": 0.04},
         {"gc_gen0_pause_seconds_total": 0.3, "loop_busy_lag_seconds_total": 0.4},
         {"gc_gen2_pause_seconds_total": 0.3, "loop_lag_seconds_total": 0.5},
         estimated_batch(0.01, acquire_wait_s=0.02, failed_batch_s=0.01),

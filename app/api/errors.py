@@ -141,30 +141,32 @@ def _text_param(request: Request, index: int) -> str | None:
     return f"{sent.field}[{index}]" if sent.as_list else sent.field
 
 
+def _named_as_sent(request: Request, noun: str, index: int) -> str:
+    """How a message names text `index` (`noun`: input, prompt): by its index only where
+    the client sent a list (`prompt 0` of a prompt sent as one string read as an index into
+    nothing)."""
+    sent: TextsAsSent | None = getattr(request.state, "texts_as_sent", None)
+    if sent is None or sent.as_list:
+        return f"{noun} {index}"
+    if sent.field == "messages":  # chat: one prompt, rendered by the chat template
+        return f"the {noun} rendered from the messages"
+    return f"the {noun}"
+
+
 async def _too_long(request: Request, error: Exception) -> Response:
     assert isinstance(error, InputTooLong)
     param = _text_param(request, error.index)
+    message = error.described(_named_as_sent(request, "input", error.index))
     if request.url.path.startswith("/v1/") or error.unit == "characters":
-        return error_response(413, "input_too_long", str(error), param)
-    message = f"{error}; set parameters.truncate to cut inputs to the limit"
+        return error_response(413, "input_too_long", message, param)
+    message = f"{message}; set parameters.truncate to cut inputs to the limit"
     return error_response(413, "input_too_long", message, param)
-
-
-def _prompt_as_sent(request: Request, index: int) -> str:
-    """How a message names prompt `index`: by its index only where the client sent a list
-    (`prompt 0` of a prompt sent as one string read as an index into nothing)."""
-    sent: TextsAsSent | None = getattr(request.state, "texts_as_sent", None)
-    if sent is None or sent.as_list:
-        return f"prompt {index}"
-    if sent.field == "messages":  # chat: one prompt, rendered by the chat template
-        return "the prompt rendered from the messages"
-    return "the prompt"
 
 
 async def _context_too_long(request: Request, error: Exception) -> Response:
     assert isinstance(error, ContextTooLong)
     param = _text_param(request, error.index)
-    message = error.described(_prompt_as_sent(request, error.index))
+    message = error.described(_named_as_sent(request, "prompt", error.index))
     return error_response(400, "context_length_exceeded", message, param)
 
 

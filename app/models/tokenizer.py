@@ -27,11 +27,15 @@ class InputTooLong(Exception):
     """An input has more tokens than the model accepts and truncation is off."""
 
     def __init__(self, index: int, size: int, limit: int, unit: str = "tokens") -> None:
-        super().__init__(f"input {index} has {size} {unit}; the limit is {limit}")
         self.index = index
         self.size = size
         self.limit = limit
         self.unit = unit
+        super().__init__(self.described(f"input {index}"))
+
+    def described(self, text: str) -> str:
+        """The message, naming the text `text` (`the input`: one sent alone)."""
+        return f"{text} has {self.size} {self.unit}; the limit is {self.limit}"
 
 
 class TextTokenizer(Protocol):

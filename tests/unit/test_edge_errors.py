@@ -200,16 +200,23 @@ async def test_every_inference_route_times_its_bodys_parse_whether_it_parses_or_
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
-    [({"input": "a b c d e"}, "input"), ({"input": ["a", "a b c d e"]}, "input[1]")],
+    ("body", "param", "named"),
+    [
+        ({"input": "a b c d e"}, "input", "the input"),
+        ({"input": ["a", "a b c d e"]}, "input[1]", "input 1"),
+    ],
 )
 async def test_an_embedding_input_over_the_limit_is_named_as_sent(
-    tmp_path: Path, body: dict[str, object], param: str
+    tmp_path: Path, body: dict[str, object], param: str, named: str
 ) -> None:
+    """The message said "input 0 has ..." of an input sent as one string, as `param` once
+    said `input[0]`."""
     async with front_end(tmp_path) as (client, _, _):
         response = await client.post("/v1/embeddings", json={"model": "minilm", **body})
     assert response.status_code == 413, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{named} has "), error
 
 
 async def test_the_openai_routes_answer_openai_s_type_with_the_reason_in_code(

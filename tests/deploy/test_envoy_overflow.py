@@ -13,8 +13,10 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.support.envoy import (
+    ENVOY_YAML,
     HealthyReplica,
     free_ports,
     local_envoy_config,
@@ -97,3 +99,17 @@ def test_envoy_answers_its_overflow_in_the_routes_error_envelope(
         assert error.startswith("over capacity")
     else:
         assert (error["type"], error["code"]) == (error_type, "inflight")
+
+
+def test_every_overflow_mapper_adds_the_one_retry_after_definition() -> None:
+    """The mappers alias one `headers_to_add` (a YAML anchor), so an edit to Retry-After
+    cannot reach one envelope and miss another. Envoy expands the alias: the live test above
+    runs a config dumped with it (PyYAML writes a shared list as an alias) and every route's
+    overflow carries `retry-after: 1`."""
+    config = yaml.safe_load(ENVOY_YAML.read_text())
+    listener = config["static_resources"]["listeners"][0]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    mappers = manager["local_reply_config"]["mappers"]
+    first = mappers[0]["headers_to_add"]
+    assert all(mapper["headers_to_add"] is first for mapper in mappers)
+    assert [h["header"] for h in first] == [{"key": "retry-after", "value": "1"}]

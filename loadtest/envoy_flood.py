@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from loadtest.localserver import REPO_ROOT, ServeProcess, free_port, start_serve
 from tests.support.envoy import (
     free_ports,
     local_envoy_config,
@@ -34,7 +33,6 @@ from tests.support.envoy import (
     upstream_cluster,
     wait_for,
 )
-from tests.support.server import REPO_ROOT, ServerProcess, free_port, wait_until_ready
 
 ENVOY_PATH = "deploy/envoy/envoy.yaml"
 
@@ -116,21 +114,11 @@ def main() -> None:
 
 
 @contextlib.contextmanager
-def make_serve(workdir: Path) -> Iterator[ServerProcess]:
+def make_serve(workdir: Path) -> Iterator[ServeProcess]:
     """`steadyserve serve` as `make serve` runs it (default settings), ready; killed on exit."""
-    port = free_port()
-    log_path = workdir / "steadyserve.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO_ROOT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    server = ServerProcess(process=process, port=port, log_path=log_path)
+    server = start_serve(free_port(), {}, workdir / "steadyserve.log")
     try:
-        wait_until_ready(server, timeout=300)
+        server.wait_ready(300)
         yield server
     finally:
         server.kill()

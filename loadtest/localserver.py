@@ -1,25 +1,42 @@
-"""What a bench needs to start a server on this machine and reach it: `REPO_ROOT` (the
-working directory servers start in, and where results go by default), a `free_port` to give
-it, and `http_status` / `get_json`, plain blocking GETs for readiness polls and the
-server's JSON answers. Any thread may call these.
+"""What a bench or a test needs to start a server on this machine and reach it: `REPO_ROOT`
+(the working directory servers start in, and where results go by default), a `free_port` to
+give it, `http_status` / `get_json`, plain blocking GETs for readiness polls and the
+server's JSON answers, and `spawn_serve` / `start_serve`, which start `steadyserve serve` as
+a child process whose `ServeProcess` handle waits for it to be ready and stops it by PID.
+
+One copy for the benches here and for tests/support/server.py (tests may import loadtest;
+loadtest never imports tests). Any thread may call these; a `ServeProcess` belongs to the
+thread that started it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.proctree import stop_process
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# How much of a server's log a failed readiness wait quotes (a bench's log can be long).
+LOG_TAIL_CHARS = 20_000
 
-def http_status(url: str) -> int | None:
-    """The status of a GET of `url` (2 s timeout), None when nothing answered."""
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """The status of a GET of `url`, None when nothing answered within `timeout` s."""
     try:
-        with urllib.request.urlopen(url, timeout=2.0) as response:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             return int(response.status)
     except urllib.error.HTTPError as error:
         return int(error.code)
@@ -44,3 +61,92 @@ def get_json(url: str, timeout: float = 5.0) -> tuple[int | None, dict[str, Any]
         return int(error.code), json.loads(error.read() or b"{}")
     except (urllib.error.URLError, OSError, ValueError):
         return None, {}
+
+
+def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` confining a child (and everything it starts) to `cpus`."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
+def spawn_serve(
+    port: int, env: Mapping[str, str], log_path: Path, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `steadyserve serve` on 127.0.0.1:`port`, not waiting for it: run from
+    `REPO_ROOT` with this process's environment, `HF_HUB_OFFLINE=1` and then `env` over it,
+    its stdout and stderr written to `log_path`; `cpus` confines it (supervisor, engine
+    and front ends) to those CPUs."""
+    with log_path.open("wb") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO_ROOT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            preexec_fn=pin_to(cpus),
+        )
+
+
+@dataclass(frozen=True)
+class ServeProcess:
+    """A `steadyserve serve` child (`spawn_serve`) and where it listens and logs."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = 120.0) -> float:
+        """Poll /readyz until it answers 200; the seconds that took. Raises RuntimeError
+        if the server exits first, TimeoutError after `timeout_s`, each quoting the end of
+        its log."""
+        started = time.monotonic()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}:\n{self._log_tail()}"
+                )
+            if http_status(f"{self.base_url}/readyz") == 200:
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"server not ready after {timeout_s:g} s:\n{self._log_tail()}")
+            time.sleep(0.1)  # polling interval, not synchronisation: the loop checks the state
+
+    def _log_tail(self) -> str:
+        text = self.log()
+        if len(text) <= LOG_TAIL_CHARS:
+            return text
+        tail = text[-LOG_TAIL_CHARS:]
+        return f"[the last {LOG_TAIL_CHARS} characters of {self.log_path}]\n{tail}"
+
+    def terminate(self) -> None:
+        """SIGTERM (it drains) if it is still running; not waited for."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGKILL if it is still running, then reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout_s` (`stop_process`)."""
+        stop_process(self.process, timeout_s)
+
+
+def start_serve(
+    port: int, env: Mapping[str, str], log_path: Path, cpus: set[int] | None = None
+) -> ServeProcess:
+    """`spawn_serve`, with its handle."""
+    return ServeProcess(spawn_serve(port, env, log_path, cpus), port, log_path)

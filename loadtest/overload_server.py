@@ -7,16 +7,13 @@ their main thread; a `HealthProbe` polls on a thread of its own.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.localserver import REPO_ROOT, free_port, get_json
+from loadtest.localserver import ServeProcess, free_port, get_json, spawn_serve
 from loadtest.proctree import command_line, descendants
 
 PAUSED_REFUSALS = "steadyserve_refusals_paused_total"
@@ -87,9 +84,10 @@ def refusal_counts(base_url: str) -> RefusalCounts:
 
 
 @dataclass(frozen=True)
-class Server:
-    process: subprocess.Popen[bytes]
-    base_url: str
+class Server(ServeProcess):
+    """The bench's server: a `ServeProcess` (readiness, log, stop) with its supervisor's
+    probe port, and the pids of the processes it runs."""
+
     probe_url: str  # the supervisor's probe port (STEADY_HEALTH_PORT)
 
     def engine_pid(self) -> int | None:
@@ -103,16 +101,6 @@ class Server:
             for pid in descendants(self.process.pid)
             if pid not in (self.process.pid, engine) and "spawn_main" in command_line(pid)
         ]
-
-    def wait_ready(self, timeout_s: float) -> float:
-        started = time.monotonic()
-        while get_json(f"{self.base_url}/readyz", timeout=2)[0] != 200:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}")
-            if time.monotonic() - started > timeout_s:
-                raise TimeoutError(f"not ready in {timeout_s:g} s")
-            time.sleep(0.1)  # polling the readiness endpoint
-        return time.monotonic() - started
 
 
 class HealthProbe:
@@ -143,14 +131,7 @@ class HealthProbe:
 
 
 def start_server(port: int, env: dict[str, str], log_path: Path) -> Server:
+    """`steadyserve serve` on `port` with `env`, and a free probe port; not waited for."""
     probe_port = free_port()
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "STEADY_HEALTH_PORT": str(probe_port), **env}
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO_ROOT,
-            env=full_env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-    return Server(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{probe_port}")
+    process = spawn_serve(port, {"STEADY_HEALTH_PORT": str(probe_port), **env}, log_path)
+    return Server(process, port, log_path, f"http://127.0.0.1:{probe_port}")

@@ -1,28 +1,41 @@
 """Start real steadyserve processes on 127.0.0.1 for end-to-end tests.
 
 Each server is a child process started by the test and stopped by PID; readiness is
-observed by polling `/readyz` (bounded by a timeout), never by sleeping a fixed time.
+observed by polling `/readyz` (bounded by a timeout), never by sleeping a fixed time. The
+process handling is loadtest/localserver.py's, shared with the benches; what is here is
+what only tests need (their fast settings, the rejection counts).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from loadtest.localserver import (
+    REPO_ROOT,
+    ServeProcess,
+    free_port,
+    http_status,
+    pin_to,
+    spawn_serve,
+)
+
+# Re-exported: the tests import these from here.
+__all__ = [
+    "FAST_TEST_ENV",
+    "REPO_ROOT",
+    "ServerProcess",
+    "free_port",
+    "http_status",
+    "pin_to",
+    "running_server",
+    "start_server",
+]
 
 # Small buckets keep warm-up short in tests; the shapes still cover batching.
 FAST_TEST_ENV: dict[str, str] = {
@@ -34,36 +47,8 @@ FAST_TEST_ENV: dict[str, str] = {
 }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@dataclass
-class ServerProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def terminate(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int:
-        return self.process.wait(timeout=timeout)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+class ServerProcess(ServeProcess):
+    """A test's server: a `ServeProcess` that also reads its refusals."""
 
     def rejections(self) -> Counter[tuple[str, str]]:
         """`steadyserve_rejected_total` from its /metrics, by (model, reason); model "" for
@@ -78,35 +63,6 @@ class ServerProcess:
         return counts
 
 
-def http_status(url: str, timeout: float = 2.0) -> int | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as error:
-        return int(error.code)
-    except (urllib.error.URLError, OSError):
-        return None
-
-
-def wait_until_ready(server: ServerProcess, timeout: float = 120.0) -> None:
-    """Poll /readyz until 200; fail with the server's log if it exits or times out."""
-    give_up_at = time.monotonic() + timeout
-    while time.monotonic() < give_up_at:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()}")
-        if http_status(f"{server.base_url}/readyz", timeout=1.0) == 200:
-            return
-        time.sleep(0.1)  # polling interval, not synchronisation: the loop checks the state
-    raise TimeoutError(f"server not ready after {timeout}s:\n{server.log()}")
-
-
-def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
-    """A `preexec_fn` confining a child (and everything it starts) to `cpus`."""
-    if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
-
-
 def start_server(
     tmp_path: Path,
     env: Mapping[str, str] | None = None,
@@ -117,17 +73,8 @@ def start_server(
     `cpus` confines it (engine and front ends) to those CPUs."""
     port = port or free_port()
     log_path = tmp_path / f"steadyserve-{port}.log"
-    full_env = {**os.environ, **FAST_TEST_ENV, **(env or {})}
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO_ROOT,
-            env=full_env,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            preexec_fn=pin_to(cpus),
-        )
-    return ServerProcess(process=process, port=port, log_path=log_path)
+    process = spawn_serve(port, {**FAST_TEST_ENV, **(env or {})}, log_path, cpus)
+    return ServerProcess(process, port, log_path)
 
 
 @contextlib.contextmanager
@@ -142,11 +89,7 @@ def running_server(
     then SIGKILL if it has not exited within 30 s."""
     server = start_server(tmp_path, env, port, cpus)
     try:
-        wait_until_ready(server)
+        server.wait_ready()
         yield server
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop(timeout_s=30)

@@ -1,0 +1,115 @@
+"""Starting `steadyserve serve` for a bench (loadtest/overload_server.py) and for a test
+(tests/support/server.py) is one piece of code, loadtest/localserver.py: the same command,
+working directory and environment, and the same readiness wait. Here a stand-in for the
+interpreter (a shell script) takes the server's place, so nothing is served."""
+
+from __future__ import annotations
+
+import http.server
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from loadtest import overload_server
+from loadtest.localserver import REPO_ROOT, ServeProcess, free_port, start_serve
+from tests.support import server as test_server
+
+
+def stand_in_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    """`sys.executable` becomes a shell script running `body` (the server's command is
+    `sys.executable -m app.cli serve ...`)."""
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+
+
+def started_by_a_bench(tmp_path: Path, port: int, env: dict[str, str]) -> ServeProcess:
+    return overload_server.start_server(port, env, tmp_path / "bench.log")
+
+
+def started_by_a_test(tmp_path: Path, port: int, env: dict[str, str]) -> ServeProcess:
+    return test_server.start_server(tmp_path, env, port)
+
+
+@pytest.mark.parametrize("start", [started_by_a_bench, started_by_a_test], ids=["bench", "tests"])
+def test_a_bench_and_a_test_start_the_server_alike_and_quote_the_log_of_an_early_exit(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    start: Callable[[Path, int, dict[str, str]], ServeProcess],
+) -> None:
+    """The bench's wait said only "server exited with 3", without the log that says why."""
+    stand_in_python(
+        tmp_path,
+        monkeypatch,
+        'echo "args: $*"; echo "cwd: $(pwd)"\n'
+        'echo "offline=$HF_HUB_OFFLINE threads=$STEADY_TORCH_THREADS"\n'
+        "exit 3",
+    )
+    port = free_port()
+    server = start(tmp_path, port, {"STEADY_TORCH_THREADS": "2"})
+    with pytest.raises(RuntimeError, match="exited with 3") as exited:
+        server.wait_ready(30)
+    message = str(exited.value)
+    assert f"args: -m app.cli serve --host 127.0.0.1 --port {port}" in message
+    assert f"cwd: {REPO_ROOT}" in message
+    assert "offline=1 threads=2" in message  # the caller's env over the defaults
+    assert server.base_url == f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def readyz() -> Iterator[tuple[int, list[int]]]:
+    """A stand-in /readyz on 127.0.0.1: its port, and the statuses it answers in turn (the
+    last one from then on)."""
+    statuses = [503]
+
+    class Answering(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            status = statuses.pop(0) if len(statuses) > 1 else statuses[0]
+            self.send_response(status if self.path == "/readyz" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    listener = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answering)
+    thread = threading.Thread(target=listener.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield listener.server_port, statuses
+    finally:
+        listener.shutdown()
+        listener.server_close()
+
+
+def test_wait_ready_polls_readyz_until_200_and_stop_ends_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readyz: tuple[int, list[int]]
+) -> None:
+    port, statuses = readyz
+    statuses[:] = [503, 503, 200]
+    stand_in_python(tmp_path, monkeypatch, "exec sleep 300")
+    server = start_serve(port, {}, tmp_path / "server.log")
+    try:
+        assert server.wait_ready(30) >= 0
+        assert statuses == [200]  # both 503s were polled past
+    finally:
+        server.stop(timeout_s=10)
+    assert server.process.returncode == -signal.SIGTERM
+
+
+def test_wait_ready_gives_up_after_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readyz: tuple[int, list[int]]
+) -> None:
+    port, _ = readyz  # 503 for ever
+    stand_in_python(tmp_path, monkeypatch, "echo starting; exec sleep 300")
+    server = start_serve(port, {}, tmp_path / "server.log")
+    try:
+        with pytest.raises(TimeoutError, match=r"not ready after 0.3 s:\nstarting"):
+            server.wait_ready(0.3)
+    finally:
+        server.stop(timeout_s=10)

@@ -6,8 +6,8 @@ probe read on the loop may (`probe.py`: reads must be cheap; only the dispatcher
 A `BackgroundProbe` takes its reading in `sample()`, on its process's sampler thread
 (`steadyserve-probe-sampler`), every `sample_every_s`; `read()`, on the loop, returns the
 latest sample, published by replacing one reference (atomic under the GIL), so the loop
-never waits for a driver. `ProbeSampler` is that thread: one per process, started and
-stopped with its `ProcessTelemetry`.
+never waits for a driver. `ProbeSampler` is that thread: one per process, started, stopped
+and joined with its `ProcessTelemetry`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from collections.abc import Callable, Iterable, Mapping
 log = logging.getLogger(__name__)
 
 SAMPLER_THREAD_NAME = "steadyserve-probe-sampler"
+
+# How long a stopping process waits for the sampler's sample in progress: NVML answers in
+# micro- to milliseconds, but a driver call on a failing GPU can hang far longer, and the
+# process must still exit.
+SAMPLER_JOIN_TIMEOUT_S = 5.0
 
 
 class BackgroundProbe:
@@ -55,6 +60,7 @@ class ProbeSampler:
         self._failing: set[int] = set()  # probes whose last sample raised (logged once)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.join_timeout_s = SAMPLER_JOIN_TIMEOUT_S
         # Called on the sampler thread after each round (tests wait on it).
         self.on_round: Callable[[], None] = lambda: None
 
@@ -78,23 +84,40 @@ class ProbeSampler:
         self.on_round()
         return min(self._due)
 
+    @property
+    def running(self) -> bool:
+        """Whether its thread is alive (started, and not yet ended). Any thread."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         """Start the thread (none when there is no background probe). Loop thread only."""
         if not self.probes or self._thread is not None:
             return
+        # A daemon, so that a sample hanging in the driver past `join`'s timeout does not
+        # hold up the process's exit; `join` makes sure that is the only case left running.
         self._thread = threading.Thread(target=self._run, name=SAMPLER_THREAD_NAME, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Ask the thread to end. It is not waited for (it may be inside a driver call that
-        hangs on a failing GPU); it ends after its current sample. Loop thread only."""
+        """Ask the thread to end after its current sample; `join` waits for that. Loop
+        thread only."""
         self._stop.set()
 
-    def join(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for a stopped thread to end; whether it has. Not on a loop."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
+    def join(self) -> bool:
+        """Wait up to `join_timeout_s` for a stopped thread to end; whether it has (True if
+        none was started). One still sampling then is logged and left: it is inside a
+        driver call that hangs. Blocks: not on an event loop (`ProcessTelemetry.stop`
+        calls it on a worker thread)."""
+        if self._thread is None:
+            return True
+        self._thread.join(self.join_timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "the probe sampler is still sampling %g s after it was stopped (a driver "
+                "call hanging?): left running",
+                self.join_timeout_s,
+            )
+            return False
         return True
 
     def _run(self) -> None:

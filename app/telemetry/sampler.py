@@ -3,11 +3,11 @@ event-loop lag monitor, and the metrics they feed (docs/ARCHITECTURE.md §5).
 
 A front end and the engine each have one (`role` "frontend" or "engine"). Probes whose
 readings are slow (NVML, the CUDA allocator's snapshot: `background.py`) are sampled on the
-process's sampler thread, started and stopped with it; the rest are read on the loop, which
-reads only published samples of the former. The loop monitor's
-ticker publishes the probes' metrics every `PUBLISH_EVERY_S`; with the engine in the front
-end's process (`STEADY_ENGINE=inprocess`) the engine's telemetry leaves the process-wide
-probes (GC, CPU, cgroup, the shared loop) to the front end's, so nothing counts twice.
+process's sampler thread, started, stopped and joined with it; the rest are read on the
+loop, which reads only published samples of the former. The loop monitor's ticker
+publishes the probes' metrics every `PUBLISH_EVERY_S`; with the engine in the front end's
+process (`STEADY_ENGINE=inprocess`) the engine's telemetry leaves the process-wide probes
+(GC, CPU, cgroup, the shared loop) to the front end's, so nothing counts twice.
 
 Create, start and stop on the process's event loop thread.
 """
@@ -108,12 +108,17 @@ class ProcessTelemetry:
         self._running = True
 
     async def stop(self) -> None:
+        """Stop the probes, and wait (bounded) for the sampler thread to end: left running,
+        a sample calling NVML while the interpreter shuts down can crash the process on its
+        way out. Loop thread only."""
         self._running = False
         self.sampler.stop()
         if self.gc is not None:
             self.gc.uninstall()
         if self.loop is not None:
             await self.loop.stop()
+        if self.sampler.running:
+            await asyncio.to_thread(self.sampler.join)  # its sample may take a while
 
     async def sleep(self, seconds: float) -> None:
         """For the process's one periodic task (the engine's status publisher): sleeps, and

@@ -1,6 +1,7 @@
 """The GPU probes against a fake NVML (`pynvml` replaced in `sys.modules`) and a fake CUDA
 (torch.cuda's functions replaced): this machine has neither. Where the slow reads run (the
-sampler thread, never the loop) and the sampler's schedule."""
+sampler thread, never the loop); the sampler's own schedule and life are
+tests/unit/test_probe_sampler.py's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import math
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from app.metrics import Metrics
-from app.telemetry.background import SAMPLER_THREAD_NAME, BackgroundProbe, ProbeSampler
+from app.telemetry.background import SAMPLER_THREAD_NAME
 from app.telemetry.cuda import CudaAllocatorProbe
 from app.telemetry.gpu import NvmlProbe
 from app.telemetry.sampler import ProcessTelemetry
@@ -207,7 +208,7 @@ async def test_nvml_and_the_allocator_snapshot_are_read_on_the_sampler_thread_no
         assert sampled.wait(timeout=30)
     finally:
         await telemetry.stop()
-    assert telemetry.sampler.join(timeout_s=30)
+    assert not telemetry.sampler.running  # the stop joined it
 
     clock.now += 1.0  # past the shared read
     readings = telemetry.read()
@@ -216,41 +217,6 @@ async def test_nvml_and_the_allocator_snapshot_are_read_on_the_sampler_thread_no
     assert readings["cuda_alloc_retries_total"] == 2  # still read on the loop: cheap
     assert fake_gpus.reads_on(loop_thread) == 0
     assert fake_gpus.reads_on(SAMPLER_THREAD_NAME) > 0
-
-
-class Counting(BackgroundProbe):
-    def __init__(self, every_s: float, fail: bool = False) -> None:
-        super().__init__()
-        self.sample_every_s = every_s
-        self.samples = 0
-        self.fail = fail
-
-    def sample(self) -> Mapping[str, float]:
-        self.samples += 1
-        if self.fail:
-            raise RuntimeError("driver bug")
-        return {"samples_total": float(self.samples)}
-
-
-def test_the_sampler_samples_each_probe_when_due_and_survives_a_failing_one(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    fast, slow, broken = Counting(0.05), Counting(1.0), Counting(0.05, fail=True)
-    sampler = ProbeSampler([fast, slow, broken])
-    with caplog.at_level(logging.WARNING, logger="app.telemetry.background"):
-        assert sampler.run_due(0.0) == pytest.approx(0.05)
-        assert sampler.run_due(0.05) == pytest.approx(0.1)
-        sampler.run_due(0.07)  # nothing due
-    assert (fast.samples, slow.samples, broken.samples) == (2, 1, 2)
-    assert fast.read() == {"samples_total": 2.0} and slow.read() == {"samples_total": 1.0}
-    assert broken.read() == {}
-    assert len(caplog.records) == 1  # a failing probe is logged once, not every 50 ms
-
-
-def test_a_process_without_slow_probes_starts_no_sampler_thread() -> None:
-    telemetry = ProcessTelemetry("frontend", Metrics(), [])
-    telemetry.start()
-    assert SAMPLER_THREAD_NAME not in {thread.name for thread in threading.enumerate()}
 
 
 def gauge(metrics: Metrics, name: str) -> float | None:

@@ -135,7 +135,8 @@ async def test_server_timing_of_a_real_generation_holds_its_compute(
     client: httpx.AsyncClient, expected: list[Expected]
 ) -> None:
     # Counted once per step and once per request (the slowest sequence's): checked exactly
-    # in test_generation_frontend.py; here, the real engine's figure is within the total.
+    # in generation_frontend/test_engine_requests.py; here, the real engine's figure is
+    # within the total.
     longest = sorted(range(len(expected)), key=lambda i: expected[i].completion_tokens)[-2:]
     assert all(expected[i].completion_tokens >= 10 for i in longest)
     body = {

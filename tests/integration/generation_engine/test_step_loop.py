@@ -1,0 +1,205 @@
+"""The engine's generation step loop, with the tiny random-weight causal LM: EOS and
+length endings, also inside a multi-step run (several decode steps per dispatch), which
+gives the tokens of single steps, ends early when a row ends and a sequence waits, and
+lets an arrival join without waiting for the run; a loop failing between steps still
+sends the last step's outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedModel
+
+from app.engine.generation_host import GenerationHost
+from app.engine.generation_sequences import GenerationSequence
+from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
+from tests.support.generation_engine import (
+    Generated,
+    collect,
+    expected_greedy,
+    generate,
+    settings_for,
+    started,
+    submit,
+)
+from tests.support.tiny_causal_lm import build_tiny_causal_lm
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.mark.parametrize("steps_per_dispatch", [1, 8])
+async def test_eos_ends_the_sequence_without_the_token(
+    tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel], steps_per_dispatch: int
+) -> None:
+    """A model whose EOS list holds a token greedy decoding reaches at step 6 (the
+    generation config may name several): the engine stops there, as model.generate does,
+    also when that step is inside a multi-step run (8 steps per dispatch), while the
+    sequence decoding next to it goes on to its own end."""
+    _, model = reference
+    prompt, other = [1, 50, 60, 70], [1, 40, 41, 42]
+    plain = expected_greedy(model, prompt, 10).token_ids
+    stop = plain[5]
+    assert stop not in plain[:5]
+    beside = expected_greedy(model, other, 12).token_ids
+    if stop in beside:
+        beside = beside[: beside.index(stop)]
+    assert len(beside) > 4, "the other sequence outlives the run that ends the first"
+    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
+    engine = await started(
+        settings_for(directory, warmup=False, generate_steps_per_dispatch=steps_per_dispatch)
+    )
+    try:
+        result, next_to_it = await asyncio.gather(
+            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
+            generate(engine, other, SamplingParams(max_new_tokens=12)),
+        )
+    finally:
+        await engine.close()
+    assert result.token_ids == plain[:5]
+    assert result.finish_reason is FinishReason.EOS
+    assert next_to_it.token_ids == beside
+    if steps_per_dispatch > 1:  # the last output is a run's tokens up to EOS
+        assert result.sizes[-1] >= 2, result.sizes
+
+
+def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
+    """The tiny model with `stop` among its EOS tokens (a generation config may name
+    several), written to `directory`."""
+    build_tiny_causal_lm(directory)
+    config_path = directory / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], stop]
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_lm: Path) -> None:
+    """24 sequences (greedy and seeded sampling, different prompts and lengths) through 8
+    slots, so sequences join, finish and wait: 5 decode steps per dispatch give every
+    sequence exactly the tokens one step per dispatch gives, in fewer outputs."""
+    prompts = [[1, *range(40 + i, 40 + i + 3 + i % 9)] for i in range(24)]
+    samplings = [
+        SamplingParams(max_new_tokens=6 + (i * 5) % 23)
+        if i % 3
+        else SamplingParams(
+            max_new_tokens=9 + i, do_sample=True, temperature=1.3, top_k=40, top_p=0.9, seed=i
+        )
+        for i in range(24)
+    ]
+    results: dict[int, list[Generated]] = {}
+    for steps in (1, 5):
+        engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=steps))
+        try:
+            results[steps] = await asyncio.gather(
+                *(generate(engine, p, s) for p, s in zip(prompts, samplings, strict=True))
+            )
+            assert (await engine.debug("pool"))["tiny"]["slots_held"] == 0  # type: ignore[index]
+        finally:
+            await engine.close()
+    for single, multi in zip(results[1], results[5], strict=True):
+        assert multi.token_ids == single.token_ids
+        assert multi.finish_reason is single.finish_reason
+    assert all(size <= 1 for result in results[1] for size in result.sizes)
+    assert any(size > 1 for result in results[5] for size in result.sizes), "runs happened"
+    assert sum(r.outputs for r in results[5]) < sum(r.outputs for r in results[1])
+
+
+async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
+    tiny_causal_lm: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """With 60 steps per dispatch, a request arriving while a run computes does not wait
+    for it: the run stops after its current step, the newcomer is prefilled in the next
+    dispatch, and both get model.generate's tokens."""
+    _, model = reference
+    first_prompt, second_prompt = [1, 50, 60, 70, 80], [1, 44, 45]
+    first_expected = expected_greedy(model, first_prompt, 160)
+    assert len(first_expected.token_ids) == 160, "no EOS: the runs are long"
+    engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=60))
+    try:
+        stream = engine.stream(submit(engine, first_prompt, SamplingParams(max_new_tokens=160)))
+        head = [await anext(stream)]  # the prefill, a single step, then a 60-step run
+        while len(head[-1].payload.token_ids) == 1:  # type: ignore[union-attr]
+            head.append(await anext(stream))
+        assert len(head[-1].payload.token_ids) == 60, len(head)  # type: ignore[union-attr]
+        # The next run (up to 60 steps) computes now; this arrival must cut it short.
+        second = asyncio.create_task(
+            generate(engine, second_prompt, SamplingParams(max_new_tokens=10))
+        )
+        rest = await collect(stream)
+        joined = await second
+    finally:
+        await engine.close()
+    head_tokens = [t for o in head for t in o.payload.token_ids]  # type: ignore[union-attr]
+    assert head_tokens + rest.token_ids == first_expected.token_ids
+    assert rest.sizes[0] < 60, f"the run in flight went on to its end: {rest.sizes}"
+    assert joined.token_ids == expected_greedy(model, second_prompt, 10).token_ids
+
+
+async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits(
+    tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """A row leaving the run at EOS frees its slot only when the run ends: the waiting
+    sequence sat up to k-1 forwards longer while the batch ran a row short."""
+    _, model = reference
+    prompt, other, waiting = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
+    plain = expected_greedy(model, prompt, 10).token_ids
+    stop = plain[5]
+    beside = expected_greedy(model, other, 12).token_ids
+    assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
+    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
+    engine = await started(
+        settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
+    )
+    try:
+        first, second, third = await asyncio.gather(
+            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
+            generate(engine, other, SamplingParams(max_new_tokens=12)),
+            generate(engine, waiting, SamplingParams(max_new_tokens=4)),
+        )
+    finally:
+        await engine.close()
+    assert first.finish_reason is FinishReason.EOS and first.token_ids == plain[:5]
+    assert second.token_ids == beside
+    # The prefill, then a run cut at the step the first sequence chose EOS (its 5th
+    # decode step), not one of 8 steps.
+    assert second.sizes[:2] == (1, 5), second.sizes
+    assert third.token_ids == expected_greedy(model, waiting, 4).token_ids
+
+
+async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step's outputs wait while the next step starts; a loop that fails there
+    (a bug) must still send them: those sequences are finished and removed, so nothing
+    else would ever answer them."""
+    engine = await started(settings_for(tiny_causal_lm))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    original = host._next_step
+    failures = iter([RuntimeError("a bug between steps")])
+
+    def fail_once_all_are_done() -> list[GenerationSequence]:
+        if not host._batch.running and not host._batch.waiting and (error := next(failures, None)):
+            raise error
+        return original()
+
+    monkeypatch.setattr(host, "_next_step", fail_once_all_are_done)
+    engine.answer_grace_s = 0.0  # a lost answer fails at the deadline, not hangs
+    try:
+        request = Submit(
+            engine.next_request_id(),
+            "tiny",
+            time.monotonic() + 30,
+            GeneratePayload([1, 40, 41], SamplingParams(max_new_tokens=3)),
+        )
+        finished = await collect(engine.stream(request))
+        assert finished.finish_reason is not None  # its final output arrived
+        assert next(failures, None) is None  # the loop did fail after the last step
+        again = await generate(engine, [1, 50, 51], SamplingParams(max_new_tokens=2))
+        assert again.finish_reason is not None  # and was restarted
+    finally:
+        await engine.close()

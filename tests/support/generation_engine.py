@@ -1,0 +1,96 @@
+"""Driving the `generate` task of an in-process engine over the tiny random-weight causal
+LM (tests/integration/generation_engine/): its settings (8 KV-cache slots of 256 tokens),
+an engine started and ready, one request's outputs collected, and `model.generate`'s
+greedy answer to compare them with. Event loop thread only."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from app.engine.core import EngineCore
+from app.engine.inprocess import InProcessEngine
+from app.engine.protocol import (
+    FinishReason,
+    GeneratePayload,
+    Output,
+    SamplingParams,
+    Submit,
+    TokensOutput,
+)
+from app.metrics import Metrics
+from app.settings import Settings
+from tests.support.generation import generate_settings, reference_greedy
+
+SLOTS = 8
+SLOT_TOKENS = 256
+
+
+def settings_for(source: Path, **overrides: object) -> Settings:
+    values: dict[str, object] = {"engine": "inprocess", **overrides}
+    return generate_settings({"tiny": source}, slots=SLOTS, slot_tokens=SLOT_TOKENS, **values)
+
+
+@dataclass(frozen=True)
+class Generated:
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    outputs: int
+    prompt_tokens: int
+    sizes: tuple[int, ...] = ()  # tokens in each output, in order
+
+
+async def started(settings: Settings) -> InProcessEngine:
+    engine = InProcessEngine(EngineCore(settings, Metrics()))
+    await engine.start()
+    await engine.wait_ready()
+    return engine
+
+
+async def generate(
+    engine: InProcessEngine, prompt_ids: list[int], sampling: SamplingParams, stream: bool = True
+) -> Generated:
+    request = Submit(
+        engine.next_request_id(),
+        "tiny",
+        time.monotonic() + 120,
+        GeneratePayload(prompt_ids, sampling, stream=stream),
+    )
+    return await collect(engine.stream(request))
+
+
+async def collect(stream: AsyncIterator[Output]) -> Generated:
+    tokens: list[int] = []
+    sizes: list[int] = []
+    finish = None
+    prompt_tokens = -1
+    async for output in stream:
+        payload = output.payload
+        assert isinstance(payload, TokensOutput)
+        tokens.extend(payload.token_ids)
+        sizes.append(len(payload.token_ids))
+        finish = payload.finish_reason
+        prompt_tokens = payload.prompt_tokens
+    return Generated(tokens, finish, len(sizes), prompt_tokens, tuple(sizes))
+
+
+def submit(engine: InProcessEngine, prompt_ids: list[int], sampling: SamplingParams) -> Submit:
+    return Submit(
+        engine.next_request_id(),
+        "tiny",
+        time.monotonic() + 120,
+        GeneratePayload(prompt_ids, sampling),
+    )
+
+
+def expected_greedy(
+    model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int
+) -> Generated:
+    """model.generate on one prompt, no padding; the EOS token is not part of the result."""
+    result = reference_greedy(model, prompt_ids, max_new_tokens)
+    finish = FinishReason.EOS if result.at_eos else FinishReason.LENGTH
+    return Generated(result.token_ids, finish, 0, len(prompt_ids))

@@ -23,8 +23,9 @@ SAMPLER_THREAD_NAME = "steadyserve-probe-sampler"
 
 # How long a stopping process waits for the sampler's sample in progress: NVML answers in
 # micro- to milliseconds, but a driver call on a failing GPU can hang far longer, and the
-# process must still exit.
-SAMPLER_JOIN_TIMEOUT_S = 5.0
+# process must still exit, the engine within its stop budget (`drain.ENGINE_STOP_S`, which
+# its batches' end and the dispatcher's shutdown share).
+SAMPLER_JOIN_TIMEOUT_S = 1.0
 
 
 class BackgroundProbe:

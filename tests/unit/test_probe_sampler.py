@@ -11,6 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 
+from app.drain import ENGINE_STOP_S
 from app.metrics import Metrics
 from app.telemetry.background import SAMPLER_THREAD_NAME, BackgroundProbe, ProbeSampler
 from app.telemetry.sampler import ProcessTelemetry
@@ -108,3 +109,10 @@ async def test_a_sample_hanging_past_the_join_timeout_is_logged_and_left(
     telemetry.sampler.join_timeout_s = 30
     assert await asyncio.to_thread(telemetry.sampler.join)
     assert sampler_threads() == []
+
+
+def test_a_hanging_sample_leaves_the_engine_most_of_its_stop_budget() -> None:
+    """The engine's stop (finishing its batches, the sampler's join, the dispatcher's
+    shutdown) has `ENGINE_STOP_S` before the supervisor kills it: a join waiting longer
+    would have it killed mid-stop whenever a driver call hangs."""
+    assert ProbeSampler([]).join_timeout_s <= ENGINE_STOP_S / 4

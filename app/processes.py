@@ -36,6 +36,7 @@ from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.protocol import EngineStatus, FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import (
+    STALE_AFTER_S,
     STATUS_WENT_STALE,
     EngineAddresses,
     StatusSubscriber,
@@ -62,6 +63,8 @@ log = logging.getLogger(__name__)
 # pod should be restarted: an engine that crash-loops (a model that cannot load, a device
 # that fails) would otherwise leave it NotReady forever, live in Kubernetes' eyes.
 RESTARTS_BEFORE_UNHEALTHY = 5
+# How often the supervisor looks whether its engine is stuck (`ProcessTree._check_engine`).
+ENGINE_CHECK_INTERVAL_S = 1.0
 
 
 def drained(exitcode: int | None) -> bool:
@@ -98,7 +101,11 @@ class ProcessTree:
         self._stop_requested = asyncio.Event()
         self._zmq = zmq.asyncio.Context()
         self._engine_status = StatusSubscriber(
-            self._zmq, self.addresses.status, on_lost=self._engine_lost, on_status=self._engine_said
+            self._zmq,
+            self.addresses.status,
+            clock,
+            on_lost=self._engine_lost,
+            on_status=self._engine_said,
         )
         # The supervisor's own line to the engine, only to say a front end died (`run`).
         self._engine_notices: zmq.asyncio.Socket | None = None
@@ -111,11 +118,7 @@ class ProcessTree:
     def _answer_probe(self, path: str) -> tuple[int, bytes]:
         """The verdicts a front end would give, from the supervisor's view: the engine's
         published status, whether any front end is running, whether it is stopping."""
-        engine_process = self.engine.process
-        alive = engine_process is not None and engine_process.is_alive()
-        engine = self._engine_status.status() if alive else None
-        if engine is not None and engine_process is not None and engine.pid != engine_process.pid:
-            engine = None  # a dead engine's last word: its replacement has not spoken yet
+        engine = self._running_engine_status()
         can_serve = any(
             process.is_alive() and since is not None
             for process, since in zip(self.frontends, self._frontends_serving_since, strict=True)
@@ -123,7 +126,34 @@ class ProcessTree:
         if engine is not None and engine.state == "ready":
             self._restarts_when_last_ready = self.engine.restarts
         ready = readiness(engine, None, self._stopping, can_serve)
-        return probe_response(path, ready, liveness(engine, self._crash_loop()))
+        pod_problem = self._crash_loop() or self.engine.unkillable()
+        return probe_response(path, ready, liveness(engine, pod_problem))
+
+    def _running_engine_status(self) -> EngineStatus | None:
+        """The running engine's own last status; None while none was heard from it (a dead
+        engine's last word says nothing of its replacement). Reading it checks its age: an
+        engine silent for `STALE_AFTER_S` is killed (`_engine_lost`)."""
+        process = self.engine.process
+        if process is None or not process.is_alive():
+            return None
+        engine = self._engine_status.status()
+        return engine if engine is not None and engine.pid == process.pid else None
+
+    def _check_engine(self) -> None:
+        """Kill the engine if it is alive but stuck (`EngineSupervisor.overdue`, or silent
+        `STALE_AFTER_S` since its last status); the supervisor restarts it with backoff.
+        Every `ENGINE_CHECK_INTERVAL_S` (`_watch_engine`), not only when a probe asks:
+        without `STEADY_HEALTH_PORT` nothing asked, and a hung engine was never replaced."""
+        if self._stopping:
+            return
+        why = self.engine.overdue(self._running_engine_status())
+        if why is not None:
+            self.engine.kill(why)
+
+    async def _watch_engine(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+            self._check_engine()
 
     def _crash_loop(self) -> str | None:
         """Why the pod should be restarted, if its engine keeps dying without being ready."""
@@ -150,13 +180,10 @@ class ProcessTree:
 
     def _engine_lost(self, why: str) -> None:
         """An engine whose status went silent while its process lives has a hung event loop
-        (seen at the next probe): kill it, and the supervisor starts a fresh one."""
-        process = self.engine.process
-        if why != STATUS_WENT_STALE or self._stopping:
-            return
-        if process is not None and process.is_alive():
-            log.error("engine %s published nothing for a while: killing it", process.pid)
-            process.kill()
+        (seen by `_check_engine` or a probe): kill it, and the supervisor starts a fresh
+        one."""
+        if why == STATUS_WENT_STALE and not self._stopping:
+            self.engine.kill(f"has published nothing for {STALE_AFTER_S:g} s (a hung loop)")
 
     def _spawn_frontend(self, index: int) -> None:
         # A pipe, not a shared flag: its end turns readable the moment the front end says it
@@ -256,6 +283,7 @@ class ProcessTree:
         watchers = [
             asyncio.create_task(self._keep_frontend(index)) for index in range(self.frontend_count)
         ]
+        watchers.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
         await self._stop_requested.wait()
         await self._stop_children(time.monotonic() + self.settings.drain_timeout_s + STOP_MARGIN_S)
         for watcher in watchers:

@@ -136,6 +136,14 @@ class Settings(BaseSettings):
         "that died; doubles per consecutive death, reset once an engine has been ready (a front "
         "end serving) for a minute.",
     )
+    engine_ready_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="An engine process not ready this long after it started (still loading "
+        "or warming up) is killed by the supervisor and restarted with backoff; five such "
+        "restarts in a row turn the probe port's /healthz 503. Longer than the slowest "
+        "warm-up: the GPU overlay's startup probe allows ten minutes.",
+    )
     unhealthy_after_failed_batches: int = Field(
         default=5,
         ge=1,

@@ -21,6 +21,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 from app.engine.process import run_engine_process
+from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import EngineAddresses
 from app.settings import Settings
 
@@ -31,6 +32,14 @@ log = logging.getLogger(__name__)
 # front end) that crash-loops in a warm-up longer than this reset its backoff at every
 # death, restarted forever at the first wait.
 STABLE_AFTER_S = 60.0
+# An engine process imports torch and builds its core before its first status (17 s on a
+# loaded 2-CPU machine here). Silent this long after its start, it is stuck before its
+# event loop ever ran: a driver call that never returns (`torch.cuda.is_available()` on a
+# wedged GPU), say.
+FIRST_STATUS_WITHIN_S = 120.0
+# An engine killed and still running this long after: stuck in the kernel (a wedged
+# driver), where no signal reaches it. Only restarting the pod frees it.
+KILL_GRACE_S = 10.0
 
 
 async def wait_for_exit(process: BaseProcess) -> None:
@@ -78,6 +87,8 @@ class EngineSupervisor:
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._ready_since: float | None = None  # when the running engine was first heard ready
+        self.started_at: float | None = None  # when the running engine was spawned
+        self._killed: tuple[int, float] | None = None  # (pid, when) of the last engine killed
 
     def saw_ready(self, pid: int) -> None:
         """The engine `pid` published that it is ready (its owner's status subscriber, on
@@ -90,6 +101,54 @@ class EngineSupervisor:
         """Whether the engine that just died had been ready for `STABLE_AFTER_S`."""
         ready_since = self._ready_since
         return ready_since is not None and self._clock() - ready_since >= STABLE_AFTER_S
+
+    def overdue(self, heard: EngineStatus | None) -> str | None:
+        """Why the running engine, alive, should be killed as stuck; None while it should
+        not. `heard` is its own last status (None: none heard since it started, or since
+        its status went stale). Silent since its start past `FIRST_STATUS_WITHIN_S`, or
+        loading or warming up past `engine_ready_timeout_s`: its warm-up is never going to
+        end. A failed engine is left to the probes (its /healthz is 503) and a ready one to
+        the staleness of its status. On the owner's clock; event loop thread."""
+        process, started_at = self.process, self.started_at
+        if self._stopping or process is None or started_at is None:
+            return None
+        if self._killed is not None and self._killed[0] == process.pid:
+            return None  # killed already: its exit is on its way (or it is stuck: `unkillable`)
+        running_s = self._clock() - started_at
+        if heard is None:
+            if running_s > FIRST_STATUS_WITHIN_S:
+                return f"has published nothing in the {running_s:.0f} s since it started"
+            return None
+        if heard.state not in ("ready", "failed") and self._ready_since is None:
+            limit_s = self._settings.engine_ready_timeout_s
+            if running_s > limit_s:
+                return (
+                    f"is still {heard.state} {running_s:.0f} s after it started "
+                    f"(STEADY_ENGINE_READY_TIMEOUT_S={limit_s:g})"
+                )
+        return None
+
+    def kill(self, why: str) -> None:
+        """Kill the running engine, alive but stuck (`why`, for the log): its death is then
+        handled as any other's (restarted with backoff, a crash loop counted)."""
+        process = self.process
+        if process is None or not process.is_alive():
+            return
+        assert process.pid is not None
+        log.error("engine %d %s: killing it", process.pid, why)
+        self._killed = (process.pid, self._clock())
+        process.kill()
+
+    def unkillable(self) -> str | None:
+        """Why the pod must be restarted, if the engine killed `KILL_GRACE_S` ago still
+        runs; None otherwise."""
+        process, killed = self.process, self._killed
+        if killed is None or process is None or process.pid != killed[0]:
+            return None
+        waited_s = self._clock() - killed[1]
+        if waited_s < KILL_GRACE_S or not process.is_alive():
+            return None
+        return f"engine {killed[0]} still runs {waited_s:.0f} s after it was killed"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name="engine-supervisor")
@@ -108,9 +167,10 @@ class EngineSupervisor:
     async def _supervise(self) -> None:
         backoff: float | None = None
         while not self._stopping:
-            self._ready_since = None
+            self._ready_since = self.started_at = None
             try:
                 self.process = process = self._spawn()
+                self.started_at = self._clock()
             except Exception:
                 # The pid limit, memory, /dev/shm full: a failed spawn is a failed restart,
                 # retried with backoff; ending this task would leave no engine, silently.

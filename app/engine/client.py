@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from typing import Protocol
 
 from app.admission import Rejected, RejectReason
@@ -61,17 +62,31 @@ class EngineNotConnected(EngineUnavailable):
     request at once (unlike one an engine was sent and then never answered)."""
 
 
-class _Lost:
-    """Queued to every open stream when the engine goes away with their requests."""
+@dataclass(frozen=True, slots=True)
+class EngineLoss:
+    """Queued to every open stream when its engine is lost (`StreamingClient._fail_all`):
+    each fails with a 503 `engine_lost` saying `message`. `engine_may_run_on`: nothing
+    proves the engine is gone (its status went stale: a loop that stalled may recover; an
+    answer could not be read), so each stream sends `Cancel` as it ends, lest the engine
+    compute for nobody. Only a closed connection proves it dead."""
+
+    message: str
+    engine_may_run_on: bool
+
+
+ENGINE_EXITED = EngineLoss("the engine exited while the request was in it; retry", False)
+ENGINE_WENT_SILENT = EngineLoss(
+    "the engine stopped answering while the request was in it; retry", True
+)
+ANSWER_UNREADABLE = EngineLoss("the engine's answer to the request could not be read; retry", True)
 
 
 class _Silent:
     """Queued to a stream its engine left unanswered `ANSWER_GRACE_S` past its deadline."""
 
 
-_LOST = _Lost()
 _SILENT = _Silent()
-Queued = FromEngine | _Lost | _Silent
+Queued = FromEngine | EngineLoss | _Silent
 
 
 def failure_error(failure: Failure) -> Exception:
@@ -84,16 +99,12 @@ def failure_error(failure: Failure) -> Exception:
     if failure.kind is FailureKind.BAD_REQUEST:
         return EngineRefused(failure.message, failure.input_index)
     if failure.kind is FailureKind.ENGINE_RESTARTING:
-        return engine_lost()
+        return engine_lost("the engine restarted while the request was in it; retry")
     return BatchFailed(failure.message)
 
 
-def engine_lost() -> Rejected:
-    return Rejected(
-        RejectReason.ENGINE_LOST,
-        "the engine restarted while the request was in it; retry",
-        RETRY_AFTER_ENGINE_LOST_S,
-    )
+def engine_lost(message: str) -> Rejected:
+    return Rejected(RejectReason.ENGINE_LOST, message, RETRY_AFTER_ENGINE_LOST_S)
 
 
 class EngineClient(Protocol):
@@ -124,10 +135,11 @@ class EngineClient(Protocol):
         ...
 
     def stream(self, request: Submit) -> AsyncGenerator[Output, None]:
-        """The request's outputs, the last one `final`; raises `Rejected`,
-        `DeadlineExceeded`, `EngineRefused`, `BatchFailed` or `EngineUnavailable` (also when
-        the engine stays silent `ANSWER_GRACE_S` past the deadline: a lost request).
-        Leaving the loop early (or being cancelled) cancels the request in the engine."""
+        """The request's outputs: zero or more, then either a `final` one or an exception
+        (the outputs before it are yielded first): `Rejected`, `DeadlineExceeded`,
+        `EngineRefused`, `BatchFailed` or `EngineUnavailable` (also when the engine stays
+        silent `ANSWER_GRACE_S` past the deadline: a lost request). Leaving the loop early
+        (or being cancelled) cancels the request in the engine."""
         ...
 
     def stream_batches(self, request: Submit) -> AsyncGenerator[list[Output], None]:
@@ -182,10 +194,11 @@ class StreamingClient:
         if queue is not None:  # else: its reader left (cancelled) or it was failed already
             queue.put_nowait(message)
 
-    def _fail_all(self) -> None:
-        """The engine went away: every open stream ends with a retryable 503."""
+    def _fail_all(self, loss: EngineLoss = ENGINE_EXITED) -> None:
+        """The engine was lost (`loss`: how): every open stream ends with a retryable 503,
+        and cancels its request where the engine may still run it."""
         for queue in self._streams.values():
-            queue.put_nowait(_LOST)
+            queue.put_nowait(loss)
 
     @property
     def open_streams(self) -> int:
@@ -215,8 +228,9 @@ class StreamingClient:
                 error: Exception | None = None
                 message = await queue.get()
                 while True:
-                    if isinstance(message, _Lost):
-                        error = engine_lost()
+                    if isinstance(message, EngineLoss):
+                        abandoned = message.engine_may_run_on
+                        error = engine_lost(message.message)
                     elif isinstance(message, _Silent):
                         # The engine's fault, not the client's deadline: 503, retryable.
                         log.error("the engine never answered request %d; giving up", request_id)

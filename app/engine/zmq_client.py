@@ -4,8 +4,10 @@ engine's status within milliseconds of a change.
 
 The engine going away is noticed two ways: the DEALER's connection closes (the kernel closes
 it the moment the process dies) and the status goes stale. Either way every open stream is
-answered at once with a retryable 503, and nothing is sent until a fresh engine publishes
-`ready`. Front-end event loop thread only. Torch-free.
+answered at once with a retryable 503, and no request is sent until an engine publishes
+again. A stale status proves nothing dead (a loop that stalled may recover, and its later
+statuses are heard): those streams send `Cancel`, which reaches it if it does. Front-end
+event loop thread only. Torch-free.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from app.engine.client import EngineNotConnected, EngineUnavailable, StreamingClient
+from app.engine.client import (
+    ANSWER_UNREADABLE,
+    ENGINE_EXITED,
+    ENGINE_WENT_SILENT,
+    EngineNotConnected,
+    EngineUnavailable,
+    StreamingClient,
+)
 from app.engine.protocol import (
     Cancel,
     EngineStatus,
@@ -221,17 +230,20 @@ class ZmqEngineClient(StreamingClient):
         return self._subscriber.status()
 
     def _send(self, message: ToEngine) -> None:
-        if self._requests is None or self.status() is None:
+        """A request only to an engine whose status is current; a `Cancel` to whatever
+        engine the socket still reaches (one whose status went stale may yet recover)."""
+        if self._requests is None or (not isinstance(message, Cancel) and self.status() is None):
             raise EngineNotConnected("no engine is connected")
         if not send_now(self._requests, encode(message)):
             raise EngineNotConnected("no engine is connected")
 
     def _engine_gone(self, why: str) -> None:
-        """Whatever was sent to the engine that went away will never be answered."""
+        """The engine that went away will answer none of what it was sent; one whose status
+        went stale may still run it (its streams cancel it there)."""
         if self.open_streams:
             log.warning("engine lost (%s): failing %d open requests", why, self.open_streams)
         self._subscriber.forget()
-        self._fail_all()
+        self._fail_all(ENGINE_WENT_SILENT if why == STATUS_WENT_STALE else ENGINE_EXITED)
 
     async def _receive_outputs(self) -> None:
         """Deliver the engine's answers. A message this front end cannot read must not end
@@ -245,11 +257,8 @@ class ZmqEngineClient(StreamingClient):
                 messages = decode_batch_from_engine(data)
             except Exception:
                 log.exception("an answer from the engine could not be read")
-                # The engine still holds them: cancel there, or they run to their end.
-                with contextlib.suppress(EngineUnavailable):
-                    for request_id in list(self._streams):
-                        self._send(Cancel(request_id))
-                self._fail_all()
+                # The engine still holds them: each is cancelled there as it fails.
+                self._fail_all(ANSWER_UNREADABLE)
                 continue
             for message in messages:
                 self._deliver(message)

@@ -12,7 +12,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from app.admission import Rejected
+from app.admission import Rejected, RejectReason
 from app.api.errors import RETRY_ELSEWHERE_HEADER, engine_unavailable_headers
 from app.engine.client import EngineNotConnected
 from app.engine.protocol import (
@@ -28,7 +28,13 @@ from app.engine.protocol import (
     frontend_identity,
     identity_pid,
 )
-from app.engine.zmq_client import NEW_ENGINE, EngineAddresses, StatusSubscriber, ZmqEngineClient
+from app.engine.zmq_client import (
+    NEW_ENGINE,
+    STALE_AFTER_S,
+    EngineAddresses,
+    StatusSubscriber,
+    ZmqEngineClient,
+)
 from tests.support.engine_status import ready_status
 
 
@@ -157,4 +163,41 @@ async def test_an_unreadable_status_is_skipped(tmp_path: Path) -> None:
         assert subscriber._task is not None and not subscriber._task.done()
     finally:
         await subscriber.close()
+        context.destroy(linger=0)
+
+
+async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path) -> None:
+    """Its status stale, the engine may only have stalled: the front end answered 503 but
+    sent no Cancel (none could go without a current status), and an engine that recovered
+    computed the request for nobody. Its later statuses are heard again."""
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.asyncio.Context()
+    engine = context.socket(zmq.ROUTER)
+    engine.bind(addresses.requests)
+    now = [time.monotonic()]
+    client = ZmqEngineClient(addresses, clock=lambda: now[0])
+    await client.start()
+
+    async def one_request() -> list[Output]:
+        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
+        return [output async for output in client.stream(request)]
+
+    try:
+        await connected(client)
+        client._subscriber.take(status("e", now[0]))
+        requesting = asyncio.create_task(one_request())
+        _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
+        submit = decode_to_engine(data)
+        assert isinstance(submit, Submit)
+        now[0] += STALE_AFTER_S + 1  # the engine's loop stalls: no status for a while
+        assert client.status() is None
+        with pytest.raises(Rejected, match="stopped answering") as lost:
+            await asyncio.wait_for(requesting, 10)
+        assert lost.value.reason is RejectReason.ENGINE_LOST
+        _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
+        assert decode_to_engine(data) == Cancel(submit.request_id)
+        client._subscriber.take(status("e", time.monotonic() + STALE_AFTER_S + 2))  # it recovers
+        assert client.status() is not None
+    finally:
+        await client.close()
         context.destroy(linger=0)

@@ -39,6 +39,7 @@ from app.engine.protocol import (
     decode_to_engine,
     encode,
     encode_batch,
+    request_to_answer,
 )
 from app.engine.zmq_client import STATUS_HEARTBEAT_S, STATUS_INTERVAL_S, EngineAddresses
 from app.metrics import Metrics
@@ -147,17 +148,27 @@ class EngineServer:
 
     async def _receive(self) -> None:
         """Take every front end's messages. One that fails (a bug, or a message this engine
-        cannot read) is logged and, where it has an id, answered with a failure: it must
-        not end this loop, which would leave every later request unanswered while the
-        status still says ready."""
+        cannot read) is logged and answered with a failure where its request id can be
+        read (`request_to_answer`), else dropped (its request waits out the front end's
+        `ANSWER_GRACE_S`): it must not end this loop, which would leave every later request
+        unanswered while the status still says ready."""
         while True:
             frames = await self._router.recv_multipart()
-            message: ToEngine | None = None
             origin = frames[0]
             try:
                 if len(frames) != 2:
                     raise ValueError(f"{len(frames) - 1} frames where one message is one")
                 message = decode_to_engine(frames[1])
+            except Exception:
+                log.exception("engine: a message from %r could not be read", origin)
+                request_id = request_to_answer(frames[1]) if len(frames) == 2 else None
+                if request_id is None:
+                    log.error("engine: no request id in it to answer: dropped")
+                else:
+                    unread = "engine: the request could not be read (another version?)"
+                    self._emitter(origin)(Failure(request_id, FailureKind.FAILED, unread))
+                continue
+            try:
                 self._handle(origin, message)
             except Exception as error:
                 log.exception("engine: a message from %r failed", origin)

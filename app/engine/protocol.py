@@ -286,7 +286,15 @@ class EngineStatus(msgspec.Struct, frozen=True):
     problem: str | None = None  # why it is failed or unhealthy, for /readyz and /healthz
 
 
+class _Addressed(msgspec.Struct):
+    """What is read of a message to the engine that did not decode: its request id, every
+    other field (its tag included) ignored."""
+
+    request_id: int
+
+
 _to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+_addressed_decoder = msgspec.msgpack.Decoder(_Addressed)
 _from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
 _from_engine_batch_decoder = msgspec.msgpack.Decoder(list[FromEngine])
 _status_decoder = msgspec.msgpack.Decoder(EngineStatus)
@@ -299,6 +307,17 @@ def encode(message: ToEngine | FromEngine | EngineStatus) -> bytes:
 
 def decode_to_engine(data: bytes) -> ToEngine:
     return _to_engine_decoder.decode(data)
+
+
+def request_to_answer(unreadable: bytes) -> int | None:
+    """The request id of a message that `decode_to_engine` refused (a field of another type,
+    a payload this engine does not know: a front end of another version), read leniently,
+    so that its request can be answered with a `Failure` (a `Cancel` with a readable id is
+    never refused: it has no other field); None when even that cannot be read."""
+    try:
+        return _addressed_decoder.decode(unreadable).request_id
+    except msgspec.DecodeError:  # a ValidationError too
+        return None
 
 
 def decode_from_engine(data: bytes) -> FromEngine:

@@ -5,7 +5,13 @@ while running; and it publishes a status only when it changed, or as a heartbeat
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
 
 from app.engine.health import BatchHealth
 from app.engine.process import (
@@ -14,8 +20,14 @@ from app.engine.process import (
     exit_when_device_lost,
     worth_publishing,
 )
-from app.engine.protocol import EngineStatus
-from app.engine.zmq_client import STATUS_HEARTBEAT_S
+from app.engine.protocol import (
+    EngineStatus,
+    Failure,
+    FailureKind,
+    decode_batch_from_engine,
+    request_to_answer,
+)
+from app.engine.zmq_client import STATUS_HEARTBEAT_S, EngineAddresses
 from tests.support.engine_status import ready_status
 
 
@@ -74,3 +86,52 @@ def test_the_engine_process_exits_when_its_device_is_lost() -> None:
     assert exits == []
     health.record(torch.AcceleratorError("CUDA error: device-side assert triggered"))
     assert exits == [DEVICE_LOST_EXIT]
+
+
+def submit_of_another_version(request_id: object) -> bytes:
+    """A Submit whose payload this engine does not know (a front end of another version)."""
+    payload = {"type": "video", "frames": []}
+    message = {"type": "submit", "request_id": request_id, "model": "m", "deadline": 1e12}
+    return msgspec.msgpack.encode({**message, "payload": payload, "priority": 3})
+
+
+class NoCore:
+    """The engine server's core where nothing reaches it (every message here is unreadable)."""
+
+    def __init__(self) -> None:
+        self.health = BatchHealth(threshold=5)
+
+
+async def test_an_unreadable_request_is_answered_with_a_failure(tmp_path: Path) -> None:
+    """A message that did not decode had no id to answer: its request got nothing, and its
+    client waited out the deadline and the front end's grace (a 503 seconds later)."""
+    addresses = EngineAddresses.in_directory(tmp_path)
+    server = EngineServer(NoCore(), addresses)  # type: ignore[arg-type]
+    intake = asyncio.create_task(server._receive())
+    context = zmq.asyncio.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(addresses.requests)
+    try:
+        await dealer.send(submit_of_another_version(7))
+        [failure] = decode_batch_from_engine(await asyncio.wait_for(dealer.recv(), 10))
+        assert isinstance(failure, Failure) and failure.request_id == 7
+        assert failure.kind is FailureKind.FAILED and "could not be read" in failure.message
+        assert not intake.done()
+    finally:
+        intake.cancel()
+        await asyncio.gather(intake, return_exceptions=True)
+        context.destroy(linger=0)
+        server._context.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    "unreadable",
+    [
+        b"not a protocol message",
+        submit_of_another_version("seven"),  # no id to answer: logged and dropped
+        msgspec.msgpack.encode({"type": "cancel", "request_id": "7"}),
+        msgspec.msgpack.encode({"type": "frontend_gone", "pid": "12"}),
+    ],
+)
+def test_an_unreadable_message_without_a_request_to_answer_is_dropped(unreadable: bytes) -> None:
+    assert request_to_answer(unreadable) is None

@@ -2,9 +2,9 @@
 
 `EngineCore` owns one host per model (`host.py`: the task's batching, buffers and outputs),
 the dispatcher's threads and the compute slots every host shares. It speaks only the
-messages of `protocol.py`: `submit` takes a `Submit` and answers through `emit` (a stream of
-`Output`, or one `Failure`), whoever carries them (`process.py` over ZeroMQ, `inprocess.py`
-by direct call).
+messages of `protocol.py`: `submit` takes a `Submit` and answers through `emit` (zero or
+more `Output`s, then a final one or one `Failure`), whoever carries them (`process.py` over
+ZeroMQ, `inprocess.py` by direct call).
 
 Construct and call from the engine's event loop thread only; model loading and all compute
 run on the dispatcher's threads.
@@ -273,8 +273,8 @@ class EngineCore:
 
     # --- requests -----------------------------------------------------------------------
     def submit(self, origin: bytes, request: Submit, emit: Emit) -> None:
-        """Admit `request` and hand it to its model's host; its answer goes to `emit` (a
-        stream of `Output` ending with a final one, or one `Failure`). A request from a
+        """Admit `request` and hand it to its model's host; its answer goes to `emit` (zero
+        or more `Output`s, then a final one or one `Failure`). A request from a
         front end reported dead is dropped unanswered (`frontend_gone`)."""
         if self._sent_by_a_dead_frontend(origin):
             return

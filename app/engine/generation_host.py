@@ -4,10 +4,12 @@ Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), jo
 running batch at the next step with its prompt (prefill), then gets one token per step until
 EOS or `max_new_tokens`; each dispatch streams the new tokens as an `Output`, the last one
 `final` with its `FinishReason` (a request that does not stream gets only that last one,
-with every token). Sequences join and leave between dispatches; a dispatch is
-one prefill forward for the joiners and one batched decode forward for the rest, run on a
-dispatcher compute thread inside one of the compute slots every model shares, so embedding
-batches and generation steps interleave without oversubscribing the CPU/GPU.
+with every token). A sequence that fails (its deadline passed, its step failed) gets the
+outputs it was already given, then one `Failure` instead of a final output. Sequences join
+and leave between dispatches; a dispatch is one prefill forward for the joiners and one
+batched decode forward for the rest, run on a dispatcher compute thread inside one of the
+compute slots every model shares, so embedding batches and generation steps interleave
+without oversubscribing the CPU/GPU.
 
 With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
 to that many decode steps in a row (`generation_steps.py`; `steps_for` stops at a sequence's

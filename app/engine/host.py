@@ -128,10 +128,10 @@ class ModelHost(Protocol):
         ...
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
-        """Queue an admitted request. Its answer goes to `emit`: a stream of `Output`, the
-        last `final`, or one `Failure`. Returns the task answering it (cancelling it drops
-        the request's queued work and sends nothing more), or None when it was answered at
-        once (e.g. a `BAD_REQUEST` failure)."""
+        """Queue an admitted request. Its answer goes to `emit`: zero or more `Output`s,
+        then either a `final` one or one `Failure` (nothing after either). Returns the task
+        answering it (cancelling it drops the request's queued work and sends nothing
+        more), or None when it was answered at once (e.g. a `BAD_REQUEST` failure)."""
         ...
 
     def refresh_gauges(self) -> None:

@@ -1,8 +1,10 @@
 """The messages between front ends and the engine, and their encoding (msgpack via msgspec).
 
-A request is (id, model, deadline, payload); its answer is a *stream* of `Output` messages
-ending with one whose `final` is true (an embedding sends exactly one; generation one per
-dispatch while it streams), or a single `Failure`. The payload is a tagged union: a new task
+A request is (id, model, deadline, payload); its answer is a *stream*: zero or more `Output`
+messages, then either one whose `final` is true or one `Failure` (an embedding sends one
+final output or one failure; generation an output per dispatch while it streams, and a
+sequence past its deadline or in a failed step gets the outputs already made, then its
+failure). The client ends a stream at either. The payload is a tagged union: a new task
 adds a payload and an output type here, and its host in the engine and its route in the
 front end (docs/ARCHITECTURE.md §9 lists the steps); the transport, shedding and admission
 stay as they are.

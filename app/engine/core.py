@@ -214,8 +214,11 @@ class EngineCore:
         )
 
     def status(self) -> EngineStatus:
-        """What front ends shed load and answer probes from."""
-        if self._startup_error is not None:
+        """What front ends shed load and answer probes from. A lost device (a sticky CUDA
+        error) is `failed`: an engine process exits on it (`process.py`) and is replaced,
+        but in-process nothing can restart the engine alone, and `ready` let every batch
+        fail 500 while /readyz said 200."""
+        if self._startup_error is not None or self.health.lost_device:
             state = "failed"
         elif not self.hosts:
             state = "loading"
@@ -303,6 +306,8 @@ class EngineCore:
         task.add_done_callback(lambda _: self._requests.pop(key, None))
 
     def _admit(self, request: Submit) -> Rejected | None:
+        if self.health.lost_device:  # front ends shed on `failed`; this is what was on its way
+            return Rejected(RejectReason.NOT_READY, "the engine's device is lost", 1.0)
         if not self._ready:
             return Rejected(RejectReason.NOT_READY, "the engine is warming up", 1.0)
         host = self.hosts.get(request.model)

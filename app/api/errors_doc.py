@@ -23,8 +23,8 @@ _ERROR_WHEN = {
     "holding STEADY_MAX_CONNECTIONS connections (`connections`: this connection is closed). "
     "`Retry-After` says when to retry.",
     500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
-    503: "Warming up or start-up failed (`not_ready`), the engine restarted with the request "
-    "in it (`engine_lost`, retry), or draining (`draining`).",
+    503: "Warming up or start-up failed (`not_ready`), the engine exited or stopped answering "
+    "with the request in it (`engine_lost`, retry), or draining (`draining`).",
     504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
     "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",
 }

@@ -4,11 +4,12 @@ closed batches to the dispatcher (the request path: docs/ARCHITECTURE.md §4).
 Everything here runs on the engine's event loop thread; the batch itself runs on a
 dispatcher compute thread (`execute.run_batch`). Every model's batcher draws on one shared
 `ComputeSlots`, so together they never start more batches than the dispatcher has threads.
-Each input's future is resolved exactly once (by its batch, or by the scheduler dropping
-it); resolving an already-done future is a no-op. A batch that fails leaves no input waiting:
-it is triaged (`batch_triage.py`), the rows that compute alone are answered, a row that fails
-alone fails as its input's fault, and when the server fails whatever it runs, every input
-fails as the server's.
+Each input's future is resolved exactly once (by its batch, by the scheduler dropping it,
+or by its request's answer cancelling it); resolving an already-done future is a no-op. A
+batch that fails leaves no input waiting: it is triaged (`batch_triage.py`), the rows that
+compute alone are answered, a row that fails alone fails as its input's fault, and when the
+server fails whatever it runs, every input fails as the server's. An input that fails
+withdraws its request's still-queued inputs at once (`_fail`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class _Pending(Generic[RowT, OutT]):
     item: WorkItem
     row: RowT
     future: asyncio.Future[ItemResult[OutT]]
+    request_items: tuple[int, ...]  # the item ids of its request's inputs, its own included
 
 
 def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
@@ -137,12 +139,13 @@ class Batcher(Generic[RowT, OutT]):
         now = self._clock()
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[ItemResult[OutT]]] = []
-        for row, length, bucket in zip(rows, lengths, buckets, strict=True):
+        request_items = tuple(next(self._ids) for _ in rows)
+        for item_id, row, length, bucket in zip(request_items, rows, lengths, buckets, strict=True):
             assert bucket is not None
-            item = WorkItem(next(self._ids), length, bucket, enqueued_at=now, deadline=deadline)
+            item = WorkItem(item_id, length, bucket, enqueued_at=now, deadline=deadline)
             future: asyncio.Future[ItemResult[OutT]] = loop.create_future()
-            future.add_done_callback(partial(self._on_done, item.item_id))
-            self._pending[item.item_id] = _Pending(item, row, future)
+            future.add_done_callback(partial(self._on_done, item_id))
+            self._pending[item_id] = _Pending(item, row, future, request_items)
             self.scheduler.enqueue(item)
             futures.append(future)
         # With every worker busy the loop only needs waking if these inputs expire before
@@ -159,6 +162,22 @@ class Batcher(Generic[RowT, OutT]):
             # The client went away: drop the input before it takes a buffer slot.
             self.scheduler.cancel(item_id)
             self._wakeup.set()
+
+    def _fail(self, pending: _Pending[RowT, OutT], error: BaseException) -> None:
+        """Fail one input (off `_pending`), which answers its request (`gather_rows`), and
+        withdraw the request's queued inputs now: left to that answer, callbacks later, they
+        were taken first by the batch loop of Python 3.12 (its `wait_for` resumes sooner).
+        Their futures stay for the answer to cancel (cancelled here, one could reach its
+        `gather` first and read as the front end's cancel: no answer); those in a batch
+        are the batch's, their results unread. Event loop thread only."""
+        if pending.future.done():
+            return  # cancelled: the request's answer, or its cancel, drops the rest
+        pending.future.set_exception(error)
+        queued = self.scheduler.withdraw([i for i in pending.request_items if i in self._pending])
+        for item in queued:
+            del self._pending[item.item_id]
+        if queued:
+            self._wakeup.set()  # the loop may stand in line for a batch no longer there
 
     # --- the batch loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -223,8 +242,7 @@ class Batcher(Generic[RowT, OutT]):
 
     def _drop(self, decision: Decision) -> None:
         for item in decision.expired:
-            pending = self._pending.pop(item.item_id)
-            _set_exception_if_not_done(pending.future, DeadlineExceeded())
+            self._fail(self._pending.pop(item.item_id), DeadlineExceeded())
         for item in decision.cancelled:
             self._pending.pop(item.item_id, None)
 
@@ -261,7 +279,7 @@ class Batcher(Generic[RowT, OutT]):
         except BaseException as error:
             failure = error
             for pending in pendings:
-                _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
+                self._fail(pending, BatchFailed(repr(error)))
             raise
         finally:
             self.scheduler.finished(batch)
@@ -286,7 +304,7 @@ class Batcher(Generic[RowT, OutT]):
         (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
         if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
             for pending in pendings:
-                _set_exception_if_not_done(pending.future, BatchFailed(repr(error)))
+                self._fail(pending, BatchFailed(repr(error)))
             return error
         length = batch.shape.length
         solo = BatchShape(self.scheduler.policy.padded_batch(length, 1), length)
@@ -302,7 +320,7 @@ class Batcher(Generic[RowT, OutT]):
             )
         except BaseException as fault:
             for pending in pendings:
-                _set_exception_if_not_done(pending.future, BatchFailed(repr(fault)))
+                self._fail(pending, BatchFailed(repr(fault)))
             if isinstance(fault, Exception):
                 return fault
             raise
@@ -311,7 +329,7 @@ class Batcher(Generic[RowT, OutT]):
                 kind = BatchFailed if verdict.server_failing else InputFailed
                 failure = kind(repr(alone))
                 failure.__cause__ = alone  # its traceback, for the log of whoever answers it
-                _set_exception_if_not_done(pending.future, failure)
+                self._fail(pending, failure)
                 continue
             own_s = alone.timings.compute_s
             since_started = self._clock() - started

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -161,6 +162,25 @@ class Scheduler:
     def cancel(self, item_id: int) -> None:
         """Mark an input as abandoned; the next `poll` drops it if it is still queued."""
         self._cancelled.add(item_id)
+
+    def withdraw(self, item_ids: Collection[int]) -> tuple[WorkItem, ...]:
+        """Take those of `item_ids` still queued out of the queue now (cancelled ones too)
+        and return them: nothing answers them here, the caller does (the batcher withdraws
+        a request's queued inputs when another one's failure answered the request). An
+        input `poll` already handed out in a batch (running or about to) is not queued and
+        stays its batch's; unknown and dropped ids are ignored. `depth` counts at once."""
+        wanted = set(item_ids)
+        withdrawn: list[WorkItem] = []
+        for length, queue in self._queues.items():
+            if not any(item.item_id in wanted for item in queue):
+                continue
+            keep: deque[WorkItem] = deque()
+            for item in queue:
+                (withdrawn if item.item_id in wanted else keep).append(item)
+            self._queues[length] = keep
+        self._depth -= len(withdrawn)
+        self._cancelled.difference_update(item.item_id for item in withdrawn)
+        return tuple(withdrawn)
 
     def record_compute(self, shape: BatchShape, seconds: float) -> None:
         """Feed back a measured batch time (warm-up measures every shape before traffic)."""

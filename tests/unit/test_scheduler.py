@@ -197,6 +197,33 @@ def test_cancelled_inputs_are_dropped_and_reported() -> None:
     assert scheduler.depth == 0
 
 
+def test_withdraw_takes_out_only_the_inputs_still_queued_and_says_which() -> None:
+    """A request's inputs across buckets: the one a batch already took stays that batch's
+    (not withdrawn, not counted twice), the queued ones leave at once, whatever bucket,
+    a cancelled one included, and an id the scheduler never saw is ignored."""
+    scheduler = Scheduler(POLICY)
+    other = [item(5, at=0.0) for _ in range(8)]
+    in_batch = item(5, at=0.0)
+    short, long, gone = item(5, at=0.1), item(40, at=0.1), item(5, at=0.1)
+    for entry in [in_batch, *other, short, long, gone]:
+        scheduler.enqueue(entry)
+    batch = scheduler.poll(now=0.0).batch  # a full batch of the 16 bucket, `in_batch` first
+    assert batch is not None and in_batch in batch.items
+    scheduler.cancel(gone.item_id)
+    request = [in_batch.item_id, short.item_id, long.item_id, gone.item_id, 10**9]
+    withdrawn = scheduler.withdraw(request)
+    assert {i.item_id for i in withdrawn} == {short.item_id, long.item_id, gone.item_id}
+    assert scheduler.depth == 1 and scheduler.queued(64) == 0
+    assert scheduler.withdraw(request) == ()  # nothing of it queued any more
+    after = scheduler.poll(now=1.0)
+    assert after.cancelled == () and after.batch is not None
+    assert [i.item_id for i in after.batch.items] == [other[-1].item_id]
+    assert scheduler.depth == 0
+    scheduler.finished(batch)
+    scheduler.finished(after.batch)
+    assert scheduler.backlog_seconds(now=1.0) == 0.0
+
+
 def test_the_bucket_with_the_oldest_input_goes_first() -> None:
     scheduler = Scheduler(POLICY)
     scheduler.enqueue(item(100, at=0.000))

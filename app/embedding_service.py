@@ -66,7 +66,7 @@ async def embed_texts(
     """
     service.require_task(model, "embed")
     now, deadline = service.begin(model, timeout_ms, envoy_timeout_ms)
-    token_ids = await _tokenize(service, service.tokenizers[model], texts, truncate)
+    token_ids = await _tokenize(service, service.tokenizers[model], texts, truncate, timer)
     tokenized_at = service.clock()
     timer.add("tokenize", tokenized_at - now)
     payload = await service.compute(
@@ -98,7 +98,11 @@ def _check_vectors(model: str, payload: OutputPayload) -> None:
 
 
 async def _tokenize(
-    service: Service, tokenizer: TextTokenizer, texts: Sequence[str], truncate: bool
+    service: Service,
+    tokenizer: TextTokenizer,
+    texts: Sequence[str],
+    truncate: bool,
+    timer: PhaseTimer,
 ) -> list[list[int]]:
     """Each text's token ids; a text over `MAX_CHARS_PER_TOKEN` characters per allowed token
     is refused (`InputTooLong`) or, with `truncate`, cut before it costs a tokenizer pass."""
@@ -109,5 +113,5 @@ async def _tokenize(
     if truncate:
         texts = [text[:max_chars] for text in texts]
     return await service.run_tokenizer(
-        sum(len(t) for t in texts), tokenizer.tokenize, texts, truncate
+        sum(len(t) for t in texts), timer, tokenizer.tokenize, texts, truncate
     )

@@ -24,6 +24,9 @@ class PhaseTimer:
     # for), a body refused for arriving too slowly or too large (the app's answer to it is
     # not even what the client got).
     latency_bound: bool = True
+    # Phases that ran off the event loop (a large input tokenized on the tokenizer pool):
+    # the loop was free meanwhile, so its lateness then was not this request's own work.
+    off_loop: set[str] = field(default_factory=set)
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

@@ -94,5 +94,6 @@ class SlowRequestMiddleware:
             frontend_probes=changes(readings, self.telemetry.read()),
             engine=timer.engine_trace if timer else None,
             batching_window_s=self.batching_window_s,
+            off_loop=frozenset(timer.off_loop) if timer else frozenset(),
         )
         self.recorder.record(scope["method"], scope["path"], status, facts, threshold_s)

@@ -182,7 +182,12 @@ class TextGeneration:
             if len(text) > max_chars:
                 raise InputTooLong(index, len(text), max_chars, "characters")
         prompt_ids = await self.service.run_tokenizer(
-            sum(len(text) for text in prompts), _encode_all, tokenizer, prompts, not templated
+            sum(len(text) for text in prompts),
+            timer,
+            _encode_all,
+            tokenizer,
+            prompts,
+            not templated,
         )
         tokenized_at = self.service.clock()
         timer.add("tokenize", tokenized_at - now)

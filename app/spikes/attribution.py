@@ -71,9 +71,10 @@ class Cause:
 @dataclass(frozen=True, slots=True)
 class RequestFacts:
     """`phases`: the front end's phase seconds (parse_body, tokenize, admission, queue,
-    compute, serialise, engine_lost); `frontend_probes`: the front end's probe changes over
-    the request; `batching_window_s`: queueing the batch policy intends (max wait), not counted as a
-    cause."""
+    compute, serialise, engine_lost); `off_loop`: those of them that ran off the front end's
+    event loop (`PhaseTimer.off_loop`); `frontend_probes`: the front end's probe changes
+    over the request; `batching_window_s`: queueing the batch policy intends (max wait), not
+    counted as a cause."""
 
     total_s: float
     phases: Mapping[str, float]
@@ -81,6 +82,7 @@ class RequestFacts:
     frontend_probes: Mapping[str, float] = field(default_factory=dict)
     engine: EngineTrace | None = None
     batching_window_s: float = 0.0
+    off_loop: frozenset[str] = frozenset()
 
 
 def _ms(seconds: float) -> str:
@@ -122,9 +124,9 @@ def attribute(facts: RequestFacts) -> list[Cause]:
     shared = facts.engine is not None and facts.engine.pid == facts.frontend_pid
     in_engine = phases_sum(phases, ENGINE_PHASES)
     # The request's own work on the front end's loop: parsing its body, rendering its
-    # answer, tokenizing a small input inline (a large one's on the tokenizer pool, while
-    # the loop's lateness could not delay it either).
-    on_loop = phases_sum(phases, tuple(_LOOP_WORK))
+    # answer, tokenizing a small input inline. A large input's tokenizing on the pool left
+    # the loop free: lateness meanwhile was other work's.
+    on_loop = phases_sum(phases, tuple(p for p in _LOOP_WORK if p not in facts.off_loop))
     front_window = total if shared else max(0.0, total - in_engine)
     front = process_loss(facts.frontend_probes, front_window, on_loop)
     processes = [("front end", facts.frontend_probes, front, f"{_ms(in_engine)} in the engine")]

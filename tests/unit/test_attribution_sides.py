@@ -4,6 +4,8 @@ and a phase counts what the root causes on its side of the request leave of it."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from app.engine.protocol import BatchTrace, EngineTrace
 from app.spikes.attribution import Cause, RequestFacts, attribute
 
@@ -107,6 +109,24 @@ def test_other_work_blocking_the_loop_is_counted_beyond_the_requests_own() -> No
     assert blocked.evidence == (
         "the front end's event loop was blocked 30 ms (beyond this request's own 50 ms on it)"
     )
+
+
+def test_a_loop_blocked_while_the_request_tokenized_on_the_pool_is_other_work() -> None:
+    """A 40,000-character input tokenized on the tokenizer pool for 100 ms while another
+    request's blocking call held the loop 100 ms: the loop's lateness was not this
+    request's own work (its tokenizing left the loop free), so the blocked loop is a cause.
+    Counted as the request's own, it was taken off and the block went unreported."""
+    phases = {"tokenize": 0.1, "admission": 0.0, "queue": 0.002, "compute": 0.02}
+    facts = request(
+        total_s=0.15,
+        phases={**phases, "serialise": 0.001},
+        front={"loop_lag_seconds_total": 0.1, "loop_busy_lag_seconds_total": 0.1},
+        batch=estimated_batch(0.02),
+    )
+    blocked = times(attribute(replace(facts, off_loop=frozenset({"tokenize"}))))
+    assert blocked.get("event_loop_blocked", 0) >= 99, blocked
+    # Tokenized inline, the same lateness is the request's own tokenizing.
+    assert "event_loop_blocked" not in times(attribute(facts))
 
 
 def test_parsing_a_large_body_on_the_loop_is_its_own_phase_not_a_blocked_loop() -> None:

@@ -6,6 +6,7 @@ prompts it has."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
@@ -31,7 +32,9 @@ from app.generation.tokenizer import GenerationTokenizer
 from app.main import create_app
 from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong, TextTokenizer
+from app.service import INLINE_TOKENIZE_MAX_CHARS
 from app.settings import Settings
+from app.timing import PhaseTimer
 from loadtest.null_engine import AlwaysReadyEngine
 from tests.support.asgi import serving
 
@@ -197,6 +200,22 @@ async def test_every_inference_route_times_its_bodys_parse_whether_it_parses_or_
     timing = dict(entry.split(";dur=") for entry in response.headers["server-timing"].split(", "))
     # A small body parses in microseconds: the header's 10 us resolution may show 0.00.
     assert 0 <= float(timing["parse_body"]) <= float(timing["total"]), timing
+
+
+async def test_a_large_input_is_tokenized_off_the_loop_and_its_phase_says_so(
+    tmp_path: Path,
+) -> None:
+    """A slow-request report takes the request's own `tokenize` time off its loop's
+    lateness only when it ran on the loop (docs/SPIKES.md)."""
+    async with front_end(tmp_path) as (_, app, _):
+        service = app.state.service
+        small, large = PhaseTimer(), PhaseTimer()
+        loop_thread = threading.get_ident()
+        assert await service.run_tokenizer(10, small, threading.get_ident) == loop_thread
+        chars = INLINE_TOKENIZE_MAX_CHARS + 1
+        assert await service.run_tokenizer(chars, large, threading.get_ident) != loop_thread
+    assert small.off_loop == set()
+    assert large.off_loop == {"tokenize"}
 
 
 @pytest.mark.parametrize(

@@ -120,3 +120,23 @@ async def test_a_fault_on_a_path_that_is_not_timed_is_not_reported() -> None:
 
     assert sent[0]["status"] == 500
     assert recorder.recent() == []
+
+
+async def test_a_phase_run_off_the_loop_reaches_the_report_as_off_the_loop() -> None:
+    """A large input tokenized on the tokenizer pool left the loop free; the report's facts
+    must say so, or the loop's lateness meanwhile is taken for the request's own work."""
+    clock = FakeClock()
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        timer = scope["state"]["server_timing"]
+        clock.now += 0.3
+        timer.add("tokenize", 0.3)
+        timer.off_loop.add("tokenize")
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    app, recorder, _ = stack(route, clock)
+    await call(app)
+
+    [report] = recorder.recent()
+    assert report.facts.off_loop == frozenset({"tokenize"})

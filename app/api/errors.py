@@ -23,7 +23,7 @@ from app.embedding_service import NonFiniteOutput
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
 from app.generation.chat import ChatTemplateError
-from app.generation.pipeline import ContextTooLong, NoChatTemplate, TooManyTokens
+from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
 from app.models.tokenizer import InputTooLong
 from app.service import UnknownModel, WrongTask
 

@@ -1,0 +1,41 @@
+"""The generation pipeline's refusals of a request, raised before its answer starts
+(`pipeline.TextGeneration.prepare`) and answered by the edge (`app/api/errors.py`) as 4xx."""
+
+from __future__ import annotations
+
+
+class NoChatTemplate(Exception):
+    """Chat was asked of a model whose tokenizer has no chat template (400)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"model {model!r} has no chat template (tokenizer_config.json `chat_template` or "
+            "chat_template.jinja); use /v1/completions with a prompt instead"
+        )
+
+
+class ContextTooLong(Exception):
+    """A prompt plus the tokens asked for exceed what one sequence may hold (400). Its text
+    names the prompt by index; the edge, which knows how it was sent, words it `described`."""
+
+    def __init__(self, index: int, prompt_tokens: int, new_tokens: int, limit: int) -> None:
+        self.index, self.sizes = index, (prompt_tokens, new_tokens, limit)
+        super().__init__(self.described(f"prompt {index}"))
+
+    def described(self, prompt: str) -> str:
+        """The message, naming the prompt `prompt` (`the prompt`: one sent alone)."""
+        prompt_tokens, new_tokens, limit = self.sizes
+        return (
+            f"{prompt} has {prompt_tokens} tokens and asks for {new_tokens} more; a sequence "
+            f"holds at most {limit} tokens (prompt + new tokens)"
+        )
+
+
+class TooManyTokens(Exception):
+    """The whole request needs more tokens than the admission bucket can ever hold (413)."""
+
+    def __init__(self, tokens: int, limit: int) -> None:
+        super().__init__(
+            f"the request needs {tokens} tokens (prompts + new tokens); at most {limit} per "
+            "request (STEADY_RATE_LIMIT_BURST)"
+        )

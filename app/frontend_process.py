@@ -33,6 +33,13 @@ DRAIN_OR_STOP = signal.SIGUSR1
 STARTED = b"started"
 
 
+def drained(exitcode: int | None) -> bool:
+    """Whether a front end asked to drain ended as asked: exit 0, or killed by the drain
+    signal itself when it came before the front end's start-up had installed its handler
+    (a stop right after a front end was started or restarted; it had served nothing)."""
+    return exitcode in (0, -DRAIN_OR_STOP)
+
+
 def run_frontend_process(
     settings: Settings,
     addresses: EngineAddresses,

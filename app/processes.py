@@ -46,6 +46,7 @@ from app.frontend_process import (
     DRAIN_OR_STOP,
     STARTED,
     configure_logging,
+    drained,
     run_frontend_process,
 )
 from app.metrics import MULTIPROCESS_DIR_ENV
@@ -65,13 +66,6 @@ log = logging.getLogger(__name__)
 RESTARTS_BEFORE_UNHEALTHY = 5
 # How often the supervisor looks whether its engine is stuck (`ProcessTree._check_engine`).
 ENGINE_CHECK_INTERVAL_S = 1.0
-
-
-def drained(exitcode: int | None) -> bool:
-    """Whether a front end asked to drain ended as asked: exit 0, or killed by the drain
-    signal itself when it came before the front end's start-up had installed its handler
-    (a stop right after a front end was started or restarted; it had served nothing)."""
-    return exitcode in (0, -DRAIN_OR_STOP)
 
 
 class ProcessTree:

@@ -13,7 +13,8 @@ import pytest
 from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
-from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree, drained
+from app.frontend_process import drained
+from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree
 from app.settings import Settings
 from tests.support.process_tree import StandIn, hear, ready_status
 

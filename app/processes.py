@@ -144,6 +144,15 @@ class ProcessTree:
         if why is not None:
             self.engine.kill(why)
 
+    def _start_watchers(self) -> list[asyncio.Task[None]]:
+        """What keeps the tree whole while it serves: a task per front end (restarted when it
+        dies) and the engine's stuck check (`_watch_engine`). Cancelled at the stop."""
+        watchers = [
+            asyncio.create_task(self._keep_frontend(index)) for index in range(self.frontend_count)
+        ]
+        watchers.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
+        return watchers
+
     async def _watch_engine(self) -> None:
         while not self._stopping:
             await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
@@ -274,10 +283,7 @@ class ProcessTree:
             self.frontend_count,
             self.settings.frontend_nice,
         )
-        watchers = [
-            asyncio.create_task(self._keep_frontend(index)) for index in range(self.frontend_count)
-        ]
-        watchers.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
+        watchers = self._start_watchers()
         await self._stop_requested.wait()
         await self._stop_children(time.monotonic() + self.settings.drain_timeout_s + STOP_MARGIN_S)
         for watcher in watchers:

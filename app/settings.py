@@ -139,10 +139,11 @@ class Settings(BaseSettings):
     engine_ready_timeout_s: float = Field(
         default=600.0,
         gt=0,
-        description="An engine process not ready this long after it started (still loading "
-        "or warming up) is killed by the supervisor and restarted with backoff; five such "
-        "restarts in a row turn the probe port's /healthz 503. Longer than the slowest "
-        "warm-up: the GPU overlay's startup probe allows ten minutes.",
+        description="An engine process not ready this long after it started (still loading, "
+        "which includes downloading a hub model missing from the local cache, or warming up) "
+        "is killed by the supervisor and restarted with backoff; five such restarts in a row "
+        "turn the probe port's /healthz 503. Longer than the slowest load and warm-up: the "
+        "GPU overlay's startup probe allows ten minutes.",
     )
     unhealthy_after_failed_batches: int = Field(
         default=5,

@@ -215,6 +215,7 @@ class StreamingClient:
         queue: asyncio.Queue[Queued] = asyncio.Queue()
         self._streams[request_id] = queue
         finished = False
+        sent = False  # a Cancel is for a Submit that went out, never for one refused here
         abandoned = False  # given up on while the engine may still hold it: cancel it there
         # One timer per request (not one per read): cheap on the front end's hot path.
         # (Bounded: an event loop's timer takes no infinite delay.)
@@ -222,6 +223,7 @@ class StreamingClient:
         silent = asyncio.get_running_loop().call_later(left_s, queue.put_nowait, _SILENT)
         try:
             self._send(request)
+            sent = True
             self._count_sent(request)
             while not finished:
                 batch: list[Output] = []
@@ -253,7 +255,7 @@ class StreamingClient:
         finally:
             silent.cancel()
             del self._streams[request_id]
-            if not finished or abandoned:
+            if sent and (not finished or abandoned):
                 # Without an engine there is nothing to cancel.
                 with contextlib.suppress(EngineUnavailable):
                     self._send(Cancel(request_id))

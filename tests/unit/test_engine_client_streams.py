@@ -15,6 +15,7 @@ from app.engine.client import (
     ENGINE_EXITED,
     ENGINE_WENT_SILENT,
     EngineLoss,
+    EngineNotConnected,
     StreamingClient,
 )
 from app.engine.protocol import (
@@ -127,3 +128,22 @@ def test_no_loss_says_the_engine_restarted_when_it_may_not_have() -> None:
     restart (and when no supervisor kills it, none happens)."""
     assert "restarted" not in ENGINE_WENT_SILENT.message
     assert "restarted" not in ANSWER_UNREADABLE.message
+
+
+async def test_a_submit_that_never_went_out_is_not_cancelled() -> None:
+    """A Submit refused on the front end (no engine status heard: `EngineNotConnected`)
+    reached no engine; a Cancel for it, which a connected socket now lets through, told an
+    engine about an id it never had."""
+
+    class Unconnected(Recording):
+        def _send(self, message: ToEngine) -> None:
+            if isinstance(message, Submit):
+                raise EngineNotConnected("no engine status heard")
+            super()._send(message)
+
+    client = Unconnected()
+    request = generate(client)
+    with pytest.raises(EngineNotConnected):
+        await read_all(client, request, [])
+    assert client.sent == []
+    assert client.open_streams == 0

@@ -187,3 +187,30 @@ def test_an_engine_that_outlives_its_kill_makes_the_pod_unhealthy(
     clock.now += KILL_GRACE_S
     status, body = tree._answer_probe("/healthz")
     assert status == 503 and b"after it was killed" in body
+
+
+async def test_the_served_tree_watches_its_engine_from_the_start(
+    tree: ProcessTree, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tasks the serving tree starts include the engine's check: a stuck engine is
+    killed with no probe port and nobody calling `_check_engine` by hand."""
+
+    async def keeps_nothing(index: int) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr("app.processes.ENGINE_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr(tree, "_keep_frontend", keeps_nothing)
+    engine = StandIn(666)
+    spawned(tree, clock, engine)
+    clock.now += FIRST_STATUS_WITHIN_S + 1  # stuck before its first status
+    watchers = tree._start_watchers()
+    try:
+        for _ in range(100):  # a few turns of the loop: the check runs on its first
+            if engine.killed:
+                break
+            await asyncio.sleep(0)
+        assert engine.killed
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)

@@ -173,7 +173,10 @@ class Batcher(Generic[RowT, OutT]):
         if pending.future.done():
             return  # cancelled: the request's answer, or its cancel, drops the rest
         pending.future.set_exception(error)
-        queued = self.scheduler.withdraw([i for i in pending.request_items if i in self._pending])
+        others = [i for i in pending.request_items if i in self._pending]
+        if not others:
+            return  # its request's only input, or the rest already answered or batched
+        queued = self.scheduler.withdraw(others)
         for item in queued:
             del self._pending[item.item_id]
         if queued:

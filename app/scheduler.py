@@ -168,7 +168,10 @@ class Scheduler:
         and return them: nothing answers them here, the caller does (the batcher withdraws
         a request's queued inputs when another one's failure answered the request). An
         input `poll` already handed out in a batch (running or about to) is not queued and
-        stays its batch's; unknown and dropped ids are ignored. `depth` counts at once."""
+        stays its batch's; unknown and dropped ids are ignored. `depth` counts at once.
+        No ids, no work: nothing is scanned (every expiry of a one-input request asks)."""
+        if not item_ids:
+            return ()
         wanted = set(item_ids)
         withdrawn: list[WorkItem] = []
         for length, queue in self._queues.items():

@@ -18,7 +18,7 @@ from app.compute_slots import ComputeSlots
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, Submit
 from app.engine.rows import gather_rows
 from app.execute import SlotTimings
-from app.failures import BatchFailed
+from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
 
@@ -209,3 +209,20 @@ async def test_a_request_failed_before_its_answer_runs_is_answered_once_with_tha
     await batcher.close()
     assert not model.computed(first)
     assert futures[0].cancelled() and slots.free == 1  # cancelled by the answer
+
+
+async def test_an_expired_one_input_request_withdraws_nothing() -> None:
+    """Its own id is off the batcher's inputs when it fails: there is nothing of its
+    request left to withdraw, and no queue is asked (under overload a poll expires many,
+    and each asked for a walk of every queue)."""
+    model = Model()
+    batcher = batcher_of(model, ComputeSlots(1), FOUR_A_BATCH)
+    asked: list[object] = []
+    withdraw = batcher.scheduler.withdraw
+    batcher.scheduler.withdraw = lambda ids: asked.append(ids) or withdraw(ids)  # type: ignore[method-assign]
+    expired = [batcher.submit([row], deadline=0.0)[0] for row in (1, 2, 4)]  # the clock says 0
+    batcher.start()
+    await asyncio.wait(expired)
+    await batcher.close()
+    assert all(isinstance(future.exception(), DeadlineExceeded) for future in expired)
+    assert asked == [] and model.ran == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 
@@ -222,6 +223,28 @@ def test_withdraw_takes_out_only_the_inputs_still_queued_and_says_which() -> Non
     scheduler.finished(batch)
     scheduler.finished(after.batch)
     assert scheduler.backlog_seconds(now=1.0) == 0.0
+
+
+class _CountedQueues(dict[int, Any]):
+    """A scheduler's queues that count how often they are walked."""
+
+    walks = 0
+
+    def items(self) -> Any:
+        self.walks += 1
+        return super().items()
+
+
+def test_withdrawing_no_ids_walks_no_queue() -> None:
+    """Every expiry of a one-input request withdrew its request's (no) other inputs: a
+    walk of every queue each, O(expired x queued) per poll under overload."""
+    scheduler = Scheduler(POLICY)
+    for at in range(50):
+        scheduler.enqueue(item(5, at=at))
+    queues = _CountedQueues(scheduler._queues)
+    scheduler._queues = queues
+    assert scheduler.withdraw([]) == () and scheduler.withdraw(set()) == ()
+    assert queues.walks == 0 and scheduler.depth == 50
 
 
 def test_the_bucket_with_the_oldest_input_goes_first() -> None:

@@ -21,13 +21,13 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
+from app.batch_trace import ComputedBatch, batch_trace, record_batch_metrics
 from app.batch_triage import triage
 from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace
-from app.execute import SlotTimings
 from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
@@ -38,17 +38,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RowT = TypeVar("RowT")  # one queued input, as the batch's executor takes it
 OutT = TypeVar("OutT")  # one input's answer, as the batch's executor gives it
-OutT_co = TypeVar("OutT_co", covariant=True)
-
-
-class ComputedBatch(Protocol[OutT_co]):
-    """What a batch executor returns (`execute.BatchOutput` for token inputs): each input's
-    answer by row, and the batch's `execute.SlotTimings`."""
-
-    @property
-    def timings(self) -> SlotTimings: ...
-
-    def row(self, index: int) -> OutT_co: ...
 
 
 BatchExecutor = Callable[[BatchShape, Sequence[RowT]], ComputedBatch[OutT]]
@@ -265,7 +254,7 @@ class Batcher(Generic[RowT, OutT]):
                 self._run_batch, batch.shape, [p.row for p in pendings]
             )
             self._record(batch, output, first_seen)
-            trace = _trace(batch, output, expected_s, first_seen)
+            trace = batch_trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
                 _set_result_if_not_done(
                     pending.future,
@@ -342,7 +331,7 @@ class Batcher(Generic[RowT, OutT]):
                     value=alone.row(0),
                     queue_wait_s=started - pending.item.enqueued_at,
                     compute_s=since_started,
-                    batch=_trace(
+                    batch=batch_trace(
                         batch, alone, own_s, False, failed_batch_s=max(0.0, since_started - own_s)
                     ),
                 ),
@@ -355,16 +344,8 @@ class Batcher(Generic[RowT, OutT]):
         return self._execute_rows(shape, rows)
 
     def _record(self, batch: Batch, output: ComputedBatch[OutT], first_seen: bool) -> None:
-        name, bucket, timings = self.name, str(batch.shape.length), output.timings
-        self.scheduler.record_compute(batch.shape, timings.compute_s)
-        self._metrics.dispatcher_busy.labels(name).inc(timings.compute_s)
-        if first_seen:
-            self._metrics.unwarmed_shapes.labels(name).inc()
-        self._metrics.batch_size.labels(name, bucket).observe(len(batch.items))
-        self._metrics.batch_compute.labels(name, bucket).observe(timings.compute_s)
-        self._metrics.pool_acquire_wait.labels(name).observe(timings.acquire_wait_s)
-        if timings.pool_miss:
-            self._metrics.pool_misses.labels(name).inc()
+        self.scheduler.record_compute(batch.shape, output.timings.compute_s)
+        record_batch_metrics(self._metrics, self.name, batch, output, first_seen)
 
     # --- warm-up ----------------------------------------------------------------------
     async def warm_up_rows(
@@ -389,27 +370,3 @@ class Batcher(Generic[RowT, OutT]):
                 self.scheduler.record_compute(shape, output.timings.compute_s)
             self.shapes.mark_warm(shape)
             on_shape_done(done, len(shapes))
-
-
-def _trace(
-    batch: Batch,
-    output: ComputedBatch[Any],
-    expected_s: float,
-    first_seen: bool,
-    failed_batch_s: float = 0.0,
-) -> BatchTrace:
-    timings = output.timings
-    return BatchTrace(
-        rows=len(batch.items),
-        padded_rows=batch.shape.batch,
-        length_bucket=batch.shape.length,
-        co_batched_lengths=[item.n_tokens for item in batch.items],
-        acquire_wait_s=timings.acquire_wait_s,
-        copy_in_s=timings.copy_in_s,
-        run_s=timings.run_s,
-        copy_out_s=timings.copy_out_s,
-        expected_compute_s=expected_s,
-        runqueue_wait_s=timings.runqueue_wait_s,
-        first_seen_shape=first_seen,
-        failed_batch_s=failed_batch_s,
-    )

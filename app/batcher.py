@@ -24,7 +24,7 @@ from functools import partial
 from typing import Generic, TypeVar
 
 from app.batch_trace import ComputedBatch, batch_trace, record_batch_metrics
-from app.batch_triage import triage
+from app.batch_triage import RowFailed, triage
 from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace
@@ -289,15 +289,12 @@ class Batcher(Generic[RowT, OutT]):
         """Answer each row of a failed batch from its run alone (`batch_triage`), in the
         smallest batch of its length (a full-size padded batch per row cost as many full
         batches as rows); returns the failure to count against the engine's health, None
-        when inputs were at fault. Out of memory is the server's (a transient one would
+        when inputs were at fault. Out of memory and a lost device are the server's, for the
+        batch and for a row alone (`batch_triage.server_fault`: a transient one would
         otherwise read as the input's fault), and so is a fault of the triage itself.
         A row answered waited in the queue until the failed batch `started`; all its time
         since was spent computing, its own run alone and the rest lost to the failed batch
         (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
-        if isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError":
-            for pending in pendings:
-                self._fail(pending, BatchFailed(repr(error)))
-            return error
         length = batch.shape.length
         solo = BatchShape(self.scheduler.policy.padded_batch(length, 1), length)
         waiting = [p for p in pendings if not p.future.done()]  # not those gone or expired
@@ -317,10 +314,9 @@ class Batcher(Generic[RowT, OutT]):
                 return fault
             raise
         for pending, alone in zip(waiting, verdict.alone, strict=True):
-            if isinstance(alone, Exception):
-                kind = BatchFailed if verdict.server_failing else InputFailed
-                failure = kind(repr(alone))
-                failure.__cause__ = alone  # its traceback, for the log of whoever answers it
+            if isinstance(alone, RowFailed):
+                failure = (BatchFailed if alone.servers else InputFailed)(repr(alone.error))
+                failure.__cause__ = alone.error  # its traceback, for whoever answers it
                 self._fail(pending, failure)
                 continue
             own_s = alone.timings.compute_s
@@ -336,7 +332,7 @@ class Batcher(Generic[RowT, OutT]):
                     ),
                 ),
             )
-        return error if verdict.server_failing else None
+        return verdict.server_error
 
     def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""

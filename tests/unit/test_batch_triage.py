@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.batch_triage import triage
+from app.batch_triage import RowFailed, triage
 from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.execute import SlotTimings
@@ -35,19 +35,24 @@ def model(broken: bool = False):  # type: ignore[no-untyped-def]
 async def test_the_good_rows_of_a_failed_batch_are_answered_and_the_bad_one_is_its_own() -> None:
     verdict = await triage([1, BAD, 3], IndexError("batch"), model(), known_good=[0], batch_rows=3)
     assert verdict.alone[0] == [2] and verdict.alone[2] == [6]
-    assert isinstance(verdict.alone[1], IndexError)
-    assert not verdict.server_failing
+    failed = verdict.alone[1]
+    assert isinstance(failed, RowFailed) and isinstance(failed.error, IndexError)
+    assert not failed.servers and not verdict.server_failing
 
 
 @pytest.mark.parametrize("rows", [[BAD], [BAD, BAD]])
 async def test_when_no_row_computes_a_known_good_row_decides(rows: list[int]) -> None:
     verdict = await triage(rows, IndexError("batch"), model(), known_good=[0], batch_rows=len(rows))
-    assert all(isinstance(result, IndexError) for result in verdict.alone)
-    assert not verdict.server_failing  # the known-good row computes: the inputs are at fault
+    assert all(
+        isinstance(result, RowFailed) and isinstance(result.error, IndexError)
+        for result in verdict.alone
+    )
+    # The known-good row computes: the inputs are at fault.
+    assert not verdict.server_failing and not any(r.servers for r in verdict.alone)  # type: ignore[union-attr]
     broken = await triage(
         rows, IndexError("batch"), model(broken=True), known_good=[0], batch_rows=len(rows)
     )
-    assert broken.server_failing
+    assert broken.server_failing and all(r.servers for r in broken.alone)  # type: ignore[union-attr]
 
 
 async def test_a_failing_server_is_found_with_one_run_not_one_per_row() -> None:
@@ -66,7 +71,7 @@ async def test_a_failing_server_is_found_with_one_run_not_one_per_row() -> None:
 
 async def test_without_a_known_good_row_a_batch_where_nothing_computes_is_the_server_s() -> None:
     verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None, batch_rows=2)
-    assert verdict.server_failing
+    assert verdict.server_failing and all(r.servers for r in verdict.alone)  # type: ignore[union-attr]
 
 
 async def test_a_batch_of_one_row_is_not_run_again() -> None:
@@ -79,7 +84,8 @@ async def test_a_batch_of_one_row_is_not_run_again() -> None:
 
     batch_error = IndexError("batch")
     verdict = await triage([BAD], batch_error, counted, known_good=[0], batch_rows=1)
-    assert verdict.alone == [batch_error] and runs == [[0]]  # the known-good row only
+    assert verdict.alone == [RowFailed(batch_error, servers=False)]
+    assert runs == [[0]]  # the known-good row only
 
 
 @pytest.mark.parametrize("known_good", [[0], None])
@@ -96,6 +102,71 @@ async def test_a_row_left_alone_by_the_others_going_runs_alone_before_it_is_blam
 async def test_a_failed_batch_whose_rows_all_went_says_nothing_of_the_server() -> None:
     verdict = await triage([], IndexError("batch"), model(), known_good=None, batch_rows=2)
     assert verdict.alone == [] and not verdict.server_failing
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's (`torch.OutOfMemoryError`): triage imports no torch."""
+
+
+SERVER_FAULTS = [
+    MemoryError(),
+    OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError("CUDA error: an illegal memory access was encountered"),
+]
+HEAVY = 7  # a row the server runs out of memory on (or loses its device on), alone
+
+
+def counted_model(fault: Exception, runs: list[Sequence[int]]):  # type: ignore[no-untyped-def]
+    """`model()`, recording each run, raising `fault` on a HEAVY row."""
+    inner = model()
+
+    async def run(rows: Sequence[int]) -> list[int]:
+        runs.append(rows)
+        if HEAVY in rows:
+            raise fault
+        return await inner(rows)
+
+    return run
+
+
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=["memory", "torch-oom", "device-lost"])
+async def test_a_row_the_server_fails_alone_is_the_server_s_fault_and_the_rest_wait_no_more(
+    fault: Exception,
+) -> None:
+    """Out of memory (or a lost device) alone, with the known-good row computing, was the
+    row's own fault: answered 400 "could not process input (OutOfMemoryError)", and its
+    batch counted healthy. The rows after it are not run: a lost device fails each."""
+    runs: list[Sequence[int]] = []
+    run = counted_model(fault, runs)
+    verdict = await triage(
+        [1, HEAVY, BAD, 3], IndexError("batch"), run, known_good=[0], batch_rows=4
+    )
+    assert verdict.alone[0] == [2]
+    assert verdict.alone[1:] == [RowFailed(fault, servers=True)] * 3
+    assert verdict.server_error is fault and verdict.server_failing
+    assert runs == [[0], [1], [HEAVY]]
+
+
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=["memory", "torch-oom", "device-lost"])
+async def test_a_batch_the_server_failed_is_not_triaged(fault: Exception) -> None:
+    """Nothing runs again, not even the known-good row: whatever the inputs, the server
+    failed them (a lost device fails every run; out of memory is not an input's fault)."""
+    runs: list[Sequence[int]] = []
+    verdict = await triage([1, 2], fault, counted_model(fault, runs), known_good=[0], batch_rows=2)
+    assert verdict.alone == [RowFailed(fault, servers=True)] * 2
+    assert verdict.server_error is fault and runs == []
+
+
+async def test_a_lost_device_the_known_good_row_finds_is_what_health_hears_of() -> None:
+    lost = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def lost_device(rows: Sequence[int]) -> list[int]:
+        raise lost
+
+    batch_error = IndexError("batch")
+    verdict = await triage([1, 2], batch_error, lost_device, known_good=[0], batch_rows=2)
+    assert verdict.alone == [RowFailed(batch_error, servers=True)] * 2
+    assert verdict.server_error is lost
 
 
 async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing() -> None:

@@ -1,0 +1,160 @@
+"""What the batcher answers each row of a failed batch, over an inline fake dispatcher (a
+batch runs on the event loop) and a clock the fake model moves (each run takes 1 s), so the
+order is deterministic with no sleeps: a failure of the server's (out of memory, a lost
+device) is answered 500 and counts toward ill health, whether the batch hit it or a row
+alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+
+from app.batcher import Batcher, ItemResult
+from app.compute_slots import ComputeSlots
+from app.engine.health import BatchHealth
+from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit
+from app.engine.rows import gather_rows
+from app.execute import SlotTimings
+from app.failures import BatchFailed
+from app.metrics import Metrics
+from app.scheduler import BatchPolicy, BatchShape
+
+T = TypeVar("T")
+BAD, HEAVY = 3, 7  # a row the model throws on; one the server fails on alone
+LONG = 12  # a row of the 16 length bucket (a row is its own length)
+RUN_S = 1.0
+
+TWO_BUCKETS = BatchPolicy(
+    length_buckets=(8, 16), max_batch_size=4, max_batch_tokens=64, max_wait_s=0
+)
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named as torch's (`torch.OutOfMemoryError`)."""
+
+
+TIMINGS = SlotTimings(compute_s=0.01, acquire_wait_s=0.0, pool_miss=False)
+
+
+@dataclass(frozen=True)
+class Computed:
+    rows: Sequence[int]
+    timings: SlotTimings = TIMINGS
+
+    def row(self, index: int) -> int:
+        return 2 * self.rows[index]
+
+
+class InlineDispatcher:
+    async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    async def run_on_every_compute_thread(self, fn: Callable[..., T], *args: Any) -> list[T]:
+        return [fn(*args)]
+
+
+class Model:
+    """Doubles rows, each run moving the clock `RUN_S`; throws an IndexError on a batch
+    holding a BAD row, `heavy_fault` on a HEAVY row alone, `batch_fault` (when set) on any
+    batch of more than one row. `on_known_good` runs when the known-good row (0) does."""
+
+    def __init__(self, heavy_fault: Exception | None = None) -> None:
+        self.now = 0.0
+        self.ran: list[list[int]] = []
+        self.heavy_fault = heavy_fault
+        self.batch_fault: Exception | None = None
+        self.on_known_good: Callable[[], None] = lambda: None
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, shape: BatchShape, rows: Sequence[int]) -> Computed:
+        self.ran.append(list(rows))
+        self.now += RUN_S
+        if list(rows) == [0]:
+            self.on_known_good()
+        if self.batch_fault is not None and len(rows) > 1:
+            raise self.batch_fault
+        if BAD in rows:
+            raise IndexError("index out of range")
+        if rows == [HEAVY] and self.heavy_fault is not None:
+            raise self.heavy_fault
+        return Computed(rows)
+
+
+async def warmed_batcher(model: Model, health: BatchHealth) -> Batcher[int, int]:
+    """A batcher whose warm-up ran (its rows of zeros are the known-good rows)."""
+    batcher: Batcher[int, int] = Batcher(
+        "m",
+        TWO_BUCKETS,
+        model,
+        length_of=lambda row: max(row, 1),
+        dispatcher=InlineDispatcher(),  # type: ignore[arg-type]
+        slots=ComputeSlots(1),
+        metrics=Metrics(),
+        clock=model.clock,
+        on_batch_done=health.record,
+    )
+    await batcher.warm_up_rows(lambda shape: [0] * shape.batch, lambda done, total: None)
+    model.ran.clear()
+    return batcher
+
+
+async def answer(futures: list[asyncio.Future[ItemResult[int]]]) -> list[FromEngine]:
+    """What the request's answer (`gather_rows`, as the engine's hosts run it) emits."""
+    emitted: list[FromEngine] = []
+    request = Submit(7, "m", deadline=1e9, payload=EmbedPayload([[1]]))
+    await gather_rows(futures, request, emitted.append, Metrics())
+    return emitted
+
+
+LOST = RuntimeError("CUDA error: an illegal memory access was encountered")
+SERVER_FAULTS = [MemoryError(), OutOfMemoryError("CUDA out of memory"), LOST]
+IDS = ["memory", "torch-oom", "device-lost"]
+
+
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=IDS)
+async def test_a_row_the_server_fails_alone_is_answered_500_and_counts_toward_ill_health(
+    fault: Exception,
+) -> None:
+    """Its known-good row computing, the row's out of memory was blamed on its input: 400
+    "could not process input 0 (OutOfMemoryError)", and the batch reset the engine's count
+    of failed batches (a lost device alone went unnoticed)."""
+    model = Model(heavy_fault=fault)
+    health = BatchHealth(threshold=3)
+    batcher = await warmed_batcher(model, health)
+    (good,) = batcher.submit([1], deadline=100.0)
+    heavy = batcher.submit([HEAVY], deadline=100.0)
+    bad = batcher.submit([BAD], deadline=100.0)
+    batcher.start()
+    emitted = await answer(heavy)
+    await batcher.close()
+    assert [m.kind for m in emitted] == [FailureKind.FAILED]  # type: ignore[union-attr]
+    assert (await good).value == 2
+    assert isinstance(bad[0].exception(), BatchFailed)  # after it: not run, the server's
+    assert model.ran == [[1, HEAVY, BAD], [0], [1], [HEAVY]]
+    assert health.consecutive_failures == 1
+    assert health.lost_device == (fault is LOST)
+
+
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=IDS)
+async def test_a_batch_the_server_failed_fails_every_row_without_running_any_again(
+    fault: Exception,
+) -> None:
+    """A lost device was found by running the known-good row (on a real device, one more
+    slow failure); without one (warm-up off), by running every row alone."""
+    model = Model()
+    health = BatchHealth(threshold=3)
+    batcher = await warmed_batcher(model, health)
+    model.batch_fault = fault
+    futures = batcher.submit([1, 2], deadline=100.0)
+    batcher.start()
+    await asyncio.wait(futures)
+    await batcher.close()
+    assert all(isinstance(future.exception(), BatchFailed) for future in futures)
+    assert model.ran == [[1, 2]]
+    assert health.consecutive_failures == 1 and health.lost_device == (fault is LOST)

@@ -49,10 +49,11 @@ class RowFailed:
 
 @dataclass(frozen=True, slots=True)
 class Triage(Generic[OutputT]):
-    """Each row's output alone, or its `RowFailed`; and the failure to count toward the
-    engine's ill health, None when inputs alone were at fault."""
+    """Each row's output alone, or its `RowFailed`, or None for a row not run because
+    nobody waits for it any more (`still_waiting` said so); and the failure to count
+    toward the engine's ill health, None when inputs alone were at fault."""
 
-    alone: list[OutputT | RowFailed]
+    alone: list[OutputT | RowFailed | None]
     server_error: Exception | None
 
     @property
@@ -71,6 +72,7 @@ async def triage(
     known_good: Sequence[RowT] | None,
     *,
     batch_rows: int,
+    still_waiting: Callable[[int], bool] = lambda index: True,
 ) -> Triage[OutputT]:
     """`rows`: those of the failed batch still waiting for an answer (of its `batch_rows`;
     the rest were cancelled or expired while it ran). A `batch_error` of the server's
@@ -79,9 +81,11 @@ async def triage(
     fails the server is failing, and no row is run again (a device that fell over would
     fail each, one slow failure after another, holding the compute slot). Else each row
     runs alone (a batch of one row already did: its `batch_error` is its own, and only
-    then: a row left alone by the others' going is not the one that failed); a row alone
-    failing the server's way fails as the server's, and so do the rows after it, not run.
-    Without a known-good row, the server is failing when rows waited and none computed
+    then: a row left alone by the others' going is not the one that failed), each only
+    if `still_waiting(its index)`, asked just before its run, says so (the caller answers
+    a row past its deadline there: rows of a running batch are off the scheduler); a row
+    alone failing the server's way fails as the server's, and so do the rows after it, not
+    run. Without a known-good row, the server is failing when rows ran and none computed
     alone."""
     if server_fault(batch_error):
         return _all_servers(rows, batch_error)
@@ -91,14 +95,19 @@ async def triage(
         except Exception as error:
             # Each row fails with its batch's error; health hears of a lost device the
             # known-good row found.
-            alone_failed: list[OutputT | RowFailed] = [RowFailed(batch_error, True)] * len(rows)
+            alone_failed: list[OutputT | RowFailed | None] = [RowFailed(batch_error, True)] * len(
+                rows
+            )
             return Triage(alone_failed, error if server_fault(error) else batch_error)
     if batch_rows == 1:
         if known_good is None and rows:
             return _all_servers(rows, batch_error)
         return Triage([RowFailed(batch_error, servers=False)] * len(rows), server_error=None)
-    alone: list[OutputT | RowFailed] = []
+    alone: list[OutputT | RowFailed | None] = []
     for index, row in enumerate(rows):
+        if not still_waiting(index):
+            alone.append(None)
+            continue
         try:
             alone.append(await run([row]))
         except Exception as error:  # the model's own exception, whatever it is
@@ -106,7 +115,8 @@ async def triage(
                 alone.extend([RowFailed(error, servers=True)] * (len(rows) - index))
                 return Triage(alone, server_error=error)
             alone.append(RowFailed(error, servers=False))
-    if known_good is None and alone and all(isinstance(result, RowFailed) for result in alone):
+    ran = [result for result in alone if result is not None]
+    if known_good is None and ran and all(isinstance(result, RowFailed) for result in ran):
         failed = [
             RowFailed(r.error, servers=True) if isinstance(r, RowFailed) else r for r in alone
         ]

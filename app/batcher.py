@@ -291,7 +291,8 @@ class Batcher(Generic[RowT, OutT]):
         batches as rows); returns the failure to count against the engine's health, None
         when inputs were at fault. Out of memory and a lost device are the server's, for the
         batch and for a row alone (`batch_triage.server_fault`: a transient one would
-        otherwise read as the input's fault), and so is a fault of the triage itself.
+        otherwise read as the input's fault), and so is a fault of the triage itself. A row
+        nobody waits for any more is not run alone (`_still_waiting`).
         A row answered waited in the queue until the failed batch `started`; all its time
         since was spent computing, its own run alone and the rest lost to the failed batch
         (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
@@ -306,6 +307,7 @@ class Batcher(Generic[RowT, OutT]):
                 lambda rows: self._dispatcher.run_compute(self._run_batch, solo, rows),
                 known_good,
                 batch_rows=len(pendings),
+                still_waiting=lambda index: self._still_waiting(waiting[index], solo),
             )
         except BaseException as fault:
             for pending in pendings:
@@ -314,6 +316,8 @@ class Batcher(Generic[RowT, OutT]):
                 return fault
             raise
         for pending, alone in zip(waiting, verdict.alone, strict=True):
+            if alone is None:
+                continue  # answered already, or nobody waits for it
             if isinstance(alone, RowFailed):
                 failure = (BatchFailed if alone.servers else InputFailed)(repr(alone.error))
                 failure.__cause__ = alone.error  # its traceback, for whoever answers it
@@ -333,6 +337,21 @@ class Batcher(Generic[RowT, OutT]):
                 ),
             )
         return verdict.server_error
+
+    def _still_waiting(self, pending: _Pending[RowT, OutT], solo: BatchShape) -> bool:
+        """Whether a row of a failed batch is still worth its run alone, asked just before
+        it: not once its future is done (its client left, or another input's failure
+        answered its request), nor once it can no longer finish in time (its deadline
+        before now plus the run's estimated compute, the scheduler's rule for queued
+        inputs): that one is answered 504 now, its request's queued inputs withdrawn with
+        it (`_fail`). A row in a batch is off the scheduler, so nothing else expires it.
+        Event loop thread only."""
+        if pending.future.done():
+            return False
+        if pending.item.deadline <= self._clock() + self.scheduler.estimated_compute(solo):
+            self._fail(pending, DeadlineExceeded())
+            return False
+        return True
 
     def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""

@@ -169,6 +169,41 @@ async def test_a_lost_device_the_known_good_row_finds_is_what_health_hears_of() 
     assert verdict.server_error is lost
 
 
+@pytest.mark.parametrize("known_good", [[0], None])
+async def test_a_row_nobody_waits_for_any_more_is_not_run_alone(
+    known_good: list[int] | None,
+) -> None:
+    """`still_waiting` is asked just before each row's run: its client left, or its
+    deadline passed (the caller answers it), while the batch or the rows before it ran."""
+    runs: list[Sequence[int]] = []
+    asked: list[int] = []
+
+    def still_waiting(index: int) -> bool:
+        asked.append(index)
+        return index != 1
+
+    verdict = await triage(
+        [1, BAD, 3],
+        IndexError("batch"),
+        counted_model(MemoryError(), runs),
+        known_good,
+        batch_rows=3,
+        still_waiting=still_waiting,
+    )
+    assert verdict.alone == [[2], None, [6]] and not verdict.server_failing
+    assert asked == [0, 1, 2] and [BAD] not in runs
+    nobody: list[Sequence[int]] = []
+    none_left = await triage(
+        [BAD, BAD],
+        IndexError("batch"),
+        counted_model(MemoryError(), nobody),
+        known_good=None,
+        batch_rows=2,
+        still_waiting=lambda index: False,
+    )
+    assert none_left.alone == [None, None] and not none_left.server_failing and nobody == []
+
+
 async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing() -> None:
     """The failed batch's 200 ms (and the triage's run of the other row) was counted as
     the row's queue wait: its slow-request report blamed queueing on an idle queue."""

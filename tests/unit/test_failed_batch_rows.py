@@ -2,7 +2,7 @@
 batch runs on the event loop) and a clock the fake model moves (each run takes 1 s), so the
 order is deterministic with no sleeps: a failure of the server's (out of memory, a lost
 device) is answered 500 and counts toward ill health, whether the batch hit it or a row
-alone."""
+alone; a row nobody waits for any more is not run alone."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from app.engine.health import BatchHealth
 from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit
 from app.engine.rows import gather_rows
 from app.execute import SlotTimings
-from app.failures import BatchFailed
+from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
 
@@ -158,3 +158,31 @@ async def test_a_batch_the_server_failed_fails_every_row_without_running_any_aga
     assert all(isinstance(future.exception(), BatchFailed) for future in futures)
     assert model.ran == [[1, 2]]
     assert health.consecutive_failures == 1 and health.lost_device == (fault is LOST)
+
+
+async def test_rows_nobody_waits_for_are_not_run_alone_and_a_late_one_is_answered_504() -> None:
+    """While the failed batch's known-good row runs, one row's client leaves and another
+    row's deadline passes: they were run alone all the same (one slow run after another,
+    holding a compute slot), the late one answered as a late success, not 504, and its
+    request's input queued in another bucket computed too."""
+    model = Model()
+    health = BatchHealth(threshold=3)
+    batcher = await warmed_batcher(model, health)
+    start = model.now
+    (good,) = batcher.submit([1], deadline=start + 100)
+    late = batcher.submit([2, LONG], deadline=start + 2.5)  # it ends at start + 3 alone
+    (gone,) = batcher.submit([4], deadline=start + 100)
+    (bad,) = batcher.submit([BAD], deadline=start + 100)
+    model.on_known_good = gone.cancel  # its client disconnects
+    batcher.start()
+    await asyncio.wait([good, late[0], bad])
+    assert batcher.scheduler.depth == 0  # `late`'s long input was withdrawn with it
+    late[1].cancel()  # its request's answer does that
+    await batcher.close()
+    assert (await good).value == 2
+    assert isinstance(late[0].exception(), DeadlineExceeded)
+    assert isinstance(bad.exception(), InputFailed)
+    # The batch at start + 1, the known-good row at + 2, `good` alone at + 3: `late` can
+    # no longer make its deadline, and `gone` is gone.
+    assert model.ran == [[1, 2, 4, BAD], [0], [1], [BAD]]
+    assert health.consecutive_failures == 0

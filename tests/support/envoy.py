@@ -146,8 +146,11 @@ class EnvoyProcess:
 
 
 @contextlib.contextmanager
-def running_envoy(tmp_path: Path, config: dict[str, Any]) -> Iterator[EnvoyProcess]:
-    """Envoy on the config's 127.0.0.1 ports; ready (admin /ready is LIVE) when yielded."""
+def running_envoy(
+    tmp_path: Path, config: dict[str, Any], extra_args: Sequence[str] = ()
+) -> Iterator[EnvoyProcess]:
+    """Envoy on the config's 127.0.0.1 ports, with `extra_args` after the test's own command
+    line (e.g. the Deployment's drain flags); ready (admin /ready is LIVE) when yielded."""
     config_path = tmp_path / f"envoy-{os.getpid()}-{time.monotonic_ns()}.yaml"
     config_path.write_text(yaml.safe_dump(config))
     resources = config["static_resources"]
@@ -170,6 +173,7 @@ def running_envoy(tmp_path: Path, config: dict[str, Any]) -> Iterator[EnvoyProce
                 "--disable-hot-restart",
                 "--log-level",
                 "warning",
+                *extra_args,
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,

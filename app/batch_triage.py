@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from app.engine.health import device_lost
+from app.failures import device_lost
 
 RowT = TypeVar("RowT")
 OutputT = TypeVar("OutputT")
@@ -28,7 +28,7 @@ OutputT = TypeVar("OutputT")
 def server_fault(error: BaseException) -> bool:
     """Whether `error` is the server's, whatever the input: out of memory (Python's
     `MemoryError`, torch's `OutOfMemoryError`, by name: no torch here; memory others'
-    batches held, or a transient peak) or a lost device (`engine.health.device_lost`).
+    batches held, or a transient peak) or a lost device (`failures.device_lost`).
     Such a failure is answered 500 and counted toward the engine's ill health: blamed on
     an input, it was answered 400 and reset that count."""
     return (

@@ -4,9 +4,11 @@ of a row answered after its batch failed."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
 
 BAD = -1
+APP = Path(__file__).resolve().parents[2] / "app"
 
 
 def model(broken: bool = False):  # type: ignore[no-untyped-def]
@@ -253,3 +256,23 @@ async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing(
     assert answered.compute_s == pytest.approx(0.22)
     assert answered.batch is not None
     assert answered.batch.failed_batch_s == pytest.approx(0.21)
+
+
+def test_triage_and_the_batcher_import_nothing_of_the_engine_but_its_messages() -> None:
+    """Imports point one way: the engine uses the batcher, never the reverse. Triage
+    imported `engine.health` (for `device_lost`, now in `app/failures.py`); the messages
+    of `engine/protocol.py`, shared by the front ends and the engine, are the exception."""
+    for module in ("batch_triage", "batcher", "batch_trace", "failures"):
+        tree = ast.parse((APP / f"{module}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        } | {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        engine = {name for name in imported if name.startswith("app.engine")}
+        assert engine <= {"app.engine.protocol"}, (module, engine)

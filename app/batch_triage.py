@@ -6,8 +6,10 @@ counting the failure toward the engine's ill health, let one client's bad inputs
 clients' requests and, sent a few times, get the pod restarted. So a known-good row of the
 same shape (the warm-up's) runs first: if it fails too, the server is failing; if not, each
 row of the failed batch runs again alone, the rows that compute alone are answered, and a
-row that fails alone is the input's fault. Whatever the input, out of memory and a lost
-device are the server's (`server_fault`), for the whole batch and for a row alone.
+row that fails alone is the input's fault, once the server was seen computing (the
+known-good row, or without one a row alone): until then it is only suspected, and the
+server's when nothing computes. Whatever the input, out of memory and a lost device are the
+server's (`server_fault`), for the whole batch and for a row alone.
 
 Pure orchestration over an injected `run` (which computes rows on a compute thread and
 raises what the model raised); event loop thread only.
@@ -51,7 +53,9 @@ class RowFailed:
 class Triage(Generic[OutputT]):
     """Each row's output alone, or its `RowFailed`, or None for a row not run because
     nobody waits for it any more (`still_waiting` said so); and the failure to count
-    toward the engine's ill health, None when inputs alone were at fault."""
+    toward the engine's ill health. That is None only when the server was seen computing
+    during the triage (its known-good row, or a row alone): only then may health hear of
+    the batch as a success, which clears its count of failed batches."""
 
     alone: list[OutputT | RowFailed | None]
     server_error: Exception | None
@@ -59,6 +63,10 @@ class Triage(Generic[OutputT]):
     @property
     def server_failing(self) -> bool:
         return self.server_error is not None
+
+
+def _as_servers(result: OutputT | RowFailed | None) -> OutputT | RowFailed | None:
+    return RowFailed(result.error, servers=True) if isinstance(result, RowFailed) else result
 
 
 def _all_servers(rows: Sequence[object], error: Exception) -> Triage[OutputT]:
@@ -84,9 +92,18 @@ async def triage(
     then: a row left alone by the others' going is not the one that failed), each only
     if `still_waiting(its index)`, asked just before its run, says so (the caller answers
     a row past its deadline there: rows of a running batch are off the scheduler); a row
-    alone failing the server's way fails as the server's, and so do the rows after it, not
-    run. Without a known-good row, the server is failing when rows ran and none computed
-    alone."""
+    alone failing the server's way fails as the server's, and so do the rows after it,
+    not run.
+
+    A row failing alone is its input's fault only once the server was seen computing:
+    its known-good row computed, or (without one) a row computed alone. Until then a
+    failed row is only suspected: should the server fail the server's way before
+    anything computed, or nothing compute at all, it is the server's (500, counted toward
+    ill health). So without a known-good row, a failed batch of which nothing
+    computed alone (every row failed, or nobody waited for any, or it was a batch of one)
+    is a failure of the server's, `batch_error`: no evidence that the server computes
+    anything, and a server whose slow failures outlast every row's deadline must still
+    turn unhealthy; it is never a success that clears health's count."""
     if server_fault(batch_error):
         return _all_servers(rows, batch_error)
     if known_good is not None:
@@ -99,26 +116,28 @@ async def triage(
                 rows
             )
             return Triage(alone_failed, error if server_fault(error) else batch_error)
-    if batch_rows == 1:
-        if known_good is None and rows:
-            return _all_servers(rows, batch_error)
-        return Triage([RowFailed(batch_error, servers=False)] * len(rows), server_error=None)
+        if batch_rows == 1:
+            return Triage([RowFailed(batch_error, servers=False)] * len(rows), server_error=None)
+    elif batch_rows == 1:
+        return _all_servers(rows, batch_error)  # nothing computed, nothing will: no evidence
+    seen_computing = known_good is not None
     alone: list[OutputT | RowFailed | None] = []
     for index, row in enumerate(rows):
         if not still_waiting(index):
             alone.append(None)
             continue
         try:
-            alone.append(await run([row]))
+            output = await run([row])
         except Exception as error:  # the model's own exception, whatever it is
             if server_fault(error):
+                if not seen_computing:  # the rows that failed before it were suspects
+                    alone = [_as_servers(result) for result in alone]
                 alone.extend([RowFailed(error, servers=True)] * (len(rows) - index))
                 return Triage(alone, server_error=error)
             alone.append(RowFailed(error, servers=False))
-    ran = [result for result in alone if result is not None]
-    if known_good is None and ran and all(isinstance(result, RowFailed) for result in ran):
-        failed = [
-            RowFailed(r.error, servers=True) if isinstance(r, RowFailed) else r for r in alone
-        ]
-        return Triage(failed, server_error=batch_error)
+            continue
+        alone.append(output)
+        seen_computing = True
+    if not seen_computing:
+        return Triage([_as_servers(result) for result in alone], server_error=batch_error)
     return Triage(alone, server_error=None)

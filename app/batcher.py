@@ -289,10 +289,12 @@ class Batcher(Generic[RowT, OutT]):
         """Answer each row of a failed batch from its run alone (`batch_triage`), in the
         smallest batch of its length (a full-size padded batch per row cost as many full
         batches as rows); returns the failure to count against the engine's health, None
-        when inputs were at fault. Out of memory and a lost device are the server's, for the
-        batch and for a row alone (`batch_triage.server_fault`: a transient one would
-        otherwise read as the input's fault), and so is a fault of the triage itself. A row
-        nobody waits for any more is not run alone (`_still_waiting`).
+        only when triage saw the server compute (its known-good row, or a row alone) and
+        inputs alone were at fault: a failed batch where nothing computed never clears
+        health's count. Out of memory and a lost device are the server's, for the batch and
+        for a row alone (`batch_triage.server_fault`: a transient one would otherwise read
+        as the input's fault), and so is a fault of the triage itself. A row nobody waits
+        for any more is not run alone (`_still_waiting`).
         A row answered waited in the queue until the failed batch `started`; all its time
         since was spent computing, its own run alone and the rest lost to the failed batch
         (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""

@@ -102,9 +102,44 @@ async def test_a_row_left_alone_by_the_others_going_runs_alone_before_it_is_blam
     assert verdict.alone == [[2]] and not verdict.server_failing
 
 
-async def test_a_failed_batch_whose_rows_all_went_says_nothing_of_the_server() -> None:
-    verdict = await triage([], IndexError("batch"), model(), known_good=None, batch_rows=2)
-    assert verdict.alone == [] and not verdict.server_failing
+@pytest.mark.parametrize(
+    ("rows", "batch_rows", "waiting"),
+    [([], 2, True), ([], 1, True), ([BAD, BAD], 2, False)],
+    ids=["all-went", "its-one-row-went", "none-still-waited-for"],
+)
+async def test_a_failed_batch_of_which_nothing_computed_never_clears_health(
+    rows: list[int], batch_rows: int, waiting: bool
+) -> None:
+    """Every row went while the batch ran (its client left, or it could no longer finish
+    in time), and there is no known-good row: nothing shows the server computes. That
+    was a success to health (`server_error` None), which cleared its count of failed
+    batches, so a server whose slow failures outlast every deadline never turned
+    unhealthy. It is the batch's failure, the server's (one strike), nothing run."""
+    runs: list[Sequence[int]] = []
+    batch_error = IndexError("batch")
+    verdict = await triage(
+        rows,
+        batch_error,
+        counted_model(MemoryError(), runs),
+        known_good=None,
+        batch_rows=batch_rows,
+        still_waiting=lambda index: waiting,
+    )
+    assert verdict.server_error is batch_error and runs == []
+    assert verdict.alone == [None] * len(rows)
+
+
+async def test_a_failed_batch_whose_rows_all_went_clears_health_if_its_known_good_row_ran() -> None:
+    runs: list[Sequence[int]] = []
+    verdict = await triage(
+        [BAD, BAD],
+        IndexError("batch"),
+        counted_model(MemoryError(), runs),
+        known_good=[0],
+        batch_rows=2,
+        still_waiting=lambda index: False,
+    )
+    assert verdict.alone == [None, None] and not verdict.server_failing and runs == [[0]]
 
 
 class OutOfMemoryError(RuntimeError):
@@ -172,6 +207,49 @@ async def test_a_lost_device_the_known_good_row_finds_is_what_health_hears_of() 
     assert verdict.server_error is lost
 
 
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=["memory", "torch-oom", "device-lost"])
+async def test_without_a_known_good_row_rows_failed_before_the_server_s_fault_are_the_server_s(
+    fault: Exception,
+) -> None:
+    """Nothing computed before the server ran out of memory: the row that failed first
+    was only a suspect, and stayed its input's fault, a 400 nobody retries, for what is
+    evidence of a failing server."""
+    runs: list[Sequence[int]] = []
+    verdict = await triage(
+        [BAD, HEAVY, 1], IndexError("batch"), counted_model(fault, runs), None, batch_rows=3
+    )
+    [suspect, heavy, after] = verdict.alone
+    assert isinstance(suspect, RowFailed) and isinstance(suspect.error, IndexError)
+    assert suspect.servers and heavy == after == RowFailed(fault, servers=True)
+    assert verdict.server_error is fault and runs == [[BAD], [HEAVY]]
+    # A row computed before: the server computes, and the bad row is its input's fault.
+    computed_first = await triage(
+        [1, BAD, HEAVY], IndexError("batch"), counted_model(fault, []), None, batch_rows=3
+    )
+    assert computed_first.alone[1] == RowFailed(computed_first.alone[1].error, servers=False)  # type: ignore[union-attr]
+    assert computed_first.server_error is fault
+
+
+def test_triage_and_the_batcher_import_nothing_of_the_engine_but_its_messages() -> None:
+    """Imports point one way: the engine uses the batcher, never the reverse. Triage
+    imported `engine.health` (for `device_lost`, now in `app/failures.py`); the messages
+    of `engine/protocol.py`, shared by the front ends and the engine, are the exception."""
+    for module in ("batch_triage", "batcher", "batch_trace", "failures"):
+        tree = ast.parse((APP / f"{module}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        } | {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        engine = {name for name in imported if name.startswith("app.engine")}
+        assert engine <= {"app.engine.protocol"}, (module, engine)
+
+
 @pytest.mark.parametrize("known_good", [[0], None])
 async def test_a_row_nobody_waits_for_any_more_is_not_run_alone(
     known_good: list[int] | None,
@@ -195,16 +273,6 @@ async def test_a_row_nobody_waits_for_any_more_is_not_run_alone(
     )
     assert verdict.alone == [[2], None, [6]] and not verdict.server_failing
     assert asked == [0, 1, 2] and [BAD] not in runs
-    nobody: list[Sequence[int]] = []
-    none_left = await triage(
-        [BAD, BAD],
-        IndexError("batch"),
-        counted_model(MemoryError(), nobody),
-        known_good=None,
-        batch_rows=2,
-        still_waiting=lambda index: False,
-    )
-    assert none_left.alone == [None, None] and not none_left.server_failing and nobody == []
 
 
 async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing() -> None:
@@ -256,23 +324,3 @@ async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing(
     assert answered.compute_s == pytest.approx(0.22)
     assert answered.batch is not None
     assert answered.batch.failed_batch_s == pytest.approx(0.21)
-
-
-def test_triage_and_the_batcher_import_nothing_of_the_engine_but_its_messages() -> None:
-    """Imports point one way: the engine uses the batcher, never the reverse. Triage
-    imported `engine.health` (for `device_lost`, now in `app/failures.py`); the messages
-    of `engine/protocol.py`, shared by the front ends and the engine, are the exception."""
-    for module in ("batch_triage", "batcher", "batch_trace", "failures"):
-        tree = ast.parse((APP / f"{module}.py").read_text())
-        imported = {
-            node.module
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module is not None
-        } | {
-            alias.name
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-        }
-        engine = {name for name in imported if name.startswith("app.engine")}
-        assert engine <= {"app.engine.protocol"}, (module, engine)

@@ -60,7 +60,8 @@ class InlineDispatcher:
 class Model:
     """Doubles rows, each run moving the clock `RUN_S`; throws an IndexError on a batch
     holding a BAD row, `heavy_fault` on a HEAVY row alone, `batch_fault` (when set) on any
-    batch of more than one row. `on_known_good` runs when the known-good row (0) does."""
+    batch of more than one row. `on_known_good` runs when the known-good row (0) does,
+    `on_batch` when a batch of more than one row does."""
 
     def __init__(self, heavy_fault: Exception | None = None) -> None:
         self.now = 0.0
@@ -68,6 +69,7 @@ class Model:
         self.heavy_fault = heavy_fault
         self.batch_fault: Exception | None = None
         self.on_known_good: Callable[[], None] = lambda: None
+        self.on_batch: Callable[[], None] = lambda: None
 
     def clock(self) -> float:
         return self.now
@@ -77,6 +79,8 @@ class Model:
         self.now += RUN_S
         if list(rows) == [0]:
             self.on_known_good()
+        if len(rows) > 1:
+            self.on_batch()
         if self.batch_fault is not None and len(rows) > 1:
             raise self.batch_fault
         if BAD in rows:
@@ -86,9 +90,9 @@ class Model:
         return Computed(rows)
 
 
-async def warmed_batcher(model: Model, health: BatchHealth) -> Batcher[int, int]:
-    """A batcher whose warm-up ran (its rows of zeros are the known-good rows)."""
-    batcher: Batcher[int, int] = Batcher(
+def cold_batcher(model: Model, health: BatchHealth) -> Batcher[int, int]:
+    """A batcher whose warm-up did not run (`STEADY_WARMUP` off): no known-good rows."""
+    return Batcher(
         "m",
         TWO_BUCKETS,
         model,
@@ -99,6 +103,11 @@ async def warmed_batcher(model: Model, health: BatchHealth) -> Batcher[int, int]
         clock=model.clock,
         on_batch_done=health.record,
     )
+
+
+async def warmed_batcher(model: Model, health: BatchHealth) -> Batcher[int, int]:
+    """A batcher whose warm-up ran (its rows of zeros are the known-good rows)."""
+    batcher = cold_batcher(model, health)
     await batcher.warm_up_rows(lambda shape: [0] * shape.batch, lambda done, total: None)
     model.ran.clear()
     return batcher
@@ -186,3 +195,46 @@ async def test_rows_nobody_waits_for_are_not_run_alone_and_a_late_one_is_answere
     # no longer make its deadline, and `gone` is gone.
     assert model.ran == [[1, 2, 4, BAD], [0], [1], [BAD]]
     assert health.consecutive_failures == 0
+
+
+async def test_a_failed_batch_whose_rows_all_went_without_a_known_good_row_is_a_strike() -> None:
+    """Both clients left while the batch failed, and warm-up was off: nothing computed,
+    yet health heard of a success and cleared its count, so a server whose failures
+    outlast every deadline (or every client's patience) never turned unhealthy."""
+    model = Model()
+    health = BatchHealth(threshold=3)
+    for _ in range(2):
+        health.record(IndexError("an earlier failed batch"))
+    batcher = cold_batcher(model, health)
+    model.batch_fault = IndexError("index out of range")
+    futures = batcher.submit([1], deadline=100.0) + batcher.submit([2], deadline=100.0)
+
+    def clients_leave() -> None:
+        for future in futures:
+            future.cancel()
+
+    model.on_batch = clients_leave
+    batcher.start()
+    await batcher.close()
+    assert model.ran == [[1, 2]]
+    assert health.consecutive_failures == 3 and not health.healthy
+
+
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=IDS)
+async def test_without_a_known_good_row_a_row_failed_before_the_server_s_fault_is_a_500(
+    fault: Exception,
+) -> None:
+    """Warm-up off: the BAD row failed alone, then the HEAVY one ran out of memory, nothing
+    computed in between. The BAD row was answered 400 (its client told not to retry) for
+    what is evidence of a failing server, as the HEAVY one is answered 500."""
+    model = Model(heavy_fault=fault)
+    health = BatchHealth(threshold=3)
+    batcher = cold_batcher(model, health)
+    bad = batcher.submit([BAD], deadline=100.0)
+    heavy = batcher.submit([HEAVY], deadline=100.0)
+    batcher.start()
+    emitted = await answer(bad) + await answer(heavy)
+    await batcher.close()
+    assert [m.kind for m in emitted] == [FailureKind.FAILED] * 2  # type: ignore[union-attr]
+    assert model.ran == [[BAD, HEAVY], [BAD], [HEAVY]]
+    assert health.consecutive_failures == 1

@@ -81,6 +81,7 @@ async def triage(
     *,
     batch_rows: int,
     still_waiting: Callable[[int], bool] = lambda index: True,
+    on_input_fault: Callable[[int, RowFailed], None] = lambda index, failed: None,
 ) -> Triage[OutputT]:
     """`rows`: those of the failed batch still waiting for an answer (of its `batch_rows`;
     the rest were cancelled or expired while it ran). A `batch_error` of the server's
@@ -91,15 +92,19 @@ async def triage(
     runs alone (a batch of one row already did: its `batch_error` is its own, and only
     then: a row left alone by the others' going is not the one that failed), each only
     if `still_waiting(its index)`, asked just before its run, says so (the caller answers
-    a row past its deadline there: rows of a running batch are off the scheduler); a row
-    alone failing the server's way fails as the server's, and so do the rows after it,
-    not run.
+    a row past its deadline there, and skips a row whose request already failed: rows of
+    a running batch are off the scheduler); a row alone failing the server's way fails as
+    the server's, and so do the rows after it, not run.
 
     A row failing alone is its input's fault only once the server was seen computing:
-    its known-good row computed, or (without one) a row computed alone. Until then a
-    failed row is only suspected: should the server fail the server's way before
-    anything computed, or nothing compute at all, it is the server's (500, counted toward
-    ill health). So without a known-good row, a failed batch of which nothing
+    its known-good row computed, or (without one) a row computed alone. From that moment
+    each such row is passed to `on_input_fault(its index, its RowFailed)` at once (those
+    that failed before it, then each as it fails), before the next row runs, so the caller
+    can answer its request and skip the request's other rows; the verdict holds it too.
+    Until then a failed row is only suspected, never passed: should the server fail the
+    server's way before anything computed, or nothing compute at all, it is the server's
+    (500, counted toward ill health), so no row is answered 400 and then turns out the
+    server's. So without a known-good row, a failed batch of which nothing
     computed alone (every row failed, or nobody waited for any, or it was a batch of one)
     is a failure of the server's, `batch_error`: no evidence that the server computes
     anything, and a server whose slow failures outlast every row's deadline must still
@@ -117,7 +122,10 @@ async def triage(
             )
             return Triage(alone_failed, error if server_fault(error) else batch_error)
         if batch_rows == 1:
-            return Triage([RowFailed(batch_error, servers=False)] * len(rows), server_error=None)
+            own = RowFailed(batch_error, servers=False)
+            for index in range(len(rows)):
+                on_input_fault(index, own)
+            return Triage([own] * len(rows), server_error=None)
     elif batch_rows == 1:
         return _all_servers(rows, batch_error)  # nothing computed, nothing will: no evidence
     seen_computing = known_good is not None
@@ -134,10 +142,17 @@ async def triage(
                     alone = [_as_servers(result) for result in alone]
                 alone.extend([RowFailed(error, servers=True)] * (len(rows) - index))
                 return Triage(alone, server_error=error)
-            alone.append(RowFailed(error, servers=False))
+            failed = RowFailed(error, servers=False)
+            alone.append(failed)
+            if seen_computing:
+                on_input_fault(index, failed)
             continue
         alone.append(output)
-        seen_computing = True
+        if not seen_computing:
+            seen_computing = True
+            for earlier, result in enumerate(alone):
+                if isinstance(result, RowFailed):
+                    on_input_fault(earlier, result)
     if not seen_computing:
         return Triage([_as_servers(result) for result in alone], server_error=batch_error)
     return Triage(alone, server_error=None)

@@ -58,6 +58,7 @@ class _Pending(Generic[RowT, OutT]):
     row: RowT
     future: asyncio.Future[ItemResult[OutT]]
     request_items: tuple[int, ...]  # the item ids of its request's inputs, its own included
+    request_futures: tuple[asyncio.Future[ItemResult[OutT]], ...]  # in the same order
 
 
 def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
@@ -127,16 +128,17 @@ class Batcher(Generic[RowT, OutT]):
             raise ValueError(f"{max(lengths)} {unit} exceed the largest length bucket")
         now = self._clock()
         loop = asyncio.get_running_loop()
-        futures: list[asyncio.Future[ItemResult[OutT]]] = []
+        futures: list[asyncio.Future[ItemResult[OutT]]] = [loop.create_future() for _ in rows]
+        request_futures = tuple(futures)
         request_items = tuple(next(self._ids) for _ in rows)
-        for item_id, row, length, bucket in zip(request_items, rows, lengths, buckets, strict=True):
+        for item_id, row, length, bucket, future in zip(
+            request_items, rows, lengths, buckets, futures, strict=True
+        ):
             assert bucket is not None
             item = WorkItem(item_id, length, bucket, enqueued_at=now, deadline=deadline)
-            future: asyncio.Future[ItemResult[OutT]] = loop.create_future()
             future.add_done_callback(partial(self._on_done, item_id))
-            self._pending[item_id] = _Pending(item, row, future, request_items)
+            self._pending[item_id] = _Pending(item, row, future, request_items, request_futures)
             self.scheduler.enqueue(item)
-            futures.append(future)
         # With every worker busy the loop only needs waking if these inputs expire before
         # the moment it already waits for: spares a queue scan per arrival under overload.
         expires_at = deadline - max(
@@ -293,8 +295,9 @@ class Batcher(Generic[RowT, OutT]):
         inputs alone were at fault: a failed batch where nothing computed never clears
         health's count. Out of memory and a lost device are the server's, for the batch and
         for a row alone (`batch_triage.server_fault`: a transient one would otherwise read
-        as the input's fault), and so is a fault of the triage itself. A row nobody waits
-        for any more is not run alone (`_still_waiting`).
+        as the input's fault), and so is a fault of the triage itself. A row of its input's
+        fault is failed as soon as triage is sure of it (`on_input_fault`), so its
+        request's other rows are not run alone for nobody (`_still_waiting`).
         A row answered waited in the queue until the failed batch `started`; all its time
         since was spent computing, its own run alone and the rest lost to the failed batch
         (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
@@ -310,6 +313,7 @@ class Batcher(Generic[RowT, OutT]):
                 known_good,
                 batch_rows=len(pendings),
                 still_waiting=lambda index: self._still_waiting(waiting[index], solo),
+                on_input_fault=lambda index, failed: self._fail_row(waiting[index], failed),
             )
         except BaseException as fault:
             for pending in pendings:
@@ -321,9 +325,7 @@ class Batcher(Generic[RowT, OutT]):
             if alone is None:
                 continue  # answered already, or nobody waits for it
             if isinstance(alone, RowFailed):
-                failure = (BatchFailed if alone.servers else InputFailed)(repr(alone.error))
-                failure.__cause__ = alone.error  # its traceback, for whoever answers it
-                self._fail(pending, failure)
+                self._fail_row(pending, alone)  # a no-op for one failed already
                 continue
             own_s = alone.timings.compute_s
             since_started = self._clock() - started
@@ -340,15 +342,26 @@ class Batcher(Generic[RowT, OutT]):
             )
         return verdict.server_error
 
+    def _fail_row(self, pending: _Pending[RowT, OutT], failed: RowFailed) -> None:
+        """Fail a row of a failed batch as triage found it: 500 when the server's, else 400
+        (`InputFailed`); a no-op for a row already answered. Event loop thread only."""
+        failure = (BatchFailed if failed.servers else InputFailed)(repr(failed.error))
+        failure.__cause__ = failed.error  # its traceback, for whoever answers it
+        self._fail(pending, failure)
+
     def _still_waiting(self, pending: _Pending[RowT, OutT], solo: BatchShape) -> bool:
         """Whether a row of a failed batch is still worth its run alone, asked just before
-        it: not once its future is done (its client left, or another input's failure
-        answered its request), nor once it can no longer finish in time (its deadline
-        before now plus the run's estimated compute, the scheduler's rule for queued
-        inputs): that one is answered 504 now, its request's queued inputs withdrawn with
-        it (`_fail`). A row in a batch is off the scheduler, so nothing else expires it.
-        Event loop thread only."""
-        if pending.future.done():
+        it: not once an input of its request, itself included, failed or was cancelled
+        (its client left, or the request is answered with that failure, the rest unread:
+        checked here, as the answer's task may not have run yet to cancel them), nor once
+        it can no longer finish in time (its deadline before now plus the run's estimated
+        compute, the scheduler's rule for queued inputs): that one is answered 504 now, its
+        request's queued inputs withdrawn with it (`_fail`). A row in a batch is off the
+        scheduler, so nothing else expires it. Event loop thread only."""
+        if pending.future.done() or any(
+            future.cancelled() or (future.done() and future.exception() is not None)
+            for future in pending.request_futures
+        ):
             return False
         if pending.item.deadline <= self._clock() + self.scheduler.estimated_compute(solo):
             self._fail(pending, DeadlineExceeded())

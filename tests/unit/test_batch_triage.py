@@ -230,6 +230,49 @@ async def test_without_a_known_good_row_rows_failed_before_the_server_s_fault_ar
     assert computed_first.server_error is fault
 
 
+@pytest.mark.parametrize("known_good", [[0], None])
+async def test_a_row_of_its_input_s_fault_is_handed_over_as_soon_as_that_is_certain(
+    known_good: list[int] | None,
+) -> None:
+    """Its request is answered with that failure: its other rows need not run alone,
+    holding the compute slot for nobody. Certain once the server was seen computing: the
+    known-good row, or without one the first row that computes alone."""
+    events: list[tuple[str, object]] = []
+    inner = model()
+
+    async def run(rows: Sequence[int]) -> list[int]:
+        events.append(("run", list(rows)))
+        return await inner(rows)
+
+    verdict = await triage(
+        [BAD, 1, BAD, 2],
+        IndexError("batch"),
+        run,
+        known_good,
+        batch_rows=4,
+        on_input_fault=lambda index, failed: events.append(("fault", index)),
+    )
+    if known_good:  # at once
+        expected = [("run", [0]), ("run", [BAD]), ("fault", 0), ("run", [1])]
+    else:  # once row 1 computed
+        expected = [("run", [BAD]), ("run", [1]), ("fault", 0)]
+    expected += [("run", [BAD]), ("fault", 2), ("run", [2])]
+    assert events == expected
+    assert [r.servers for r in verdict.alone if isinstance(r, RowFailed)] == [False, False]
+    assert not verdict.server_failing
+    if not known_good:  # the server failed before anything computed: nothing certain
+        handed: list[int] = []
+        await triage(
+            [BAD, HEAVY],
+            IndexError("batch"),
+            counted_model(MemoryError(), []),
+            None,
+            batch_rows=2,
+            on_input_fault=lambda index, failed: handed.append(index),
+        )
+        assert handed == []
+
+
 def test_triage_and_the_batcher_import_nothing_of_the_engine_but_its_messages() -> None:
     """Imports point one way: the engine uses the batcher, never the reverse. Triage
     imported `engine.health` (for `device_lost`, now in `app/failures.py`); the messages

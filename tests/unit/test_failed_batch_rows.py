@@ -238,3 +238,25 @@ async def test_without_a_known_good_row_a_row_failed_before_the_server_s_fault_i
     assert [m.kind for m in emitted] == [FailureKind.FAILED] * 2  # type: ignore[union-attr]
     assert model.ran == [[BAD, HEAVY], [BAD], [HEAVY]]
     assert health.consecutive_failures == 1
+
+
+@pytest.mark.parametrize("warmed", [True, False], ids=["known-good", "warm-up-off"])
+async def test_a_request_failed_by_one_row_alone_has_no_other_row_run_alone(warmed: bool) -> None:
+    """The request is answered 400 with its first failed row, its other rows unread: they
+    were run alone all the same, one after another on the shared compute slot, as the row's
+    failure reached it only once the whole triage was done. Its fault is certain once the
+    server computed (the known-good row, or warm-up off, another row alone)."""
+    model = Model()
+    health = BatchHealth(threshold=3)
+    batcher = await warmed_batcher(model, health) if warmed else cold_batcher(model, health)
+    failing = batcher.submit([BAD, 1, 2], deadline=100.0)
+    (other,) = batcher.submit([4], deadline=100.0)
+    batcher.start()
+    emitted = await answer(failing)
+    await batcher.close()
+    [failure] = emitted
+    assert failure.kind == FailureKind.BAD_REQUEST and failure.input_index == 0  # type: ignore[union-attr]
+    assert (await other).value == 8
+    certain = [[0], [BAD]] if warmed else [[BAD], [1]]
+    assert model.ran == [[BAD, 1, 2, 4], *certain, [4]]
+    assert health.consecutive_failures == 0

@@ -7,13 +7,14 @@ longest dynamic dimension, bucketed like token lengths (`settings.length_buckets
 without dynamic dimensions has the one length bucket 1.
 
 Event loop thread only; batches run on dispatcher compute threads, and a large answer's
-rows are stacked on a worker thread (`stacked_outputs`).
+rows are stacked on the host's own stacking thread (`stacked_outputs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
 
@@ -106,16 +107,16 @@ def stack_outputs(
 
 
 async def stacked_outputs(
-    specs: Sequence[TensorSpec], rows: Sequence[tuple[Array, ...]]
+    specs: Sequence[TensorSpec], rows: Sequence[tuple[Array, ...]], stacker: Executor
 ) -> list[TensorData]:
-    """`stack_outputs`, on a worker thread (asyncio's default executor) when the rows hold
+    """`stack_outputs`, on `stacker` (the host's one stacking thread) when the rows hold
     more than `STACK_ON_LOOP_MAX_BYTES`, so the loop runs on while they are copied: a
     request's rows may come from several batches, so no one compute thread has them all
     (`np.stack` lets go of the GIL while it copies; the one copy into `bytes` holds it).
     Event loop thread only."""
     if sum(array.nbytes for row in rows for array in row) <= STACK_ON_LOOP_MAX_BYTES:
         return stack_outputs(specs, rows)
-    return await asyncio.to_thread(stack_outputs, specs, rows)
+    return await asyncio.get_running_loop().run_in_executor(stacker, stack_outputs, specs, rows)
 
 
 class TensorHost(BatchedHost):
@@ -129,6 +130,12 @@ class TensorHost(BatchedHost):
         self.pool = pool
         self.batcher: TensorBatcher = batcher
         self._context = context
+        # One thread, started on the first large answer: asyncio's default executor ran
+        # these copies on up to min(32, CPUs + 4) threads, beyond the CPU budget that
+        # `check-config` sizes (compute threads x torch threads). Copies only, never model
+        # code; answers wait their turn on it.
+        self._stacker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steadyserve-stack")
+        self._answers: set[asyncio.Task[None]] = set()
 
     def info(self) -> ModelInfo:
         return ModelInfo(task="tensor", output_width=0, max_input_tokens=0)
@@ -161,9 +168,10 @@ class TensorHost(BatchedHost):
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
             return None
         arrival = self._context.tracer.arrive(self.queued_inputs() - len(futures))
-        return answering(
-            asyncio.create_task(self._answer(request, shape, futures, emit, arrival)), futures
-        )
+        task = asyncio.create_task(self._answer(request, shape, futures, emit, arrival))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+        return answering(task, futures)
 
     async def _answer(
         self,
@@ -176,8 +184,19 @@ class TensorHost(BatchedHost):
         results = await gather_rows(futures, request, emit, self._context.metrics)
         if results is None:
             return
-        outputs = await stacked_outputs(self.model.outputs, [r.value for r in results])
+        outputs = await stacked_outputs(
+            self.model.outputs, [r.value for r in results], self._stacker
+        )
         emit(final_output(request, TensorOutput(outputs), results, self._context.tracer, arrival))
+
+    async def close(self) -> None:
+        """Finish queued and running batches, then the answers they leave (each may still
+        be stacking), then stop the stacking thread: nothing is left for it, so joining
+        it returns at once (but for the copy of an answer cancelled mid-way)."""
+        await self.batcher.close()
+        if self._answers:
+            await asyncio.wait(set(self._answers))
+        self._stacker.shutdown(wait=True)
 
 
 async def load_tensor_host(spec: ModelSpec, context: EngineContext) -> TensorHost:

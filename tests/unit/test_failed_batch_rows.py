@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 
@@ -18,10 +17,10 @@ from app.compute_slots import ComputeSlots
 from app.engine.health import BatchHealth
 from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit
 from app.engine.rows import gather_rows
-from app.execute import SlotTimings
 from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
+from tests.support.inline_batching import Computed, InlineDispatcher
 
 T = TypeVar("T")
 BAD, HEAVY = 3, 7  # a row the model throws on; one the server fails on alone
@@ -35,26 +34,6 @@ TWO_BUCKETS = BatchPolicy(
 
 class OutOfMemoryError(RuntimeError):
     """Named as torch's (`torch.OutOfMemoryError`)."""
-
-
-TIMINGS = SlotTimings(compute_s=0.01, acquire_wait_s=0.0, pool_miss=False)
-
-
-@dataclass(frozen=True)
-class Computed:
-    rows: Sequence[int]
-    timings: SlotTimings = TIMINGS
-
-    def row(self, index: int) -> int:
-        return 2 * self.rows[index]
-
-
-class InlineDispatcher:
-    async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
-        return fn(*args)
-
-    async def run_on_every_compute_thread(self, fn: Callable[..., T], *args: Any) -> list[T]:
-        return [fn(*args)]
 
 
 class Model:

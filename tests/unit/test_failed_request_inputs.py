@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 
@@ -17,31 +16,14 @@ from app.batcher import Batcher, ItemResult
 from app.compute_slots import ComputeSlots
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, Submit
 from app.engine.rows import gather_rows
-from app.execute import SlotTimings
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
+from tests.support.inline_batching import Computed, InlineDispatcher
 
 T = TypeVar("T")
 BAD = 3  # a row the fake model throws on
 SHORT, LONG = 5, 12  # rows of the 8 and the 16 length bucket (a row is its own length)
-
-
-TIMINGS = SlotTimings(compute_s=0.01, acquire_wait_s=0.0, pool_miss=False)
-
-
-@dataclass(frozen=True)
-class Computed:
-    rows: Sequence[int]
-    timings: SlotTimings = TIMINGS
-
-    def row(self, index: int) -> int:
-        return 2 * self.rows[index]
-
-
-class InlineDispatcher:
-    async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
-        return fn(*args)
 
 
 class Model:

@@ -1,0 +1,36 @@
+"""Fakes for driving a real `Batcher` on the event loop alone: a dispatcher that runs each
+batch inline (its end one callback after its start, so the loop's order of callbacks
+decides, deterministically) and what a fake model's batch computes (each row doubled)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from app.execute import SlotTimings
+
+T = TypeVar("T")
+
+TIMINGS = SlotTimings(compute_s=0.01, acquire_wait_s=0.0, pool_miss=False)
+
+
+@dataclass(frozen=True)
+class Computed:
+    """A batch's result: row i computes to twice its value."""
+
+    rows: Sequence[int]
+    timings: SlotTimings = TIMINGS
+
+    def row(self, index: int) -> int:
+        return 2 * self.rows[index]
+
+
+class InlineDispatcher:
+    """Runs what a compute thread would, on the caller's event loop."""
+
+    async def run_compute(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    async def run_on_every_compute_thread(self, fn: Callable[..., T], *args: Any) -> list[T]:
+        return [fn(*args)]

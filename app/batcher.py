@@ -35,6 +35,10 @@ from app.telemetry.shapes import ShapeTracker
 
 log = logging.getLogger(__name__)
 
+# What a row of a failed batch too late for its run alone is told (not "in the queue": it
+# had left the queue for the batch that failed).
+RERUN_DEADLINE_PASSED = "deadline passed while its batch, which failed, was run again row by row"
+
 T = TypeVar("T")
 RowT = TypeVar("RowT")  # one queued input, as the batch's executor takes it
 OutT = TypeVar("OutT")  # one input's answer, as the batch's executor gives it
@@ -364,7 +368,7 @@ class Batcher(Generic[RowT, OutT]):
         ):
             return False
         if pending.item.deadline <= self._clock() + self.scheduler.estimated_compute(solo):
-            self._fail(pending, DeadlineExceeded())
+            self._fail(pending, DeadlineExceeded(RERUN_DEADLINE_PASSED))
             return False
         return True
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 
 class DeadlineExceeded(Exception):
-    """The input's deadline passed (or could no longer be met) before it was computed."""
+    """The input's deadline passed (or could no longer be met) before it was computed; its
+    text says where, as the client reads it (in the queue, unless told otherwise)."""
+
+    def __init__(self, where: str = "deadline passed in the queue") -> None:
+        super().__init__(where)
 
 
 class BatchFailed(Exception):

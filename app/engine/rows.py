@@ -86,7 +86,7 @@ async def gather_rows(
     metrics: Metrics,
 ) -> list[ItemResult[OutT]] | None:
     """Every row's result, in order; or None once the request was answered with its
-    failure (deadline passed in the queue, an input the model fails on, a failed batch)
+    failure (a deadline passed, an input the model fails on, a failed batch)
     or cancelled by its front end
     (which expects no answer). Either way its rows still queued are dropped: nobody
     would read what they compute."""
@@ -94,9 +94,9 @@ async def gather_rows(
         return await asyncio.gather(*futures)
     except asyncio.CancelledError:
         return None
-    except DeadlineExceeded:
+    except DeadlineExceeded as error:
         metrics.rejected.labels(request.model, RejectReason.DEADLINE.value).inc()
-        emit(Failure(request.request_id, FailureKind.DEADLINE, "deadline passed in the queue"))
+        emit(Failure(request.request_id, FailureKind.DEADLINE, str(error)))
         return None
     except InputFailed as error:
         emit(input_failure(request, futures, error))

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import pytest
 
-from app.batcher import Batcher, ItemResult
+from app.batcher import RERUN_DEADLINE_PASSED, Batcher, ItemResult
 from app.compute_slots import ComputeSlots
 from app.engine.health import BatchHealth
 from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit
@@ -169,6 +169,7 @@ async def test_rows_nobody_waits_for_are_not_run_alone_and_a_late_one_is_answere
     await batcher.close()
     assert (await good).value == 2
     assert isinstance(late[0].exception(), DeadlineExceeded)
+    assert str(late[0].exception()) == RERUN_DEADLINE_PASSED  # it had left the queue
     assert isinstance(bad.exception(), InputFailed)
     # The batch at start + 1, the known-good row at + 2, `good` alone at + 3: `late` can
     # no longer make its deadline, and `gone` is gone.

@@ -25,14 +25,14 @@ from typing import Any
 
 import yaml
 
-from loadtest.localserver import REPO_ROOT, ServeProcess, free_port, start_serve
-from tests.support.envoy import (
+from loadtest.local_envoy import (
     free_ports,
     local_envoy_config,
     running_envoy,
     upstream_cluster,
     wait_for,
 )
+from loadtest.localserver import REPO_ROOT, ServeProcess, free_port, start_serve
 
 ENVOY_PATH = "deploy/envoy/envoy.yaml"
 

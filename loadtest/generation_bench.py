@@ -1,6 +1,6 @@
 """Issue 8's generation bench: steadyserve's engine alone and the whole server over HTTP,
 against the same baselines, back to back in one run, with the tiny random-weight causal LM
-(tests/support/tiny_causal_lm.py; `--hidden`/`--layers` for a larger one).
+(loadtest/tiny_causal_lm.py; `--hidden`/`--layers` for a larger one).
 
 `--requests` prompts of exactly `--prompt-tokens` tokens, `--new-tokens` new tokens each,
 greedy, on steadyserve's device and dtype for all (`auto`: a GPU where there is one, else
@@ -64,7 +64,7 @@ from loadtest.localserver import REPO_ROOT, free_port
 from loadtest.overload_server import start_server
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stats import nearest_rank, p99_sample_note
-from tests.support.tiny_causal_lm import build_tiny_causal_lm
+from loadtest.tiny_causal_lm import build_tiny_causal_lm
 
 
 def _log(message: str) -> None:

@@ -35,7 +35,7 @@ from loadtest.httpclient import Target
 from loadtest.localserver import free_port
 from loadtest.proctree import stop_process
 from loadtest.stats import nearest_rank
-from tests.support.tiny_causal_lm import CORPUS
+from loadtest.tiny_causal_lm import CORPUS
 
 MODEL_NAME = "tiny"
 

@@ -9,9 +9,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_causal_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random-weight causal LM (`tests/support/tiny_causal_lm.py`), with a chat
+    """The tiny random-weight causal LM (`loadtest/tiny_causal_lm.py`), with a chat
     template, saved once per test session."""
-    from tests.support.tiny_causal_lm import build_tiny_causal_lm
+    from loadtest.tiny_causal_lm import build_tiny_causal_lm
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-causal-lm"))
 
@@ -19,7 +19,7 @@ def tiny_causal_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_causal_lm_without_chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same model and tokenizer, with no chat template."""
-    from tests.support.tiny_causal_lm import build_tiny_causal_lm
+    from loadtest.tiny_causal_lm import build_tiny_causal_lm
 
     return build_tiny_causal_lm(
         tmp_path_factory.mktemp("tiny-causal-lm-plain"), chat_template=False

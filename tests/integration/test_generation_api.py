@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from app.main import create_app
 from app.settings import Settings
+from loadtest.tiny_causal_lm import CORPUS
 from tests.support.generation import (
     generate_settings,
     load_reference,
@@ -33,7 +34,6 @@ from tests.support.generation import (
     sse_payloads,
 )
 from tests.support.listening import listening
-from tests.support.tiny_causal_lm import CORPUS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

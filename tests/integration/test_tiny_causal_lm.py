@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.models.tokenizer import load_tokenizer
-from tests.support.tiny_causal_lm import build_tiny_causal_lm
+from loadtest.tiny_causal_lm import build_tiny_causal_lm
 
 
 def test_loads_with_transformers_and_generates_varied_tokens(tiny_causal_lm: Path) -> None:

@@ -19,6 +19,7 @@ from app.engine.client import EngineRefused
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import EmbedOutput, EmbedPayload, FinishReason, SamplingParams, Submit
 from app.model_specs import ModelSpec
+from loadtest.tiny_causal_lm import CORPUS
 from tests.support.generation_engine import (
     SLOT_TOKENS,
     expected_greedy,
@@ -26,7 +27,6 @@ from tests.support.generation_engine import (
     settings_for,
     started,
 )
-from tests.support.tiny_causal_lm import CORPUS
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

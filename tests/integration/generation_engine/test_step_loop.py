@@ -17,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from app.engine.generation_host import GenerationHost
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
+from loadtest.tiny_causal_lm import build_tiny_causal_lm
 from tests.support.generation_engine import (
     Generated,
     collect,
@@ -26,7 +27,6 @@ from tests.support.generation_engine import (
     started,
     submit,
 )
-from tests.support.tiny_causal_lm import build_tiny_causal_lm
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -7,8 +7,9 @@ dispatcher compute thread (`execute.run_batch`). Every model's batcher draws on 
 Each input's future is resolved exactly once (by its batch, by the scheduler dropping it,
 or by its request's answer cancelling it); resolving an already-done future is a no-op. A
 batch that fails leaves no input waiting: it is triaged (`batch_triage.py`), the rows that
-compute alone are answered, a row that fails alone fails as its input's fault, and when the
-server fails whatever it runs, every input fails as the server's. An input that fails
+compute alone are answered, a row that fails alone fails as its input's fault once the
+server was seen computing (until then, the server's), and when the server fails whatever it
+runs, every input fails as the server's. An input that fails
 withdraws its request's still-queued inputs at once (`_fail`).
 """
 

@@ -213,8 +213,8 @@ async def _infer(
             outputs = await _tensors(request, service, spec, parsed, timeout_ms, envoy, timer)
     except Rejected as rejection:
         return _rejected(rejection)
-    except DeadlineExceeded:
-        return v2_error("deadline passed before the request was computed", 504)
+    except DeadlineExceeded as error:  # the engine's words: where it passed
+        return v2_error(str(error) or "deadline passed before the request was computed", 504)
     except (TensorError, InputTooLong, EngineRefused, WrongTask) as error:
         return v2_error(str(error), 400)
     except EngineUnavailable as error:

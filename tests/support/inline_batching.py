@@ -1,6 +1,6 @@
 """Fakes for driving a real `Batcher` on the event loop alone: a dispatcher that runs each
-batch inline (its end one callback after its start, so the loop's order of callbacks
-decides, deterministically) and what a fake model's batch computes (each row doubled)."""
+batch synchronously, within the step that awaits it (so the order is the loop's and
+deterministic), and what a fake model's batch computes (each row doubled)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import pytest
 from fastapi import FastAPI
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from app.batcher import RERUN_DEADLINE_PASSED
 from app.engine.core import EngineCore
 from app.engine.protocol import (
     EmbedPayload,
@@ -388,3 +389,22 @@ async def test_a_request_whose_prompts_expire_in_the_engine_counts_one_deadline(
         )
         assert response.status_code == 504
         assert refused_total(app, "tiny", "deadline") == 1
+
+
+@pytest.mark.parametrize("path", ["/v2/models/minilm/infer", "/infer"])
+async def test_a_deadline_answer_says_where_the_engine_found_it_passed(
+    tmp_path: Path, path: str
+) -> None:
+    """The v2 route answered every 504 "deadline passed before the request was computed",
+    whatever the engine said (a row too late for its run alone after its batch failed had
+    left the queue: `batcher.RERUN_DEADLINE_PASSED`)."""
+
+    def late(submit: Submit) -> FromEngine:
+        return Failure(submit.request_id, FailureKind.DEADLINE, RERUN_DEADLINE_PASSED)
+
+    v2_text = {"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hello"]}
+    body = {"inputs": [v2_text]} if path.startswith("/v2") else {"model": "minilm", "inputs": "hi"}
+    async with front_end(tmp_path, late) as (client, _, _):
+        response = await client.post(path, json=body)
+    assert response.status_code == 504, response.text
+    assert RERUN_DEADLINE_PASSED in response.text

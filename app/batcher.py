@@ -71,11 +71,6 @@ def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
         future.set_result(value)
 
 
-def _set_exception_if_not_done(future: asyncio.Future[T], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
 class Batcher(Generic[RowT, OutT]):
     """One model's queue and batch loop, whatever its inputs are: each queued input (a
     `RowT`) has a length (`length_of`: its tokens, or its longest dynamic dimension), which
@@ -192,7 +187,8 @@ class Batcher(Generic[RowT, OutT]):
         self._slots.withdraw(self)
         for item_id, pending in list(self._pending.items()):
             self.scheduler.cancel(item_id)
-            _set_exception_if_not_done(pending.future, BatchFailed("batch loop failed"))
+            if not pending.future.done():
+                pending.future.set_exception(BatchFailed("batch loop failed"))
         if not self._closing:
             self.start()
 

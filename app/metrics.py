@@ -23,9 +23,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from app.metrics_archive import MULTIPROCESS_DIR_ENV as MULTIPROCESS_DIR_ENV
 from app.metrics_archive import scrape_lock
 
-MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # A multiprocess file's used-bytes word and padding, before its first value.
 _MMAP_HEADER_BYTES = 8
 

@@ -17,14 +17,20 @@ came from, nor in neither. Any process may call either; both block while the oth
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 from collections.abc import Iterator
 
 from prometheus_client import multiprocess
 from prometheus_client.mmap_dict import MmapedDict
 
+log = logging.getLogger(__name__)
+
+# Where prometheus_client's multiprocess mode keeps every process's files (set by `serve`).
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The metric types whose values of every process add up (gauges combine by their mode and
 # die with their process instead).
 FOLDED_TYPES = ("counter", "histogram", "summary")
@@ -93,3 +99,15 @@ def _values_of(path: str) -> Iterator[tuple[str, float, float, int]]:
         return iter(())
     values: Iterator[tuple[str, float, float, int]] = MmapedDict.read_all_values_from_file(path)  # type: ignore[no-untyped-call]
     return values
+
+
+async def forget_dead_process(pid: int) -> None:
+    """Drop a dead process's live gauges; fold its counters and histograms into the archives
+    (`compact_dead_process`), in a thread: the fold waits for scrapes in progress. Nothing
+    outside multiprocess mode. Event loop thread (the supervisor's)."""
+    directory = os.environ.get(MULTIPROCESS_DIR_ENV)
+    if directory:
+        try:
+            await asyncio.to_thread(compact_dead_process, directory, pid)
+        except OSError:
+            log.exception("could not fold the metrics of dead process %d", pid)

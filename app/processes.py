@@ -49,8 +49,7 @@ from app.frontend_process import (
     drained,
     run_frontend_process,
 )
-from app.metrics import MULTIPROCESS_DIR_ENV
-from app.metrics_archive import compact_dead_process
+from app.metrics_archive import MULTIPROCESS_DIR_ENV, forget_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.run_dir import run_directory
 from app.settings import Settings
@@ -168,7 +167,7 @@ class ProcessTree:
     def _engine_exited(self, pid: int) -> None:
         self._engine_status.forget()
         # Kept until done (the loop holds tasks weakly); its thread is waited for at exit.
-        task = asyncio.create_task(_forget_metrics_of(pid))
+        task = asyncio.create_task(forget_dead_process(pid))
         self._metric_folds.add(task)
         task.add_done_callback(self._metric_folds.discard)
 
@@ -347,7 +346,7 @@ class ProcessTree:
                 return
             assert process.pid is not None
             self._tell_engine_frontend_gone(process.pid)
-            await _forget_metrics_of(process.pid)
+            await forget_dead_process(process.pid)
             if self._served_stable(index):
                 backoff = None
             first, longest = self.settings.engine_restart_backoff_s
@@ -376,17 +375,6 @@ class ProcessTree:
         assert self._engine_notices is not None
         if not send_now(self._engine_notices, encode(FrontEndGone(pid))):
             log.info("front end %d exited while no engine was connected", pid)
-
-
-async def _forget_metrics_of(pid: int) -> None:
-    """Drop a dead process's live gauges; fold its counters and histograms into the archives
-    (`app/metrics_archive.py`), in a thread: the fold waits for scrapes in progress."""
-    directory = os.environ.get(MULTIPROCESS_DIR_ENV)
-    if directory:
-        try:
-            await asyncio.to_thread(compact_dead_process, directory, pid)
-        except OSError:
-            log.exception("could not fold the metrics of dead process %d", pid)
 
 
 def serve_processes(settings: Settings) -> int:

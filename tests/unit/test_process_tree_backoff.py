@@ -135,7 +135,7 @@ def dying_frontends(
     monkeypatch.setattr(tree, "_spawn_frontend", spawn)
     monkeypatch.setattr(tree, "_tell_engine_frontend_gone", lambda pid: None)
     monkeypatch.setattr("app.processes.wait_for_exit", runs_70_s)
-    monkeypatch.setattr("app.processes._forget_metrics_of", nothing)
+    monkeypatch.setattr("app.processes.forget_dead_process", nothing)
     monkeypatch.setattr("app.processes.next_backoff", recorded)
     return backoffs
 

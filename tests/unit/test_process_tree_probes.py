@@ -222,7 +222,7 @@ async def test_a_front_end_whose_restart_cannot_be_spawned_is_tried_again(
         return None
 
     monkeypatch.setattr("app.processes.wait_for_exit", exited_at_once)
-    monkeypatch.setattr("app.processes._forget_metrics_of", exited_at_once)
+    monkeypatch.setattr("app.processes.forget_dead_process", exited_at_once)
     monkeypatch.setattr(tree, "_tell_engine_frontend_gone", lambda pid: None)
     tries: list[int] = []
 

@@ -1,5 +1,6 @@
-"""What a computed batch leaves behind: its metrics, and the `BatchTrace` each of its
-inputs carries into a slow-request report (docs/SPIKES.md).
+"""What a computed batch leaves behind: its metrics, and each input's `ItemResult` (its
+answer, its waits, and the `BatchTrace` it carries into a slow-request report:
+docs/SPIKES.md).
 
 `ComputedBatch` is what a batch executor returns (`batcher.BatchExecutor`). Pure functions
 of a batch and its output; the batcher calls them on the engine's event loop thread.
@@ -7,14 +8,27 @@ of a batch and its output; the batcher calls them on the engine's event loop thr
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 from app.engine.protocol import BatchTrace
 from app.execute import SlotTimings
 from app.metrics import Metrics
 from app.scheduler import Batch
 
+OutT = TypeVar("OutT")
 OutT_co = TypeVar("OutT_co", covariant=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult(Generic[OutT]):
+    """One input's answer from its batch (or its run alone): the value, its wait in the
+    queue, its time since, and its batch's trace."""
+
+    value: OutT
+    queue_wait_s: float
+    compute_s: float
+    batch: BatchTrace | None = None
 
 
 class ComputedBatch(Protocol[OutT_co]):

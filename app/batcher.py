@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Generic, TypeVar
 
-from app.batch_trace import ComputedBatch, batch_trace, record_batch_metrics
+from app.batch_trace import ComputedBatch, ItemResult, batch_trace, record_batch_metrics
 from app.batch_triage import RowFailed, triage
 from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
-from app.engine.protocol import BatchTrace
 from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
@@ -47,14 +46,6 @@ OutT = TypeVar("OutT")  # one input's answer, as the batch's executor gives it
 
 BatchExecutor = Callable[[BatchShape, Sequence[RowT]], ComputedBatch[OutT]]
 """Runs one closed batch (its padded shape, its inputs in order) on a compute thread."""
-
-
-@dataclass(frozen=True, slots=True)
-class ItemResult(Generic[OutT]):
-    value: OutT
-    queue_wait_s: float
-    compute_s: float
-    batch: BatchTrace | None = None
 
 
 @dataclass(frozen=True, slots=True)

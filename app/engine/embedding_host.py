@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.admission import Rejected
-from app.batcher import ItemResult
+from app.batch_trace import ItemResult
 from app.buffers import BufferPool
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.protocol import (

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from app.admission import BatchQueue, Rejected, RejectReason, batch_delay, delay_verdict
-from app.batcher import Batcher, ItemResult
+from app.batch_trace import ItemResult
+from app.batcher import Batcher
 from app.buffers import SlotPool
 from app.engine.host import BatchCost, Emit, EngineContext, EngineLoad, RequestTracer
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit

@@ -19,7 +19,8 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 import numpy as np
 
 from app.admission import Rejected
-from app.batcher import Batcher, ItemResult
+from app.batch_trace import ItemResult
+from app.batcher import Batcher
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
 from app.engine.protocol import (
     Failure,

@@ -12,7 +12,8 @@ from typing import TypeVar
 
 import pytest
 
-from app.batcher import RERUN_DEADLINE_PASSED, Batcher, ItemResult
+from app.batch_trace import ItemResult
+from app.batcher import RERUN_DEADLINE_PASSED, Batcher
 from app.compute_slots import ComputeSlots
 from app.engine.health import BatchHealth
 from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit

@@ -12,7 +12,8 @@ from typing import TypeVar
 
 import pytest
 
-from app.batcher import Batcher, ItemResult
+from app.batch_trace import ItemResult
+from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, Submit
 from app.engine.rows import gather_rows

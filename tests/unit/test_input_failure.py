@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from app.batcher import ItemResult
+from app.batch_trace import ItemResult
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, FromEngine, Submit
 from app.engine.rows import gather_rows
 from app.failures import InputFailed

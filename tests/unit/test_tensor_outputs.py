@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.batcher import ItemResult
+from app.batch_trace import ItemResult
 from app.engine.protocol import FromEngine, Output, Submit, TensorData, TensorOutput, TensorPayload
 from app.engine.tensor_host import STACK_ON_LOOP_MAX_BYTES, TensorHost
 from app.metrics import Metrics

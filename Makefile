@@ -47,7 +47,7 @@ typecheck: setup-dev
 	$(BIN)/mypy --strict app
 
 pytest: setup-dev tools
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -ra
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -ra --durations=40
 
 test: lint typecheck pytest
 

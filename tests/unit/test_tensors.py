@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -95,6 +97,45 @@ def test_json_values_are_taken_as_sent_or_refused(datatype: str, values: list[ob
     """Nothing is coerced: numpy would have turned each of these into some other value."""
     with pytest.raises(TensorError, match=f"{datatype}"):
         from_json(datatype, [len(values)], values)
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        # numpy read this as one string array, every element 2,000 characters wide (32
+        # MiB; a 130 KB body made 1.5 GiB), only to count its elements.
+        (["a" * 2000] + [""] * 4000, r"not FP32 values \(a string among them\)"),
+        ([0.5] * 200_000, r"more than 8 values for shape \[1, 8\]"),
+    ],
+)
+def test_json_data_is_walked_before_numpy_builds_an_array(data: list[object], message: str) -> None:
+    """Refused at the first wrong value, or the first one over the shape's count, with no
+    array built: the walk's peak memory is a few KiB."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(TensorError, match=message):
+            from_json("FP32", [1, 8], data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 * 1024
+
+
+def test_json_values_of_other_types_are_refused_by_name() -> None:
+    with pytest.raises(TensorError, match=r"not INT64 values \(a non-integer number among"):
+        from_json("INT64", [2], [1, 2.0])
+    with pytest.raises(TensorError, match=r"not BOOL values \(an integer among them\)"):
+        from_json("BOOL", [2], [True, 1])
+    with pytest.raises(TensorError, match=r"not FP16 values \(a null among them\)"):
+        from_json("FP16", [2], [[1.0], [None]])
+    with pytest.raises(TensorError, match="beyond 64-bit integers"):
+        from_json("FP32", [1], [-(2**63) - 1])
+    with pytest.raises(TensorError, match="not FP32 values"):
+        from_json("FP32", [3], [[1, 2], [3]])  # uneven nesting
+    assert (
+        from_json("INT64", [2], [2**63 - 1, -(2**63)])
+        == np.array([2**63 - 1, -(2**63)], dtype="<i8").tobytes()
+    )
 
 
 def test_nested_data_must_be_nested_as_the_shape() -> None:

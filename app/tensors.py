@@ -3,8 +3,8 @@ specs, and conversions to and from numpy and JSON. Pure (numpy only, no torch): 
 ends check and encode requests with it, the engine decodes them.
 
 Datatypes are the Open Inference Protocol's names. numpy has no bfloat16: BF16 elements
-are carried as their raw 16 bits (`uint16` arrays), converted from and to float32 only
-when a client sends or asks for JSON numbers.
+are carried as their raw 16 bits (`uint16` arrays), rounded from the JSON numbers a client
+sends (once, to nearest even) and widened to float32 for those it asks for.
 """
 
 from __future__ import annotations
@@ -144,9 +144,19 @@ def from_bytes(
     return np.frombuffer(data, dtype=NUMPY_DTYPES[datatype]).reshape(tuple(shape))
 
 
-def bf16_bits(values: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
-    """float32 to bfloat16 bits, rounding to nearest even."""
-    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4").astype(np.uint64)
+def bf16_bits(values: npt.NDArray[np.floating[Any]]) -> npt.NDArray[np.uint16]:
+    """float32 or float64 to bfloat16 bits, rounding to nearest even, once. A float64 is
+    first narrowed to float32 rounded to odd (toward zero, its lowest bit set where bits
+    were dropped): 16 bits more than bfloat16 keep, so no tie is made of a value that was
+    none (1 + 2^-8 + 2^-30 went to float32 as 1 + 2^-8, a tie, then to 1.0, not 1.0078125)."""
+    wide = np.ascontiguousarray(values, dtype="<f8")
+    with np.errstate(over="ignore"):  # beyond float32: infinity, stepped back just below
+        narrow = wide.astype("<f4")
+    # Toward zero: where float32 rounded away from zero (to infinity too), one step back.
+    away = np.abs(narrow.astype("<f8")) > np.abs(wide)
+    narrow = np.where(away, np.nextafter(narrow, np.float32(0)), narrow)
+    sticky = (narrow.astype("<f8") != wide).astype("<u4")
+    bits = (narrow.view("<u4") | sticky).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     result: npt.NDArray[np.uint16] = rounded.astype("<u2")
     return result
@@ -178,12 +188,13 @@ def from_json(datatype: str, shape: Sequence[int], data: Any) -> bytes:
     if sent.ndim > 1 and sent.shape != tuple(shape):
         raise TensorError(f"data nested as {list(sent.shape)}, not the shape {list(shape)}")
     with np.errstate(over="ignore"):  # an overflow is refused just below
-        array = sent.astype(np.float32 if datatype == "BF16" else NUMPY_DTYPES[datatype])
+        # BF16 from float64 (numpy's numbers), rounded once by bf16_bits.
+        array = sent.astype(np.float64 if datatype == "BF16" else NUMPY_DTYPES[datatype])
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise TensorError(f"data does not fit {datatype} (beyond its range)")
     if datatype == "BF16":
         bits = bf16_bits(array)
-        # Finite in float32, rounded to BF16 it may not be (3.4e38 becomes infinity).
+        # Finite as sent, rounded to BF16 it may not be (3.4e38 becomes infinity).
         if not np.isfinite(bf16_to_float32(bits)).all():
             raise TensorError("data does not fit BF16 (beyond its range)")
         return bits.tobytes()

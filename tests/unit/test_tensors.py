@@ -166,6 +166,26 @@ def test_bfloat16_bits_round_to_nearest_even() -> None:
     assert as_json == [1.0, -3.5, 1.0, 1.015625]
 
 
+@pytest.mark.parametrize(
+    ("value", "nearest"),
+    [
+        # Past the tie 1 + 2^-8 by 2^-30: float32 first made it the tie, then 1.0.
+        (1 + 2**-8 + 2**-30, 1.0078125),
+        (-(1 + 2**-8 + 2**-40), -1.0078125),
+        (1 + 2**-8 - 2**-40, 1.0),  # short of the tie
+        (1 + 2**-8, 1.0),  # ties, to even: down
+        (1 + 3 * 2**-8, 1.015625),  # and up
+        # Subnormal: half the smallest BF16 and a little more, not a tie rounded to 0.
+        (2**-134 + 2**-160, 2**-133),
+        # Just short of the tie between BF16's largest and infinity: its largest, not a 400.
+        ((2 - 2**-8 - 2**-40) * 2**127, (2 - 2**-7) * 2**127),
+    ],
+)
+def test_json_bfloat16_is_rounded_once_from_the_number_sent(value: float, nearest: float) -> None:
+    """To the nearest BF16 (ties to even) of the float64 sent, not of its float32."""
+    assert to_json("BF16", [1], from_json("BF16", [1], [value])) == [nearest]
+
+
 def test_tensor_specs_are_checked_at_the_edge() -> None:
     with pytest.raises(ValidationError, match="first dimension must be -1"):
         TensorSpec(name="x", datatype="FP32", shape=(4, 8))

@@ -36,6 +36,7 @@ from app.api.middleware import BodyGuardMiddleware, ServerTimingMiddleware
 from app.api.openapi import install_openapi
 from app.api.shedding import SheddingMiddleware
 from app.api.slow import SlowRequestMiddleware
+from app.api.v2_render import AnswerRenderer
 from app.engine.client import EngineClient
 from app.engine.protocol import EngineStatus
 from app.engine.supervisor import EngineSupervisor
@@ -176,6 +177,7 @@ def create_app(
                 startup.cancel()
             await asyncio.gather(startup, return_exceptions=True)
             await service.stop()
+            app.state.v2_renderer.close()
             if supervisor is not None:
                 await supervisor.stop()
             if probes is not None:
@@ -188,6 +190,7 @@ def create_app(
         title="steadyserve", version=__version__, lifespan=lifespan, redirect_slashes=False
     )
     app.state.service = service
+    app.state.v2_renderer = AnswerRenderer()  # large /v2 answers' render thread
     app.state.generation = TextGeneration(service)
     app.state.settings = settings
     app.state.supervisor = supervisor

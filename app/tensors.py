@@ -229,12 +229,16 @@ def _check_json_values(datatype: str, shape: Sequence[int], data: Any, expected:
             pending.pop()
 
 
-def to_json(datatype: str, shape: Sequence[int], data: bytes) -> list[Any]:
-    """A tensor's elements as a flat list of JSON numbers (or booleans), row-major."""
+def to_json(datatype: str, shape: Sequence[int], data: bytes) -> npt.NDArray[Any]:
+    """A tensor's elements as a flat array for orjson (`OPT_SERIALIZE_NUMPY`) to write as
+    JSON numbers (or booleans), row-major: no Python object per element. Floats are widened
+    to float64, whose numbers orjson writes as it writes Python's floats: float32's and
+    float16's own shortest forms are other digits (0.1 for 0.10000000149011612)."""
     array = from_bytes(datatype, shape, data)
     if datatype == "BF16":
         array = bf16_to_float32(array)
-    if array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise NotJsonNumbers(f"{datatype} output with NaN or infinity: ask for binary output")
-    values: list[Any] = array.reshape(-1).tolist()
-    return values
+    if array.dtype.kind == "f":
+        if not np.isfinite(array).all():
+            raise NotJsonNumbers(f"{datatype} output with NaN or infinity: ask for binary output")
+        array = array.astype(np.float64)
+    return array.reshape(-1)

@@ -38,10 +38,10 @@ from app.api.v2_codec import (
     InferRequest,
     OutputTensor,
     V2Error,
-    encode_response,
     parse_infer_request,
     split_bytes_elements,
 )
+from app.api.v2_render import Answer, AnswerRenderer, JsonTensor
 from app.embedding_service import NonFiniteOutput, embed_texts
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.engine.protocol import TensorOutput
@@ -50,7 +50,7 @@ from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
 from app.service import Service, WrongTask
 from app.tensor_service import SentTensor, check_tensors, infer_tensors
-from app.tensors import NotJsonNumbers, TensorError, from_json, to_json
+from app.tensors import NotJsonNumbers, TensorError, from_json
 from app.timing import PhaseTimer
 
 router = APIRouter()
@@ -206,6 +206,7 @@ async def _infer(
     timeout_ms = _timeout_ms(parsed)
     timer: PhaseTimer = request.state.server_timing
     envoy = envoy_timeout_ms(request)
+    outputs: list[Answer]
     try:
         if spec.task == "embed":
             outputs = await _embed(request, service, spec, parsed, timeout_ms, envoy, timer)
@@ -223,12 +224,14 @@ async def _infer(
         # The server's fault, logged by the engine with its exception; that text (a torch
         # error's repr) is not for the client, as on every other route's 500.
         return v2_error("internal server error: the batch failed", 500)
-    except NotJsonNumbers as error:  # what the client asked for: binary output carries it
-        return v2_error(str(error), 400)
     except NonFiniteOutput as error:
         return v2_error(str(error), 500)
     rendering = time.perf_counter()
-    content, header_length = encode_response(spec.name, parsed.id, outputs)
+    renderer: AnswerRenderer = request.app.state.v2_renderer
+    try:  # a large answer off the loop
+        content, header_length = await renderer.render(timer, spec.name, parsed.id, outputs)
+    except NotJsonNumbers as error:  # what the client asked for: binary output carries it
+        return v2_error(str(error), 400)
     headers = {HEADER_LENGTH: str(header_length)} if header_length is not None else None
     media_type = "application/json" if header_length is None else "application/octet-stream"
     response = Response(content, headers=headers, media_type=media_type)
@@ -301,7 +304,7 @@ async def _embed(
     timeout_ms: float | None,
     envoy: float | None,
     timer: PhaseTimer,
-) -> list[OutputTensor]:
+) -> list[Answer]:
     texts = _texts(parsed, service.settings.max_inputs_per_request)
     wanted = _check_outputs(parsed, [EMBED_OUTPUT])
     datatype = parsed.parameters.get("output_datatype", "FP32")
@@ -350,7 +353,7 @@ async def _tensors(
     timeout_ms: float | None,
     envoy: float | None,
     timer: PhaseTimer,
-) -> list[OutputTensor]:
+) -> list[Answer]:
     wanted = _check_outputs(parsed, [t.name for t in spec.outputs])
     with BodyParsePhase(request):  # JSON numbers into arrays: the body's parse, finished
         sent = {t.name: _sent(t) for t in parsed.inputs}
@@ -359,14 +362,13 @@ async def _tensors(
         service, spec.name, checked, timeout_ms=timeout_ms, envoy_timeout_ms=envoy, timer=timer
     )
     output: TensorOutput = await run_until_disconnect(request, work)
-    answers = []
+    answers: list[Answer] = []
     for tensor in output.outputs:
         if tensor.name not in wanted:
             continue
         shape = tuple(tensor.shape)
         if parsed.wants_binary(tensor.name):
             answers.append(OutputTensor(tensor.name, tensor.datatype, shape, raw=tensor.data))
-        else:
-            values = to_json(tensor.datatype, shape, tensor.data)
-            answers.append(OutputTensor(tensor.name, tensor.datatype, shape, data=values))
+        else:  # made numbers when the body is rendered
+            answers.append(JsonTensor(tensor.name, tensor.datatype, shape, tensor.data))
     return answers

@@ -222,4 +222,4 @@ def encode_response(
     header = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return header, None
-    return header + b"".join(blobs), len(header)
+    return b"".join([header, *blobs]), len(header)  # one copy of the outputs, not two

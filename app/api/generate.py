@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Sequence
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.admission import Rejected
+from app.admission import Rejected, RejectReason
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
 from app.api.errors import REJECTION_STATUS, texts_as_sent
@@ -25,7 +25,7 @@ from app.api.errors_doc import ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
-from app.engine.client import EngineRefused
+from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
 from app.generation.pipeline import (
     GenerationEvent,
@@ -262,7 +262,7 @@ async def _frames(
                     yield b"".join(frames)
                     frames.clear()
                 batch = await anext(rest, None)
-    except (Rejected, DeadlineExceeded, EngineRefused) as error:
+    except (Rejected, DeadlineExceeded, EngineRefused, EngineUnavailable) as error:
         frames.append(event(error_chunk(*_status_and_reason(error), str(error))))
     except Exception:
         log.exception("generation failed mid-stream")
@@ -281,4 +281,6 @@ def _status_and_reason(error: Exception) -> tuple[int, str]:
         return REJECTION_STATUS[error.reason], error.reason.value
     if isinstance(error, DeadlineExceeded):
         return 504, "deadline"
+    if isinstance(error, EngineUnavailable):  # the engine went silent or its stream broke
+        return 503, RejectReason.NOT_READY.value
     return 400, "invalid_request"

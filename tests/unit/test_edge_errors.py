@@ -314,6 +314,34 @@ async def test_a_failure_mid_stream_is_an_event_of_openai_s_type(tmp_path: Path)
     }
 
 
+async def test_an_engine_gone_silent_mid_stream_is_a_503_event_not_a_server_fault(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine silent past the request's deadline + `ANSWER_GRACE_S` is `EngineUnavailable`:
+    503 `not_ready` before a stream starts, but mid-stream it was logged with a stack trace
+    as a fault of the front end's and sent as a 500 `internal_error` event."""
+
+    def one_token_then_silence(submit: Submit) -> FromEngine:
+        return Output(submit.request_id, False, TokensOutput([2], 1), 0.0, 0.0)
+
+    async with front_end(tmp_path, one_token_then_silence) as (client, _, engine):
+        # Silent "past the deadline" at once: the token is read first, then the silence.
+        engine.answer_grace_s = -1e6
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200
+    events = [
+        orjson.loads(line[len(b"data: ") :])
+        for line in response.content.split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]
+    assert events[0]["choices"][0]["text"].strip() == "hello"  # the stream had begun
+    error = events[-1]["error"]
+    assert (error["type"], error["code"]) == ("server_error", "not_ready"), error
+    assert "did not answer by the request's deadline" in error["message"]
+    assert "generation failed mid-stream" not in caplog.text
+
+
 @pytest.mark.parametrize(
     ("body", "param"), [({"input": "a"}, "input"), ({"input": ["a", "b"]}, "input[1]")]
 )

@@ -66,8 +66,9 @@ class GenerationHost:
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
-        # Outputs of the last step, sent while the next one computes; kept here so that a
-        # loop that fails in between still sends them (those sequences are done).
+        # Outputs of the last step, sent while the next one computes; kept here (each as it
+        # is made) so that a loop that fails in between, or while handling the step, still
+        # sends them (those sequences are done).
         self._outbox: list[tuple[GenerationSequence, Output]] = []
         self._step_s = 0.0  # smoothed seconds per step while busy
         self._wakeup = asyncio.Event()
@@ -250,7 +251,7 @@ class GenerationHost:
                         self._fail(sequence, FailureKind.FAILED, f"generation step failed: {error}")
                 continue
             self._record_step(result)
-            self._outbox = self._advance(sequences, result.tokens)
+            self._advance(sequences, result.tokens)
 
     def _send_outbox(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -292,15 +293,15 @@ class GenerationHost:
         )
         self._context.metrics.dispatcher_busy.labels(self.name).inc(result.compute_s)
 
-    def _advance(
-        self, sequences: list[GenerationSequence], tokens: list[list[int]]
-    ) -> list[tuple[GenerationSequence, Output]]:
+    def _advance(self, sequences: list[GenerationSequence], tokens: list[list[int]]) -> None:
         """Give each sequence its new tokens (one output with all of them, for a sequence that
         streams), and end those at EOS (not sent) or at their length, freeing their slots for
-        the next step; returns the outputs to send."""
+        the next step. The outputs go to the outbox as they are made: a sequence that ended
+        is no longer the loop's, so should anything fail later in this step, only the outbox
+        (sent by `_supervised_loop`) still answers it."""
         now = self._context.clock()
         eos = self.runner.eos_token_ids
-        outbox: list[tuple[GenerationSequence, Output]] = []
+        outbox = self._outbox  # empty: sent before the step was awaited
         for sequence, chosen in zip(sequences, tokens, strict=True):
             if not self._batch.is_running(sequence):
                 continue  # cancelled or expired while the step ran
@@ -314,7 +315,6 @@ class GenerationHost:
                 outbox.append((sequence, self._finish(sequence, fresh, finish, now)))
             elif sequence.streams:
                 outbox.append((sequence, sequence.output(fresh, None, now, self._context.tracer)))
-        return outbox
 
     def _finish(
         self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float

@@ -1,8 +1,8 @@
 """The engine's generation step loop, with the tiny random-weight causal LM: EOS and
 length endings, also inside a multi-step run (several decode steps per dispatch), which
 gives the tokens of single steps, ends early when a row ends and a sequence waits, and
-lets an arrival join without waiting for the run; a loop failing between steps still
-sends the last step's outputs."""
+lets an arrival join without waiting for the run; a loop failing between steps, or
+while handling one, still sends the outputs already made."""
 
 from __future__ import annotations
 
@@ -201,5 +201,53 @@ async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(
         assert next(failures, None) is None  # the loop did fail after the last step
         again = await generate(engine, [1, 50, 51], SamplingParams(max_new_tokens=2))
         assert again.finish_reason is not None  # and was restarted
+    finally:
+        await engine.close()
+
+
+async def test_a_step_failing_after_a_sequence_finished_still_sends_its_final_output(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step's outputs were kept in a local list until the whole step was handled, while a
+    sequence that finished in it was already removed: a failure later in the same step (a
+    bug) lost that final output, and the finished sequence, no longer the loop's, got no
+    Failure either; its client waited for the deadline and got a 503."""
+    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    # A short deadline: a lost answer fails there (grace 0 below) instead of hanging.
+    short = Submit(
+        engine.next_request_id(),
+        "tiny",
+        time.monotonic() + 5,
+        GeneratePayload([1, 40, 41], SamplingParams(max_new_tokens=2)),
+    )
+    long = submit(engine, [1, 50, 51], SamplingParams(max_new_tokens=8))
+    finished: list[int] = []
+    raised: list[int] = []
+    take = GenerationSequence.take
+
+    def take_then_fail(
+        sequence: GenerationSequence, chosen: list[int], eos: frozenset[int]
+    ) -> tuple[list[int], FinishReason | None]:
+        request_id = sequence.request.request_id
+        if request_id == long.request_id and finished and not raised:
+            raised.append(request_id)
+            raise RuntimeError("a bug after a sequence finished in this step")
+        fresh, finish = take(sequence, chosen, eos)
+        if finish is not None:
+            finished.append(request_id)
+        return fresh, finish
+
+    monkeypatch.setattr(GenerationSequence, "take", take_then_fail)
+    engine.answer_grace_s = 0.0
+    try:
+        done, failed = await asyncio.gather(
+            collect(engine.stream(short)), collect(engine.stream(long)), return_exceptions=True
+        )
+        assert raised and finished == [short.request_id], "the premise: a finish, then a bug"
+        assert isinstance(done, Generated), done  # not EngineUnavailable at its deadline
+        assert done.finish_reason is FinishReason.LENGTH and len(done.token_ids) == 2
+        assert isinstance(failed, Exception)  # the sequence the loop held fails (500)
     finally:
         await engine.close()

@@ -13,8 +13,9 @@ without oversubscribing the CPU/GPU.
 
 With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
 to that many decode steps in a row (`generation_steps.py`; `steps_for` stops at a sequence's
-length), interrupted by an arrival that could take a free slot or a cancel; a deadline is
-checked between dispatches, so an expiry is noticed up to that many steps late.
+length), interrupted by an arrival that could take a free slot or a cancel, and ended by a
+row's EOS while a sequence waits for a slot (also one that arrived during the run); a
+deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
 keys are never read (`kv_cache.py`), so no clean-up step is needed.
@@ -173,6 +174,8 @@ class GenerationHost:
         self._batch.waiting.append(sequence)
         if self._batch.slots.free > 0:
             self._steps.interrupt()  # it can join at the next step
+        else:
+            self._steps.sequence_waits()  # a row ending at EOS in the run frees its slot
         self._wakeup.set()
         task = asyncio.create_task(self._answer(sequence))
         # On the task, not in it: a cancel that comes before the task first runs (its

@@ -5,7 +5,9 @@ rows in another), and the warm-up shapes that precede serving.
 A dispatch is one step, or several decode steps in a row (multi-step decoding: each row's
 chosen token is fed back on the compute thread, with no turn of the event loop between
 steps; a row that chose EOS leaves the run, as it would leave the batch between single
-steps). `interrupt` (any thread) ends a multi-step run after its current step.
+steps). `interrupt` (any thread) ends a multi-step run after its current step;
+`sequence_waits` (any thread) makes a row's EOS end it, as a sequence waiting when it started
+does.
 
 A dispatch holds one shared compute slot from its start to its end, so embedding batches and
 generation steps interleave without oversubscribing the CPU/GPU. `StepRunner` is used on
@@ -48,11 +50,19 @@ class StepRunner:
         self._context = context
         self._wakeup = wakeup
         self._interrupted = threading.Event()
+        # Set while a sequence waits for a slot: a row choosing EOS ends the run (its slot
+        # can be taken at once). Read on the compute thread after each step.
+        self._end_on_eos = threading.Event()
 
     def interrupt(self) -> None:
         """End the multi-step run in flight after its current step (any thread): something
         can join the batch or leave it now."""
         self._interrupted.set()
+
+    def sequence_waits(self) -> None:
+        """A sequence now waits for a slot (any thread): the multi-step run in flight ends
+        after a step in which a row chooses EOS, freeing the slot it waits for."""
+        self._end_on_eos.set()
 
     # --- warm-up ------------------------------------------------------------------------
     def _prefill_lengths(self) -> list[int]:
@@ -102,20 +112,23 @@ class StepRunner:
     ) -> asyncio.Task[StepResult]:
         """Take a shared compute slot (one must be free) and run one step on a compute
         thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
-        fewer if every row chooses EOS (with `end_on_eos`, any row: a sequence waits for the
-        slot it frees) or `interrupt` is called; the slot is given back when it ends."""
+        fewer if every row chooses EOS (with `end_on_eos`, or once `sequence_waits` is called,
+        any row: a sequence waits for the slot it frees) or `interrupt` is called; the slot is
+        given back when it ends."""
         if steps > 1 and any(row.start == 0 for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
         slots.take(self)
         self._interrupted.clear()
+        if end_on_eos:
+            self._end_on_eos.set()
+        else:
+            self._end_on_eos.clear()
 
         async def step() -> StepResult:
             failure: BaseException | None = None
             try:
-                return await self._context.dispatcher.run_compute(
-                    self._compute, rows, steps, end_on_eos
-                )
+                return await self._context.dispatcher.run_compute(self._compute, rows, steps)
             except BaseException as error:
                 failure = error
                 raise
@@ -126,13 +139,13 @@ class StepRunner:
 
         return asyncio.create_task(step())
 
-    def _compute(self, rows: Sequence[StepRow], steps: int, end_on_eos: bool) -> StepResult:
+    def _compute(self, rows: Sequence[StepRow], steps: int) -> StepResult:
         """Compute thread: the prefill rows in one forward, the decode rows in another; with
         `steps` > 1, further decode steps on each row's chosen token."""
         self._context.before_batch()
         started = time.perf_counter()
         if steps > 1:
-            chosen = self._decode_run(rows, steps, end_on_eos)
+            chosen = self._decode_run(rows, steps)
             forwards = max((len(tokens) for tokens in chosen.values()), default=0)
             return StepResult(
                 [chosen[row.slot] for row in rows], time.perf_counter() - started, forwards
@@ -147,13 +160,12 @@ class StepRunner:
                     single[row.slot] = [token]
         return StepResult([single[row.slot] for row in rows], time.perf_counter() - started, 1)
 
-    def _decode_run(
-        self, rows: Sequence[StepRow], steps: int, end_on_eos: bool
-    ) -> dict[int, list[int]]:
+    def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:
         """Up to `steps` decode steps, each feeding every row the token it just chose (the
         same rows, positions and generator draws as single steps); a row that chose EOS
-        stops, as does the run when `interrupt` is called, or, with `end_on_eos`, after the
-        step in which any row chose EOS. Each row's tokens, by slot."""
+        stops, as does the run when `interrupt` is called, or, while a sequence waits for a
+        slot (`end_on_eos`, `sequence_waits`), after the step in which any row chose EOS.
+        Each row's tokens, by slot."""
         eos = self.runner.eos_token_ids
         active = sorted(rows, key=lambda row: row.slot)  # slot order: see `_compute`
         chosen: dict[int, list[int]] = {row.slot: [] for row in rows}
@@ -167,7 +179,7 @@ class StepRunner:
                     following.append(
                         StepRow(row.slot, (token,), row.start + 1, row.sampling, row.generator)
                     )
-            if not following or (end_on_eos and len(following) < len(active)):
+            if not following or (len(following) < len(active) and self._end_on_eos.is_set()):
                 break
             active = following
         return chosen

@@ -7,8 +7,11 @@ while handling one, still sends the outputs already made."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,9 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from app.engine.generation_host import GenerationHost
 from app.engine.generation_sequences import GenerationSequence
+from app.engine.host import Emit
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
+from app.models.causal_lm import StepRow
 from loadtest.tiny_causal_lm import build_tiny_causal_lm
 from tests.support.generation_engine import (
     Generated,
@@ -168,6 +173,67 @@ async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits
     # decode step), not one of 8 steps.
     assert second.sizes[:2] == (1, 5), second.sizes
     assert third.token_ids == expected_greedy(model, waiting, 4).token_ids
+
+
+async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_it(
+    tmp_path: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether a row's EOS ended the run was fixed when the run started (a sequence waited
+    then), and an arrival with every slot held did not interrupt it: a sequence arriving
+    during a run left the slot an EOS freed idle for the rest of the run (up to k-1
+    forwards)."""
+    _, model = reference
+    prompt, other, arriving = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
+    plain = expected_greedy(model, prompt, 10).token_ids
+    stop = plain[5]
+    beside = expected_greedy(model, other, 12).token_ids
+    assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
+    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
+    engine = await started(
+        settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
+    )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    loop = asyncio.get_running_loop()
+    late: list[asyncio.Task[Generated]] = []
+    submitted = threading.Event()
+    host_submit, model_step = host.submit, host.runner.step
+    forwards = itertools.count(1)
+
+    def noted_submit(request: Submit, emit: Emit) -> asyncio.Task[None] | None:
+        task = host_submit(request, emit)
+        submitted.set()
+        return task
+
+    def arrival_during_the_run(rows: Sequence[StepRow]) -> list[int]:
+        # Forward 1 prefills both; 2 to 9 are the run. The third arrives in its 2nd step,
+        # with both slots held.
+        if next(forwards) == 3:
+            start = lambda: late.append(  # noqa: E731
+                loop.create_task(generate(engine, arriving, SamplingParams(max_new_tokens=4)))
+            )
+            loop.call_soon_threadsafe(start)
+            assert submitted.wait(30), "the arrival reached the host"
+        return model_step(rows)
+
+    monkeypatch.setattr(host, "submit", noted_submit)
+    monkeypatch.setattr(host.runner, "step", arrival_during_the_run)
+    try:
+        first, second = await asyncio.gather(
+            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
+            generate(engine, other, SamplingParams(max_new_tokens=12)),
+        )
+        third = await late[0]
+    finally:
+        await engine.close()
+    assert first.finish_reason is FinishReason.EOS and first.token_ids == plain[:5]
+    assert second.token_ids == beside
+    # The prefill, then a run cut at the step the first sequence chose EOS (its 5th decode
+    # step): the arrival takes its slot in the next dispatch, not after 8 steps.
+    assert second.sizes[:2] == (1, 5), second.sizes
+    assert third.token_ids == expected_greedy(model, arriving, 4).token_ids
 
 
 async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(

@@ -6,6 +6,7 @@ prompts it has."""
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -312,6 +313,55 @@ async def test_a_failure_mid_stream_is_an_event_of_openai_s_type(tmp_path: Path)
             "code": "deadline",
         }
     }
+
+
+LONE = "a\udc00"  # JSON may escape a lone surrogate; no tokenizer takes it (TypeError)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": "tiny", "prompt": LONE}, 422, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": ["hello", LONE]}, 422, "prompt[1]"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "stop": [LONE]}, 422, "stop[0]"),
+        ("/infer", {"model": "tiny", "inputs": LONE}, 422, "inputs"),
+        ("/infer", {"model": "minilm", "inputs": [LONE]}, 422, "inputs[0]"),
+        ("/v1/embeddings", {"model": "minilm", "input": LONE}, 422, "input"),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": LONE}]},
+            400,
+            "messages",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": LONE}]}],
+            },
+            400,
+            "messages",
+        ),
+    ],
+)
+async def test_a_lone_surrogate_in_any_text_is_refused_before_the_tokenizer(
+    tmp_path: Path, path: str, body: dict[str, object], status: int, param: str
+) -> None:
+    """A guard, not a fix: the tokenizer raises TypeError on such a text (a 500). Every text
+    field typed `NonEmptyText` is refused by pydantic's constrained-string check, which
+    reads the text as UTF-8 (a plain `str` field is not); chat content, a plain `str`, is
+    caught in the rendered prompt (`ChatTemplate.render`)."""
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    async with front_end(tmp_path) as (client, _, engine):
+        response = await client.post(
+            path,
+            content=json.dumps(body).encode(),  # "\udc00" as JSON escapes it
+            headers={"content-type": "application/json"},
+        )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", param), error
+    assert engine.submitted == []
 
 
 async def test_an_engine_gone_silent_mid_stream_is_a_503_event_not_a_server_fault(

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import orjson
 
@@ -84,15 +85,35 @@ def liveness(engine: EngineStatus | None, startup_error: str | None) -> str | No
     return None
 
 
+# A probe path's answer, from the readiness verdict and why liveness fails (None: alive).
+ProbeAnswer = Callable[[Readiness, str | None], tuple[int, bytes]]
+
+
+def _healthz(ready: Readiness, alive_problem: str | None) -> tuple[int, bytes]:
+    if alive_problem is not None:
+        return 503, orjson.dumps({"status": "unhealthy", "problem": alive_problem})
+    return 200, orjson.dumps({"status": "ok"})
+
+
+def _readyz(ready: Readiness, alive_problem: str | None) -> tuple[int, bytes]:
+    return (200 if ready.ready else 503), orjson.dumps(ready.body())
+
+
+HEALTHZ = "/healthz"
+READYZ = "/readyz"
+# The probe port's routes: `probe_response` (so `ProbeListener`, in the supervisor and in the
+# in-process server) answers these paths and 404s any other. The front end's routes of the
+# same names (app/api/health.py) answer through it too. tests/deploy/test_served_paths.py
+# checks the image's HEALTHCHECK and every Kubernetes probe on this port against these keys.
+PROBE_ROUTES: Mapping[str, ProbeAnswer] = MappingProxyType({HEALTHZ: _healthz, READYZ: _readyz})
+
+
 def probe_response(path: str, ready: Readiness, alive_problem: str | None) -> tuple[int, bytes]:
-    """Status and JSON body of GET `path` (`/healthz` or `/readyz`); 404 otherwise."""
-    if path == "/healthz":
-        if alive_problem is not None:
-            return 503, orjson.dumps({"status": "unhealthy", "problem": alive_problem})
-        return 200, orjson.dumps({"status": "ok"})
-    if path == "/readyz":
-        return (200 if ready.ready else 503), orjson.dumps(ready.body())
-    return 404, orjson.dumps(error_object("not_found", path))
+    """Status and JSON body of GET `path` (a key of `PROBE_ROUTES`); 404 otherwise."""
+    route = PROBE_ROUTES.get(path)
+    if route is None:
+        return 404, orjson.dumps(error_object("not_found", path))
+    return route(ready, alive_problem)
 
 
 _REASONS = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable", 400: b"Bad Request"}
@@ -103,7 +124,8 @@ _READ_TIMEOUT_S = 2.0
 
 class ProbeListener:
     """A minimal HTTP/1.1 listener for GET /healthz and /readyz, one request per
-    connection. `answer(path)` gives the status and body."""
+    connection. `answer(path)` gives the status and body (`probe_response`, which routes by
+    `PROBE_ROUTES`)."""
 
     def __init__(self, host: str, port: int, answer: Callable[[str], tuple[int, bytes]]) -> None:
         self._host = host
@@ -113,7 +135,7 @@ class ProbeListener:
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self._host, self._port)
-        log.info("probes on %s:%d (/healthz, /readyz)", self._host, self._port)
+        log.info("probes on %s:%d (%s)", self._host, self._port, ", ".join(PROBE_ROUTES))
 
     async def close(self) -> None:
         if self._server is not None:

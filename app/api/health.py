@@ -13,36 +13,36 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 from app.api.responses import service_of
-from app.probes import probe_response
+from app.probes import HEALTHZ, READYZ, probe_response
 from app.service import Service
 
 router = APIRouter()
 
 _JSON = {"application/json": {"schema": {"type": "object"}}}
-_HEALTHZ: dict[int | str, dict[str, object]] = {
+_HEALTHZ_ANSWERS: dict[int | str, dict[str, object]] = {
     200: {"description": 'Leave it running: {"status": "ok"}', "content": _JSON},
     503: {"description": 'Restart it: {"status": "unhealthy", "problem"}', "content": _JSON},
 }
-_READYZ: dict[int | str, dict[str, object]] = {
+_READYZ_ANSWERS: dict[int | str, dict[str, object]] = {
     200: {"description": "Ready: every shape warmed up, not draining", "content": _JSON},
     503: {"description": "Not ready (warming up, draining, no engine): why", "content": _JSON},
 }
 
 
-@router.get("/healthz", responses=_HEALTHZ)
+@router.get(HEALTHZ, responses=_HEALTHZ_ANSWERS)
 async def healthz(request: Request) -> Response:
     """200 while the server should be left running; 503 once start-up failed or the
     engine's batches keep failing (so it gets restarted). An engine that is restarting is
     not a reason to restart the pod: readiness covers it."""
     service = service_of(request)
-    return _probe("/healthz", service)
+    return _probe(HEALTHZ, service)
 
 
-@router.get("/readyz", responses=_READYZ)
+@router.get(READYZ, responses=_READYZ_ANSWERS)
 async def readyz(request: Request) -> Response:
     """200 when the engine has warmed up every shape and the server is not draining; 503
     otherwise, saying why."""
-    return _probe("/readyz", service_of(request))
+    return _probe(READYZ, service_of(request))
 
 
 def _probe(path: str, service: Service) -> Response:

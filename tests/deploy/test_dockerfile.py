@@ -54,9 +54,9 @@ def test_multi_stage_non_root_with_healthcheck_and_entry_point() -> None:
     users = [args for keyword, args in final_stage if keyword == "USER"]
     assert users and not users[-1].startswith(("root", "0"))
     healthchecks = [args for keyword, args in final_stage if keyword == "HEALTHCHECK"]
-    assert len(healthchecks) == 1 and "/healthz" in healthchecks[0]
-    # On the probe port Kubernetes uses, which carries no traffic.
-    assert "STEADY_HEALTH_PORT" in healthchecks[0]
+    # On the probe port Kubernetes uses, which carries no traffic; its path is one that port
+    # serves (test_served_paths.py, against app/probes.py's routes).
+    assert len(healthchecks) == 1 and "STEADY_HEALTH_PORT" in healthchecks[0]
     envs = " ".join(args for keyword, args in final_stage if keyword == "ENV")
     kustomization = (DEPLOY / "k8s" / "base" / "kustomization.yaml").read_text()
     port = envs.split("STEADY_HEALTH_PORT=")[1].split()[0]

@@ -1,5 +1,6 @@
-"""The README's settings table is the one `steadyserve settings` prints, the metrics the
-READMEs name are the server's, and the commands it shows are the real Makefile's and CLI's."""
+"""The README's settings table is the one `steadyserve settings` prints, and the commands it
+shows are the real Makefile's and CLI's. (The paths and metrics every README names:
+tests/unit/test_doc_names.py.)"""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import subprocess
 from pathlib import Path
 
 from app.cli import DELEGATED, build_parser
-from app.metrics import Metrics
 from app.schemas import openai_error_type
 from app.settings_doc import settings_table
 from tests.support.answered_errors import answered_error_types
-from tests.support.registry import exported_names
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -65,18 +64,6 @@ def test_every_steadyserve_command_the_readme_shows_parses_with_the_real_cli() -
             importlib.import_module(DELEGATED[arguments.command]).parse_arguments(rest)
         elif words[1:]:
             build_parser().parse_args(words)
-
-
-def test_every_metric_a_readme_names_is_in_the_registry() -> None:
-    readmes = [README, *sorted(README.parent.glob("*/README.md"))]
-    named = {
-        (readme.relative_to(README.parent), name)
-        for readme in readmes
-        for name in re.findall(r"\bsteadyserve_[a-z0-9_]+\b", readme.read_text())
-    }
-    assert any(name == "steadyserve_refusals_paused_total" for _, name in named)
-    exported = exported_names() | {family.name for family in Metrics().registry.collect()}
-    assert not {pair for pair in named if pair[1] not in exported}
 
 
 def test_the_readme_error_table_names_every_error_the_server_answers() -> None:

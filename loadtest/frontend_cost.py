@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from app.limits import lift_open_file_limit
-from loadtest.localserver import REPO_ROOT, free_port, get_json
+from loadtest.localserver import REPO_ROOT, free_port, get_json, served_settings
 from loadtest.proctree import cpu_seconds, stop_process
 from loadtest.stages import parse_duration
-from loadtest.wrk import run_wrk
+from loadtest.wrk import run_wrk, wrk_timeout_s
 
 # (name, the null engine's published backlog, whether every request is to be admitted)
 CASES = (("admitted", 0.0, True), ("refused before the body", 10_000.0, False))
@@ -65,14 +65,18 @@ def measure(
     ]  # fmt: skip
     # What one refusal costs: refused connections must resend as fast as wrk can, not be
     # paused for their Retry-After as `steadyserve serve` does by default.
-    env = {
-        **os.environ,
+    overrides = {
         "STEADY_REFUSED_READ_PAUSE_S": "0",
         "STEADY_RATE_LIMIT_PER_S": UNLIMITED_RATE_PER_S,
     }
+    timeout_s = wrk_timeout_s(served_settings(overrides))
     with log_path.open("wb") as log:
         server = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            command,
+            cwd=REPO_ROOT,
+            env={**os.environ, **overrides},
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -81,9 +85,9 @@ def measure(
             if time.monotonic() > give_up_at or server.poll() is not None:
                 raise RuntimeError(f"null-engine front end did not start; see {log_path}")
             time.sleep(0.1)  # polling the readiness endpoint
-        run_wrk(url, 64, 2, path)  # warm up
+        run_wrk(url, 64, 2, path, timeout_s=timeout_s)  # warm up
         before = cpu_seconds(server.pid)
-        result = run_wrk(url, 64, duration_s, path)
+        result = run_wrk(url, 64, duration_s, path, timeout_s=timeout_s)
         spent = cpu_seconds(server.pid) - before
     finally:
         stop_process(server)

@@ -1,8 +1,9 @@
 """What a bench or a test needs to start a server on this machine and reach it: `REPO_ROOT`
 (the working directory servers start in, and where results go by default), a `free_port` to
 give it, `http_status` / `get_json`, plain blocking GETs for readiness polls and the
-server's JSON answers, and `spawn_serve` / `start_serve`, which start `steadyserve serve` as
-a child process whose `ServeProcess` handle waits for it to be ready and stops it by PID.
+server's JSON answers, `served_settings`, the settings a server given some environment
+reads, and `spawn_serve` / `start_serve`, which start `steadyserve serve` as a child
+process whose `ServeProcess` handle waits for it to be ready and stops it by PID.
 
 One copy for the benches here and for tests/support/server.py (tests may import loadtest;
 loadtest never imports tests). Any thread may call these; a `ServeProcess` belongs to the
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.settings import Settings
 from loadtest.proctree import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +63,16 @@ def get_json(url: str, timeout: float = 5.0) -> tuple[int | None, dict[str, Any]
         return int(error.code), json.loads(error.read() or b"{}")
     except (urllib.error.URLError, OSError, ValueError):
         return None, {}
+
+
+def served_settings(env: Mapping[str, str]) -> Settings:
+    """The settings a server started with `env` over this process's environment (as
+    `spawn_serve` starts one) reads, parsed as the server parses its environment; raises as
+    its start would (a value that cannot be parsed, or is invalid)."""
+    # Imported here: the checker's package brings torch, which the callers mostly lack.
+    from app.checkconfig.pod_settings import settings_from_environment
+
+    return settings_from_environment({**os.environ, **env})[0]
 
 
 def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:

@@ -2,7 +2,9 @@
 -- closed-loop flood of /infer (or of the path given after `--`: /infer or /v1/embeddings)
 -- with a rotating ~12-word sentence, each connection resending as soon as it has any answer
 -- (429s included: what naive orchestrator retry loops do). Prints one RESULT line of JSON
--- with the counts by class and the latency percentiles of all answers.
+-- with the counts by class and the latency percentiles of all answers. wrk leaves an answer
+-- slower than its --timeout out of `latency` (and counts it in errors.timeout), so
+-- loadtest/wrk.py sets that past the server's longest deadline.
 local words = {"the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "a",
   "small", "bird", "sings", "near", "river", "bank", "under", "bright", "morning", "sun", "and",
   "children", "play", "games", "in", "green", "park"}

@@ -5,7 +5,9 @@ SIGKILL under load.
 Right after the first (lowest) connection count, requests at 0.7x and 3x its goodput in an
 open loop. For each connection count it reports 2xx goodput (and its ratio to the first, lowest
 count), the answers by class, latency percentiles of all answers (under a flood nearly all
-are 429s), the slowest `/healthz` seen while the flood ran (probed every 100 ms), the CPU the
+are 429s; wrk waits for each past the server's longest deadline, so none is left out), socket
+errors and wrk's timeouts apart, the slowest `/healthz` seen while the flood ran (probed
+every 100 ms), the CPU the
 front ends and the engine used per answer, and the cores other processes used meanwhile (the
 machine is shared: a figure taken with other work running says so). wrk drives the load
 (`tools/ensure-tools.sh` installs it); everything runs on 127.0.0.1 and stops by itself.
@@ -52,24 +54,29 @@ def _run_open_loops(
         server.wait_ready(60)
 
 
+def socket_errors(result: dict[str, Any]) -> int:
+    """wrk's connect, read and write errors; not its timeouts, which are no socket's error
+    (`loadtest/wrk.py`: a request unanswered for `--timeout`, counted every 2 s)."""
+    return int(result["connect_errors"] + result["read_errors"] + result["write_errors"])
+
+
 def markdown(report: dict[str, Any]) -> str:
     floods = report["floods"]
     base = floods[0]["ok_per_s"] or 1.0
     rows = [
         "| connections | 2xx/s | vs first | 429 share | refusals that paused | "
         "refused after the body | 503 | 5xx | "
-        "socket errors | "
+        "socket errors | wrk timeouts | "
         "p50 / p99 ms (all answers) | /healthz max ms: traffic port / probe port | "
         "front-end CPU us/answer | engine cores | other processes' cores |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for f in floods:
-        errors = f["connect_errors"] + f["read_errors"] + f["write_errors"] + f["timeouts"]
         rows.append(
             f"| {f['connections']} | {f['ok_per_s']:.0f} | {f['ok_per_s'] / base:.2f} | "
             f"{f['throttled_share']:.1%} | {f['paused_refusals']:.0f} | "
             f"{f['refused_after_body']:.0f} | {f['unavailable']} | "
-            f"{f['server_error']} | {errors} | "
+            f"{f['server_error']} | {socket_errors(f)} | {f['timeouts']} | "
             f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['healthz_max_ms'] or 0:.1f} / "
             f"{f['probe_port_healthz_max_ms'] or 0:.1f} | "
             f"{f['frontend_cpu_us_per_answer'] or 0:.0f} | {f['engine_cores']:.2f} | "
@@ -105,8 +112,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"Engine SIGKILL under 64 connections: /readyz 503 after "
             f"{kill['readyz_503_after_s']} s, ready again after {kill['ready_again_after_s']} s; "
             f"clients got {kill['ok']} 2xx, {kill['unavailable']} 503, {kill['server_error']} "
-            f"other 5xx, {kill['read_errors'] + kill['connect_errors']} socket errors, "
-            f"slowest answer {kill['max_ms']:.0f} ms.",
+            f"other 5xx, {socket_errors(kill)} socket errors, {kill['timeouts']} wrk "
+            f"timeouts (over {report['wrk_timeout_s']} s), slowest answer "
+            f"{kill['max_ms']:.0f} ms.",
         ]
     return "\n".join(lines) + "\n"
 
@@ -137,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             "ready_s": ready_s,
             "resident_mb": tree_resident_mb(server.process.pid),
             "frontends": len(server.frontend_pids()),
+            "wrk_timeout_s": server.wrk_timeout_s,
             "floods": [],
         }
-        run_wrk(server.base_url, 64, 3)  # warm the connections and the compute estimates
+        # Warm the connections and the compute estimates.
+        run_wrk(server.base_url, 64, 3, timeout_s=server.wrk_timeout_s)
         open_s = parse_duration(options.open_duration)
         for index, connections in enumerate(int(c) for c in options.connections.split(",")):
             _log(f"{connections} connections for {options.duration}")

@@ -39,7 +39,7 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
     busy_before, own_before = system_busy_s(), _own_cpu_s(server)
     wall_started = time.monotonic()
     with HealthProbe(server.base_url) as probe, HealthProbe(server.probe_url) as probe_port:
-        result = run_wrk(server.base_url, connections, duration_s)
+        result = run_wrk(server.base_url, connections, duration_s, timeout_s=server.wrk_timeout_s)
     wall = time.monotonic() - wall_started
     frontend_cpu = sum(cpu_seconds(p) - cpu_before[p] for p in frontends)
     engine_cpu = cpu_seconds(engine) - cpu_before[engine]
@@ -85,7 +85,10 @@ def measure_engine_kill(server: Server, duration_s: float) -> dict[str, Any]:
     assert engine is not None
     outcome: dict[str, Any] = {}
     load = threading.Thread(
-        target=lambda: outcome.update(run_wrk(server.base_url, 64, duration_s)), daemon=True
+        target=lambda: outcome.update(
+            run_wrk(server.base_url, 64, duration_s, timeout_s=server.wrk_timeout_s)
+        ),
+        daemon=True,
     )
     load.start()
     time.sleep(duration_s / 3)  # let the load reach a steady state before the kill

@@ -13,8 +13,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.localserver import ServeProcess, free_port, get_json, spawn_serve
+from app.settings import Settings
+from loadtest.localserver import ServeProcess, free_port, get_json, served_settings, spawn_serve
 from loadtest.proctree import command_line, descendants
+from loadtest.wrk import wrk_timeout_s
 
 PAUSED_REFUSALS = "steadyserve_refusals_paused_total"
 REJECTED = "steadyserve_rejected_total"
@@ -86,9 +88,15 @@ def refusal_counts(base_url: str) -> RefusalCounts:
 @dataclass(frozen=True)
 class Server(ServeProcess):
     """The bench's server: a `ServeProcess` (readiness, log, stop) with its supervisor's
-    probe port, and the pids of the processes it runs."""
+    probe port, the settings it serves with, and the pids of the processes it runs."""
 
     probe_url: str  # the supervisor's probe port (STEADY_HEALTH_PORT)
+    settings: Settings  # what it read from its environment (`served_settings`)
+
+    @property
+    def wrk_timeout_s(self) -> int:
+        """wrk's `--timeout` for this server: past its longest deadline."""
+        return wrk_timeout_s(self.settings)
 
     def engine_pid(self) -> int | None:
         engine = get_json(f"{self.base_url}/readyz")[1].get("engine")
@@ -133,5 +141,7 @@ class HealthProbe:
 def start_server(port: int, env: dict[str, str], log_path: Path) -> Server:
     """`steadyserve serve` on `port` with `env`, and a free probe port; not waited for."""
     probe_port = free_port()
-    process = spawn_serve(port, {"STEADY_HEALTH_PORT": str(probe_port), **env}, log_path)
-    return Server(process, port, log_path, f"http://127.0.0.1:{probe_port}")
+    env = {"STEADY_HEALTH_PORT": str(probe_port), **env}
+    settings = served_settings(env)
+    process = spawn_serve(port, env, log_path)
+    return Server(process, port, log_path, f"http://127.0.0.1:{probe_port}", settings)

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench_phases import bench_sentences
-from loadtest.cpuload import system_busy_s
+from loadtest.cpuload import own_cpu_s, system_busy_s
 from loadtest.localserver import REPO_ROOT, free_port, http_status
-from loadtest.proctree import cpu_seconds, stop_process
+from loadtest.proctree import stop_process
 
 # phase -> (--concurrency, adaptive); None: the CLI's default ceiling
 PHASES: dict[str, tuple[int | None, bool]] = {
@@ -77,6 +77,28 @@ def write_input(path: Path, lines: int, words: int, seed: int) -> None:
             file.write(json.dumps({"id": number, "inputs": text}) + "\n")
 
 
+@dataclass(frozen=True)
+class ClientRun:
+    exit_code: int
+    wall_s: float
+    own_cpu_s: float  # this bench, the client and the server's whole process tree
+    foreign_cores: float  # what other processes used meanwhile
+
+
+def run_client(command: list[str], server: int) -> ClientRun:
+    """Run the batch client `command` to its end against the server `server` (its pid);
+    the CPU other processes used meanwhile leaves out the server's engine and front ends,
+    its children (`cpuload.own_cpu_s`)."""
+    busy_before, own_before = system_busy_s(), own_cpu_s(server)
+    started = time.monotonic()
+    client = subprocess.Popen(command, cwd=REPO_ROOT)
+    exit_code = client.wait()  # reaped: its CPU is counted among this process's children
+    wall = time.monotonic() - started
+    own = own_cpu_s(server) - own_before
+    foreign = max(0.0, system_busy_s() - busy_before - own) / wall
+    return ClientRun(exit_code, wall, own, foreign)
+
+
 def run_phase(
     phase: str, url: str, source: Path, out_dir: Path, options: argparse.Namespace, server: int
 ) -> BatchOutcome:
@@ -93,15 +115,8 @@ def run_phase(
     if not adaptive:
         command += ["--fixed-concurrency"]
     _log(f"{phase}: {' '.join(command[2:])}")
-    busy_before = system_busy_s()
-    own_before = cpu_seconds(os.getpid()) + cpu_seconds(server)
-    started = time.monotonic()
-    client = subprocess.Popen(command, cwd=REPO_ROOT)
-    _, status, usage = os.wait4(client.pid, 0)
-    wall = time.monotonic() - started
-    own = cpu_seconds(os.getpid()) + cpu_seconds(server) - own_before
-    own += usage.ru_utime + usage.ru_stime
-    foreign = max(0.0, system_busy_s() - busy_before - own) / wall
+    run = run_client(command, server)
+    wall = run.wall_s
     summary: dict[str, Any] = json.loads(summary_path.read_text())
     statuses = {int(k): v for k, v in summary["statuses"].items()}
     ok = sum(n for s, n in statuses.items() if 200 <= s < 300)
@@ -123,8 +138,8 @@ def run_phase(
         # The client's own VmHWM: wait4's ru_maxrss would include this process's memory,
         # which Linux carries over into a child across fork and exec.
         client_peak_mb=summary["peak_resident_mb"] or 0.0,
-        foreign_cores=round(foreign, 2),
-        exit_code=os.waitstatus_to_exitcode(status),
+        foreign_cores=round(run.foreign_cores, 2),
+        exit_code=run.exit_code,
     )
 
 

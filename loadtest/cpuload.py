@@ -1,5 +1,6 @@
-"""CPU time during a bench, read from /proc: `system_busy_s`, every process's CPU since boot,
-and `ForeignLoad`, the cores other processes used while a phase ran (and those the server's
+"""CPU time during a bench, read from /proc: `system_busy_s`, every process's CPU since boot;
+`own_cpu_s`, the CPU of the bench, its finished children and its server's process tree; and
+`ForeignLoad`, the cores other processes used while a phase ran (and those the server's
 process tree used). On a shared machine other work slows a phase, so each bench reports it.
 Call from the bench's own thread.
 """
@@ -7,6 +8,7 @@ Call from the bench's own thread.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +23,17 @@ def system_busy_s() -> float:
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
     return (user + nice + system + irq + softirq + steal) / _TICKS_PER_S
+
+
+def own_cpu_s(server_pid: int) -> float:
+    """CPU seconds of this bench process, of its children it has waited for (a load
+    generator, wrk, a client) and of the server `server_pid` with every process below it
+    (`steadyserve serve` is a supervisor with an engine and front ends as children). Read
+    before and after a phase: what the system was busy with besides is other processes'."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    mine = resource.getrusage(resource.RUSAGE_SELF)
+    tree = sum(cpu_seconds(pid) for pid in descendants(server_pid))
+    return tree + children.ru_utime + children.ru_stime + mine.ru_utime + mine.ru_stime
 
 
 class ForeignLoad:

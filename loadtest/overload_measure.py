@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import threading
 import time
 from typing import Any
 
 from loadtest.bench_phases import bench_sentences
-from loadtest.cpuload import system_busy_s
+from loadtest.cpuload import own_cpu_s, system_busy_s
 from loadtest.driver import execute, run_event_loop
 from loadtest.httpclient import Target
 from loadtest.localserver import get_json
 from loadtest.overload_server import HealthProbe, Server, refusal_counts
-from loadtest.proctree import cpu_seconds, descendants
+from loadtest.proctree import cpu_seconds
 from loadtest.records import Mode, RunConfig
 from loadtest.stages import Stage
 from loadtest.stats import nearest_rank
@@ -36,14 +35,15 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
     # of the flood: cores = CPU / wall would otherwise count the wait's CPU (or the scrape
     # and wait after the flood) over a wall clock that leaves them out.
     cpu_before = {pid: cpu_seconds(pid) for pid in [engine, *frontends]}
-    busy_before, own_before = system_busy_s(), _own_cpu_s(server)
+    busy_before, own_before = system_busy_s(), own_cpu_s(server.process.pid)
     wall_started = time.monotonic()
     with HealthProbe(server.base_url) as probe, HealthProbe(server.probe_url) as probe_port:
         result = run_wrk(server.base_url, connections, duration_s, timeout_s=server.wrk_timeout_s)
     wall = time.monotonic() - wall_started
     frontend_cpu = sum(cpu_seconds(p) - cpu_before[p] for p in frontends)
     engine_cpu = cpu_seconds(engine) - cpu_before[engine]
-    busy, own = system_busy_s() - busy_before, _own_cpu_s(server) - own_before
+    busy = system_busy_s() - busy_before
+    own = own_cpu_s(server.process.pid) - own_before
     refusals = refusal_counts(server.base_url) - refusals_before
     answers = sum(result[k] for k in ("ok", "throttled", "unavailable", "server_error", "other"))
     seconds = result["seconds"]
@@ -68,14 +68,6 @@ def measure_flood(server: Server, connections: int, duration_s: float) -> dict[s
         "frontend_cores": frontend_cpu / wall,
         "foreign_cores": max(0.0, busy - own) / wall,
     }
-
-
-def _own_cpu_s(server: Server) -> float:
-    """CPU of this bench, the server's tree and finished children (wrk)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    mine = resource.getrusage(resource.RUSAGE_SELF)
-    tree = sum(cpu_seconds(pid) for pid in descendants(server.process.pid))
-    return tree + children.ru_utime + children.ru_stime + mine.ru_utime + mine.ru_stime
 
 
 def measure_engine_kill(server: Server, duration_s: float) -> dict[str, Any]:

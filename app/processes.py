@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
+from app.engine.process import CoreFactory
 from app.engine.protocol import EngineStatus, FrontEndGone, encode
 from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import (
@@ -71,10 +72,15 @@ class ProcessTree:
     """The engine and the front ends of one server. Parent's event loop thread only."""
 
     def __init__(
-        self, settings: Settings, run_dir: Path, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: Settings,
+        run_dir: Path,
+        clock: Callable[[], float] = time.monotonic,
+        make_core: CoreFactory | None = None,
     ) -> None:
         """`clock` times how long the engine and each front end have served (their restart
-        backoff resets after `STABLE_AFTER_S` of it)."""
+        backoff resets after `STABLE_AFTER_S` of it); `make_core` replaces the engine's
+        core (`app/engine/process.py`)."""
         self.settings = settings
         self.run_dir = run_dir
         self.addresses = EngineAddresses.in_directory(run_dir)
@@ -82,7 +88,7 @@ class ProcessTree:
         self._context = multiprocessing.get_context("spawn")
         self._clock = clock
         self.engine = EngineSupervisor(
-            settings, self.addresses, on_exit=self._engine_exited, clock=clock
+            settings, self.addresses, on_exit=self._engine_exited, clock=clock, make_core=make_core
         )
         self.frontends: list[BaseProcess] = []
         # When the supervisor heard each front end's start-up succeed; None: not (yet).
@@ -377,9 +383,10 @@ class ProcessTree:
             log.info("front end %d exited while no engine was connected", pid)
 
 
-def serve_processes(settings: Settings) -> int:
+def serve_processes(settings: Settings, make_core: CoreFactory | None = None) -> int:
     """Run the engine and the front ends until a signal; returns the exit status (2 when
-    the port cannot be served)."""
+    the port cannot be served). `make_core` replaces the engine's core (the front-end cost
+    bench's null model, `loadtest/null_engine.py`)."""
     configure_logging(settings.log_level, "supervisor")
     try:
         reservation = reserve_shared_port(settings.host, settings.port)
@@ -394,4 +401,4 @@ def serve_processes(settings: Settings) -> int:
         metrics_dir.mkdir()
         # Before any child starts: each reads it when it first imports prometheus_client.
         os.environ[MULTIPROCESS_DIR_ENV] = str(metrics_dir)
-        return asyncio.run(ProcessTree(settings, run_dir).run())
+        return asyncio.run(ProcessTree(settings, run_dir, make_core=make_core).run())

@@ -1,10 +1,18 @@
-"""One steadyserve front end in front of a null engine, to measure the front end's own cost.
+"""One steadyserve front end in front of an engine that computes nothing, to measure the
+front end's own cost (`loadtest/frontend_cost.py`).
 
-The null engine speaks the engine protocol (`app.engine.client.StreamingClient`) but
-computes nothing: every request is answered at once with zero vectors of the model's width,
-and its published backlog is fixed (`--backlog-ms`): 0 to measure admitted requests, above
-`STEADY_MAX_QUEUE_DELAY_MS` to measure requests refused before their body is read. The real
-tokenizer, middleware, routes, validation, serialisation and metrics all run.
+`python -m loadtest.null_engine` runs `steadyserve serve`'s own process tree
+(`app.processes.serve_processes`: supervisor, one front end, the engine process over
+ZeroMQ, multiprocess metrics), with one change: the engine's core is `NullEngineCore`
+(`loadtest/null_model.py`), the real core with a model whose forward pass is zeros, so every
+request is answered as fast as the engine can. Its published backlog is at least
+`--backlog-ms`: 0 to measure admitted requests, above `STEADY_MAX_QUEUE_DELAY_MS` to measure
+requests refused before their body is read. The front end is the real one, unchanged: the
+tokenizer, middleware, routes, validation, serialisation, metrics, and the engine round trip
+(encode, send, receive, decode) and status stream.
+
+`NullEngine` is an in-process double of the same engine (on the front end's own event loop,
+no IPC) for tests that need a front end alone; `AlwaysReadyEngine` is its base.
 
     python -m loadtest.null_engine --port 8100 --backlog-ms 0
 """
@@ -12,11 +20,12 @@ tokenizer, middleware, routes, validation, serialisation and metrics all run.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.cli import run_uvicorn
 from app.engine.client import StreamingClient
 from app.engine.protocol import (
     EmbedOutput,
@@ -28,12 +37,17 @@ from app.engine.protocol import (
     Submit,
     ToEngine,
 )
-from app.frontend_process import configure_logging
-from app.main import create_app
+from app.limits import lift_open_file_limit
 from app.model_specs import ModelSpec
 from app.settings import Settings
 
+if TYPE_CHECKING:
+    from app.engine.core import EngineCore
+    from app.metrics import Metrics
+
+# all-MiniLM-L6-v2's output width and longest input, as the real engine reports them.
 WIDTH = 384
+MAX_INPUT_TOKENS = 256
 
 
 class AlwaysReadyEngine(StreamingClient):
@@ -92,7 +106,7 @@ class NullEngine(AlwaysReadyEngine):
     engine_id = "null"
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
-        return ModelInfo(task=spec.task, output_width=WIDTH, max_input_tokens=256)
+        return ModelInfo(task=spec.task, output_width=WIDTH, max_input_tokens=MAX_INPUT_TOKENS)
 
     def _send(self, message: ToEngine) -> None:
         if not isinstance(message, Submit):
@@ -108,15 +122,29 @@ class NullEngine(AlwaysReadyEngine):
         self._deliver(Output(message.request_id, True, payload, queue_s=0.0, compute_s=0.0))
 
 
+def null_engine_core(settings: Settings, metrics: Metrics, backlog_s: float) -> EngineCore:
+    """The `CoreFactory` of the engine process (`app/engine/process.py`), with `backlog_s`
+    bound by a partial: `NullEngineCore`, imported there (torch) and nowhere else."""
+    from loadtest.null_model import NullEngineCore
+
+    return NullEngineCore(settings, metrics, backlog_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.null_engine")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--backlog-ms", type=float, default=0.0)
     options = parser.parse_args(argv)
-    settings = Settings(host="127.0.0.1", port=options.port, engine="process")
-    configure_logging(settings.log_level, "null-engine")
-    app = create_app(settings, engine=NullEngine(settings, options.backlog_ms / 1000))
-    return run_uvicorn(app, settings)
+    # One front end, as the figure is per front end; a CPU engine: it computes nothing.
+    settings = Settings(host="127.0.0.1", port=options.port, frontend_workers=1, device="cpu")
+    # Named by its module, not as this `__main__`'s: the engine process unpickles it.
+    from app.processes import serve_processes
+    from loadtest.null_engine import null_engine_core as factory
+
+    lift_open_file_limit()
+    return serve_processes(
+        settings, make_core=functools.partial(factory, backlog_s=options.backlog_ms / 1000)
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The `steadyserve serve` an overload bench runs, and what it reports: `start_server` starts
-it (with a probe port), `Server` is its handle (readiness, the engine's and front ends' pids),
+it (with a probe port), `Server` is its handle (readiness, the engine's and front ends' pids,
+also read by `engine_pid` and `frontend_pids` for any such tree),
 `HealthProbe` times its /healthz while load runs, and `refusal_counts` reads its own refusal
 counters from /metrics once it is idle. Used by the overload and generation benches from
 their main thread; a `HealthProbe` polls on a thread of its own.
@@ -99,16 +100,27 @@ class Server(ServeProcess):
         return wrk_timeout_s(self.settings)
 
     def engine_pid(self) -> int | None:
-        engine = get_json(f"{self.base_url}/readyz")[1].get("engine")
-        return int(engine["pid"]) if isinstance(engine, dict) else None
+        return engine_pid(self.base_url)
 
     def frontend_pids(self) -> list[int]:
-        engine = self.engine_pid()
-        return [
-            pid
-            for pid in descendants(self.process.pid)
-            if pid not in (self.process.pid, engine) and "spawn_main" in command_line(pid)
-        ]
+        return frontend_pids(self.process.pid, self.base_url)
+
+
+def engine_pid(base_url: str) -> int | None:
+    """The engine process's pid, as the server at `base_url` reports it (/readyz)."""
+    engine = get_json(f"{base_url}/readyz")[1].get("engine")
+    return int(engine["pid"]) if isinstance(engine, dict) else None
+
+
+def frontend_pids(root: int, base_url: str) -> list[int]:
+    """The front-end processes of the `steadyserve serve` tree whose supervisor is `root`
+    and which serves `base_url`: its spawned children other than the engine."""
+    engine = engine_pid(base_url)
+    return [
+        pid
+        for pid in descendants(root)
+        if pid not in (root, engine) and "spawn_main" in command_line(pid)
+    ]
 
 
 class HealthProbe:

@@ -5,7 +5,8 @@ identity, so outputs go back to the front end that asked); a PUB socket publishe
 engine's status within milliseconds of a change, and at least every `STATUS_HEARTBEAT_S`.
 `run_engine_process` is the entry point the supervisor starts (a fresh interpreter:
 `spawn`); everything else runs on the engine's event loop thread, and compute on the
-dispatcher's threads.
+dispatcher's threads. A `CoreFactory` given to it replaces the `EngineCore` it serves (the
+front-end cost bench's engine with a null model: `loadtest/null_model.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
     from app.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
+
+# Builds the core an engine process serves, in that process, from its settings and metrics;
+# picklable (a module-level function, or a partial of one): the process is spawned.
+CoreFactory = Callable[[Settings, Metrics], "EngineCore"]
 
 # Engine-side gauges (queue depth, pool slots) are refreshed this often, not on every tick.
 GAUGE_INTERVAL_S = 0.25
@@ -219,7 +224,12 @@ def worth_publishing(status: EngineStatus, last_sent: EngineStatus | None) -> bo
     return msgspec.structs.replace(status, published_at=last_sent.published_at) != last_sent
 
 
-async def _serve(settings: Settings, addresses: EngineAddresses, replacement: bool) -> None:
+async def _serve(
+    settings: Settings,
+    addresses: EngineAddresses,
+    replacement: bool,
+    make_core: CoreFactory | None,
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Only the supervisor stops the engine (SIGUSR1), after the front ends drained: a
@@ -234,15 +244,20 @@ async def _serve(settings: Settings, addresses: EngineAddresses, replacement: bo
         # Counted by the new engine: a counter outlives its process in multiprocess mode,
         # so the total over processes is the number of restarts.
         metrics.engine_restarts.inc()
-    core = EngineCore(settings, metrics)
+    core = EngineCore(settings, metrics) if make_core is None else make_core(settings, metrics)
     await EngineServer(core, addresses).serve(stop)
 
 
 def run_engine_process(
-    settings: Settings, addresses: EngineAddresses, parent_pid: int, replacement: bool = False
+    settings: Settings,
+    addresses: EngineAddresses,
+    parent_pid: int,
+    replacement: bool = False,
+    make_core: CoreFactory | None = None,
 ) -> None:
     """Entry point of the engine process (spawned by the supervisor, `parent_pid`);
-    `replacement` when it replaces one that died."""
+    `replacement` when it replaces one that died; `make_core` builds the core instead of
+    `EngineCore(settings, metrics)`."""
     die_with_parent(parent_pid)
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -253,6 +268,6 @@ def run_engine_process(
         try:
             import uvloop
 
-            uvloop.run(_serve(settings, addresses, replacement))
+            uvloop.run(_serve(settings, addresses, replacement, make_core))
         except ImportError:
-            asyncio.run(_serve(settings, addresses, replacement))
+            asyncio.run(_serve(settings, addresses, replacement, make_core))

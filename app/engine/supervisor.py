@@ -20,7 +20,7 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from app.engine.process import run_engine_process
+from app.engine.process import CoreFactory, run_engine_process
 from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import EngineAddresses
 from app.settings import Settings
@@ -72,10 +72,13 @@ class EngineSupervisor:
         on_exit: Callable[[int], None] = lambda pid: None,
         run_dir: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        make_core: CoreFactory | None = None,
     ) -> None:
         """`run_dir`, if given, holds the engine's sockets and is removed on `stop`. The
-        owner says when it hears the engine ready (`saw_ready`)."""
+        owner says when it hears the engine ready (`saw_ready`). `make_core` replaces the
+        engine's core (`run_engine_process`)."""
         self._settings = settings
+        self._make_core = make_core
         self._clock = clock
         self._run_dir = run_dir
         self._addresses = addresses
@@ -156,7 +159,7 @@ class EngineSupervisor:
     def _spawn(self) -> BaseProcess:
         process = self._context.Process(
             target=run_engine_process,
-            args=(self._settings, self._addresses, os.getpid(), self._one_died),
+            args=(self._settings, self._addresses, os.getpid(), self._one_died, self._make_core),
             name="steadyserve-engine",
             daemon=True,
         )

@@ -77,7 +77,7 @@ def test_serve_removes_a_dead_supervisors_run_directory_at_start_up(
     seen: list[Path] = []
 
     class Tree:
-        def __init__(self, settings: Settings, run_dir: Path) -> None:
+        def __init__(self, settings: Settings, run_dir: Path, **options: object) -> None:
             seen.append(run_dir)
 
         async def run(self) -> int:

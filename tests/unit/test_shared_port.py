@@ -35,7 +35,7 @@ def test_serve_holds_its_port_from_the_check_until_it_exits(
     outcomes: list[object] = []
 
     class Tree:
-        def __init__(self, settings: Settings, run_dir: Path) -> None:
+        def __init__(self, settings: Settings, run_dir: Path, **options: object) -> None:
             pass
 
         async def run(self) -> int:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 
-from loadtest.bench import comparison_table
+from loadtest.bench import build_parser, comparison_table
 from loadtest.bench_phases import PhaseOutcome, bench_sentences
 from loadtest.torchserve_phase import TorchServeLayout
 
@@ -93,3 +95,36 @@ def test_overhead_verdict_is_the_ratio_of_means_with_the_spread() -> None:
     ratio, spread = verdict({"off": [100.0, 104.0], "on": [99.0, 101.0]})
     assert ratio == pytest.approx(100.0 / 102.0)
     assert spread == pytest.approx(4.0 / 102.0)
+
+
+class _SleepingModel:
+    """A model whose batches all take the same time: the larger the batch, the more
+    sentences per second, so the sweep's best batch is its largest."""
+
+    def embed_fast(self, batch: list[str]) -> None:
+        time.sleep(0.002)
+
+
+def test_the_raw_reference_is_the_raw_batch_not_the_sweeps_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 7's target is steadyserve >= 0.8x the raw model at batch 64; the raw phase
+    measured the sweep's best batch (128 on every machine so far) and the ratio was against
+    that."""
+    from loadtest import bench_phases
+
+    monkeypatch.setattr(bench_phases, "configure_torch", lambda threads: None)
+    monkeypatch.setattr(bench_phases.MiniLM, "load", staticmethod(lambda dtype: _SleepingModel()))
+    options = build_parser().parse_args([])
+    assert options.raw_batch == 64  # the default: the target's batch
+    options.batch_sizes, options.sweep_seconds, options.duration_s = [1, 64, 128], 0.05, 0.2
+    outcome = bench_phases.measure_raw(options, bench_sentences(200, 12, seed=1), tmp_path)
+    sweep = outcome.details["sweep_sentences_per_s"]
+    assert outcome.details["best_batch_size"] == 128  # reported beside it
+    assert outcome.description == "raw in-process, batch 64"
+    # Batch 64's rate (half of 128's here), which steadyserve/raw divides by.
+    assert outcome.throughput_rps == pytest.approx(sweep["64"], rel=0.25)
+    assert outcome.throughput_rps < 0.75 * sweep["128"]
+    table, _ = comparison_table({"raw": outcome, "steadyserve": _phase("s", 1000.0, 1, 1)})
+    assert "(raw at batch 64)" in table
+    assert "raw's best batch in the sweep: 128" in table

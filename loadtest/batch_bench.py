@@ -10,11 +10,13 @@ then ``steadyserve batch`` runs the same file of short sentences, back to back, 
    orchestrator pattern behind the incidents). These still honour Retry-After: only the
    concurrency policy differs, so the comparison is of that alone.
 
-For each: time to finish, lines/s, 2xx goodput (answers per second), 429 count and share
-of requests, p99 of 2xx attempts (the client's log histogram, within 12 %), retries,
-the client's peak resident memory and the CPU other processes used meanwhile. Target
-(issue 10): adaptive finishes at least as fast as the best fixed setting, with at most
-1 % of its requests answered 429.
+For each: time to finish, lines answered, lines/s, 2xx goodput (answers per second), 429
+count and share of requests, p99 of 2xx attempts (the client's log histogram, within
+12 %), retries, the client's peak resident memory and the CPU other processes used
+meanwhile. Target (issue 10): adaptive finishes at least as fast as the best fixed setting,
+with at most 1 % of its requests answered 429. Times compare only between phases that did
+the whole job (the client exited 0 with every line answered); otherwise the verdict is
+INVALID and the bench exits 1, as `loadtest.bench` does when a phase fails.
 
 ``python -m loadtest.batch_bench [--lines 100000] [--phases adaptive,fixed-64,fixed-1000]``
 """
@@ -49,6 +51,8 @@ PHASES: dict[str, tuple[int | None, bool]] = {
 class BatchOutcome:
     phase: str
     wall_s: float
+    lines: int  # in the input
+    lines_ok: int  # answered
     lines_per_s: float
     goodput_2xx_per_s: float
     requests: int
@@ -125,6 +129,8 @@ def run_phase(
     return BatchOutcome(
         phase=phase,
         wall_s=round(wall, 2),
+        lines=options.lines,
+        lines_ok=int(summary["lines_ok"]),
         lines_per_s=round(summary["lines_ok"] / wall, 1),
         goodput_2xx_per_s=round(ok / wall, 1),
         requests=requests,
@@ -145,12 +151,14 @@ def run_phase(
 
 def markdown_table(outcomes: list[BatchOutcome]) -> str:
     head = (
-        "| phase | time to finish (s) | lines/s | 2xx/s | requests | 429s | 429 share "
-        "| retries | p99 (ms) | concurrency (final/highest) | client peak MB "
-        "| other CPU (cores) |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| phase | time to finish (s) | lines answered | exit | lines/s | 2xx/s | requests "
+        "| 429s | 429 share | retries | p99 (ms) | concurrency (final/highest) "
+        "| client peak MB | other CPU (cores) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [
-        f"| {o.phase} | {o.wall_s} | {o.lines_per_s} | {o.goodput_2xx_per_s} | {o.requests:,} "
+        f"| {o.phase} | {o.wall_s} | {o.lines_ok:,}/{o.lines:,} | {o.exit_code} "
+        f"| {o.lines_per_s} | {o.goodput_2xx_per_s} | {o.requests:,} "
         f"| {o.responses_429:,} | {o.share_429:.2%} | {o.retries:,} | {o.p99_ms} "
         f"| {o.concurrency_final}/{o.concurrency_highest} | {o.client_peak_mb} "
         f"| {o.foreign_cores} |"
@@ -159,12 +167,32 @@ def markdown_table(outcomes: list[BatchOutcome]) -> str:
     return "\n".join([head, *rows])
 
 
+def incomplete(outcome: BatchOutcome) -> str | None:
+    """Why a phase's time cannot be compared with another's: its client failed, or left
+    lines unanswered (a phase that dropped lines finishes sooner); None when it did the
+    whole job."""
+    if outcome.exit_code != 0:
+        return f"{outcome.phase}: the client exited {outcome.exit_code}"
+    if outcome.lines_ok != outcome.lines:
+        return f"{outcome.phase}: {outcome.lines_ok:,} of {outcome.lines:,} lines answered"
+    return None
+
+
+def verdict_problems(outcomes: list[BatchOutcome]) -> list[str]:
+    """Why the verdict is invalid: a phase it compares (adaptive, fixed-*) is incomplete."""
+    compared = [o for o in outcomes if o.phase == "adaptive" or o.phase.startswith("fixed")]
+    return [problem for o in compared if (problem := incomplete(o)) is not None]
+
+
 def verdict(outcomes: list[BatchOutcome]) -> str:
     by_phase = {o.phase: o for o in outcomes}
     adaptive = by_phase.get("adaptive")
     fixed = [o for o in outcomes if o.phase.startswith("fixed")]
     if adaptive is None or not fixed:
         return "verdict: needs the adaptive phase and at least one fixed phase"
+    if problems := verdict_problems(outcomes):
+        why = "; ".join(problems)
+        return f"verdict INVALID: times compare only phases that answered every line ({why})"
     best = min(fixed, key=lambda o: o.wall_s)
     fast_enough = adaptive.wall_s <= best.wall_s
     polite = adaptive.share_429 <= 0.01
@@ -245,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     document["phases"] = [asdict(o) for o in outcomes]
     (out_dir / "batch_bench.json").write_text(json.dumps(document, indent=2) + "\n")
     print(f"results in {out_dir}/", flush=True)
-    return 0
+    return 1 if verdict_problems(outcomes) else 0
 
 
 if __name__ == "__main__":

@@ -9,10 +9,8 @@ steadyserve serve (this module: supervises, no torch, no traffic)
 The parent sets prometheus_client's multiprocess directory before any child starts, so
 every process's metrics appear on any front end's /metrics. On SIGTERM/SIGINT it asks the
 front ends to drain (each answers what it admitted, then exits), then stops the engine; a
-second signal stops everything at once. Front ends that die are restarted too.
-
-Runs on the parent's event loop thread (each front-end process starts in
-`app/frontend_process.py`).
+second signal stops everything at once. Front ends that die are restarted too. Runs on the
+parent's event loop thread (each front-end process starts in `app/frontend_process.py`).
 """
 
 from __future__ import annotations
@@ -78,9 +76,8 @@ class ProcessTree:
         clock: Callable[[], float] = time.monotonic,
         make_core: CoreFactory | None = None,
     ) -> None:
-        """`clock` times how long the engine and each front end have served (their restart
-        backoff resets after `STABLE_AFTER_S` of it); `make_core` replaces the engine's
-        core (`app/engine/process.py`)."""
+        """`clock` times how long each child has served (its restart backoff resets after
+        `STABLE_AFTER_S` of it); `make_core`: see `run_engine_process`."""
         self.settings = settings
         self.run_dir = run_dir
         self.addresses = EngineAddresses.in_directory(run_dir)
@@ -384,9 +381,8 @@ class ProcessTree:
 
 
 def serve_processes(settings: Settings, make_core: CoreFactory | None = None) -> int:
-    """Run the engine and the front ends until a signal; returns the exit status (2 when
-    the port cannot be served). `make_core` replaces the engine's core (the front-end cost
-    bench's null model, `loadtest/null_engine.py`)."""
+    """Run the engine (its core made by `make_core` if given: `loadtest/null_engine.py`) and
+    the front ends until a signal; returns the exit status (2: the port cannot be served)."""
     configure_logging(settings.log_level, "supervisor")
     try:
         reservation = reserve_shared_port(settings.host, settings.port)

@@ -132,6 +132,7 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
             settings.refused_read_pause_s,
             budget,
             settings.trusted_proxies,
+            body_read_timeout_s=settings.body_read_timeout_s,
         ),
         host=settings.host,
         port=settings.port,

@@ -128,7 +128,9 @@ class Settings(BaseSettings):
         default=5.0,
         gt=0,
         description="A request body not received in full within this is answered 408 and "
-        "its connection closed (a stalled or trickling client holds nothing longer).",
+        "its connection closed (a stalled or trickling client holds nothing longer); the "
+        "rest of a body whose request was answered first (a refusal) is discarded for at "
+        "most this long, then its connection is closed.",
     )
     engine_restart_backoff_s: tuple[float, float] = Field(
         default=(1.0, 30.0),

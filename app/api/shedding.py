@@ -7,7 +7,8 @@ module only answers that verdict, in one of two places:
 
 - `shedding_protocol(...)`: uvicorn's httptools protocol, which `steadyserve serve` runs. It
   writes the refusal to the socket as soon as the request's headers are parsed: no asyncio
-  task, no ASGI scope handed on, no middleware, and the body is discarded as it arrives.
+  task, no ASGI scope handed on, no middleware, and the body is discarded as it arrives
+  (for at most the body read timeout: then the connection is closed).
   Then, unless admissions have paid for the refusal (`api/refusal_budget.py`), it stops
   reading that connection until its Retry-After has passed (at most
   `refused_read_pause_s`). Under a closed-loop flood (clients resending the moment they are
@@ -33,6 +34,7 @@ Everything here runs on the event loop's thread.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -217,6 +219,8 @@ def shedding_protocol(
     read_pause_s: float,
     budget: RefusalBudget,
     trusted_proxies: Collection[str] = (),
+    *,
+    body_read_timeout_s: float,
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (pass it as `uvicorn.Config(http=...)`), refusing what
     `service.shed` refuses as soon as a request's headers are parsed, and pausing reads of
@@ -226,7 +230,14 @@ def shedding_protocol(
     goes on through the ASGI app with its `Entry` in the scope, so `SheddingMiddleware` must
     wrap that app (it calls `Service.leave`). Past uvicorn's connection cap
     (`Config(limit_concurrency=...)`) every request gets the 429 `connections` instead of
-    uvicorn's 503."""
+    uvicorn's 503.
+
+    A request answered before its body ended (refused here, or answered early by the app)
+    has the rest of its body discarded as it arrives, for at most `body_read_timeout_s`
+    after the read that left it unfinished (plus any pause), as the body guard bounds a
+    body read; then its connection is closed. uvicorn has no such bound: the read that
+    brings the next byte cancels its keep-alive timer, and only the end of an answered
+    message's body, which it ignores, would have armed it again."""
     if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45 (pyproject pins it)
         raise RuntimeError("uvicorn >= 0.45 is needed: its connection cap is answered here")
     shed_paths = frozenset(path.encode() for path in paths)
@@ -249,9 +260,36 @@ def shedding_protocol(
     class SheddingProtocol(HttpToolsProtocol):
         # True from a refusal to the end of that request's message: its body is dropped.
         _discarding = False
+        # True from a request's first byte to the end of its message; the cycle uvicorn
+        # made for it (None for one refused here, or not handed to the app).
+        _in_message = False
+        _message_cycle: RequestResponseCycle | None = None
+        # Closes the connection if the body of a request answered before its end is still
+        # arriving then (`data_received`); the refusal's read pause extends it.
+        _discard_deadline: asyncio.TimerHandle | None = None
+        _refusal_pause_s = 0.0
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if (
+                self._in_message
+                and self._discard_deadline is None
+                and self._answered_before_its_end()
+                and not self.transport.is_closing()
+            ):
+                self._discard_deadline = self.loop.call_later(
+                    body_read_timeout_s + self._refusal_pause_s, self._discard_expired
+                )
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_discard_deadline()
+            super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             self._discarding = False
+            self._in_message = True
+            self._message_cycle = None
+            self._refusal_pause_s = 0.0
             # A refusal completes its response inside the parser (`_send_refusal`), which
             # arms uvicorn's keep-alive timer; a request that begins in the same read means
             # the connection is not idle, and the timer would close it mid-answer.
@@ -259,16 +297,51 @@ def shedding_protocol(
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            if not self._refused_here():
-                super().on_headers_complete()
+            if self._refused_here():
+                return
+            before = self.cycle
+            super().on_headers_complete()
+            if self.cycle is not before:  # not for an upgrade
+                self._message_cycle = self.cycle
 
         def on_body(self, body: bytes) -> None:
             if not self._discarding:
                 super().on_body(body)
 
         def on_message_complete(self) -> None:
+            answered = self._answered_before_its_end()
+            self._in_message = False
             if not self._discarding:
                 super().on_message_complete()
+            if answered:
+                self._discarded()
+
+        def _answered_before_its_end(self) -> bool:
+            """Whether the request being parsed was answered (refused here, or by the app)
+            while its body is still arriving: what arrives of it is discarded."""
+            cycle = self._message_cycle
+            return self._discarding or (cycle is not None and cycle.response_complete)
+
+        def _discarded(self) -> None:
+            """The message of a request answered before its end has ended: the connection
+            is idle, under uvicorn's keep-alive timer again, armed as its
+            `on_response_complete` arms it (the read that brought the rest of the body
+            cancelled the one the answer armed)."""
+            self._cancel_discard_deadline()
+            if self.timeout_keep_alive_task is None and not self.transport.is_closing():
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
+
+        def _discard_expired(self) -> None:
+            self._discard_deadline = None
+            if self._in_message and not self.transport.is_closing():
+                self.transport.close()
+
+        def _cancel_discard_deadline(self) -> None:
+            if self._discard_deadline is not None:
+                self._discard_deadline.cancel()
+                self._discard_deadline = None
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
             # uvicorn decided on its connection cap itself (a request pipelined behind an
@@ -353,6 +426,7 @@ def shedding_protocol(
             ):
                 self.flow.pause_reading()
                 self.loop.call_later(pause_s, self._resume_after_refusal)
+                self._refusal_pause_s = pause_s
                 service.metrics.refusals_paused.inc()
 
         def _resume_after_refusal(self) -> None:

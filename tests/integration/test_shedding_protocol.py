@@ -240,3 +240,78 @@ async def test_a_refusal_leaves_no_idle_timer_on_the_request_read_after_it() -> 
             writer.close()
         harness.release()
         assert (await holder).status_code == 200
+
+
+async def closed_by_the_server(reader: asyncio.StreamReader, within_s: float) -> None:
+    """Until the server closes the connection (EOF), failing past `within_s`."""
+    async with asyncio.timeout(within_s):
+        assert await reader.read() == b""
+
+
+async def test_a_refused_body_trickling_in_is_cut_off_after_the_body_read_timeout() -> None:
+    """A refusal from the headers discards the body; the read that brings a byte of it
+    cancels the keep-alive timer the answer armed, and no ASGI cycle (nor the body guard's
+    timeout) exists: a client sending one byte of its declared body at a time held the
+    connection forever (enough of them fill STEADY_MAX_CONNECTIONS)."""
+    async with start(
+        max_queue_delay_ms=50,
+        refused_read_pause_s=0.0,
+        body_read_timeout_s=0.3,
+        keep_alive_timeout_s=60,  # not what closes it
+    ) as harness:
+        holder = await overload(harness)
+        async with listening(harness) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            writer.write(post(b"", declared_length=1_000_000))
+            assert (await read_answer(reader))[0] == 429
+            writer.write(b"{")  # one byte of the million it declared
+            await closed_by_the_server(reader, within_s=5)
+            writer.close()
+        harness.release()
+        assert (await holder).status_code == 200
+
+
+async def test_a_body_the_app_did_not_read_trickling_in_is_cut_off_too() -> None:
+    """The same for an answer the ASGI app wrote before the body (a v2 request shed by its
+    route): uvicorn discards the rest of the body with no timeout of its own."""
+    async with start(
+        max_queue_delay_ms=50,
+        refused_read_pause_s=0.0,
+        body_read_timeout_s=0.3,
+        keep_alive_timeout_s=60,
+    ) as harness:
+        holder = await overload(harness)
+        async with listening(harness) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            writer.write(
+                b"POST /v2/models/fake/infer HTTP/1.1\r\nhost: test\r\n"
+                b"content-type: application/json\r\ncontent-length: 1000000\r\n\r\n"
+            )
+            assert (await read_answer(reader))[0] == 429
+            writer.write(b"{")
+            await closed_by_the_server(reader, within_s=5)
+            writer.close()
+        harness.release()
+        assert (await holder).status_code == 200
+
+
+async def test_a_connection_whose_refused_body_was_discarded_still_times_out_idle() -> None:
+    """Once the refused body has all arrived (in reads after the answer), the connection is
+    an idle keep-alive one again, closed after the keep-alive timeout."""
+    async with start(
+        max_queue_delay_ms=50,
+        refused_read_pause_s=0.0,
+        body_read_timeout_s=60,  # not what closes it
+        keep_alive_timeout_s=1,
+    ) as harness:
+        holder = await overload(harness)
+        async with listening(harness) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            body = b'{"inputs": "sent after its refusal"}'
+            writer.write(post(b"", declared_length=len(body)))
+            assert (await read_answer(reader))[0] == 429
+            writer.write(body)
+            await closed_by_the_server(reader, within_s=5)
+            writer.close()
+        harness.release()
+        assert (await holder).status_code == 200

@@ -72,6 +72,7 @@ def connect(
         ["/infer"],
         read_pause_s=1.0,
         budget=RefusalBudget(0),
+        body_read_timeout_s=5.0,
     )
     config = uvicorn.Config(_app, lifespan="off", log_level="warning", limit_concurrency=CAP)
     protocol = protocol_class(  # type: ignore[call-arg]

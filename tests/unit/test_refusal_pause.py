@@ -80,6 +80,7 @@ def refused_connection(peer: str, extra_headers: bytes, trusted: list[str]) -> F
         read_pause_s=1.0,
         budget=RefusalBudget(0),  # no refusal is paid for: each may pause its connection
         trusted_proxies=trusted,
+        body_read_timeout_s=5.0,
     )
     config = uvicorn.Config(_app, lifespan="off", log_level="warning")
     protocol = protocol_class(  # type: ignore[call-arg]

@@ -62,9 +62,12 @@ class Rejected(Exception):
     @property
     def retry_after_whole_s(self) -> int | None:
         """What the client is told to wait: HTTP's `Retry-After` is whole seconds, so
-        `retry_after_s` rounded up, at least 1."""
+        `retry_after_s` rounded up, at least 1 (a wait that is not finite is unknown:
+        `_RETRY_AFTER_UNKNOWN_S`)."""
         if self.retry_after_s is None:
             return None
+        if not math.isfinite(self.retry_after_s):
+            return math.ceil(_RETRY_AFTER_UNKNOWN_S)
         return max(1, math.ceil(self.retry_after_s))
 
 
@@ -223,6 +226,11 @@ def delay_verdict(
     )
 
 
+# A rate last measured longer ago than this many time constants (decayed to under 5%)
+# says nothing about now: a minute after a busy spell it predicted a wait of ~1,600 s.
+STALE_AFTER_TAUS = 3.0
+
+
 class RateMeter:
     """Events per second, exponentially decayed with time constant `tau_s`.
 
@@ -242,6 +250,13 @@ class RateMeter:
         if self._last is None:
             return 0.0
         return self._rate * math.exp(-max(0.0, now - self._last) / self._tau)
+
+    def measured(self, now: float) -> float | None:
+        """The rate, or None while it is unknown: no event yet, or none for
+        `STALE_AFTER_TAUS` time constants (a quiet spell, not a slow rate)."""
+        if self._last is None or now - self._last > STALE_AFTER_TAUS * self._tau:
+            return None
+        return self.rate(now)
 
 
 # When nothing has drained yet there is no measured rate; this bounds the guess.
@@ -383,5 +398,10 @@ class Admission:
         )
 
     def _time_to_drain(self, excess: int, now: float) -> float:
-        rate = self._requests_completed.rate(now)
-        return excess / rate if rate > 0 else _RETRY_AFTER_UNKNOWN_S
+        """How long until `excess` places free, from the measured completion rate; the
+        unknown bound without a recent measurement. At most `max_timeout_s`: every request
+        in flight has a deadline no later than that, so by then each has left."""
+        rate = self._requests_completed.measured(now)
+        if rate is None or rate <= 0:
+            return _RETRY_AFTER_UNKNOWN_S
+        return min(excess / rate, self.limits.max_timeout_s)

@@ -159,6 +159,37 @@ def test_inflight_retry_after_without_any_measurement_is_bounded() -> None:
     assert isinstance(refused, Rejected) and refused.retry_after_s == 1.0
 
 
+def test_inflight_retry_after_after_a_quiet_spell_is_the_unknown_bound() -> None:
+    """The completion rate decays while nothing completes: a minute after a busy spell
+    (100/s) it said the next place frees in ~1,600 s, two minutes after in ~2.6e8 s, and
+    after an hour 1/rate overflowed to inf (an OverflowError answering the request). A
+    rate that old is no measurement: the unknown bound, as before any completion."""
+    for quiet_s in (60.0, 120.0, 3600.0):
+        admission = Admission(limits(3))
+        now = 0.0
+        while now < 30.0:
+            now += 0.01
+            admission.leave(with_body(admission, now), now)
+        now += quiet_s
+        for _ in range(3):
+            with_body(admission, now)
+        refused = admission.enter(now)
+        assert isinstance(refused, Rejected) and refused.retry_after_s == 1.0, quiet_s
+        assert refused.retry_after_header == "1"
+
+
+def test_inflight_retry_after_is_at_most_the_longest_deadline() -> None:
+    """A slow recent rate (one completion, 14 s ago) predicts ~82 s for a place to free;
+    every request in flight has a deadline of at most `max_timeout_s`, so by then each has
+    left."""
+    admission = Admission(limits(1))
+    admission.leave(with_body(admission, now=0.0), now=0.0)
+    with_body(admission, now=14.0)
+    refused = admission.enter(now=14.0)
+    assert isinstance(refused, Rejected) and refused.retry_after_s is not None
+    assert refused.retry_after_s == admission.limits.max_timeout_s
+
+
 def test_a_request_is_admitted_while_its_predicted_wait_fits_the_budget() -> None:
     # 60 ms of queued work ahead + 10 ms of its own = 70 ms against a 100 ms budget.
     fits = DelayEstimate(backlog_s=0.060, own_compute_s=0.010)
@@ -203,6 +234,12 @@ def test_retry_after_header_is_whole_seconds_at_least_one() -> None:
     assert Rejected(RejectReason.QUEUE, "x", 0.02).retry_after_header == "1"
     assert Rejected(RejectReason.QUEUE, "x", 2.01).retry_after_header == "3"
     assert Rejected(RejectReason.DRAINING, "x").retry_after_header is None
+
+
+def test_retry_after_header_of_a_wait_that_is_not_finite_is_the_unknown_bound() -> None:
+    # math.ceil raised on these: OverflowError (inf), ValueError (nan).
+    assert Rejected(RejectReason.INFLIGHT, "x", math.inf).retry_after_header == "1"
+    assert Rejected(RejectReason.INFLIGHT, "x", math.nan).retry_after_header == "1"
 
 
 def test_rate_meter_decays_without_events() -> None:

@@ -27,7 +27,10 @@ The protocol also answers uvicorn's connection cap (`limit_concurrency`, set fro
 `max_connections`): past it, uvicorn would answer a plain-text 503 of its own, counted
 nowhere, without `Retry-After` or the retry-elsewhere header. Instead every request there
 gets the prebuilt 429 `connections`, written from its headers like the refusals above and
-counted among them, and its connection is closed: closing is what frees a place.
+counted among them, and its connection is closed: closing is what frees a place. A
+connection closed while the request's body is still arriving is closed gently (half-closed,
+the rest of the body discarded, then closed), or a client still sending would get a reset
+in place of the answer.
 
 Everything here runs on the event loop's thread.
 """
@@ -37,9 +40,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import cache, lru_cache
 from http import HTTPStatus
+from typing import cast
 
 import httptools
 import orjson
@@ -237,7 +241,14 @@ def shedding_protocol(
     after the read that left it unfinished (plus any pause), as the body guard bounds a
     body read; then its connection is closed. uvicorn has no such bound: the read that
     brings the next byte cancels its keep-alive timer, and only the end of an answered
-    message's body, which it ignores, would have armed it again."""
+    message's body, which it ignores, would have armed it again.
+
+    A connection closed with its answer (a refusal with `Connection: close`, here or by
+    the app) while the request's body is still arriving is closed gently: half-closed
+    after the answer (`write_eof`), its input discarded until the message ends, the client
+    closes or that same bound passes, then closed. Closing a socket with unread input makes
+    Linux reset the connection (RST), and a client still sending its body lost the
+    answer."""
     if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45 (pyproject pins it)
         raise RuntimeError("uvicorn >= 0.45 is needed: its connection cap is answered here")
     shed_paths = frozenset(path.encode() for path in paths)
@@ -260,6 +271,9 @@ def shedding_protocol(
     class SheddingProtocol(HttpToolsProtocol):
         # True from a refusal to the end of that request's message: its body is dropped.
         _discarding = False
+        # The connection closes once the message being read ends (`_close_gently`):
+        # everything read until then is dropped.
+        _closing = False
         # True from a request's first byte to the end of its message; the cycle uvicorn
         # made for it (None for one refused here, or not handed to the app).
         _in_message = False
@@ -281,12 +295,26 @@ def shedding_protocol(
                     body_read_timeout_s + self._refusal_pause_s, self._discard_expired
                 )
 
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's
+            super().connection_made(transport)
+            # The transport as the requests' cycles see it: where uvicorn closes it after an
+            # answer (`Connection: close`), it is closed gently.
+            self._cycle_transport = cast(
+                asyncio.Transport, _ClosingGently(transport, self._close_gently)
+            )
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_discard_deadline()
             super().connection_lost(exc)
 
+        def send_400_response(self, msg: str) -> None:
+            if self._closing:  # half-closed: nothing more is written
+                self.transport.close()
+            else:
+                super().send_400_response(msg)
+
         def on_message_begin(self) -> None:
-            self._discarding = False
+            self._discarding = self._closing
             self._in_message = True
             self._message_cycle = None
             self._refusal_pause_s = 0.0
@@ -297,12 +325,13 @@ def shedding_protocol(
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            if self._refused_here():
+            if self._closing or self._refused_here():
                 return
             before = self.cycle
             super().on_headers_complete()
             if self.cycle is not before:  # not for an upgrade
                 self._message_cycle = self.cycle
+                self.cycle.transport = self._cycle_transport
 
         def on_body(self, body: bytes) -> None:
             if not self._discarding:
@@ -328,6 +357,9 @@ def shedding_protocol(
             `on_response_complete` arms it (the read that brought the rest of the body
             cancelled the one the answer armed)."""
             self._cancel_discard_deadline()
+            if self._closing:
+                self.transport.close()  # all its input read: a FIN, not a reset
+                return
             if self.timeout_keep_alive_task is None and not self.transport.is_closing():
                 self.timeout_keep_alive_task = self.loop.call_later(
                     self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -337,6 +369,34 @@ def shedding_protocol(
             self._discard_deadline = None
             if self._in_message and not self.transport.is_closing():
                 self.transport.close()
+
+        def _close_gently(self) -> None:
+            """Close the connection once its answer is written, without a reset: at once
+            between messages; while a request's body is still arriving, half-close (the
+            client reads the answer and its end), drop what arrives until the message ends
+            or the client closes, within the discard deadline, then close."""
+            if self._closing or self.transport.is_closing():
+                return
+            if not self._in_message:
+                self.transport.close()
+                return
+            self._closing = self._discarding = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.flow.resume_reading()  # paused while the app had not read the body
+            if self._discard_deadline is None:
+                self._discard_deadline = self.loop.call_later(
+                    body_read_timeout_s, self._discard_expired
+                )
+
+        def on_response_complete(self) -> None:
+            if not self._closing:
+                super().on_response_complete()
+                return
+            # As uvicorn does for a closed connection: no keep-alive timer, no pipelined
+            # request started (the rest of the message is being discarded).
+            self.server_state.total_requests += 1
+            self.pipeline.clear()
 
         def _cancel_discard_deadline(self) -> None:
             if self._discard_deadline is not None:
@@ -413,7 +473,7 @@ def shedding_protocol(
             self.transport.write(head + defaults + timing + body)
             self._discarding = True
             if not keep_alive:
-                self.transport.close()
+                self._close_gently()
             self.on_response_complete()
             pause_s = min(rejection.retry_after_whole_s or 0, read_pause_s)
             if (
@@ -434,3 +494,13 @@ def shedding_protocol(
                 self.flow.resume_reading()
 
     return SheddingProtocol
+
+
+class _ClosingGently:
+    """A transport as uvicorn's request cycle uses it (write, is_closing, close), whose
+    `close` is the protocol's gentle close."""
+
+    def __init__(self, transport: asyncio.Transport, close: Callable[[], None]) -> None:
+        self.write = transport.write
+        self.is_closing = transport.is_closing
+        self.close = close

@@ -315,3 +315,52 @@ async def test_a_connection_whose_refused_body_was_discarded_still_times_out_idl
             writer.close()
         harness.release()
         assert (await holder).status_code == 200
+
+
+async def answer_after_sending_the_body(
+    port: int, head: bytes, body_bytes: int
+) -> tuple[int, dict[str, str], bytes]:
+    """What a client that sends its whole body before reading (most do) hears: `head`
+    declares `body_bytes`, sent in 1 MiB writes, the first with the headers (more than the
+    server reads at once: some of it is still unread when the answer is written)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        chunk = b"x" * ONE_MIB
+        writer.write(head + chunk)
+        await writer.drain()
+        for _ in range(body_bytes // ONE_MIB - 1):
+            writer.write(chunk)
+            await writer.drain()
+        answer = await read_answer(reader)
+        await closed_by_the_server(reader, within_s=5)
+        return answer
+    finally:
+        writer.close()
+
+
+async def test_a_refusal_that_closes_its_connection_reaches_a_client_still_sending() -> None:
+    """Closing a socket with unread input makes Linux answer with a reset (RST): a client
+    still sending the body of a request refused while draining got ECONNRESET, not the
+    503. The refusal half-closes instead, discards the body, then closes."""
+    async with start(refused_read_pause_s=0.0) as harness:
+        harness.service.drain.begin()
+        async with listening(harness) as listener:
+            head = post(b"", declared_length=16 * ONE_MIB)
+            status, headers, body = await answer_after_sending_the_body(
+                listener.port, head, 16 * ONE_MIB
+            )
+        assert status == 503 and headers["connection"] == "close"
+        assert json.loads(body)["error"]["type"] == "draining"
+
+
+async def test_an_answer_the_app_writes_before_a_body_it_refuses_reaches_the_client() -> None:
+    """The same for an answer the app writes with `Connection: close` before the body (a
+    body declared over the limit: 413 from its headers)."""
+    async with start(max_body_bytes=ONE_MIB) as harness:
+        async with listening(harness) as listener:
+            head = post(b"", declared_length=16 * ONE_MIB)
+            status, headers, body = await answer_after_sending_the_body(
+                listener.port, head, 16 * ONE_MIB
+            )
+        assert status == 413 and headers["connection"] == "close"
+        assert json.loads(body)["error"]["type"] == "body_too_large"

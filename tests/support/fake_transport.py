@@ -14,6 +14,7 @@ class FakeTransport:
     written: bytearray = field(default_factory=bytearray)
     reading: bool = True
     closing: bool = False
+    eof_written: bool = False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": self.peer, "sockname": ("10.9.9.9", 8000)}.get(name, default)
@@ -32,3 +33,9 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closing = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof_written = True

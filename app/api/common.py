@@ -40,6 +40,16 @@ def envoy_timeout_in(headers: Iterable[tuple[bytes, bytes]]) -> float | None:
     return None
 
 
+def expects_continue(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """Whether a request's client waits for `100 Continue` before sending its body (raw
+    ASGI headers, names lower-cased). One answered without reading that body must close
+    its connection: the client will not send the body, and the HTTP parser, still waiting
+    for the bytes it declared, would take the client's next request as them."""
+    return any(
+        name == b"expect" and value.strip().lower() == b"100-continue" for name, value in headers
+    )
+
+
 def envoy_timeout_ms(request: Request) -> float | None:
     return envoy_timeout_in(request.scope["headers"])
 

@@ -54,7 +54,7 @@ from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.admission import Entry, Rejected, RejectReason
-from app.api.common import ENTRY, envoy_timeout_in
+from app.api.common import ENTRY, envoy_timeout_in, expects_continue
 from app.api.errors import REJECTION_STATUS, refusal_headers
 from app.api.refusal_budget import RefusalBudget
 from app.api.responses import speaks_open_inference, speaks_openai
@@ -154,9 +154,10 @@ class SheddingMiddleware:
             started = time.perf_counter()
             verdict = self.service.shed(envoy_timeout_in(scope["headers"]))
             if isinstance(verdict, Rejected):
-                await send_rejection(
-                    verdict, scope["path"], send, started, close=self.service.admission.draining
-                )
+                # Closed while draining, and for a client waiting for 100 Continue (its body
+                # will not come: `expects_continue`), as the protocol closes them.
+                close = self.service.admission.draining or expects_continue(scope["headers"])
+                await send_rejection(verdict, scope["path"], send, started, close=close)
                 return
             entry = scope[ENTRY] = verdict
         try:

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from app import __version__
 from app.admission import Entry, Rejected
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
-from app.api.common import BodyParsePhase, envoy_timeout_ms
+from app.api.common import BodyParsePhase, envoy_timeout_ms, expects_continue
 from app.api.errors import REJECTION_STATUS, engine_unavailable_headers, refusal_headers
 from app.api.responses import service_of, v2_error
 from app.api.v2_codec import (
@@ -173,15 +173,20 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         # Answered in microseconds: timed as a request, a flood of them pulled the running
         # p99 the slow-request threshold follows down to their speed.
         timer.latency_bound = False
-        return _rejected(rejection)
+        # Its body is never read: a client waiting for 100 Continue will not send it.
+        return _rejected(rejection, close=expects_continue(request.scope["headers"]))
     try:
         return await _guarded(_infer(request, service, name, version, entry))
     finally:
         service.leave(entry)
 
 
-def _rejected(rejection: Rejected) -> Response:
+def _rejected(rejection: Rejected, close: bool = False) -> Response:
+    """The refusal's answer; `close`: with `Connection: close` (the request's body was not
+    read and will not come)."""
     headers = refusal_headers(rejection.reason, rejection.retry_after_header)
+    if close:
+        headers["Connection"] = "close"
     return v2_error(rejection.message, REJECTION_STATUS[rejection.reason], headers)
 
 

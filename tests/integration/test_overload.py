@@ -174,3 +174,37 @@ async def test_probes_do_not_show_exception_text(path: str) -> None:
         assert response.status_code == 503
         assert "secret" not in response.text
         assert "OSError" in response.text
+
+
+@pytest.mark.parametrize("path", ["/infer", "/v2/models/fake/infer"])
+async def test_a_request_waiting_for_100_continue_is_refused_with_its_connection_closed(
+    path: str,
+) -> None:
+    """A client that sent `Expect: 100-continue` and hears a final answer never sends the
+    body it declared, but the server's parser still waits for it: the connection, left
+    open, took the client's next request as that body. Refused from its headers (by the
+    middleware, or the v2 route), such a request's connection is closed, as the HTTP
+    protocol closes it."""
+    async with start(max_queue_delay_ms=50) as harness:
+        scheduler = harness.engine.hosts["fake"].batcher.scheduler
+        for shape in scheduler.policy.shapes():
+            for _ in range(30):  # ten seconds a batch, as in the first test here
+                scheduler.record_compute(shape, 10.0)
+        holder = await harness.hold_the_worker()
+
+        async def receive() -> dict[str, Any]:
+            raise AssertionError("the body was read")
+
+        app = harness.client._transport.app  # type: ignore[attr-defined]
+        expecting = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"1000"),
+            (b"expect", b"100-continue"),
+        ]
+        status, headers = await post_directly(app, path, expecting, receive)
+        assert (status, headers.get("connection")) == (429, "close")
+        # Without the expectation, the connection stays usable.
+        status, headers = await post_directly(app, path, expecting[:2], receive)
+        assert (status, headers.get("connection")) == (429, None)
+        harness.release()
+        assert (await holder).status_code == 200

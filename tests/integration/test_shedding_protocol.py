@@ -364,3 +364,24 @@ async def test_an_answer_the_app_writes_before_a_body_it_refuses_reaches_the_cli
             )
         assert status == 413 and headers["connection"] == "close"
         assert json.loads(body)["error"]["type"] == "body_too_large"
+
+
+async def test_a_v2_request_waiting_for_100_continue_is_refused_and_its_connection_closed() -> None:
+    """The v2 route sheds from the headers too: to a client waiting for 100 Continue, which
+    then never sends the body it declared, the connection was left open, and the next
+    request on it was read as that body (never answered)."""
+    async with start(max_queue_delay_ms=50, refused_read_pause_s=0.0) as harness:
+        holder = await overload(harness)
+        async with listening(harness) as listener:
+            reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+            writer.write(
+                b"POST /v2/models/fake/infer HTTP/1.1\r\nhost: test\r\n"
+                b"content-type: application/json\r\ncontent-length: 1000\r\n"
+                b"expect: 100-continue\r\n\r\n"
+            )
+            status, headers, _ = await read_answer(reader)
+            assert (status, headers.get("connection")) == (429, "close")
+            await closed_by_the_server(reader, within_s=5)
+            writer.close()
+        harness.release()
+        assert (await holder).status_code == 200

@@ -117,10 +117,10 @@ def _configure_logging(level: str) -> None:
 
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """How a front end runs uvicorn: refusals written by the HTTP protocol itself, before
-    any ASGI machinery runs (`api/shedding.py`), connection limits and keep-alive from
+    any ASGI machinery runs (`api/shedding_protocol.py`), connection limits and keep-alive from
     `settings`."""
     from app.api.refusal_budget import RefusalBudget  # the server's code: loaded to serve only
-    from app.api.shedding import shedding_protocol
+    from app.api.shedding_protocol import shedding_protocol
 
     service: Service = app.state.service
     budget = RefusalBudget(settings.refusals_at_once_per_admission)

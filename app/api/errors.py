@@ -32,7 +32,8 @@ REJECTION_STATUS = {
     RejectReason.INFLIGHT: 429,
     RejectReason.QUEUE: 429,
     # A front end's connection cap is its capacity, as the in-flight cap is (503 is for a
-    # server that cannot serve at all); only its HTTP protocol answers it (api/shedding.py).
+    # server that cannot serve at all); only its HTTP protocol answers it
+    # (api/shedding_protocol.py).
     RejectReason.CONNECTIONS: 429,
     RejectReason.DRAINING: 503,
     RejectReason.NOT_READY: 503,

@@ -1,6 +1,6 @@
 """Which refusals a front end answers without pausing the refused connection.
 
-Pausing a refused connection (`api/shedding.py`) keeps a closed-loop flood, clients that
+Pausing a refused connection (`api/shedding_protocol.py`) keeps a closed-loop flood, clients that
 resend the moment they are refused, from turning a front end into a 429 machine. But it
 also holds an open-loop client's next requests in the paused socket, where they age unseen
 (docs/BENCHMARKS.md: at 3x capacity the admitted p99 went from 0.16 s to 6 s). The two
@@ -26,7 +26,7 @@ BANKED_ADMISSIONS = 64
 
 class RefusalBudget:
     """One front end's earned refusals; `admitted` and `answer_at_once` are called from its
-    HTTP protocol (`api/shedding.py`) for each request it decides on."""
+    HTTP protocol (`api/shedding_protocol.py`) for each request it decides on."""
 
     def __init__(self, per_admission: float, banked_admissions: int = BANKED_ADMISSIONS) -> None:
         self.per_admission = per_admission

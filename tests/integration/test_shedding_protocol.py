@@ -1,4 +1,4 @@
-"""Refusals written by the HTTP protocol itself (`app/api/shedding.py`), through a real
+"""Refusals written by the HTTP protocol itself (`app/api/shedding_protocol.py`), through a real
 uvicorn protocol on a loopback socket, in front of the app with an in-process engine and the
 gated fake model (the point is admission, not the numbers)."""
 

@@ -1,5 +1,5 @@
 """An asyncio transport without a socket, for driving uvicorn's HTTP protocol (and the
-shedding subclass, `app/api/shedding.py`) with bytes: it keeps what is written and whether
+shedding subclass, `app/api/shedding_protocol.py`) with bytes: it keeps what is written and whether
 reading is paused or the connection closed."""
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from app.admission import (
     BatchQueue,
     DelayEstimate,
     Entry,
-    RateMeter,
     Rejected,
     RejectReason,
     batch_delay,
@@ -25,6 +24,7 @@ from app.admission import (
 from app.deadlines import resolve_deadline
 from app.gate import AdmissionGate
 from app.metrics import Metrics
+from app.rate_meter import RateMeter
 
 LIMITS = AdmissionLimits(
     max_inflight=3, default_timeout_s=5.0, max_timeout_s=30.0, max_body_reads=8

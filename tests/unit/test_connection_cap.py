@@ -1,5 +1,5 @@
 """Past uvicorn's connection cap (`limit_concurrency`, set from STEADY_MAX_CONNECTIONS) a
-request is refused as the HTTP protocol refuses the others (`app/api/shedding.py`): the
+request is refused as the HTTP protocol refuses the others (`app/api/shedding_protocol.py`): the
 prebuilt JSON 429 `connections`, with `Retry-After` and the header the shipped Envoy retries
 on, counted in `steadyserve_rejected_total`, its connection closed; not uvicorn's own
 plain-text 503, which no metric counted. The protocol is driven with bytes through a fake
@@ -18,7 +18,7 @@ from uvicorn.server import ServerState
 
 from app.api.errors import RETRY_ELSEWHERE_HEADER
 from app.api.refusal_budget import RefusalBudget
-from app.api.shedding import shedding_protocol
+from app.api.shedding_protocol import shedding_protocol
 from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
 

@@ -1,4 +1,4 @@
-"""Which refused connections the HTTP protocol pauses (`app/api/shedding.py`): a proxy's
+"""Which refused connections the HTTP protocol pauses (`app/api/shedding_protocol.py`): a proxy's
 connection is never paused, and a connection is a proxy's only when its peer is a trusted
 proxy (`STEADY_TRUSTED_PROXIES`) and the request carries a proxy's header. The protocol is
 driven with bytes through a fake transport and a fake loop: no socket, no clock."""
@@ -14,7 +14,7 @@ from uvicorn.server import ServerState
 
 from app.admission import Rejected, RejectReason
 from app.api.refusal_budget import RefusalBudget
-from app.api.shedding import came_through_a_proxy, shedding_protocol, trusted_networks
+from app.api.shedding_protocol import came_through_a_proxy, shedding_protocol, trusted_networks
 from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
 

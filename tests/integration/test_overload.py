@@ -208,3 +208,21 @@ async def test_a_request_waiting_for_100_continue_is_refused_with_its_connection
         assert (status, headers.get("connection")) == (429, None)
         harness.release()
         assert (await holder).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/infer", "/v2/models/fake/infer"])
+async def test_a_request_refused_while_draining_has_its_connection_closed(path: str) -> None:
+    """While draining, new requests get 503 with `Connection: close` (README, "Shutdown"),
+    so a keep-alive client takes its next request to another replica: on the v2 route too,
+    which sheds for itself (the Server-Timing middleware closes every answer while the
+    server drains)."""
+    async with start() as harness:
+        harness.service.drain.begin()
+
+        async def receive() -> dict[str, Any]:
+            raise AssertionError("the body was read")
+
+        app = harness.client._transport.app  # type: ignore[attr-defined]
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"2")]
+        status, answered = await post_directly(app, path, headers, receive)
+        assert (status, answered.get("connection")) == (503, "close")

@@ -44,7 +44,10 @@ async def test_a_refused_body_is_answered_by_the_guard_and_never_judged_slow(sta
         await asyncio.Event().wait()  # a client that stalls: nothing more, ever
         raise AssertionError("unreachable")
 
-    sent, timer = await guarded(receive)
+    # Only the guard's read timeout (0.05 s) ends the 408 case; the bound keeps a guard that
+    # stopped timing the read from hanging the suite.
+    async with asyncio.timeout(10.0):
+        sent, timer = await guarded(receive)
     assert sent[0]["status"] == status
     assert timer.latency_bound is False
 

@@ -30,7 +30,10 @@ async def _sent_by(frames: list[bytes]) -> list[dict[str, Any]]:
         raise AssertionError("unreachable")
 
     scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
-    await EventStreamResponse(producer())(scope, receive, send)  # type: ignore[arg-type]
+    # `receive` never returns: a response that waited for the client to leave would never
+    # end, so the bound makes that a failure rather than a hung suite.
+    async with asyncio.timeout(10.0):
+        await EventStreamResponse(producer())(scope, receive, send)  # type: ignore[arg-type]
     return sent
 
 

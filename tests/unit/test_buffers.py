@@ -124,7 +124,9 @@ def test_acquire_waits_for_a_busy_slot_and_counts_the_wait() -> None:
         slot, waited = pool.acquire(shape)
         got.append((slot, waited, released.is_set()))
 
-    waiter = threading.Thread(target=wait_for_a_slot)
+    # Daemon: a waiter blocked for good (a release that never notifies) must not keep the
+    # interpreter, and so pytest, from exiting.
+    waiter = threading.Thread(target=wait_for_a_slot, daemon=True)
     waiter.start()
     # The waiter is blocked until the slot comes back; the wait counter proves it queued
     # (bounded: a pool that never counts the wait fails here instead of hanging).
@@ -136,6 +138,7 @@ def test_acquire_waits_for_a_busy_slot_and_counts_the_wait() -> None:
     released.set()
     pool.release(held)
     waiter.join(timeout=10)
+    assert not waiter.is_alive(), "the released slot never reached the waiter"
     assert len(got) == 1
     slot, waited, after_release = got[0]
     assert slot is held  # the one slot came back to the waiter, none was made for it

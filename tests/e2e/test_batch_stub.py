@@ -179,11 +179,11 @@ def test_the_client_never_exceeds_its_rate(tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{server.port}"
         assert asyncio.run(run()) == 250
         arrivals = sorted(server.arrivals)
-    # In every one-second window there are at most rate + 1 requests (the bucket holds
-    # one token), and the whole run cannot be faster than the rate.
-    for index, start in enumerate(arrivals):
-        window = [t for t in arrivals[index : index + int(rate) + 5] if t < start + 1.0]
-        assert len(window) <= rate + 1
+    # The whole run cannot be faster than the rate (unlimited, 250 requests take a fraction
+    # of the 2.5 s). At most rate + 1 in any one second is checked on the client's own send
+    # times in virtual time (tests/unit/test_batch_rate.py): the stub records an arrival
+    # after reading the body, on a thread sharing the GIL with the client, so a 10 ms delay
+    # could put 102 arrivals in one second of a client that sent 101.
     assert arrivals[-1] - arrivals[0] >= (len(arrivals) - 1) / rate * 0.95
 
 

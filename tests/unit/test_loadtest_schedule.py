@@ -10,7 +10,6 @@ depend on how fast or loaded the machine is.
 from __future__ import annotations
 
 import asyncio
-import selectors
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,29 +29,7 @@ from loadtest.stages import (
     target_at,
     total_duration,
 )
-
-
-class _VirtualTimeSelector(selectors.SelectSelector):
-    """Never blocks: a wait of ``timeout`` seconds advances virtual time by that much."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 1000.0  # not zero, so a bug that mixes absolute and relative times shows
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        if timeout is None:
-            raise RuntimeError("virtual-time loop would wait forever: nothing is scheduled")
-        self.now += timeout
-        return super().select(0)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    def __init__(self) -> None:
-        self._virtual = _VirtualTimeSelector()
-        super().__init__(self._virtual)
-
-    def time(self) -> float:
-        return self._virtual.now
+from tests.support.virtual_time import VirtualTimeLoop
 
 
 def run_virtual(main: Callable[[], Awaitable[RunResult]]) -> RunResult:

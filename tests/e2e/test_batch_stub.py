@@ -31,6 +31,7 @@ from app.batchclient import (
 from tests.support.batch import (
     assert_each_id_exactly_once,
     batch_command,
+    killed_on_exit,
     read_lines,
     run_batch,
     write_input,
@@ -225,12 +226,13 @@ def test_sigkill_then_restart_ends_with_every_id_once(tmp_path: Path) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        give_up_at = time.monotonic() + 60
-        while len(out.read_bytes().splitlines()) < 300 if out.exists() else True:
-            assert first.poll() is None and time.monotonic() < give_up_at
-            time.sleep(0.02)  # polling interval: the loop checks the file itself
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=10)
+        with killed_on_exit(first):
+            give_up_at = time.monotonic() + 60
+            while len(out.read_bytes().splitlines()) < 300 if out.exists() else True:
+                assert first.poll() is None and time.monotonic() < give_up_at
+                time.sleep(0.02)  # polling interval: the loop checks the file itself
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=10)
         # What a kill in the middle of a write leaves: a last line without its newline.
         with out.open("ab") as file:
             file.write(b'{"id":"doc-2999","model":"stub","outp')
@@ -271,12 +273,13 @@ def test_sigterm_finishes_what_is_in_flight_and_exits_non_zero(tmp_path: Path) -
             stderr=subprocess.PIPE,
             text=True,
         )
-        give_up_at = time.monotonic() + 60
-        while len(read_lines(out)) < 10 if out.exists() else True:
-            assert job.poll() is None and time.monotonic() < give_up_at
-            time.sleep(0.02)  # polling interval: the loop checks the file itself
-        job.send_signal(signal.SIGTERM)
-        _, stderr = job.communicate(timeout=30)
+        with killed_on_exit(job):
+            give_up_at = time.monotonic() + 60
+            while len(read_lines(out)) < 10 if out.exists() else True:
+                assert job.poll() is None and time.monotonic() < give_up_at
+                time.sleep(0.02)  # polling interval: the loop checks the file itself
+            job.send_signal(signal.SIGTERM)
+            _, stderr = job.communicate(timeout=30)
         answered_by_server = server.answered.get(200, 0)
     assert job.returncode == 128 + signal.SIGTERM, stderr
     assert "batch summary" in stderr

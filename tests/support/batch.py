@@ -3,13 +3,14 @@ what it wrote back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, AnyStr
 
 import orjson
 
@@ -39,6 +40,21 @@ def batch_command(input_path: Path, url: str, out: Path, *extra: str) -> list[st
         "1",
         *extra,
     ]
+
+
+@contextlib.contextmanager
+def killed_on_exit(process: subprocess.Popen[AnyStr]) -> Iterator[subprocess.Popen[AnyStr]]:
+    """`process` (a job the test started and drives itself), killed by its Popen and reaped
+    on exit if still running: a failing assertion must not leave it behind."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        for stream in (process.stdin, process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
 
 
 def run_batch(

@@ -13,8 +13,8 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.direct import DirectRoute
-from tests.integration.test_scheduling import start
 from tests.support.infer_bodies import EMBEDDINGS_REQUESTS, REQUESTS
+from tests.support.scheduling import start
 
 BODIES = {"/infer": REQUESTS, "/v1/embeddings": EMBEDDINGS_REQUESTS}
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from app.model_specs import ModelSpec
-from tests.integration.test_scheduling import start
 from tests.support.asgi import post_directly
+from tests.support.scheduling import start
 
 ONE_MIB = 1 << 20
 
@@ -161,8 +161,8 @@ async def test_probes_do_not_show_exception_text(path: str) -> None:
 
     from app.main import create_app
     from app.settings import Settings
-    from tests.integration.test_scheduling import BASE
     from tests.support.asgi import serving
+    from tests.support.scheduling import BASE
 
     loader = BrokenLoader()
     app = create_app(Settings(**BASE), loader=loader, tokenizer_loader=loader.tokenizer)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.server import ServerState
 
 from app.cli import uvicorn_config
-from tests.integration.test_scheduling import Harness, start
+from tests.support.scheduling import Harness, start
 
 ONE_MIB = 1 << 20
 HELD_PATH = "/test-held"  # answered by the listener itself once the test releases it

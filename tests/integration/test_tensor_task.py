@@ -1,12 +1,14 @@
 """The `tensor` task in-process: an exported torch module served through the scheduler,
-its preallocated slots and warm-up, and what the engine refuses on its own."""
+its preallocated slots and warm-up, and what the engine refuses on its own. The test
+models (`models`) come from tests/integration/conftest.py; what a model is checked for
+before it serves (a state dict at load, an output's dtype at warm-up) is in
+test_tensor_model_checks.py."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,7 +18,6 @@ import pytest_asyncio
 import torch
 
 from app.admission import RejectReason
-from app.engine.client import EngineUnavailable
 from app.engine.core import EngineCore
 from app.engine.host import EngineLoad
 from app.engine.inprocess import InProcessEngine
@@ -31,19 +32,12 @@ from app.engine.protocol import (
 )
 from app.engine.tensor_host import TensorHost
 from app.main import create_app
-from app.metrics import Metrics
 from app.model_specs import ModelSpec
-from app.models.tensor import load_tensor_model
 from app.settings import Settings
 from tests.support.asgi import post_directly, serving
-from tests.support.tensor_models import LOOKUP_ROWS, TensorModels, build_tensor_models
+from tests.support.tensor_models import LOOKUP_ROWS, TensorModels
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> TensorModels:
-    return build_tensor_models(tmp_path_factory.mktemp("tensor-models"))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -257,24 +251,6 @@ async def test_the_engine_publishes_the_inputs_it_took_from_each_front_end(
     assert len(answers) == 3  # all refused, at once
 
 
-async def test_a_state_dict_is_refused_at_load_naming_the_model_and_what_it_needed(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "weights.pt"
-    torch.save({"weight": torch.zeros(2, 2)}, path)
-    spec = ModelSpec.model_validate(
-        {
-            "name": "scorer",
-            "task": "tensor",
-            "source": str(path),
-            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}],
-            "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 2]}],
-        }
-    )
-    with pytest.raises(ValueError, match=r"scorer: .* is not a TorchScript file"):
-        load_tensor_model(spec, torch.device("cpu"))
-
-
 def ids_body(ids: list[list[int]]) -> dict[str, object]:
     flat = [i for row in ids for i in row]
     return {"inputs": [{"name": "ids", "datatype": "INT64", "shape": [len(ids), 3], "data": flat}]}
@@ -397,27 +373,3 @@ async def test_nan_asked_for_as_json_is_the_client_s_to_fix_not_a_500(
     )
     assert response.status_code == 400
     assert "ask for binary output" in response.json()["error"]
-
-
-async def test_an_output_whose_dtype_is_not_its_spec_s_fails_warm_up(
-    models: TensorModels, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Only the shape was checked: `copy_` turned float scores declared INT64 into
-    truncated integers, served as the model's answer."""
-    mlp = next(s for s in models.specs if s["name"] == "mlp")
-    spec = {**mlp, "outputs": [{"name": "scores", "datatype": "INT64", "shape": [-1, 4]}]}
-    settings = Settings(
-        engine="inprocess",
-        models=(ModelSpec.model_validate(spec),),
-        length_buckets=(4,),
-        max_batch_size=2,
-        torch_threads=1,
-    )
-    engine = InProcessEngine(EngineCore(settings, Metrics()))
-    await engine.start()
-    try:
-        with pytest.raises(EngineUnavailable, match="start-up failed: ValueError"):
-            await engine.wait_ready()
-    finally:
-        await engine.close()
-    assert "output 'scores' is torch.float32; its spec gives INT64" in caplog.text

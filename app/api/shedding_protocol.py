@@ -176,6 +176,11 @@ def shedding_protocol(
             self._cancel_discard_deadline()
             super().connection_lost(exc)
 
+        def _should_upgrade(self) -> bool:
+            # Behind a gentle close everything is dropped: an upgrade there was never parsed
+            # as a request (no scope), and uvicorn's upgrade of it raised mid-read.
+            return not self._closing and super()._should_upgrade()
+
         def send_400_response(self, msg: str) -> None:
             if self._closing:  # half-closed: nothing more is written
                 self.transport.close()

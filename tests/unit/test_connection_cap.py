@@ -225,3 +225,32 @@ def test_a_refusal_before_the_body_is_in_its_protocol_s_envelope(
         status, headers, body = response
         assert status == 429 and headers["retry-after"] == "1"
         assert error_of(orjson.loads(body)) == expected
+
+
+def test_a_websocket_upgrade_pipelined_behind_a_gentle_close_is_dropped_with_the_rest() -> None:
+    """A request refused with `Connection: close` while its body is still arriving is closed
+    gently: what follows it is read and dropped. A WebSocket upgrade pipelined behind it
+    was handed to uvicorn's upgrade, which read the scope of a request never parsed
+    (KeyError: 'method'), so the loop force-closed the connection, dropping the answer."""
+    service = CappedService()
+    state = ServerState()
+    head, body = POST_INFER.split(b"\r\n\r\n", 1)
+    upgrade = (
+        b"GET /ws HTTP/1.1\r\nhost: test\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+        b"sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+
+    async def refused_then_upgrade() -> FakeTransport:
+        loop = asyncio.get_running_loop()
+        connect(service, state, loop)
+        protocol, transport = connect(service, state, loop)  # the cap's
+        protocol.ws_protocol_class = object  # a WebSocket library installed (uvicorn's "auto")
+        protocol.data_received(head + b"\r\n\r\n" + body[:4])  # refused, closing gently
+        protocol.data_received(body[4:] + upgrade)
+        await until_answered(state)
+        return transport
+
+    transport = asyncio.run(refused_then_upgrade())
+    [response] = responses(transport.written)
+    assert_connection_cap_refusal(response)
+    assert transport.eof_written and transport.closing

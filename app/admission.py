@@ -246,7 +246,7 @@ class Admission:
         self.limits = limits
         self.draining = False
         self.with_body = 0  # let in, body arrived: counted in flight until they leave
-        self._bodied: set[int] = set()
+        self._bodied: dict[int, float] = {}  # body arrived: when they entered
         self._reading: dict[int, float] = {}  # let in, body still arriving: when they entered
         # Readers in the order they entered, while within BODY_GRACE_S (those gone since
         # are skipped when their grace ends), and how many of them are still reading.
@@ -315,7 +315,7 @@ class Admission:
                 self._time_to_drain(held + 1 - self.limits.max_inflight, now),
             )
         self.with_body += 1
-        self._bodied.add(entry.number)
+        self._bodied[entry.number] = entry.entered_at
         return None
 
     def leave(self, entry: Entry, now: float) -> None:
@@ -323,7 +323,7 @@ class Admission:
         if entry.number in self._reading:
             self._stop_reading(entry, now)
         elif entry.number in self._bodied:
-            self._bodied.remove(entry.number)
+            del self._bodied[entry.number]
             self.with_body -= 1
         self._requests_completed.record(1, now)
 
@@ -367,10 +367,15 @@ class Admission:
         )
 
     def _time_to_drain(self, excess: int, now: float) -> float:
-        """How long until `excess` places free, from the measured completion rate; the
-        unknown bound without a recent measurement. At most `max_timeout_s`: every request
-        in flight has a deadline no later than that, so by then each has left."""
+        """How long until `excess` places free, from the measured completion rate. Without
+        a recent completion, as long as the latest request let in has been in: after a quiet
+        spell it is fresh (the unknown bound, at least), while one let in long ago, with
+        nothing finishing since, is among slow ones (a place frees only as one leaves). At
+        most `max_timeout_s`: every request in flight has a deadline no later than that, so
+        by then each has left."""
         rate = self._requests_completed.measured(now)
-        if rate is None or rate <= 0:
-            return _RETRY_AFTER_UNKNOWN_S
-        return min(excess / rate, self.limits.max_timeout_s)
+        if rate is not None and rate > 0:
+            return min(excess / rate, self.limits.max_timeout_s)
+        entered = [*self._reading.values(), *self._bodied.values()]
+        held_for = now - max(entered) if entered else 0.0
+        return min(max(_RETRY_AFTER_UNKNOWN_S, held_for), self.limits.max_timeout_s)

@@ -31,6 +31,11 @@ class RateMeter:
             return 0.0
         return self._rate * math.exp(-max(0.0, now - self._last) / self._tau)
 
+    @property
+    def last_event_at(self) -> float | None:
+        """When the last event was recorded; None before any."""
+        return self._last
+
     def measured(self, now: float) -> float | None:
         """The rate, or None while it is unknown: no event yet, or none for
         `STALE_AFTER_TAUS` time constants (a quiet spell, not a slow rate)."""

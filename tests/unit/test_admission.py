@@ -4,7 +4,6 @@ injected clock."""
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterator
 
 import pytest
@@ -13,39 +12,19 @@ from app.admission import (
     BODY_GRACE_S,
     Admission,
     AdmissionLimits,
-    BatchQueue,
     DelayEstimate,
-    Entry,
     Rejected,
     RejectReason,
-    batch_delay,
     delay_verdict,
 )
 from app.deadlines import resolve_deadline
 from app.gate import AdmissionGate
 from app.metrics import Metrics
-from app.rate_meter import RateMeter
+from tests.support.admission import entered, limits, with_body
 
 LIMITS = AdmissionLimits(
     max_inflight=3, default_timeout_s=5.0, max_timeout_s=30.0, max_body_reads=8
 )
-
-
-def limits(max_inflight: int, max_body_reads: int = 1000) -> AdmissionLimits:
-    return AdmissionLimits(max_inflight, 5.0, 30.0, max_body_reads)
-
-
-def entered(admission: Admission, now: float) -> Entry:
-    entry = admission.enter(now)
-    assert isinstance(entry, Entry), entry
-    return entry
-
-
-def with_body(admission: Admission, now: float) -> Entry:
-    """A request let in whose body arrives at once."""
-    entry = entered(admission, now)
-    assert admission.body_arrived(entry, now) is None
-    return entry
 
 
 def test_requests_come_in_until_the_inflight_cap() -> None:
@@ -131,65 +110,6 @@ def test_a_body_counted_twice_or_after_leaving_changes_nothing() -> None:
     assert admission.inflight == admission.held(now=0.0) == 0
 
 
-def _inflight_retry_after(step_s: float) -> float:
-    """Complete one request every `step_s` for 30 s (six meter time constants), fill the
-    in-flight cap, overflow it by one and return the Retry-After that gives."""
-    admission = Admission(limits(3))
-    now = 0.0
-    while now < 30.0:
-        now += step_s
-        admission.leave(with_body(admission, now), now)
-    for _ in range(3):
-        with_body(admission, now)
-    refused = admission.enter(now)
-    assert isinstance(refused, Rejected) and refused.retry_after_s is not None
-    return refused.retry_after_s
-
-
-def test_inflight_retry_after_follows_the_measured_completion_rate() -> None:
-    # One excess request at 10 completions/s clears in 100 ms; at 1/s in 1 s.
-    assert _inflight_retry_after(0.1) == pytest.approx(1 / 10, rel=0.15)
-    assert _inflight_retry_after(1.0) == pytest.approx(1.0, rel=0.15)
-
-
-def test_inflight_retry_after_without_any_measurement_is_bounded() -> None:
-    admission = Admission(limits(1))
-    with_body(admission, now=0.0)
-    refused = admission.enter(now=0.0)
-    assert isinstance(refused, Rejected) and refused.retry_after_s == 1.0
-
-
-def test_inflight_retry_after_after_a_quiet_spell_is_the_unknown_bound() -> None:
-    """The completion rate decays while nothing completes: a minute after a busy spell
-    (100/s) it said the next place frees in ~1,600 s, two minutes after in ~2.6e8 s, and
-    after an hour 1/rate overflowed to inf (an OverflowError answering the request). A
-    rate that old is no measurement: the unknown bound, as before any completion."""
-    for quiet_s in (60.0, 120.0, 3600.0):
-        admission = Admission(limits(3))
-        now = 0.0
-        while now < 30.0:
-            now += 0.01
-            admission.leave(with_body(admission, now), now)
-        now += quiet_s
-        for _ in range(3):
-            with_body(admission, now)
-        refused = admission.enter(now)
-        assert isinstance(refused, Rejected) and refused.retry_after_s == 1.0, quiet_s
-        assert refused.retry_after_header == "1"
-
-
-def test_inflight_retry_after_is_at_most_the_longest_deadline() -> None:
-    """A slow recent rate (one completion, 14 s ago) predicts ~82 s for a place to free;
-    every request in flight has a deadline of at most `max_timeout_s`, so by then each has
-    left."""
-    admission = Admission(limits(1))
-    admission.leave(with_body(admission, now=0.0), now=0.0)
-    with_body(admission, now=14.0)
-    refused = admission.enter(now=14.0)
-    assert isinstance(refused, Rejected) and refused.retry_after_s is not None
-    assert refused.retry_after_s == admission.limits.max_timeout_s
-
-
 def test_a_request_is_admitted_while_its_predicted_wait_fits_the_budget() -> None:
     # 60 ms of queued work ahead + 10 ms of its own = 70 ms against a 100 ms budget.
     fits = DelayEstimate(backlog_s=0.060, own_compute_s=0.010)
@@ -228,27 +148,6 @@ def test_a_deadline_shorter_than_the_requests_own_compute_can_never_be_met() -> 
     assert rejection is not None
     assert rejection.reason is RejectReason.DEADLINE
     assert rejection.retry_after_s is None
-
-
-def test_retry_after_header_is_whole_seconds_at_least_one() -> None:
-    assert Rejected(RejectReason.QUEUE, "x", 0.02).retry_after_header == "1"
-    assert Rejected(RejectReason.QUEUE, "x", 2.01).retry_after_header == "3"
-    assert Rejected(RejectReason.DRAINING, "x").retry_after_header is None
-
-
-def test_retry_after_header_of_a_wait_that_is_not_finite_is_the_unknown_bound() -> None:
-    # math.ceil raised on these: OverflowError (inf), ValueError (nan).
-    assert Rejected(RejectReason.INFLIGHT, "x", math.inf).retry_after_header == "1"
-    assert Rejected(RejectReason.INFLIGHT, "x", math.nan).retry_after_header == "1"
-
-
-def test_rate_meter_decays_without_events() -> None:
-    meter = RateMeter(tau_s=1.0)
-    assert meter.rate(0.0) == 0.0
-    for step in range(1, 201):
-        meter.record(1, now=step * 0.01)  # 100 events/s for 2 s
-    assert meter.rate(2.0) == pytest.approx(100.0 * (1 - math.exp(-2.0)), rel=0.05)
-    assert meter.rate(4.0) == pytest.approx(meter.rate(2.0) * math.exp(-2.0), rel=1e-6)
 
 
 def test_deadline_is_the_tightest_of_client_and_proxy_and_bounded() -> None:
@@ -350,73 +249,3 @@ def test_a_request_refused_for_its_deadline_takes_no_bucket_tokens(
         return reason
 
     assert virtual_loop.run_until_complete(scenario()) is RejectReason.DEADLINE
-
-
-# Batches of 32 rows computing in 32 ms (1 ms per input); one compute thread.
-def _queue(backlog_s: float, queued: int) -> BatchQueue:
-    return BatchQueue(
-        backlog_s=backlog_s, queued=queued, seconds_per_input=0.001, batch_rows=32,
-        full_batch_s=0.032,
-    )  # fmt: skip
-
-
-def test_inputs_queued_in_the_request_s_own_batch_are_not_ahead_of_it() -> None:
-    # A 64-connection loop: 20 ms left of the running batch, 31 queued, this is the 32nd.
-    # It runs in the next batch, with them: 20 ms, then that batch (here estimated 30 ms).
-    estimate = batch_delay(_queue(0.020 + 0.031, queued=31), rows=1, partial_batch_s=0.030)
-    assert estimate.backlog_s == pytest.approx(0.020)
-    assert estimate.own_compute_s == pytest.approx(0.030)
-    assert delay_verdict(estimate, deadline=10.0, now=0.0, max_queue_delay_s=0.1) is None
-
-
-def test_behind_a_full_batch_a_request_waits_for_it_and_a_full_batch_of_its_own() -> None:
-    # Overload: 70 queued behind 20 ms of running work. Two full batches are ahead of it;
-    # its own batch fills behind it before it runs: 20 + 64 + 32 = 116 ms, over the 100 ms
-    # budget. Counted input by input (20 + 70 ms, plus the 10 ms of the batch as queued so
-    # far) it would have been admitted to wait 116 ms.
-    estimate = batch_delay(_queue(0.020 + 0.070, queued=70), rows=1, partial_batch_s=0.010)
-    assert estimate.backlog_s == pytest.approx(0.020 + 2 * 0.032)
-    assert estimate.own_compute_s == pytest.approx(0.032)
-    verdict = delay_verdict(estimate, deadline=10.0, now=0.0, max_queue_delay_s=0.1)
-    assert verdict is not None and verdict.reason is RejectReason.QUEUE
-    assert verdict.retry_after_s == pytest.approx(0.016)
-
-
-def test_a_request_of_many_rows_waits_for_the_batches_before_its_last_row() -> None:
-    # 10 queued, 60 rows: its last row is row 70, in the third batch (rows 65-96). Alone its
-    # rows fill two batches; the inputs queued ahead add the third.
-    estimate = batch_delay(_queue(0.010, queued=10), rows=60, partial_batch_s=0.008)
-    assert estimate.backlog_s == pytest.approx(0.032)
-    assert estimate.own_compute_s == pytest.approx(2 * 0.032)
-
-
-def test_inputs_ahead_that_push_a_request_into_another_batch_are_waited_for() -> None:
-    # 20 queued, nothing running, 20 rows: alone one batch, behind them two.
-    estimate = batch_delay(_queue(0.020, queued=20), rows=20, partial_batch_s=0.020)
-    assert estimate.backlog_s == pytest.approx(0.032)
-    assert estimate.own_compute_s == pytest.approx(0.032)
-
-
-def test_on_an_idle_engine_a_request_of_more_rows_than_a_batch_is_admitted() -> None:
-    """Its own first batch was counted as backlog: with "something ahead" it was refused
-    429 for a wait over the budget, and every retry was too."""
-    estimate = batch_delay(_queue(0.0, queued=0), rows=64, partial_batch_s=0.032)
-    assert estimate.backlog_s == 0.0
-    assert estimate.own_compute_s == pytest.approx(2 * 0.032)
-    assert delay_verdict(estimate, deadline=10.0, now=0.0, max_queue_delay_s=0.05) is None
-    # Behind a full batch of others it waits like anyone: refused, retryable.
-    busy = batch_delay(_queue(0.032, queued=32), rows=64, partial_batch_s=0.032)
-    assert busy.backlog_s == pytest.approx(0.032)
-    refused = delay_verdict(busy, deadline=10.0, now=0.0, max_queue_delay_s=0.05)
-    assert refused is not None and refused.reason is RejectReason.QUEUE
-
-
-def test_without_a_batch_size_the_queue_counts_input_by_input() -> None:
-    # What a front end gets from an engine that publishes no full batch (generation only):
-    # batches of one row computing in no time, so the prediction is the linear one.
-    queue = BatchQueue(
-        backlog_s=0.050, queued=5, seconds_per_input=0.010, batch_rows=1, full_batch_s=0.0
-    )
-    estimate = batch_delay(queue, rows=1, partial_batch_s=0.004)
-    assert estimate.backlog_s == pytest.approx(0.050)
-    assert estimate.own_compute_s == pytest.approx(0.004)

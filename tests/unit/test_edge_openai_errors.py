@@ -7,6 +7,7 @@ where the engine found the deadline passed."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -76,11 +77,7 @@ async def test_a_failure_mid_stream_is_an_event_of_openai_s_type(tmp_path: Path)
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
         response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200
-    events = [
-        orjson.loads(line[len(b"data: ") :])
-        for line in response.content.split(b"\n\n")
-        if line.startswith(b"data: {")
-    ]
+    events = json_events(response.content)
     assert events[-1] == {
         "error": {
             "type": "server_error",  # a 504 had it come before the stream began
@@ -107,11 +104,7 @@ async def test_an_engine_gone_silent_mid_stream_is_a_503_event_not_a_server_faul
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
         response = await client.post("/v1/completions", json=body)
     assert response.status_code == 200
-    events = [
-        orjson.loads(line[len(b"data: ") :])
-        for line in response.content.split(b"\n\n")
-        if line.startswith(b"data: {")
-    ]
+    events = json_events(response.content)
     assert events[0]["choices"][0]["text"].strip() == "hello"  # the stream had begun
     error = events[-1]["error"]
     assert (error["type"], error["code"]) == ("server_error", "not_ready"), error
@@ -136,3 +129,12 @@ async def test_a_deadline_answer_says_where_the_engine_found_it_passed(
         response = await client.post(path, json=body)
     assert response.status_code == 504, response.text
     assert RERUN_DEADLINE_PASSED in response.text
+
+
+def json_events(stream: bytes) -> list[Any]:
+    """The JSON objects of a server-sent event stream, in order (`[DONE]` left out)."""
+    return [
+        orjson.loads(line[len(b"data: ") :])
+        for line in stream.split(b"\n\n")
+        if line.startswith(b"data: {")
+    ]

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from app.engine.generation_host import GenerationHost
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.host import Emit
+from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
 from app.models.causal_lm import StepRow
 from loadtest.tiny_causal_lm import build_tiny_causal_lm
@@ -80,6 +81,27 @@ def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
     config["eos_token_id"] = [config["eos_token_id"], stop]
     config_path.write_text(json.dumps(config))
     return directory
+
+
+# Two sequences in two slots, and a third for the slot the first frees when it chooses EOS.
+EOS_PROMPT, BESIDE_PROMPT, THIRD_PROMPT = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
+
+
+async def two_slot_engine_where_only_the_first_stops(
+    directory: Path, model: PreTrainedModel
+) -> tuple[InProcessEngine, list[int], list[int]]:
+    """A started engine (2 slots, 8 steps a dispatch) whose model also ends at the token
+    greedy decoding gives `EOS_PROMPT` 6th: that sequence stops after 5 tokens, and
+    `BESIDE_PROMPT`'s 12 never hold it. The first's 5 tokens and the second's 12."""
+    plain = expected_greedy(model, EOS_PROMPT, 10).token_ids
+    stop = plain[5]
+    beside = expected_greedy(model, BESIDE_PROMPT, 12).token_ids
+    assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
+    directory = tiny_model_that_also_ends_at(directory, stop)
+    engine = await started(
+        settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
+    )
+    return engine, plain[:5], beside
 
 
 async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_lm: Path) -> None:
@@ -150,29 +172,23 @@ async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits
     """A row leaving the run at EOS frees its slot only when the run ends: the waiting
     sequence sat up to k-1 forwards longer while the batch ran a row short."""
     _, model = reference
-    prompt, other, waiting = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
-    plain = expected_greedy(model, prompt, 10).token_ids
-    stop = plain[5]
-    beside = expected_greedy(model, other, 12).token_ids
-    assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
-    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
-    engine = await started(
-        settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
+    engine, stopped, beside = await two_slot_engine_where_only_the_first_stops(
+        tmp_path / "eos", model
     )
     try:
         first, second, third = await asyncio.gather(
-            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
-            generate(engine, other, SamplingParams(max_new_tokens=12)),
-            generate(engine, waiting, SamplingParams(max_new_tokens=4)),
+            generate(engine, EOS_PROMPT, SamplingParams(max_new_tokens=10)),
+            generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=12)),
+            generate(engine, THIRD_PROMPT, SamplingParams(max_new_tokens=4)),
         )
     finally:
         await engine.close()
-    assert first.finish_reason is FinishReason.EOS and first.token_ids == plain[:5]
+    assert first.finish_reason is FinishReason.EOS and first.token_ids == stopped
     assert second.token_ids == beside
     # The prefill, then a run cut at the step the first sequence chose EOS (its 5th
     # decode step), not one of 8 steps.
     assert second.sizes[:2] == (1, 5), second.sizes
-    assert third.token_ids == expected_greedy(model, waiting, 4).token_ids
+    assert third.token_ids == expected_greedy(model, THIRD_PROMPT, 4).token_ids
 
 
 async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_it(
@@ -185,14 +201,8 @@ async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_i
     during a run left the slot an EOS freed idle for the rest of the run (up to k-1
     forwards)."""
     _, model = reference
-    prompt, other, arriving = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
-    plain = expected_greedy(model, prompt, 10).token_ids
-    stop = plain[5]
-    beside = expected_greedy(model, other, 12).token_ids
-    assert stop not in plain[:5] and stop not in beside, "the premise: only the first stops"
-    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
-    engine = await started(
-        settings_for(directory, warmup=False, generate_steps_per_dispatch=8, generate_slots=2)
+    engine, stopped, beside = await two_slot_engine_where_only_the_first_stops(
+        tmp_path / "eos", model
     )
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
@@ -212,7 +222,7 @@ async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_i
         # with both slots held.
         if next(forwards) == 3:
             start = lambda: late.append(  # noqa: E731
-                loop.create_task(generate(engine, arriving, SamplingParams(max_new_tokens=4)))
+                loop.create_task(generate(engine, THIRD_PROMPT, SamplingParams(max_new_tokens=4)))
             )
             loop.call_soon_threadsafe(start)
             assert submitted.wait(30), "the arrival reached the host"
@@ -222,18 +232,18 @@ async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_i
     monkeypatch.setattr(host.runner, "step", arrival_during_the_run)
     try:
         first, second = await asyncio.gather(
-            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
-            generate(engine, other, SamplingParams(max_new_tokens=12)),
+            generate(engine, EOS_PROMPT, SamplingParams(max_new_tokens=10)),
+            generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=12)),
         )
         third = await late[0]
     finally:
         await engine.close()
-    assert first.finish_reason is FinishReason.EOS and first.token_ids == plain[:5]
+    assert first.finish_reason is FinishReason.EOS and first.token_ids == stopped
     assert second.token_ids == beside
     # The prefill, then a run cut at the step the first sequence chose EOS (its 5th decode
     # step): the arrival takes its slot in the next dispatch, not after 8 steps.
     assert second.sizes[:2] == (1, 5), second.sizes
-    assert third.token_ids == expected_greedy(model, arriving, 4).token_ids
+    assert third.token_ids == expected_greedy(model, THIRD_PROMPT, 4).token_ids
 
 
 async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(

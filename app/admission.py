@@ -246,7 +246,7 @@ class Admission:
         self.limits = limits
         self.draining = False
         self.with_body = 0  # let in, body arrived: counted in flight until they leave
-        self._bodied: dict[int, float] = {}  # body arrived: when they entered
+        self._bodied: set[int] = set()
         self._reading: dict[int, float] = {}  # let in, body still arriving: when they entered
         # Readers in the order they entered, while within BODY_GRACE_S (those gone since
         # are skipped when their grace ends), and how many of them are still reading.
@@ -254,7 +254,9 @@ class Admission:
         self._recent_reading = 0
         self._grace_cutoff = -math.inf
         self._numbers = itertools.count()
-        self._requests_completed = RateMeter()
+        # Places freed (what a refused request waits for), and when one was last taken.
+        self._places_freed = RateMeter()
+        self._place_taken_at: float | None = None
 
     @property
     def inflight(self) -> int:
@@ -295,6 +297,7 @@ class Admission:
                 self._time_to_drain(1, now),
             )
         entry = Entry(next(self._numbers), now)
+        self._place_taken_at = now  # held from its headers, while within its grace
         self._reading[entry.number] = now
         self._recent.append((now, entry.number))
         self._recent_reading += 1
@@ -314,18 +317,25 @@ class Admission:
                 f"{held} requests in flight (cap {self.limits.max_inflight}) when its body arrived",
                 self._time_to_drain(held + 1 - self.limits.max_inflight, now),
             )
+        if not kept_its_place:
+            self._place_taken_at = now
         self.with_body += 1
-        self._bodied[entry.number] = entry.entered_at
+        self._bodied.add(entry.number)
         return None
 
     def leave(self, entry: Entry, now: float) -> None:
-        """A request that entered was answered (whatever the outcome)."""
+        """A request that entered was answered (whatever the outcome). Only one that held
+        a place frees one: a reader past its grace, or a body refused when it arrived, did
+        not, and counted as completions they made a cap full of slow requests look fast."""
+        freed = False
         if entry.number in self._reading:
-            self._stop_reading(entry, now)
+            freed = self._stop_reading(entry, now)
         elif entry.number in self._bodied:
-            del self._bodied[entry.number]
+            self._bodied.remove(entry.number)
             self.with_body -= 1
-        self._requests_completed.record(1, now)
+            freed = True
+        if freed:
+            self._places_freed.record(1, now)
 
     def admit(self, deadline: float, now: float) -> None:
         """Admit a request after its body was read and tokenized, or raise `Rejected` (its
@@ -367,15 +377,17 @@ class Admission:
         )
 
     def _time_to_drain(self, excess: int, now: float) -> float:
-        """How long until `excess` places free, from the measured completion rate. Without
-        a recent completion, as long as the latest request let in has been in: after a quiet
-        spell it is fresh (the unknown bound, at least), while one let in long ago, with
-        nothing finishing since, is among slow ones (a place frees only as one leaves). At
-        most `max_timeout_s`: every request in flight has a deadline no later than that, so
-        by then each has left."""
-        rate = self._requests_completed.measured(now)
+        """How long until `excess` places free, from the rate at which places were freed.
+        Without a recent one, as long as places have been held since one was last taken:
+        after a quiet spell that is now (the unknown bound, at least), while places taken
+        long ago with none freed since are held by slow requests. Every request leaves by
+        its deadline, at most `max_timeout_s` after it entered, so no more than what is left
+        of that for the latest one taken (and never more than `max_timeout_s`). O(1): this
+        runs for each refusal of a flood."""
+        rate = self._places_freed.measured(now)
         if rate is not None and rate > 0:
             return min(excess / rate, self.limits.max_timeout_s)
-        entered = [*self._reading.values(), *self._bodied.values()]
-        held_for = now - max(entered) if entered else 0.0
-        return min(max(_RETRY_AFTER_UNKNOWN_S, held_for), self.limits.max_timeout_s)
+        taken_at = self._place_taken_at
+        held_for = 0.0 if taken_at is None else now - taken_at
+        longest = self.limits.max_timeout_s
+        return max(_RETRY_AFTER_UNKNOWN_S, min(held_for, longest - held_for))

@@ -1,4 +1,4 @@
-"""A rate of events (completions per second) measured as an exponentially decayed average,
+"""A rate of events (places freed per second) measured as an exponentially decayed average,
 with an injected clock: `now` is passed in. Pure; one owner's thread.
 """
 
@@ -30,11 +30,6 @@ class RateMeter:
         if self._last is None:
             return 0.0
         return self._rate * math.exp(-max(0.0, now - self._last) / self._tau)
-
-    @property
-    def last_event_at(self) -> float | None:
-        """When the last event was recorded; None before any."""
-        return self._last
 
     def measured(self, now: float) -> float | None:
         """The rate, or None while it is unknown: no event yet, or none for

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from app.admission import Admission, Rejected, RejectReason
+from app.admission import Admission, Entry, Rejected, RejectReason
 from app.rate_meter import RateMeter
 from tests.support.admission import limits, with_body
 
@@ -93,16 +93,34 @@ def test_rate_meter_decays_without_events() -> None:
     assert meter.rate(4.0) == pytest.approx(meter.rate(2.0) * math.exp(-2.0), rel=1e-6)
 
 
-def test_without_a_recent_completion_the_wait_is_how_long_the_latest_request_has_been_in() -> None:
-    """Requests let in long ago, with nothing finishing since (slow generations filling the
-    cap), are not a quiet spell: a place frees only as one of them leaves, so telling
-    clients "1 s" had them back every second for tens of seconds."""
+def test_without_a_place_freed_lately_the_wait_is_how_long_places_have_been_held() -> None:
+    """Places taken long ago with none freed since (slow generations filling the cap) are
+    not a quiet spell: a place frees only as one of them leaves, so telling clients "1 s"
+    had them back every second for tens of seconds. Every request leaves by its deadline,
+    at most `max_timeout_s` (30 s here) after it entered: no longer than what is left of
+    that for the place taken last."""
     admission = Admission(limits(2))
-    admission.leave(with_body(admission, now=0.0), now=0.0)  # the last completion
+    admission.leave(with_body(admission, now=0.0), now=0.0)  # the last place freed
     with_body(admission, now=1.0)
     with_body(admission, now=4.0)  # the cap is full from here on
-    refused = admission.enter(now=24.0)  # 24 s since the last completion: no rate
-    assert isinstance(refused, Rejected) and refused.retry_after_s == pytest.approx(20.0)
-    assert refused.retry_after_header == "20"
-    later = admission.enter(now=60.0)
-    assert isinstance(later, Rejected) and later.retry_after_s == admission.limits.max_timeout_s
+    refused = admission.enter(now=16.0)  # 16 s since a place was freed: no rate
+    assert isinstance(refused, Rejected) and refused.retry_after_s == pytest.approx(12.0)
+    later = admission.enter(now=24.0)  # held 20 s: each leaves within 10 s
+    assert isinstance(later, Rejected) and later.retry_after_s == pytest.approx(10.0)
+    past = admission.enter(now=60.0)  # past every deadline: they leave any moment
+    assert isinstance(past, Rejected) and past.retry_after_s == 1.0
+
+
+def test_only_a_request_that_held_a_place_frees_one() -> None:
+    """A reader past its body grace held no place under the cap, and neither did a body
+    refused when it arrived: their leaving was recorded as places freed, so a cap full of
+    slow requests looked like one draining, and clients were told to come back soon."""
+    admission = Admission(limits(1))
+    reader = admission.enter(now=0.0)  # its body never comes: its grace ends at 0.25 s
+    assert isinstance(reader, Entry)
+    with_body(admission, now=1.0)  # takes the place
+    admission.leave(reader, now=2.0)  # frees nothing
+    refused = admission.enter(now=3.0)
+    assert isinstance(refused, Rejected)
+    # No place freed yet: held for 2 s since the last taken (not 1 / the reader's "rate").
+    assert refused.retry_after_s == pytest.approx(2.0)

@@ -12,6 +12,7 @@ thread that started it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -28,6 +29,8 @@ from typing import Any
 
 from app.settings import Settings
 from loadtest.proctree import stop_process
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,13 +85,29 @@ def pin_to(cpus: set[int] | None) -> Callable[[], None] | None:
     return lambda: os.sched_setaffinity(0, cpus)
 
 
+def dies_with_this_process(cpus: set[int] | None) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets SIGTERM when the process that starts it dies (even by
+    kill -9, or pytest-timeout's `os._exit`, which runs no `finally`), so no server outlives
+    its test or bench; `cpus`, if given, confines it as `pin_to` does. Start children from
+    the main thread: the kernel sends the signal when the starting thread ends."""
+    pin = pin_to(cpus)
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if pin is not None:
+            pin()
+
+    return preexec
+
+
 def spawn_serve(
     port: int, env: Mapping[str, str], log_path: Path, cpus: set[int] | None = None
 ) -> subprocess.Popen[bytes]:
     """Start `steadyserve serve` on 127.0.0.1:`port`, not waiting for it: run from
     `REPO_ROOT` with this process's environment, `HF_HUB_OFFLINE=1` and then `env` over it,
     its stdout and stderr written to `log_path`; `cpus` confines it (supervisor, engine
-    and front ends) to those CPUs."""
+    and front ends) to those CPUs. It stops when this process dies."""
     with log_path.open("wb") as log_file:
         return subprocess.Popen(
             [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
@@ -96,7 +115,7 @@ def spawn_serve(
             env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            preexec_fn=pin_to(cpus),
+            preexec_fn=dies_with_this_process(cpus),
         )
 
 

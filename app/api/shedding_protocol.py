@@ -181,6 +181,10 @@ def shedding_protocol(
             # as a request (no scope), and uvicorn's upgrade of it raised mid-read.
             return not self._closing and super()._should_upgrade()
 
+        def _unsupported_upgrade_warning(self) -> None:
+            if not self._closing:  # dropped, not refused: no warning any client could repeat
+                super()._unsupported_upgrade_warning()
+
         def send_400_response(self, msg: str) -> None:
             if self._closing:  # half-closed: nothing more is written
                 self.transport.close()

@@ -18,6 +18,6 @@ async def harness() -> AsyncIterator[Harness]:
         yield h
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once for the tensor modules (five torch.export calls)
 def models(tmp_path_factory: pytest.TempPathFactory) -> TensorModels:
     return build_tensor_models(tmp_path_factory.mktemp("tensor-models"))

@@ -8,6 +8,7 @@ transport on a real event loop (uvicorn answers in tasks): no socket, no server.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httptools
@@ -227,11 +228,15 @@ def test_a_refusal_before_the_body_is_in_its_protocol_s_envelope(
         assert error_of(orjson.loads(body)) == expected
 
 
-def test_a_websocket_upgrade_pipelined_behind_a_gentle_close_is_dropped_with_the_rest() -> None:
+def test_a_websocket_upgrade_pipelined_behind_a_gentle_close_is_dropped_with_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A request refused with `Connection: close` while its body is still arriving is closed
     gently: what follows it is read and dropped. A WebSocket upgrade pipelined behind it
     was handed to uvicorn's upgrade, which read the scope of a request never parsed
-    (KeyError: 'method'), so the loop force-closed the connection, dropping the answer."""
+    (KeyError: 'method'), so the loop force-closed the connection, dropping the answer;
+    dropped, it is not logged as an unsupported upgrade either (any client could repeat
+    that line)."""
     service = CappedService()
     state = ServerState()
     head, body = POST_INFER.split(b"\r\n\r\n", 1)
@@ -245,12 +250,18 @@ def test_a_websocket_upgrade_pipelined_behind_a_gentle_close_is_dropped_with_the
         connect(service, state, loop)
         protocol, transport = connect(service, state, loop)  # the cap's
         protocol.ws_protocol_class = object  # a WebSocket library installed (uvicorn's "auto")
+        # uvicorn's loggers do not propagate, and its Config (made by `connect`) resets them.
+        protocol.logger.addHandler(caplog.handler)
         protocol.data_received(head + b"\r\n\r\n" + body[:4])  # refused, closing gently
         protocol.data_received(body[4:] + upgrade)
         await until_answered(state)
         return transport
 
-    transport = asyncio.run(refused_then_upgrade())
+    try:
+        transport = asyncio.run(refused_then_upgrade())
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(caplog.handler)
     [response] = responses(transport.written)
     assert_connection_cap_refusal(response)
     assert transport.eof_written and transport.closing
+    assert "upgrade" not in caplog.text.lower()

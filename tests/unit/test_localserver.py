@@ -6,9 +6,12 @@ interpreter (a shell script) takes the server's place, so nothing is served."""
 from __future__ import annotations
 
 import http.server
+import os
 import signal
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -113,3 +116,41 @@ def test_wait_ready_gives_up_after_its_timeout(
             server.wait_ready(0.3)
     finally:
         server.stop(timeout_s=10)
+
+
+def _gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie nobody reaped counts: it runs nothing)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    return fields[0] in ("Z", "X")
+
+
+def test_a_server_started_for_a_test_or_bench_ends_when_its_starter_dies(tmp_path: Path) -> None:
+    """pytest-timeout ends a hung run with `os._exit`, which runs no `finally`: the servers
+    its tests had started kept running (and using the CPUs) into the next run. A server
+    started by `spawn_serve` now gets SIGTERM when the process that started it dies."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text("#!/bin/sh\nexec sleep 120\n")
+    stand_in.chmod(0o755)
+    starter = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from loadtest.localserver import spawn_serve\n"
+        f"sys.executable = {str(stand_in)!r}\n"
+        f"child = spawn_serve(1, {{}}, Path({str(tmp_path / 'log')!r}))\n"
+        "print(child.pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", starter], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    server_pid = int(done.stdout)
+    give_up_at = time.monotonic() + 20
+    while not _gone(server_pid):  # bounded polling of the kernel's process table
+        if time.monotonic() > give_up_at:
+            os.kill(server_pid, signal.SIGKILL)
+            raise AssertionError("the server outlived the process that started it")
+        time.sleep(0.05)

@@ -15,6 +15,7 @@ import torch
 from app.model_specs import ModelSpec
 from app.models.base import ModelRunner, resolve_dtype
 from app.models.embedding import EmbeddingRunner
+from app.models.source import local_directory
 from app.scheduler import BatchPolicy
 from app.settings import Settings
 
@@ -25,11 +26,12 @@ RunnerLoader = Callable[[ModelSpec, torch.device, int], ModelRunner]
 
 def load_runner(spec: ModelSpec, device: torch.device, largest_length_bucket: int) -> ModelRunner:
     """The production loader (dispatcher threads only: it blocks for seconds)."""
+    directory = local_directory(spec.source)
     return EmbeddingRunner(
         name=spec.name,
-        source=spec.source,
+        source=str(directory),
         device=device,
-        dtype=resolve_dtype(spec.dtype, device),
+        dtype=resolve_dtype(spec.dtype, device, directory),
         max_input_tokens=spec.max_input_tokens,
         largest_length_bucket=largest_length_bucket,
     )

@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         settings = served_settings(directory)
         device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.models[0].dtype, device)
+        dtype = resolve_dtype(settings.models[0].dtype, device, directory)
         # The in-process baselines run one batch at a time, as each of the engine's compute
         # threads does: they get the torch threads one compute thread gets (the engine's
         # plan for these settings on these CPUs, the rest going to front ends; 1 on 2 CPUs),

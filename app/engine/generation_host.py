@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import torch
+
 from app.admission import Rejected, RejectReason
 from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
@@ -50,6 +52,7 @@ from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.causal_lm import CausalLMRunner
 from app.models.sampling import new_generator
+from app.models.source import local_directory
 
 log = logging.getLogger(__name__)
 
@@ -361,17 +364,24 @@ class GenerationHost:
             await self._loop_task
 
 
+def load_causal_lm(
+    spec: ModelSpec, device: torch.device, slots: int, slot_tokens: int
+) -> CausalLMRunner:
+    """The causal LM in the dtype its spec and checkpoint call for, with its KV cache
+    (compute thread: it reads or downloads the files and touches the device)."""
+    directory = local_directory(spec.source)
+    dtype = resolve_dtype(spec.dtype, device, directory)
+    return CausalLMRunner(spec.name, str(directory), device, dtype, slots, slot_tokens)
+
+
 async def load_generation_host(spec: ModelSpec, context: EngineContext) -> GenerationHost:
     """Load the causal LM and preallocate its KV cache (on a compute thread: it touches the
     device), sized from the settings alone."""
     settings = context.settings
-    dtype = resolve_dtype(spec.dtype, context.device)
     runner = await context.dispatcher.run_compute(
-        CausalLMRunner,
-        spec.name,
-        spec.source,
+        load_causal_lm,
+        spec,
         context.device,
-        dtype,
         settings.generate_slots,
         settings.generate_slot_tokens,
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -51,10 +53,38 @@ def cpu_supports_bf16() -> bool:
         return False
 
 
-def resolve_dtype(requested: Dtype, device: torch.device) -> torch.dtype:
+def declared_dtype(directory: Path) -> str | None:
+    """The dtype the checkpoint says it was trained and saved in (config.json's `dtype`, or
+    `torch_dtype` before transformers 5; a multimodal model's text config's), or None."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    text_config = config.get("text_config")
+    for scope in (config, text_config if isinstance(text_config, dict) else {}):
+        for key in ("dtype", "torch_dtype"):
+            value = scope.get(key)
+            if isinstance(value, str) and value != "auto":
+                return value.removeprefix("torch.")
+    return None
+
+
+def auto_dtype(declared: str | None, device_type: str, bf16_native: bool) -> torch.dtype:
+    """What `auto` loads a model in (pure). On CUDA: bf16 where the GPU runs it natively,
+    unless the checkpoint declares fp16; fp16 for those, and on GPUs without bf16. A model
+    trained in bf16 or fp32 (or one that does not say) has activations past fp16's 65504:
+    in fp16 they overflow to inf, then NaN logits. On a CPU: bf16 where native, else fp32,
+    whatever the checkpoint declares (bf16's range holds an fp16 model's)."""
+    if device_type == "cuda":
+        return torch.bfloat16 if bf16_native and declared != "float16" else torch.float16
+    return torch.bfloat16 if bf16_native else torch.float32
+
+
+def resolve_dtype(requested: Dtype, device: torch.device, directory: Path) -> torch.dtype:
+    """The dtype to load the model in `directory` in (`auto_dtype` for `auto`); on CUDA,
+    call it where CUDA may be initialised (a compute thread, after start-up's)."""
     if requested != "auto":
         dtype: torch.dtype = getattr(torch, requested)
         return dtype
     if device.type == "cuda":
-        return torch.float16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        return auto_dtype(declared_dtype(directory), device.type, native)
+    return auto_dtype(None, device.type, cpu_supports_bf16())

@@ -32,7 +32,9 @@ TEXTS = [f"{s} {v} {o} ({i})" for i, (s, v, o) in enumerate(
 def reference_vectors(texts: list[str]) -> np.ndarray:
     location = resolve_source(BUNDLED_DEFAULT_SOURCE)
     tokenizer = AutoTokenizer.from_pretrained(location)
-    model = AutoModel.from_pretrained(location, dtype=resolve_dtype("auto", torch.device("cpu")))
+    model = AutoModel.from_pretrained(
+        location, dtype=resolve_dtype("auto", torch.device("cpu"), Path(location))
+    )
     with torch.inference_mode():
         encoded = tokenizer(texts, return_tensors="pt", padding=True)
         pooled = masked_mean(model(**encoded).last_hidden_state, encoded["attention_mask"])

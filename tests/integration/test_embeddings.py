@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -54,7 +55,7 @@ def reference() -> tuple[AutoTokenizer, AutoModel]:
     """The same weights on the same device and dtype as the server (CUDA in gpu_check.sh)."""
     location = resolve_source(BUNDLED_DEFAULT_SOURCE)
     device = resolve_device(SETTINGS.device)
-    model = AutoModel.from_pretrained(location, dtype=resolve_dtype("auto", device))
+    model = AutoModel.from_pretrained(location, dtype=resolve_dtype("auto", device, Path(location)))
     return AutoTokenizer.from_pretrained(location), model.to(device).eval()
 
 

@@ -47,7 +47,9 @@ def generate_settings(
 def load_reference(directory: Path) -> tuple[Any, PreTrainedModel]:
     """The model's tokenizer and the model itself in fp32, in-process."""
     device = resolve_device("auto")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=resolve_dtype(DTYPE, device))
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=resolve_dtype(DTYPE, device, directory)
+    )
     return AutoTokenizer.from_pretrained(directory), model.to(device).eval()
 
 

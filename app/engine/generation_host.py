@@ -51,7 +51,7 @@ from app.engine.protocol import (
 from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.causal_lm import CausalLMRunner
-from app.models.sampling import new_generator
+from app.models.sampling import NO_TOKEN, new_generator
 from app.models.source import local_directory
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,10 @@ class GenerationHost:
         for sequence, chosen in zip(sequences, tokens, strict=True):
             if not self._batch.is_running(sequence):
                 continue  # cancelled or expired while the step ran
-            if sequence.first_token_at is None:
+            broken = NO_TOKEN in chosen  # its logits broke down: it fails after its tokens
+            if broken:
+                chosen = chosen[: chosen.index(NO_TOKEN)]
+            if sequence.first_token_at is None and chosen:
                 sequence.first_token_at = now
                 self._first_token_histogram.observe(now - sequence.arrived)
             fresh, finish = sequence.take(chosen, eos)
@@ -319,8 +322,31 @@ class GenerationHost:
                 self._tokens_counter.inc(len(fresh))
             if finish is not None:
                 outbox.append((sequence, self._finish(sequence, fresh, finish, now)))
+            elif broken:
+                if fresh and sequence.streams:  # its earlier outputs were sent: these now
+                    sequence.emit(sequence.output(fresh, None, now, self._context.tracer))
+                self._fail_non_finite(sequence)
             elif sequence.streams:
                 outbox.append((sequence, sequence.output(fresh, None, now, self._context.tracer)))
+
+    def _fail_non_finite(self, sequence: GenerationSequence) -> None:
+        """A row whose logits had no finite maximum (NaN or inf: the model overflows its
+        dtype, as a bf16-trained model does in fp16): no token can be chosen. Fails the
+        sequence (500), logged, instead of emitting token 0 until its length."""
+        generated = len(sequence.generated)
+        log.error(
+            "%s: non-finite logits (NaN or inf) for request %d after %d generated tokens "
+            "(%s): failing it; does the model overflow this dtype?",
+            self.name,
+            sequence.request.request_id,
+            generated,
+            self.runner.dtype,
+        )
+        self._fail(
+            sequence,
+            FailureKind.FAILED,
+            f"generation failed: the model's logits were not finite after {generated} tokens",
+        )
 
     def _finish(
         self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 from app.engine.host import EngineContext, ShapeDone
 from app.engine.protocol import SamplingParams
 from app.models.causal_lm import CausalLMRunner, StepRow
-from app.models.sampling import new_generator
+from app.models.sampling import NO_TOKEN, new_generator
 
 _GREEDY = SamplingParams(max_new_tokens=1)
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    tokens: list[list[int]]  # each row's chosen tokens, in the rows' order (EOS ends a list)
+    # Each row's chosen tokens, in the rows' order (EOS or NO_TOKEN ends a list).
+    tokens: list[list[int]]
     compute_s: float
     steps: int  # forwards run one after another (multi-step decoding: up to the steps asked)
 
@@ -163,8 +164,9 @@ class StepRunner:
     def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:
         """Up to `steps` decode steps, each feeding every row the token it just chose (the
         same rows, positions and generator draws as single steps); a row that chose EOS
-        stops, as does the run when `interrupt` is called, or, while a sequence waits for a
-        slot (`end_on_eos`, `sequence_waits`), after the step in which any row chose EOS.
+        (or got `NO_TOKEN`: its logits broke down) stops, as does the run when `interrupt`
+        is called, or, while a sequence waits for a slot (`end_on_eos`, `sequence_waits`),
+        after the step in which any row chose EOS.
         Each row's tokens, by slot."""
         eos = self.runner.eos_token_ids
         active = sorted(rows, key=lambda row: row.slot)  # slot order: see `_compute`
@@ -175,7 +177,7 @@ class StepRunner:
             following: list[StepRow] = []
             for row, token in zip(active, self.runner.step(active), strict=True):
                 chosen[row.slot].append(token)
-                if token not in eos:
+                if token not in eos and token != NO_TOKEN:
                     following.append(
                         StepRow(row.slot, (token,), row.start + 1, row.sampling, row.generator)
                     )

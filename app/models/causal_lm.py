@@ -263,7 +263,8 @@ class CausalLMRunner:
             return logits.float()
 
     def step(self, rows: Sequence[StepRow]) -> list[int]:
-        """Each row's next token (compute threads only, one step at a time)."""
+        """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite
+        (compute threads only, one step at a time)."""
         logits = self.logits(rows)
         return choose_tokens(
             logits, [row.sampling for row in rows], [row.generator for row in rows]

@@ -43,24 +43,32 @@ def new_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
+NO_TOKEN = -1
+"""`choose_tokens`' answer for a row whose logits have no finite maximum (NaN anywhere, +inf,
+or every logit -inf): the model's arithmetic broke down (an fp16 overflow), so no token can
+be chosen; the generation host fails that sequence instead of emitting garbage."""
+
+
 def choose_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
 ) -> list[int]:
     """The next token of each row of `logits` (rows, vocab): argmax for greedy rows, else a
-    draw from the filtered distribution with the row's generator. A sampled row whose
-    logits hold NaN or infinity has no distribution to draw from: it takes its argmax, as a
-    greedy row does, instead of raising and failing every sequence of the step."""
+    draw from the filtered distribution with the row's generator; `NO_TOKEN` for a row
+    whose logits have no finite maximum (greedy or sampled: argmax of an all-NaN row is
+    token 0, so such a sequence emitted token 0 until its length, with no error)."""
     # max(dim).indices is argmax (the first of tied maxima, as argmax and generate take it)
-    # at half the cost of argmax over a step's rows on the CPU. tolist gives Python ints.
-    chosen: list[int] = logits.max(dim=-1).indices.tolist()
+    # at half the cost of argmax over a step's rows on the CPU; max propagates NaN, so a
+    # row holding one has a NaN maximum. tolist gives Python ints (one copy, as before).
+    best = logits.max(dim=-1)
+    chosen: list[int] = torch.where(torch.isfinite(best.values), best.indices, NO_TOKEN).tolist()
     for row, row_params in enumerate(params):
-        if not row_params.do_sample:
+        if not row_params.do_sample or chosen[row] == NO_TOKEN:
             continue
         filtered = filter_logits(logits[row].to("cpu", torch.float32), row_params)
         probabilities = filtered.softmax(-1)
         if not bool(torch.isfinite(probabilities).all()):
-            continue
+            continue  # finite logits past float32 once divided by the temperature: argmax
         chosen[row] = int(torch.multinomial(probabilities, 1, generator=generators[row]).item())
     return chosen

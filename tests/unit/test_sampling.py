@@ -7,7 +7,7 @@ import math
 import torch
 
 from app.engine.protocol import SamplingParams
-from app.models.sampling import choose_tokens, filter_logits, new_generator
+from app.models.sampling import NO_TOKEN, choose_tokens, filter_logits, new_generator
 
 LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
 
@@ -64,11 +64,35 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
 
 
 def test_a_sampled_row_with_nan_logits_does_not_fail_the_rows_beside_it() -> None:
-    """torch.multinomial raises on NaN: the step's exception failed every sequence in it."""
+    """torch.multinomial raises on NaN: the step's exception failed every sequence in it.
+    The broken row gets no token (its argmax was the NaN's index: garbage)."""
     logits = torch.stack([LOGITS, torch.tensor([0.1, float("nan"), 0.3, 0.2, 0.0])])
     sample = SamplingParams(max_new_tokens=1, do_sample=True, seed=3)
     generators = [new_generator(3), new_generator(3)]
     chosen = choose_tokens(logits, [sample, sample], generators)
     alone = choose_tokens(LOGITS.unsqueeze(0), [sample], [new_generator(3)])
     assert chosen[0] == alone[0]  # the healthy row drew as it would have alone
-    assert chosen[1] == int(logits[1].max(dim=-1).indices)  # the broken one: its argmax
+    assert chosen[1] == NO_TOKEN
+
+
+NAN = float("nan")
+INF = float("inf")
+
+
+def test_rows_without_a_finite_maximum_get_no_token_greedy_or_sampled() -> None:
+    """An fp16 overflow makes a row all NaN: its argmax was token 0, so the sequence
+    emitted token 0 until max_new_tokens, with no error. Rows beside it are unaffected."""
+    broken = [
+        [NAN] * 5,  # the overflow's NaN row
+        [0.1, NAN, 0.3, 0.2, 0.0],  # NaN anywhere: argmax is the NaN's index
+        [-INF] * 5,
+        [0.1, INF, 0.3, 0.2, 0.0],  # overflowed logits
+    ]
+    logits = torch.tensor([LOGITS.tolist(), *broken])
+    greedy = SamplingParams(max_new_tokens=1)
+    sample = SamplingParams(max_new_tokens=1, do_sample=True, seed=3)
+    for params in (greedy, sample):
+        rows = len(logits)
+        chosen = choose_tokens(logits, [params] * rows, [new_generator(3) for _ in range(rows)])
+        alone = choose_tokens(LOGITS.unsqueeze(0), [params], [new_generator(3)])
+        assert chosen == [alone[0]] + [NO_TOKEN] * len(broken), params

@@ -1,0 +1,86 @@
+"""A row whose logits are not finite (a model overflowing its dtype: a bf16-trained model in
+fp16 gives NaN) fails its sequence, after the tokens it had, with a 500 logged under the
+model's name; the sequence beside it is unaffected. Greedy argmax took token 0 of an all-NaN
+row: the sequence emitted token 0 until max_new_tokens, with no error."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedModel
+
+from app.engine.generation_host import GenerationHost
+from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
+from app.failures import BatchFailed
+from app.models.causal_lm import StepRow
+from tests.support.generation_engine import expected_greedy, generate, settings_for, started
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+BROKEN_PROMPT = [1, *range(100, 112)]  # 13 tokens
+BESIDE_PROMPT = [1, 40, 41]
+GOOD_TOKENS = 3  # the broken sequence's logits turn NaN from its 4th token on
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("steps_per_dispatch", [1, 8])
+async def test_a_row_with_nan_logits_fails_its_sequence_alone(
+    tiny_causal_lm: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    steps_per_dispatch: int,
+    sampled: bool,
+) -> None:
+    _, model = reference
+    good = expected_greedy(model, BROKEN_PROMPT, GOOD_TOKENS).token_ids
+    beside = expected_greedy(model, BESIDE_PROMPT, 8).token_ids
+    assert len(good) == GOOD_TOKENS and len(beside) == 8, "the premise: no EOS in these"
+    engine = await started(
+        settings_for(tiny_causal_lm, warmup=False, generate_steps_per_dispatch=steps_per_dispatch)
+    )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    logits = host.runner.logits
+    # Positions past the broken prompt + its good tokens: BESIDE_PROMPT's 3 + 8 never reach.
+    broken_from = len(BROKEN_PROMPT) + GOOD_TOKENS - 1
+
+    def overflowing(rows: Sequence[StepRow]) -> torch.Tensor:
+        computed = logits(rows).clone()
+        for index, row in enumerate(rows):
+            if row.start + len(row.token_ids) > broken_from:
+                computed[index] = float("nan")
+        return computed
+
+    monkeypatch.setattr(host.runner, "logits", overflowing)
+    sampling = SamplingParams(max_new_tokens=12, do_sample=sampled, top_k=1, seed=1)
+    request = Submit(
+        engine.next_request_id(),
+        "tiny",
+        time.monotonic() + 60,
+        GeneratePayload(BROKEN_PROMPT, sampling, stream=True),
+    )
+    received: list[int] = []
+
+    async def broken() -> None:
+        with pytest.raises(BatchFailed, match="not finite"):
+            async for output in engine.stream(request):
+                assert isinstance(output.payload, TokensOutput)
+                received.extend(output.payload.token_ids)
+
+    caplog.set_level(logging.ERROR, logger="app.engine.generation_host")
+    try:  # side by side: the two share their steps
+        _, healthy = await asyncio.gather(
+            broken(), generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=8))
+        )
+    finally:
+        await engine.close()
+    assert received == good  # its tokens before the breakdown, then the failure
+    assert healthy.token_ids == beside
+    assert "tiny: non-finite logits" in caplog.text

@@ -69,6 +69,36 @@ def _refuse_unsupported_attention(name: str, config: Any) -> None:
         raise ValueError(f"{name}: Falcon's multi-query attention is not served")
 
 
+# What a model type's own forward does with a `logits_scaling` in its config: the Granite
+# family divides its logits by it (MiniCPM3 its hidden states, before a head without bias:
+# the same), HyperCLOVA X multiplies ("unlike GraniteConfig"). transformers' sources are
+# checked against these (tests/unit/test_logits_scaling.py).
+LOGITS_SCALING_DIVIDES = frozenset(
+    {
+        "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared",
+        "granitemoehybrid", "minicpm3",
+    }
+)  # fmt: skip
+LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
+
+
+def logits_scaling_divides(name: str, config: Any) -> tuple[float, bool]:
+    """The model's `logits_scaling` (1.0 without one) and whether its forward divides the
+    head's output by it (else multiplies). A model type not known to do either, with one
+    other than 1, is refused (`ValueError`): its logits' scale, which sampling reads, would
+    be a guess."""
+    scaling = float(getattr(config, "logits_scaling", None) or 1.0)
+    model_type = getattr(config, "model_type", "")
+    if scaling == 1.0 or model_type in LOGITS_SCALING_DIVIDES:
+        return scaling, True
+    if model_type in LOGITS_SCALING_MULTIPLIES:
+        return scaling, False
+    raise ValueError(
+        f"{name}: logits_scaling {scaling} of model type {model_type!r}: not known to divide "
+        "or multiply its logits, not served"
+    )
+
+
 def _uniform_rope_positions(config: Any) -> int:
     """The most positions a batch may hold while every row is rotated alike: longrope and
     dynamic RoPE pick their frequencies from the longest position in the forward, so past
@@ -166,10 +196,11 @@ class CausalLMRunner:
         self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
         self._head = self.model.get_output_embeddings()
         # What some models' own forward does to the head's output, which `logits` (base
-        # model + head, without that forward) must do too: Cohere multiplies, Granite
-        # divides, Gemma 2 and 3 soft-cap.
+        # model + head, without that forward) must do too: Cohere multiplies by its
+        # `logit_scale`, Granite divides by its `logits_scaling` and HyperCLOVA X multiplies
+        # by its own, Gemma 2 and 3 soft-cap.
         self._logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
-        self._logits_scaling = float(getattr(config, "logits_scaling", None) or 1.0)
+        self._logits_scaling, self._scaling_divides = logits_scaling_divides(name, config)
         self._softcap = getattr(config, "final_logit_softcapping", None)
         log.info(
             "%s: KV cache %d slots x %d tokens, %.1f MiB",
@@ -257,7 +288,10 @@ class CausalLMRunner:
             if self._logit_scale != 1.0:
                 logits = logits * self._logit_scale
             if self._logits_scaling != 1.0:
-                logits = logits / self._logits_scaling
+                if self._scaling_divides:
+                    logits = logits / self._logits_scaling
+                else:
+                    logits = logits * self._logits_scaling
             if self._softcap:
                 logits = torch.tanh(logits / self._softcap) * self._softcap
             return logits.float()

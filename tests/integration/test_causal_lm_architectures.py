@@ -1,7 +1,8 @@
 """The slot runner is not Qwen2-only: random Llama and Mistral (every layer a 6-token
 sliding window) models give model.generate's greedy tokens, with rows of different lengths
-prefilled together and decoded together past the window; Granite, Cohere and Gemma 2 give
-their own forward's logits, scaling included."""
+prefilled together and decoded together past the window; Granite, HyperCLOVA X, Cohere and
+Gemma 2 give their own forward's logits, scaling included (a model type whose use of
+`logits_scaling` is not known is refused)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ from transformers import (
     Gemma2ForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
+    GraniteMoeConfig,
+    GraniteMoeForCausalLM,
+    HyperCLOVAXConfig,
+    HyperCLOVAXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -97,6 +102,17 @@ def granite_scaled() -> PreTrainedModel:
     return GraniteForCausalLM(GraniteConfig(**COMMON, logits_scaling=8.0))
 
 
+def granitemoe_scaled() -> PreTrainedModel:
+    return GraniteMoeForCausalLM(
+        GraniteMoeConfig(**COMMON, logits_scaling=8.0, num_local_experts=2, num_experts_per_tok=1)
+    )
+
+
+def hyperclovax_scaled() -> PreTrainedModel:
+    """HyperCLOVA X multiplies by its `logits_scaling` ("unlike GraniteConfig")."""
+    return HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**COMMON, logits_scaling=8.0))
+
+
 def cohere_scaled() -> PreTrainedModel:
     return CohereForCausalLM(CohereConfig(**COMMON, logit_scale=0.0625))
 
@@ -107,11 +123,16 @@ def gemma2_soft_capped() -> PreTrainedModel:
     )
 
 
-@pytest.mark.parametrize("build", [granite_scaled, cohere_scaled, gemma2_soft_capped])
+@pytest.mark.parametrize(
+    "build",
+    [granite_scaled, granitemoe_scaled, hyperclovax_scaled, cohere_scaled, gemma2_soft_capped],
+)
 def test_logits_are_the_models_own_after_its_scaling(build: object, tmp_path: Path) -> None:
     """Sampling reads the logits' scale: Cohere multiplies the head's output, Granite
-    divides it, Gemma 2 soft-caps it; without that, a sample is drawn many times too cold
-    or too hot (greedy tokens alone would not show it)."""
+    divides it by its `logits_scaling`, HyperCLOVA X multiplies by its own (it was divided,
+    64 times too small at 8: every sample drawn far too hot), Gemma 2 soft-caps it; without
+    that, a sample is drawn many times too cold or too hot (greedy tokens alone would not
+    show it)."""
     torch.manual_seed(0)
     model = build().eval()  # type: ignore[operator]
     model.save_pretrained(tmp_path)

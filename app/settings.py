@@ -159,7 +159,8 @@ class Settings(BaseSettings):
         default=(16, 32, 64, 128, 256, 512),
         min_length=1,
         description="Padded token lengths; each input is padded up to the smallest bucket "
-        "that holds it.",
+        "that holds it. An embedding model's stop at its longest input, the last cut to it "
+        "(never past its positions).",
     )
     max_batch_size: int = Field(
         default=32,

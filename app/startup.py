@@ -50,11 +50,13 @@ def init_cuda(device: torch.device, alloc_conf: str | None) -> None:
 
 
 def policy_for(settings: Settings, max_input_tokens: int) -> BatchPolicy:
-    """Length buckets up to the first one that holds the model's longest input: shapes the
-    model can never see are neither preallocated nor warmed up."""
+    """Length buckets up to the first one that holds the model's longest input, that one
+    cut to it: shapes the model can never see are neither preallocated nor warmed up, and
+    no batch is padded past the model's positions (with buckets (384, 768), a BERT of 512
+    positions got its 385-512-token inputs padded to 768, and failed on them)."""
     buckets = settings.length_buckets
     needed = [b for b in buckets if b < max_input_tokens]
-    holding = [b for b in buckets if b >= max_input_tokens][:1]
+    holding = [min(b, max_input_tokens) for b in buckets if b >= max_input_tokens][:1]
     return BatchPolicy(
         length_buckets=tuple(needed + holding),
         max_batch_size=settings.max_batch_size,

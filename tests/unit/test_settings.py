@@ -55,11 +55,22 @@ def test_inconsistent_settings_are_refused(overrides: dict[str, object]) -> None
         Settings(**overrides)  # type: ignore[arg-type]
 
 
-def test_a_models_policy_stops_at_the_bucket_holding_its_longest_input() -> None:
+def test_a_models_policy_stops_at_its_longest_input() -> None:
+    """At the bucket holding it, cut to it: no batch is padded past what the model takes."""
     settings = Settings(length_buckets=(16, 32, 64, 128, 256, 512))
     assert policy_for(settings, 256).length_buckets == (16, 32, 64, 128, 256)
-    assert policy_for(settings, 100).length_buckets == (16, 32, 64, 128)
+    assert policy_for(settings, 100).length_buckets == (16, 32, 64, 100)
     assert policy_for(settings, 512).length_buckets == (16, 32, 64, 128, 256, 512)
+
+
+def test_no_bucket_pads_past_a_models_positions() -> None:
+    """A BERT of 512 positions with buckets (384, 768): its inputs of 385-512 tokens were
+    padded to 768, and BertEmbeddings failed on every batch of them (and in warm-up)."""
+    settings = Settings(length_buckets=(128, 384, 768), rate_limit_burst=1_000_000)
+    policy = policy_for(settings, 512)
+    assert policy.length_buckets == (128, 384, 512)
+    assert max(shape.length for shape in policy.shapes()) == 512
+    assert policy.length_bucket_for(512) == 512 and policy.length_bucket_for(385) == 512
 
 
 def test_the_log_level_is_taken_in_any_case() -> None:

@@ -18,9 +18,7 @@ row's EOS while a sequence waits for a slot (also one that arrived during the ru
 deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
-keys are never read (`kv_cache.py`), so no clean-up step is needed.
-
-The host does admission and the step loop (when sequences join, advance and end); which
+keys are never read (`kv_cache.py`), so no clean-up step is needed. The host does admission and the step loop (when sequences join, advance and end); which
 sequences wait and which hold which slot is `generation_batch.py`'s, running a step
 `generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s.
 Event loop thread only; steps and warm-up run on dispatcher compute threads.
@@ -30,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
-import torch
 
 from app.admission import Rejected, RejectReason
 from app.engine.generation_batch import SequenceTable
@@ -49,10 +45,8 @@ from app.engine.protocol import (
     Submit,
 )
 from app.model_specs import ModelSpec
-from app.models.base import resolve_dtype
-from app.models.causal_lm import CausalLMRunner
+from app.models.causal_lm import CausalLMRunner, load_causal_lm
 from app.models.sampling import NO_TOKEN, new_generator
-from app.models.source import local_directory
 
 log = logging.getLogger(__name__)
 
@@ -388,16 +382,6 @@ class GenerationHost:
         self._wakeup.set()
         if self._loop_task is not None:
             await self._loop_task
-
-
-def load_causal_lm(
-    spec: ModelSpec, device: torch.device, slots: int, slot_tokens: int
-) -> CausalLMRunner:
-    """The causal LM in the dtype its spec and checkpoint call for, with its KV cache
-    (compute thread: it reads or downloads the files and touches the device)."""
-    directory = local_directory(spec.source)
-    dtype = resolve_dtype(spec.dtype, device, directory)
-    return CausalLMRunner(spec.name, str(directory), device, dtype, slots, slot_tokens)
 
 
 async def load_generation_host(spec: ModelSpec, context: EngineContext) -> GenerationHost:

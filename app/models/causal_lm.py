@@ -19,6 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from app.engine.protocol import SamplingParams
+from app.model_specs import ModelSpec
+from app.models.base import resolve_dtype
 from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.sampling import choose_tokens
 from app.models.source import local_directory
@@ -303,3 +305,13 @@ class CausalLMRunner:
         return choose_tokens(
             logits, [row.sampling for row in rows], [row.generator for row in rows]
         )
+
+
+def load_causal_lm(
+    spec: ModelSpec, device: torch.device, slots: int, slot_tokens: int
+) -> CausalLMRunner:
+    """The causal LM in the dtype its spec and checkpoint call for, with its KV cache
+    (compute thread: it reads or downloads the files and touches the device)."""
+    directory = local_directory(spec.source)
+    dtype = resolve_dtype(spec.dtype, device, directory)
+    return CausalLMRunner(spec.name, str(directory), device, dtype, slots, slot_tokens)

@@ -15,7 +15,7 @@ import torch
 from app.engine import generation_host
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
-from app.models import base
+from app.models import base, causal_lm
 from app.models.base import auto_dtype, declared_dtype, resolve_dtype
 from app.settings import Settings
 from app.startup import load_runner
@@ -124,7 +124,7 @@ async def test_the_causal_lm_loader_reads_the_checkpoints_dtype(
     expected: torch.dtype,
 ) -> None:
     directory = write_config(tmp_path, {"model_type": "llama", "torch_dtype": declared})
-    monkeypatch.setattr(generation_host, "CausalLMRunner", Recorded)
+    monkeypatch.setattr(causal_lm, "CausalLMRunner", Recorded)
     monkeypatch.setattr(generation_host, "GenerationHost", lambda runner, context: runner)
     Recorded.dtypes = []
 

@@ -390,4 +390,6 @@ class Admission:
         taken_at = self._place_taken_at
         held_for = 0.0 if taken_at is None else now - taken_at
         longest = self.limits.max_timeout_s
+        if held_for >= longest:  # held past any deadline (a slow reader of a long answer)
+            return longest
         return max(_RETRY_AFTER_UNKNOWN_S, min(held_for, longest - held_for))

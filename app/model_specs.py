@@ -73,9 +73,9 @@ class ModelSpec(BaseModel):
     dtype: Dtype = Field(
         default="auto",
         description="Weights dtype; `auto` means, on CUDA, bf16 where the GPU has it natively "
-        "unless the checkpoint's config.json declares fp16 (then fp16, as on GPUs without "
-        "bf16): a bf16- or fp32-trained model overflows fp16; on a CPU, bf16 where native, "
-        "else fp32.",
+        "unless the checkpoint's config.json declares fp16 (then fp16); on GPUs without bf16, "
+        "fp32 for a checkpoint declaring bf16 (it would overflow fp16), else fp16; on a CPU, "
+        "bf16 where native, else fp32.",
     )
     max_input_tokens: int | None = Field(
         default=None,

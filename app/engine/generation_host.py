@@ -18,10 +18,12 @@ row's EOS while a sequence waits for a slot (also one that arrived during the ru
 deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
-keys are never read (`kv_cache.py`), so no clean-up step is needed. The host does admission and the step loop (when sequences join, advance and end); which
-sequences wait and which hold which slot is `generation_batch.py`'s, running a step
-`generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s.
-Event loop thread only; steps and warm-up run on dispatcher compute threads.
+keys are never read (`kv_cache.py`), so no clean-up step is needed (but after non-finite
+logits, whose slot is zeroed). The host does admission and the step loop (when sequences
+join, advance and end); which sequences wait and which hold which slot is
+`generation_batch.py`'s, running a step `generation_steps.py`'s, a sequence and its outputs
+`generation_sequences.py`'s. Event loop thread only; steps and warm-up run on dispatcher
+compute threads.
 """
 
 from __future__ import annotations
@@ -324,10 +326,11 @@ class GenerationHost:
                 outbox.append((sequence, sequence.output(fresh, None, now, self._context.tracer)))
 
     def _fail_non_finite(self, sequence: GenerationSequence) -> None:
-        """A row whose logits had no finite maximum (NaN or inf: the model overflows its
-        dtype, as a bf16-trained model does in fp16): no token can be chosen. Fails the
-        sequence (500), logged, instead of emitting token 0 until its length."""
+        """Its logits had no finite maximum (its model overflows its dtype): fail it (500),
+        logged, rather than emit token 0 until its length; its slot's cache is zeroed."""
         generated = len(sequence.generated)
+        if sequence.slot is not None:
+            self._steps.clear_slot(sequence.slot)
         log.error(
             "%s: non-finite logits (NaN or inf) for request %d after %d generated tokens "
             "(%s): failing it; does the model overflow this dtype?",
@@ -387,13 +390,9 @@ class GenerationHost:
 async def load_generation_host(spec: ModelSpec, context: EngineContext) -> GenerationHost:
     """Load the causal LM and preallocate its KV cache (on a compute thread: it touches the
     device), sized from the settings alone."""
-    settings = context.settings
+    slots, tokens = context.settings.generate_slots, context.settings.generate_slot_tokens
     runner = await context.dispatcher.run_compute(
-        load_causal_lm,
-        spec,
-        context.device,
-        settings.generate_slots,
-        settings.generate_slot_tokens,
+        load_causal_lm, spec, context.device, slots, tokens
     )
     context.metrics.pool_bytes.labels(spec.name).set(runner.cache.bytes_allocated)
     return GenerationHost(runner, context)

@@ -54,11 +54,19 @@ class StepRunner:
         # Set while a sequence waits for a slot: a row choosing EOS ends the run (its slot
         # can be taken at once). Read on the compute thread after each step.
         self._end_on_eos = threading.Event()
+        # Slots to zero before the next forward (`clear_slot`): appended on the loop thread
+        # between steps, taken on the compute thread when the next step starts.
+        self._slots_to_clear: list[int] = []
 
     def interrupt(self) -> None:
         """End the multi-step run in flight after its current step (any thread): something
         can join the batch or leave it now."""
         self._interrupted.set()
+
+    def clear_slot(self, slot: int) -> None:
+        """Have `slot`'s cache zeroed on the compute thread before the next forward (event
+        loop thread, between steps): its occupant's keys or values were not finite."""
+        self._slots_to_clear.append(slot)
 
     def sequence_waits(self) -> None:
         """A sequence now waits for a slot (any thread): the multi-step run in flight ends
@@ -145,6 +153,8 @@ class StepRunner:
         `steps` > 1, further decode steps on each row's chosen token."""
         self._context.before_batch()
         started = time.perf_counter()
+        while self._slots_to_clear:
+            self.runner.cache.clear_slot(self._slots_to_clear.pop())
         if steps > 1:
             chosen = self._decode_run(rows, steps)
             forwards = max((len(tokens) for tokens in chosen.values()), default=0)

@@ -69,12 +69,19 @@ def declared_dtype(directory: Path) -> str | None:
 
 def auto_dtype(declared: str | None, device_type: str, bf16_native: bool) -> torch.dtype:
     """What `auto` loads a model in (pure). On CUDA: bf16 where the GPU runs it natively,
-    unless the checkpoint declares fp16; fp16 for those, and on GPUs without bf16. A model
-    trained in bf16 or fp32 (or one that does not say) has activations past fp16's 65504:
-    in fp16 they overflow to inf, then NaN logits. On a CPU: bf16 where native, else fp32,
-    whatever the checkpoint declares (bf16's range holds an fp16 model's)."""
+    unless the checkpoint declares fp16; fp16 for those; on GPUs without bf16, fp32 for a
+    checkpoint declaring bf16, else fp16. A model trained in bf16 or fp32 (or one that does
+    not say) may have activations past fp16's 65504: in fp16 they overflow to inf, then NaN
+    logits. On a CPU: bf16 where native, else fp32, whatever the checkpoint declares (bf16's
+    range holds an fp16 model's)."""
     if device_type == "cuda":
-        return torch.bfloat16 if bf16_native and declared != "float16" else torch.float16
+        if declared == "float16":
+            return torch.float16
+        if bf16_native:
+            return torch.bfloat16
+        # No bf16 (a T4, a V100): a bf16-trained model overflows fp16, so it runs in fp32;
+        # one declaring fp32 or nothing (BERT-era models) in fp16, as it always has.
+        return torch.float32 if declared == "bfloat16" else torch.float16
     return torch.bfloat16 if bf16_native else torch.float32
 
 

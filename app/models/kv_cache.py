@@ -65,12 +65,18 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
         self._owner = owner
         self.keys = keys
         self.values = values
+        self._slots = (keys, values)  # typed: the base class declares them optional
         # (slots x kv_heads x slot_tokens, head_dim) views of the same storage: the target
         # of `update`'s one-dimensional writes.
         self._flat_keys = keys.view(-1, keys.shape[-1])
         self._flat_values = values.view(-1, values.shape[-1])
         self.is_initialized = True
         self.device = keys.device
+
+    def clear(self, slot: int) -> None:
+        """Zero `slot`'s keys and values (`SlotKVCache.clear_slot`)."""
+        for tensor in self._slots:
+            tensor[slot].zero_()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None  # allocated up front
@@ -119,7 +125,7 @@ class SlotKVCache(Cache):
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> None:
         size = (shape.slots, shape.kv_heads, shape.slot_tokens, shape.head_dim)
-        layers: list[Any] = [
+        layers: list[SlotLayer] = [
             SlotLayer(
                 self,
                 torch.zeros(size, dtype=dtype, device=device),
@@ -127,7 +133,8 @@ class SlotKVCache(Cache):
             )
             for _ in range(shape.layers)
         ]
-        super().__init__(layers=layers)
+        super().__init__(layers=list[Any](layers))
+        self._slot_layers = layers
         self.shape = shape
         self.bytes_allocated = shape.bytes(dtype)
         # Offset of each kv head's first position within a slot, in rows of the flat view.
@@ -136,6 +143,15 @@ class SlotKVCache(Cache):
         )
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.plan = StepPlan(empty, empty, 0)
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero `slot`'s keys and values in every layer (compute threads only). Stale entries
+        are masked, but a mask is added to a score: a NaN or inf key or value left by an
+        occupant whose activations overflowed stays NaN through it, and would poison every
+        later occupant of the slot that attends past its own length (decoding beside a
+        longer sequence)."""
+        for layer in self._slot_layers:
+            layer.clear(slot)
 
     def plan_step(
         self,

@@ -30,7 +30,10 @@ CUDA = torch.device("cuda", 0)
         ("float32", "cuda", True, torch.bfloat16),
         (None, "cuda", True, torch.bfloat16),
         ("float16", "cuda", True, torch.float16),
-        ("bfloat16", "cuda", False, torch.float16),  # no native bf16 (V100, T4)
+        # No native bf16 (V100, T4): a bf16-trained model overflows fp16, so fp32; a model
+        # declaring fp32 or nothing (BERT-era) in fp16, as before.
+        ("bfloat16", "cuda", False, torch.float32),
+        ("float32", "cuda", False, torch.float16),
         (None, "cuda", False, torch.float16),
         ("float16", "cuda", False, torch.float16),
         # The CPU as before: bf16 where native, else fp32, whatever the checkpoint says.

@@ -84,3 +84,52 @@ async def test_a_row_with_nan_logits_fails_its_sequence_alone(
     assert received == good  # its tokens before the breakdown, then the failure
     assert healthy.token_ids == beside
     assert "tiny: non-finite logits" in caplog.text
+
+
+async def test_the_slot_of_a_sequence_with_nan_logits_is_zeroed_for_its_next_occupant(
+    tiny_causal_lm: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence whose activations overflow leaves NaN keys and values in its slot. Stale
+    entries are masked, but a mask is added to a score and NaN stays NaN: the slot's next
+    occupant, decoding beside a longer sequence (so attending past its own length), got
+    NaN logits too, and failed, as would every later occupant of that slot."""
+    _, model = reference
+    short_prompt = [1, 44, 45]
+    long_tokens = expected_greedy(model, BESIDE_PROMPT, 40).token_ids
+    short_tokens = expected_greedy(model, short_prompt, 6).token_ids
+    assert len(long_tokens) == 40 and len(short_tokens) == 6, "the premise: no EOS in these"
+    engine = await started(settings_for(tiny_causal_lm, warmup=False, generate_slots=2))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    logits, cache = host.runner.logits, host.runner.cache
+    broken: dict[str, int] = {}  # the broken sequence's slot, once it prefilled
+
+    def overflowing(rows: Sequence[StepRow]) -> torch.Tensor:
+        computed = logits(rows).clone()
+        for index, row in enumerate(rows):
+            if list(row.token_ids) == BROKEN_PROMPT:
+                broken["slot"] = row.slot
+            elif row.slot == broken.get("slot") and "poisoned" not in broken:
+                computed[index] = float("nan")  # its first decode step overflows
+                for layer in cache.layers:  # and so did its keys and values, everywhere
+                    layer.keys[row.slot].fill_(float("nan"))  # type: ignore[index]
+                    layer.values[row.slot].fill_(float("nan"))  # type: ignore[index]
+                broken["poisoned"] = 1
+        return computed
+
+    monkeypatch.setattr(host.runner, "logits", overflowing)
+    try:
+        long_one = asyncio.create_task(
+            generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=40))
+        )
+        with pytest.raises(BatchFailed, match="not finite"):
+            await generate(engine, BROKEN_PROMPT, SamplingParams(max_new_tokens=12))
+        assert not long_one.done(), "the premise: the long one still runs beside the next"
+        short = await generate(engine, short_prompt, SamplingParams(max_new_tokens=6))
+        long_done = await long_one
+    finally:
+        await engine.close()
+    assert short.token_ids == short_tokens  # in the broken one's slot, beside the long one
+    assert long_done.token_ids == long_tokens

@@ -104,6 +104,22 @@ async def two_slot_engine_where_only_the_first_stops(
     return engine, plain[:5], beside
 
 
+def assert_the_run_was_cut_at_the_first_eos(
+    model: PreTrainedModel,
+    results: tuple[Generated, Generated, Generated],
+    stopped: list[int],
+    beside: list[int],
+) -> None:
+    """The first sequence stopped at EOS, the second went on beside it in a run cut at that
+    step (the prefill, then the first's 5th decode step: not one of 8 steps), and the third
+    took the freed slot with its own greedy tokens."""
+    first, second, third = results
+    assert first.finish_reason is FinishReason.EOS and first.token_ids == stopped
+    assert second.token_ids == beside
+    assert second.sizes[:2] == (1, 5), second.sizes
+    assert third.token_ids == expected_greedy(model, THIRD_PROMPT, 4).token_ids
+
+
 async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_lm: Path) -> None:
     """24 sequences (greedy and seeded sampling, different prompts and lengths) through 8
     slots, so sequences join, finish and wait: 5 decode steps per dispatch give every
@@ -183,12 +199,7 @@ async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits
         )
     finally:
         await engine.close()
-    assert first.finish_reason is FinishReason.EOS and first.token_ids == stopped
-    assert second.token_ids == beside
-    # The prefill, then a run cut at the step the first sequence chose EOS (its 5th
-    # decode step), not one of 8 steps.
-    assert second.sizes[:2] == (1, 5), second.sizes
-    assert third.token_ids == expected_greedy(model, THIRD_PROMPT, 4).token_ids
+    assert_the_run_was_cut_at_the_first_eos(model, (first, second, third), stopped, beside)
 
 
 async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_it(
@@ -238,12 +249,7 @@ async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_i
         third = await late[0]
     finally:
         await engine.close()
-    assert first.finish_reason is FinishReason.EOS and first.token_ids == stopped
-    assert second.token_ids == beside
-    # The prefill, then a run cut at the step the first sequence chose EOS (its 5th decode
-    # step): the arrival takes its slot in the next dispatch, not after 8 steps.
-    assert second.sizes[:2] == (1, 5), second.sizes
-    assert third.token_ids == expected_greedy(model, THIRD_PROMPT, 4).token_ids
+    assert_the_run_was_cut_at_the_first_eos(model, (first, second, third), stopped, beside)
 
 
 async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(

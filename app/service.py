@@ -352,14 +352,18 @@ class Service:
         request = Submit(self.engine.next_request_id(), model, deadline, payload)
         with self.at_engine(model, task, arrived_at) as outcome:
             try:
-                async for output in self.engine.stream(request):
-                    timer.add("queue", output.queue_s)
-                    timer.add("compute", output.compute_s)
-                    timer.engine_trace = output.trace
-                    if output.final:
-                        check(output.payload)  # what it raises ends the request, not ok
-                        outcome.ok()
-                        return output.payload
+                # Closed here, not left to the garbage collector: an async generator
+                # dropped unfinished is closed through the loop's finalizer hook, a
+                # thread-safe wake-up and a task of its own per request.
+                async with contextlib.aclosing(self.engine.stream(request)) as outputs:
+                    async for output in outputs:
+                        timer.add("queue", output.queue_s)
+                        timer.add("compute", output.compute_s)
+                        timer.engine_trace = output.trace
+                        if output.final:
+                            check(output.payload)  # what it raises ends the request, not ok
+                            outcome.ok()
+                            return output.payload
             except DeadlineExceeded:
                 # No output came back to say where the time went: a request that reached its
                 # deadline at the engine waited there, and a slow-request report must not

@@ -79,9 +79,11 @@ class BodyGuardMiddleware:
                 return {"type": "http.disconnect"}
             if body_done:
                 return await receive()  # after the body: only a disconnect can come
-            remaining = give_up_at - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, remaining))
+                # A timeout in this task, not `wait_for`, which on Python 3.11 runs each
+                # receive in a task of its own.
+                async with asyncio.timeout_at(give_up_at):
+                    message = await receive()
             except TimeoutError:
                 return refuse(408)
             if message["type"] == "http.request":

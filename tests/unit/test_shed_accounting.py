@@ -19,11 +19,13 @@ from app.api.errors import RETRY_ELSEWHERE_HEADER, engine_unavailable_headers
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable, StreamingClient
 from app.engine.protocol import (
     Cancel,
+    EmbedOutput,
     EmbedPayload,
     EngineStatus,
     Failure,
     FailureKind,
     ModelInfo,
+    Output,
     Submit,
     ToEngine,
 )
@@ -321,3 +323,29 @@ async def test_time_at_an_engine_that_went_away_is_the_engine_lost_phase() -> No
     await lost
     assert refused.value.reason is RejectReason.ENGINE_LOST
     assert set(timer.phases) == {"admission", "engine_lost"}
+
+
+async def test_a_request_answered_by_the_engine_has_closed_its_stream_on_return() -> None:
+    """Left to the garbage collector, the stream of every answered request was closed later,
+    through the loop's async-generator finalizer: a thread-safe wake-up and a task of its
+    own per request, with the stream's deadline timer and queue held meanwhile."""
+    service, engine = await started_service()
+    now = time.monotonic()
+
+    async def answer_it() -> None:
+        await engine.a_submit_sent.wait()
+        request_id = next(iter(engine._streams))
+        engine._deliver(Output(request_id, True, EmbedOutput(bytes(4 * 384), 1, 384, 1), 0, 0))
+
+    answering = asyncio.create_task(answer_it())
+    await service.compute(
+        service.resolve_model(None),
+        "embed",
+        EmbedPayload([[1]]),
+        cost=1,
+        deadline=now + 10,
+        arrived_at=now,
+        timer=PhaseTimer(),
+    )
+    assert engine.open_streams == 0
+    await answering

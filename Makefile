@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # On a CUDA machine: make serve TORCH_CONSTRAINTS=/path/to/your/constraints.txt
 TORCH_CONSTRAINTS ?= constraints-cpu.txt
+# Every other package, pinned to the versions CI passed with (how to refresh it: its header).
+# Every pip install below takes both files.
+LOCK_CONSTRAINTS ?= constraints-lock.txt
 BIN := $(VENV)/bin
 # Lines the batch client's bench pushes through one server (make bench BATCH_BENCH_LINES=20000)
 BATCH_BENCH_LINES ?= 100000
@@ -18,13 +21,13 @@ $(BIN)/python:
 $(VENV)/.torch-constraints: FORCE | $(BIN)/python
 	@echo '$(abspath $(TORCH_CONSTRAINTS))' | cmp -s - $@ || echo '$(abspath $(TORCH_CONSTRAINTS))' > $@
 
-$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) $(VENV)/.torch-constraints | $(BIN)/python
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e .
+$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) $(LOCK_CONSTRAINTS) $(VENV)/.torch-constraints | $(BIN)/python
+	$(BIN)/pip install -q --upgrade -c $(LOCK_CONSTRAINTS) pip
+	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -c $(LOCK_CONSTRAINTS) -e .
 	touch $@
 
-$(VENV)/.dev-installed: $(VENV)/.runtime-installed
-	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -e '.[dev]'
+$(VENV)/.dev-installed: $(VENV)/.runtime-installed $(LOCK_CONSTRAINTS)
+	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -c $(LOCK_CONSTRAINTS) -e '.[dev]'
 	touch $@
 
 setup: $(VENV)/.runtime-installed

@@ -118,7 +118,9 @@ def shedding_protocol(
     closes or that same bound passes, then closed. Closing a socket with unread input makes
     Linux reset the connection (RST), and a client still sending its body lost the
     answer."""
-    if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45 (pyproject pins it)
+    # A private method: pyproject.toml only sets uvicorn's floor (0.45, which added it);
+    # constraints-lock.txt pins the version `make` installs, the one the tests passed with.
+    if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45
         raise RuntimeError("uvicorn >= 0.45 is needed: its connection cap is answered here")
     shed_paths = frozenset(path.encode() for path in paths)
     trusted = trusted_networks(trusted_proxies)

@@ -12,8 +12,10 @@ BATCH_BENCH_LINES ?= 100000
 
 .PHONY: setup setup-dev tools serve test lint typecheck pytest bench check-config clean FORCE
 
+# venv writes bin/python before ensurepip runs: a failed creation removes the venv, or the
+# next run would find bin/python and go on without pip.
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
 # Which constraints file the venv was installed with, rewritten only when it changes: a
 # file given after the venv was made may be older than its stamp, and a switch back to the

@@ -62,8 +62,24 @@ fi
 
 echo "ensure-tools: installing ${missing_packages[*]} (for ${missing_commands[*]})" >&2
 export DEBIAN_FRONTEND=noninteractive
-apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing_packages[@]}" >/dev/null
+# A package's install starts its service where the init system allows it (`prometheus`, for
+# promtool, would start a Prometheus server on :9090) unless policy-rc.d exits 101. Where there
+# is none, one that forbids every start is put there for the install and removed afterwards,
+# whatever happens; one that was there is left as it is. ENSURE_TOOLS_POLICY_RC_D: for tests.
+policy_rc_d=${ENSURE_TOOLS_POLICY_RC_D:-/usr/sbin/policy-rc.d}
+if [[ ! -e "$policy_rc_d" && ! -L "$policy_rc_d" ]]; then
+    trap 'rm -f "$policy_rc_d"' EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    trap 'exit 129' HUP
+    printf '#!/bin/sh\n# tools/ensure-tools.sh: no service starts while it installs\nexit 101\n' \
+        >"$policy_rc_d"
+    chmod 755 "$policy_rc_d"
+fi
+# Another apt or dpkg (an unattended upgrade) may hold the lock: wait for it, up to 5 minutes.
+apt_get=(apt-get -o DPkg::Lock::Timeout=300)
+"${apt_get[@]}" update -qq
+"${apt_get[@]}" install -y -qq --no-install-recommends "${missing_packages[@]}" >/dev/null
 
 still_missing=0
 for tool in "${missing_commands[@]}"; do

@@ -17,6 +17,7 @@ TOOLS=(
     "hey hey"              # tests/e2e: the hey load scenario
     "wrk wrk"              # tests/e2e and make bench: the connection-flood benches
     "curl curl"            # tests/e2e: the README's curl examples, run as shown
+    "unshare util-linux"   # tests/integration/test_orphans.py: a supervisor as PID 1
 )
 # Only the benches need these (`make bench`), so `make test` never installs them.
 BENCH_TOOLS=(

@@ -31,16 +31,25 @@ if __name__ == "__main__":
 
 
 def test_a_child_of_a_supervisor_that_is_pid_1_lives(tmp_path: Path) -> None:
+    # Neither condition skips: a skip would let CI pass without this test ever running.
+    # `make test` provides unshare (tools/ensure-tools.sh), and CI's machine allows the
+    # namespace.
     unshare = shutil.which("unshare")
     if unshare is None:
-        pytest.skip("util-linux's unshare is needed to run a process as PID 1")
+        pytest.fail(
+            "util-linux's unshare is needed to run a process as PID 1: `make test` installs it "
+            "(tools/ensure-tools.sh), or apt-get install util-linux"
+        )
     script = tmp_path / "pid1.py"
     script.write_text(CHILD_OF_PID_1)
     # A new PID namespace, as a container's: the script is its PID 1.
     command = [unshare, "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
     sandbox = subprocess.run([*command, "true"], capture_output=True, text=True, timeout=60)
-    if sandbox.returncode != 0:  # user namespaces refused here (a container, a policy)
-        pytest.skip(f"cannot make a PID namespace here: {sandbox.stderr.strip()}")
+    if sandbox.returncode != 0:
+        pytest.fail(
+            "cannot make a user and PID namespace here (user namespaces refused by a container "
+            f"or a policy such as kernel.unprivileged_userns_clone=0): {sandbox.stderr.strip()}"
+        )
     result = subprocess.run(
         [*command, sys.executable, str(script)],
         cwd=REPO_ROOT,

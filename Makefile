@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # Lines the batch client's bench pushes through one server (make bench BATCH_BENCH_LINES=20000)
 BATCH_BENCH_LINES ?= 100000
 
-.PHONY: setup setup-dev tools serve test lint typecheck pytest bench check-config clean FORCE
+.PHONY: setup setup-dev setup-bench tools serve test lint typecheck pytest bench check-config clean FORCE
 
 # venv writes bin/python before ensurepip runs: a failed creation removes the venv, or the
 # next run would find bin/python and go on without pip.
@@ -32,8 +32,14 @@ $(VENV)/.dev-installed: $(VENV)/.runtime-installed $(LOCK_CONSTRAINTS)
 	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -c $(LOCK_CONSTRAINTS) -e '.[dev]'
 	touch $@
 
+# The benches' baselines (TorchServe, `transformers serve`): no test runs them.
+$(VENV)/.bench-installed: $(VENV)/.dev-installed $(LOCK_CONSTRAINTS)
+	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -c $(LOCK_CONSTRAINTS) -e '.[bench]'
+	touch $@
+
 setup: $(VENV)/.runtime-installed
 setup-dev: $(VENV)/.dev-installed
+setup-bench: $(VENV)/.bench-installed
 
 # System tools the tests drive (promtool, hey, ...): installed when missing, see the script.
 tools:
@@ -56,7 +62,7 @@ pytest: setup-dev tools
 
 test: lint typecheck pytest
 
-bench: setup-dev
+bench: setup-bench
 	bash tools/ensure-tools.sh --bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.overhead

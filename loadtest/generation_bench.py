@@ -13,7 +13,8 @@ bf16 on a CPU with native bf16), the in-process baselines on the engine's torch 
   and streamed at `--overload`x; with the front end's and the engine's CPU per token;
 - the shared baselines: `model.generate` one prompt at a time and one left-padded batch,
   in-process; transformers' ContinuousBatchingManager in-process; `transformers serve
-  --continuous-batching` (explicit cache sizes) over HTTP, the same client as steadyserve's.
+  --continuous-batching` (explicit cache sizes) over HTTP, the same client as steadyserve's
+  (`transformers[serving]`, the bench extra: `make setup-bench`).
 
 Fast phases are the median of `--rounds` waves. For each of engine-only and HTTP it reports
 the issue's ratios: >= 0.8x the padded batch, TTFT p99 <= 2x p50, and at 8x the admitted

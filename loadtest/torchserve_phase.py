@@ -9,7 +9,7 @@ gives it the bench's CPUs: by default one worker computing with all `--threads` 
 up to the bench's connection count.
 
 Needs Java 17 (`tools/ensure-tools.sh --bench` installs it) and the `torchserve` and
-`torch-model-archiver` packages (the dev extra).
+`torch-model-archiver` packages (the bench extra: `make setup-bench`).
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ class TorchServeLayout:
 
 
 def _tool(name: str) -> str:
-    """A console script of this interpreter's environment (the dev extra installs it)."""
+    """A console script of this interpreter's environment (the bench extra installs it)."""
     path = Path(sys.executable).parent / name
     if not path.exists():
-        raise RuntimeError(f"{name} is not installed: pip install -e '.[dev]'")
+        raise RuntimeError(f"{name} is not installed: make setup-bench (pip install -e '.[bench]')")
     return str(path)
 
 

@@ -24,11 +24,17 @@ RUN if [ -z "${TORCH_INDEX_URL}" ]; then \
     fi \
     && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+${TORCH_VARIANT}"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints-lock.txt ./
 COPY app ./app
 COPY loadtest ./loadtest
-RUN pip install --no-cache-dir . \
-    && python -c "import app.cli, torch; print('torch', torch.__version__)"
+# Constrained to the torch installed above, so a dependency that asks for another torch fails
+# the build instead of swapping in a build from PyPI (a CUDA one), and to the versions of every
+# other package that the tests passed with (constraints-lock.txt). Then the torch in the venv
+# must still be that one.
+RUN echo "torch==${TORCH_VERSION}+${TORCH_VARIANT}" > /tmp/torch-constraints.txt \
+    && pip install --no-cache-dir -c /tmp/torch-constraints.txt -c constraints-lock.txt . \
+    && python -c "import sys, torch; want = sys.argv[1]; print('torch', torch.__version__); sys.exit(torch.__version__ != want and f'torch {torch.__version__} is installed, not {want}')" "${TORCH_VERSION}+${TORCH_VARIANT}" \
+    && python -c "import app.cli"
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG TORCH_VARIANT=cpu

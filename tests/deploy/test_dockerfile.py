@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -84,3 +86,57 @@ def test_image_user_is_the_one_kubernetes_runs_as() -> None:
     )
     pod_security = deployment["spec"]["template"]["spec"]["securityContext"]
     assert user == f"{pod_security['runAsUser']}:{pod_security['runAsGroup']}"
+
+
+def _package_install() -> str:
+    """The build stage's RUN that installs steadyserve (`pip install ... .`)."""
+    runs = [args for keyword, args in instructions(DOCKERFILE.read_text()) if keyword == "RUN"]
+    (run,) = [args for args in runs if re.search(r"pip install [^&]* \.(\s|$)", args)]
+    return run
+
+
+def test_the_package_install_keeps_the_torch_installed_before_it() -> None:
+    """Constrained to the torch the Dockerfile installed, so a dependency that raises its
+    torch floor fails the build instead of swapping in another build (PyPI's CUDA one), and
+    to constraints-lock.txt, which .dockerignore lets into the build context."""
+    steps = instructions(DOCKERFILE.read_text())
+    pinned = "torch==${TORCH_VERSION}+${TORCH_VARIANT}"
+    assert any(k == "RUN" and f'"{pinned}"' in args for k, args in steps if "index-url" in args)
+    run = _package_install()
+    constraints = re.search(rf'echo "{re.escape(pinned)}" > (\S+)', run)
+    assert constraints, run
+    install = next(part for part in run.split("&&") if "pip install" in part)
+    assert f"-c {constraints[1]}" in install and "-c constraints-lock.txt" in install
+    copied = " ".join(args for keyword, args in steps if keyword == "COPY")
+    assert "constraints-lock.txt" in copied
+    ignore = (REPO_ROOT / ".dockerignore").read_text().splitlines()
+    assert "!constraints-lock.txt" in ignore and (REPO_ROOT / "constraints-lock.txt").exists()
+
+
+def test_the_build_fails_when_the_installed_torch_is_another(tmp_path: Path) -> None:
+    """The check after the install, run as the build runs it, with a stand-in torch."""
+    (check,) = [
+        part.strip()
+        for part in _package_install().split("&&")
+        if part.strip().startswith("python -c") and "torch" in part
+    ]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    environment = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHONPATH": f"{tmp_path}:{REPO_ROOT}",
+        "TORCH_VERSION": "2.13.0",
+        "TORCH_VARIANT": "cpu",
+    }
+    answers = {}
+    for version in ("2.13.0+cpu", "2.13.0+cu128", "2.14.0"):
+        (tmp_path / "torch.py").write_text(f"__version__ = {version!r}\n")
+        answers[version] = subprocess.run(
+            ["bash", "-c", check], env=environment, capture_output=True, text=True, check=False
+        )
+    assert answers["2.13.0+cpu"].returncode == 0, answers["2.13.0+cpu"].stderr
+    for version in ("2.13.0+cu128", "2.14.0"):
+        assert answers[version].returncode != 0, version
+        assert f"torch {version} is installed, not 2.13.0+cpu" in answers[version].stderr

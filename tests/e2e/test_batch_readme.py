@@ -32,7 +32,7 @@ def _block(language: str) -> str:
 
 def test_the_readme_command_and_options_are_the_real_cli_s() -> None:
     words = shlex.split(_block("sh").replace("\\\n", " "))
-    assert words[:2] == ["steadyserve", "batch"]
+    assert words[:2] == [".venv/bin/steadyserve", "batch"]
     build_parser().parse_args(words[2:])  # exits (SystemExit) on an unknown option
     known = {o for action in build_parser()._actions for o in action.option_strings}
     named = set(re.findall(r"`(--[a-z-]+)", _section()))

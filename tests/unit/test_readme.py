@@ -5,10 +5,16 @@ tests/unit/test_doc_names.py.)"""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import re
 import shlex
 import subprocess
+import sys
+import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from app.cli import DELEGATED, build_parser
 from app.schemas import openai_error_type
@@ -54,7 +60,7 @@ def test_every_steadyserve_command_the_readme_shows_parses_with_the_real_cli() -
     commands = [
         shlex.split(line[match.end() :])
         for line in _command_lines()
-        if (match := re.search(r"(^|\s)steadyserve(?= )", line))
+        if (match := re.search(r"(^|\s)(\.venv/bin/)?steadyserve(?= )", line))
     ]
     assert any(words[:1] == ["spikes"] and len(words) > 1 for words in commands)
     for words in commands:
@@ -64,6 +70,45 @@ def test_every_steadyserve_command_the_readme_shows_parses_with_the_real_cli() -
             importlib.import_module(DELEGATED[arguments.command]).parse_arguments(rest)
         elif words[1:]:
             build_parser().parse_args(words)
+
+
+def test_every_steadyserve_command_with_arguments_is_the_venv_s() -> None:
+    """`make serve` puts the console script in .venv/bin, not on PATH: a command to run says
+    so (a bare `steadyserve serve` in prose only names the subcommand)."""
+    commands = [
+        line[match.start() :]
+        for line in _command_lines()
+        if (match := re.search(r"(?:^|\s)(\S*steadyserve) [a-z-]+ \S", line))
+    ]
+    assert any(" batch " in command for command in commands)
+    bare = [command for command in commands if not command.lstrip().startswith(".venv/bin/")]
+    assert not bare, bare
+
+
+def test_each_python_example_says_how_to_get_what_make_serve_does_not_install() -> None:
+    """A package a Python example imports that is no runtime dependency is named with how to
+    get it (`make setup-dev`, or a pip install) in the paragraph before the example."""
+    text = README.read_text()
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]
+    runtime = {canonicalize_name(Requirement(line).name) for line in project["dependencies"]}
+    distributions = importlib.metadata.packages_distributions()
+    examples = list(re.finditer(r"```python\n(.*?)```", text, re.S))
+    assert len(examples) >= 2
+    needing = 0
+    for example in examples:
+        modules = re.findall(r"^(?:import|from) (\w+)", example.group(1), re.MULTILINE)
+        extra = {
+            canonicalize_name(distributions[module][0])
+            for module in modules
+            if module not in sys.stdlib_module_names and module != "app"
+        } - runtime
+        before = text[: example.start()].rstrip().rsplit("\n\n", 1)[-1]
+        for name in sorted(extra):
+            needing += 1
+            assert "make setup-dev" in before or re.search(rf"pip install .*{name}", before), (
+                f"{name}: say how to get it before the example ({before!r})"
+            )
+    assert needing >= 2  # tritonclient and openai
 
 
 def test_the_readme_error_table_names_every_error_the_server_answers() -> None:

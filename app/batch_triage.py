@@ -8,8 +8,10 @@ same shape (the warm-up's) runs first: if it fails too, the server is failing; i
 row of the failed batch runs again alone, the rows that compute alone are answered, and a
 row that fails alone is the input's fault, once the server was seen computing (the
 known-good row, or without one a row alone): until then it is only suspected, and the
-server's when nothing computes. Whatever the input, out of memory and a lost device are the
-server's (`server_fault`), for the whole batch and for a row alone.
+server's when nothing computes. The row of a batch of one runs again alone too: an error
+that passes (a transient one the server raised) must not be blamed on its input. Whatever
+the input, out of memory (an allocation that failed) and a lost device are the server's
+(`server_fault`), for the whole batch and for a row alone.
 
 Pure orchestration over an injected `run` (which computes rows on a compute thread and
 raises what the model raised); event loop thread only.
@@ -27,15 +29,38 @@ RowT = TypeVar("RowT")
 OutputT = TypeVar("OutputT")
 
 
+# How torch words an allocation that failed when it raises a plain `RuntimeError`, not its
+# `OutOfMemoryError`: its CPU allocator ("DefaultCPUAllocator: can't allocate memory: you
+# tried to allocate N bytes. Error code 12 (Cannot allocate memory)"; in older torch "...:
+# not enough memory: you tried to allocate N bytes"), cuBLAS and its kin ("CUDA error:
+# CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", CUFFT_ALLOC_FAILED,
+# CUSPARSE_STATUS_ALLOC_FAILED), and the CUDA runtime outside the caching allocator
+# ("CUDA error: out of memory").
+_ALLOCATION_FAILED = ("ALLOC_FAILED", "not enough memory", "can't allocate memory", "out of memory")
+
+
+def allocation_failed(error: BaseException) -> bool:
+    """Whether `error` is torch's for an allocation that failed (by its words,
+    `_ALLOCATION_FAILED`): only a plain `RuntimeError` or torch's `AcceleratorError` (a
+    CUDA runtime error, in newer torch), as torch raises these, never a model's own
+    exception class whose text merely says so."""
+    if type(error) is not RuntimeError and type(error).__name__ != "AcceleratorError":
+        return False
+    message = str(error)
+    return any(words in message for words in _ALLOCATION_FAILED)
+
+
 def server_fault(error: BaseException) -> bool:
     """Whether `error` is the server's, whatever the input: out of memory (Python's
-    `MemoryError`, torch's `OutOfMemoryError`, by name: no torch here; memory others'
+    `MemoryError`, torch's `OutOfMemoryError`, by name: no torch here, or torch's
+    `RuntimeError` for an allocation that failed, `allocation_failed`; memory others'
     batches held, or a transient peak) or a lost device (`failures.device_lost`).
     Such a failure is answered 500 and counted toward the engine's ill health: blamed on
     an input, it was answered 400 and reset that count."""
     return (
         isinstance(error, MemoryError)
         or type(error).__name__ == "OutOfMemoryError"
+        or allocation_failed(error)
         or device_lost(error)
     )
 
@@ -79,18 +104,18 @@ async def triage(
     run: Callable[[Sequence[RowT]], Awaitable[OutputT]],
     known_good: Sequence[RowT] | None,
     *,
-    batch_rows: int,
     still_waiting: Callable[[int], bool] = lambda index: True,
     on_input_fault: Callable[[int, RowFailed], None] = lambda index, failed: None,
 ) -> Triage[OutputT]:
-    """`rows`: those of the failed batch still waiting for an answer (of its `batch_rows`;
-    the rest were cancelled or expired while it ran). A `batch_error` of the server's
-    (`server_fault`) fails every row as the server's, none run again. Else a known-good
-    row first (`known_good`; None when there is none, e.g. warm-up was off): when even that
-    fails the server is failing, and no row is run again (a device that fell over would
-    fail each, one slow failure after another, holding the compute slot). Else each row
-    runs alone (a batch of one row already did: its `batch_error` is its own, and only
-    then: a row left alone by the others' going is not the one that failed), each only
+    """`rows`: those of the failed batch still waiting for an answer (the rest were
+    cancelled or expired while it ran). A `batch_error` of the server's (`server_fault`)
+    fails every row as the server's, none run again. Else a known-good row first
+    (`known_good`; None when there is none, e.g. warm-up was off): when even that fails
+    the server is failing, and no row is run again (a device that fell over would fail
+    each, one slow failure after another, holding the compute slot). Else each row runs
+    alone, the row of a batch of one too (its `batch_error` may have been the server's
+    passing fault that `server_fault` does not know: blamed on the input unrun, it was
+    answered 400 and cleared health's count, where two rows were each run again), each only
     if `still_waiting(its index)`, asked just before its run, says so (the caller answers
     a row past its deadline there, and skips a row whose request already failed: rows of
     a running batch are off the scheduler); a row alone failing the server's way fails as
@@ -105,8 +130,8 @@ async def triage(
     server's way before anything computed, or nothing compute at all, it is the server's
     (500, counted toward ill health), so no row is answered 400 and then turns out the
     server's. So without a known-good row, a failed batch of which nothing
-    computed alone (every row failed, or nobody waited for any, or it was a batch of one)
-    is a failure of the server's, `batch_error`: no evidence that the server computes
+    computed alone (every row failed, or nobody waited for any) is a failure of the
+    server's, `batch_error`: no evidence that the server computes
     anything, and a server whose slow failures outlast every row's deadline must still
     turn unhealthy; it is never a success that clears health's count."""
     if server_fault(batch_error):
@@ -121,13 +146,6 @@ async def triage(
                 rows
             )
             return Triage(alone_failed, error if server_fault(error) else batch_error)
-        if batch_rows == 1:
-            own = RowFailed(batch_error, servers=False)
-            for index in range(len(rows)):
-                on_input_fault(index, own)
-            return Triage([own] * len(rows), server_error=None)
-    elif batch_rows == 1:
-        return _all_servers(rows, batch_error)  # nothing computed, nothing will: no evidence
     seen_computing = known_good is not None
     alone: list[OutputT | RowFailed | None] = []
     for index, row in enumerate(rows):

@@ -303,7 +303,6 @@ class Batcher(Generic[RowT, OutT]):
                 error,
                 lambda rows: self._dispatcher.run_compute(self._run_batch, solo, rows),
                 known_good,
-                batch_rows=len(pendings),
                 still_waiting=lambda index: self._still_waiting(waiting[index], solo),
                 on_input_fault=lambda index, failed: self._fail_row(waiting[index], failed),
             )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from app.batch_triage import RowFailed, triage
+from app.batch_triage import RowFailed, server_fault, triage
 from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.execute import SlotTimings
@@ -36,7 +36,7 @@ def model(broken: bool = False):  # type: ignore[no-untyped-def]
 
 
 async def test_the_good_rows_of_a_failed_batch_are_answered_and_the_bad_one_is_its_own() -> None:
-    verdict = await triage([1, BAD, 3], IndexError("batch"), model(), known_good=[0], batch_rows=3)
+    verdict = await triage([1, BAD, 3], IndexError("batch"), model(), known_good=[0])
     assert verdict.alone[0] == [2] and verdict.alone[2] == [6]
     failed = verdict.alone[1]
     assert isinstance(failed, RowFailed) and isinstance(failed.error, IndexError)
@@ -45,16 +45,14 @@ async def test_the_good_rows_of_a_failed_batch_are_answered_and_the_bad_one_is_i
 
 @pytest.mark.parametrize("rows", [[BAD], [BAD, BAD]])
 async def test_when_no_row_computes_a_known_good_row_decides(rows: list[int]) -> None:
-    verdict = await triage(rows, IndexError("batch"), model(), known_good=[0], batch_rows=len(rows))
+    verdict = await triage(rows, IndexError("batch"), model(), known_good=[0])
     assert all(
         isinstance(result, RowFailed) and isinstance(result.error, IndexError)
         for result in verdict.alone
     )
     # The known-good row computes: the inputs are at fault.
     assert not verdict.server_failing and not any(r.servers for r in verdict.alone)  # type: ignore[union-attr]
-    broken = await triage(
-        rows, IndexError("batch"), model(broken=True), known_good=[0], batch_rows=len(rows)
-    )
+    broken = await triage(rows, IndexError("batch"), model(broken=True), known_good=[0])
     assert broken.server_failing and all(r.servers for r in broken.alone)  # type: ignore[union-attr]
 
 
@@ -68,16 +66,47 @@ async def test_a_failing_server_is_found_with_one_run_not_one_per_row() -> None:
         runs.append(rows)
         return await broken(rows)
 
-    verdict = await triage([1, 2, 3, 4], IndexError("batch"), counted, known_good=[0], batch_rows=4)
+    verdict = await triage([1, 2, 3, 4], IndexError("batch"), counted, known_good=[0])
     assert verdict.server_failing and runs == [[0]]
 
 
 async def test_without_a_known_good_row_a_batch_where_nothing_computes_is_the_server_s() -> None:
-    verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None, batch_rows=2)
+    verdict = await triage([BAD, BAD], IndexError("batch"), model(), known_good=None)
     assert verdict.server_failing and all(r.servers for r in verdict.alone)  # type: ignore[union-attr]
 
 
-async def test_a_batch_of_one_row_is_not_run_again() -> None:
+def failing_once(error: Exception, runs: list[Sequence[int]]):  # type: ignore[no-untyped-def]
+    """`model()`, recording each run, whose first run raises `error` (a passing fault of
+    the server's that `server_fault` does not know), and every later run computes."""
+    inner = model()
+
+    async def run(rows: Sequence[int]) -> list[int]:
+        runs.append(rows)
+        if len(runs) == 1:
+            raise error
+        return await inner(rows)
+
+    return run
+
+
+@pytest.mark.parametrize("known_good", [[0], None])
+async def test_the_row_of_a_batch_of_one_runs_again_alone_before_it_is_blamed(
+    known_good: list[int] | None,
+) -> None:
+    """The row of a one-row batch that failed was blamed on its input unrun once the
+    known-good row computed: a passing fault of the server's (one `server_fault` does not
+    know) was answered 400 and cleared health's count (without a known-good row, 500),
+    where a batch of two ran each row again and answered it."""
+    runs: list[Sequence[int]] = []
+    forward = failing_once(RuntimeError("a passing fault of the server's"), runs)
+    with pytest.raises(RuntimeError) as batch:
+        await forward([5])  # the batch of one
+    verdict = await triage([5], batch.value, forward, known_good)
+    assert verdict.alone == [[10]] and verdict.server_error is None
+    assert runs == [[5], *([known_good] if known_good else []), [5]]
+
+
+async def test_the_row_of_a_batch_of_one_that_fails_again_alone_is_its_input_s_fault() -> None:
     runs: list[Sequence[int]] = []
     inner = model()
 
@@ -85,10 +114,19 @@ async def test_a_batch_of_one_row_is_not_run_again() -> None:
         runs.append(rows)
         return await inner(rows)
 
-    batch_error = IndexError("batch")
-    verdict = await triage([BAD], batch_error, counted, known_good=[0], batch_rows=1)
-    assert verdict.alone == [RowFailed(batch_error, servers=False)]
-    assert runs == [[0]]  # the known-good row only
+    handed: list[int] = []
+    verdict = await triage(
+        [BAD],
+        IndexError("batch"),
+        counted,
+        known_good=[0],
+        on_input_fault=lambda index, failed: handed.append(index),
+    )
+    [failed] = verdict.alone
+    assert isinstance(failed, RowFailed) and not failed.servers
+    assert str(failed.error) == "index out of range"  # its own run's error, not the batch's
+    assert verdict.server_error is None and handed == [0]
+    assert runs == [[0], [BAD]]
 
 
 @pytest.mark.parametrize("known_good", [[0], None])
@@ -98,17 +136,17 @@ async def test_a_row_left_alone_by_the_others_going_runs_alone_before_it_is_blam
     """The bad row's request was cancelled (or expired) while the batch ran: the one row
     still waiting is not the batch of one that failed, and must not get its error (400, or
     500 and ill health without a known-good row)."""
-    verdict = await triage([1], IndexError("batch"), model(), known_good, batch_rows=2)
+    verdict = await triage([1], IndexError("batch"), model(), known_good)
     assert verdict.alone == [[2]] and not verdict.server_failing
 
 
 @pytest.mark.parametrize(
-    ("rows", "batch_rows", "waiting"),
-    [([], 2, True), ([], 1, True), ([BAD, BAD], 2, False)],
-    ids=["all-went", "its-one-row-went", "none-still-waited-for"],
+    ("rows", "waiting"),
+    [([], True), ([BAD, BAD], False)],
+    ids=["all-went", "none-still-waited-for"],
 )
 async def test_a_failed_batch_of_which_nothing_computed_never_clears_health(
-    rows: list[int], batch_rows: int, waiting: bool
+    rows: list[int], waiting: bool
 ) -> None:
     """Every row went while the batch ran (its client left, or it could no longer finish
     in time), and there is no known-good row: nothing shows the server computes. That
@@ -122,7 +160,6 @@ async def test_a_failed_batch_of_which_nothing_computed_never_clears_health(
         batch_error,
         counted_model(MemoryError(), runs),
         known_good=None,
-        batch_rows=batch_rows,
         still_waiting=lambda index: waiting,
     )
     assert verdict.server_error is batch_error and runs == []
@@ -136,7 +173,6 @@ async def test_a_failed_batch_whose_rows_all_went_clears_health_if_its_known_goo
         IndexError("batch"),
         counted_model(MemoryError(), runs),
         known_good=[0],
-        batch_rows=2,
         still_waiting=lambda index: False,
     )
     assert verdict.alone == [None, None] and not verdict.server_failing and runs == [[0]]
@@ -146,11 +182,15 @@ class OutOfMemoryError(RuntimeError):
     """Named as torch's (`torch.OutOfMemoryError`): triage imports no torch."""
 
 
+# cuBLAS's failed allocation, in torch's words (`TORCH_CUDABLAS_CHECK`, ATen/cuda/Exceptions.h).
+CUBLAS_ALLOC_FAILED = "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 SERVER_FAULTS = [
     MemoryError(),
     OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     RuntimeError("CUDA error: an illegal memory access was encountered"),
+    RuntimeError(CUBLAS_ALLOC_FAILED),
 ]
+FAULT_IDS = ["memory", "torch-oom", "device-lost", "cublas-alloc"]
 HEAVY = 7  # a row the server runs out of memory on (or loses its device on), alone
 
 
@@ -167,7 +207,7 @@ def counted_model(fault: Exception, runs: list[Sequence[int]]):  # type: ignore[
     return run
 
 
-@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=["memory", "torch-oom", "device-lost"])
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=FAULT_IDS)
 async def test_a_row_the_server_fails_alone_is_the_server_s_fault_and_the_rest_wait_no_more(
     fault: Exception,
 ) -> None:
@@ -176,21 +216,19 @@ async def test_a_row_the_server_fails_alone_is_the_server_s_fault_and_the_rest_w
     batch counted healthy. The rows after it are not run: a lost device fails each."""
     runs: list[Sequence[int]] = []
     run = counted_model(fault, runs)
-    verdict = await triage(
-        [1, HEAVY, BAD, 3], IndexError("batch"), run, known_good=[0], batch_rows=4
-    )
+    verdict = await triage([1, HEAVY, BAD, 3], IndexError("batch"), run, known_good=[0])
     assert verdict.alone[0] == [2]
     assert verdict.alone[1:] == [RowFailed(fault, servers=True)] * 3
     assert verdict.server_error is fault and verdict.server_failing
     assert runs == [[0], [1], [HEAVY]]
 
 
-@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=["memory", "torch-oom", "device-lost"])
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=FAULT_IDS)
 async def test_a_batch_the_server_failed_is_not_triaged(fault: Exception) -> None:
     """Nothing runs again, not even the known-good row: whatever the inputs, the server
     failed them (a lost device fails every run; out of memory is not an input's fault)."""
     runs: list[Sequence[int]] = []
-    verdict = await triage([1, 2], fault, counted_model(fault, runs), known_good=[0], batch_rows=2)
+    verdict = await triage([1, 2], fault, counted_model(fault, runs), known_good=[0])
     assert verdict.alone == [RowFailed(fault, servers=True)] * 2
     assert verdict.server_error is fault and runs == []
 
@@ -202,12 +240,12 @@ async def test_a_lost_device_the_known_good_row_finds_is_what_health_hears_of() 
         raise lost
 
     batch_error = IndexError("batch")
-    verdict = await triage([1, 2], batch_error, lost_device, known_good=[0], batch_rows=2)
+    verdict = await triage([1, 2], batch_error, lost_device, known_good=[0])
     assert verdict.alone == [RowFailed(batch_error, servers=True)] * 2
     assert verdict.server_error is lost
 
 
-@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=["memory", "torch-oom", "device-lost"])
+@pytest.mark.parametrize("fault", SERVER_FAULTS, ids=FAULT_IDS)
 async def test_without_a_known_good_row_rows_failed_before_the_server_s_fault_are_the_server_s(
     fault: Exception,
 ) -> None:
@@ -215,16 +253,14 @@ async def test_without_a_known_good_row_rows_failed_before_the_server_s_fault_ar
     was only a suspect, and stayed its input's fault, a 400 nobody retries, for what is
     evidence of a failing server."""
     runs: list[Sequence[int]] = []
-    verdict = await triage(
-        [BAD, HEAVY, 1], IndexError("batch"), counted_model(fault, runs), None, batch_rows=3
-    )
+    verdict = await triage([BAD, HEAVY, 1], IndexError("batch"), counted_model(fault, runs), None)
     [suspect, heavy, after] = verdict.alone
     assert isinstance(suspect, RowFailed) and isinstance(suspect.error, IndexError)
     assert suspect.servers and heavy == after == RowFailed(fault, servers=True)
     assert verdict.server_error is fault and runs == [[BAD], [HEAVY]]
     # A row computed before: the server computes, and the bad row is its input's fault.
     computed_first = await triage(
-        [1, BAD, HEAVY], IndexError("batch"), counted_model(fault, []), None, batch_rows=3
+        [1, BAD, HEAVY], IndexError("batch"), counted_model(fault, []), None
     )
     assert computed_first.alone[1] == RowFailed(computed_first.alone[1].error, servers=False)  # type: ignore[union-attr]
     assert computed_first.server_error is fault
@@ -249,7 +285,6 @@ async def test_a_row_of_its_input_s_fault_is_handed_over_as_soon_as_that_is_cert
         IndexError("batch"),
         run,
         known_good,
-        batch_rows=4,
         on_input_fault=lambda index, failed: events.append(("fault", index)),
     )
     if known_good:  # at once
@@ -267,7 +302,6 @@ async def test_a_row_of_its_input_s_fault_is_handed_over_as_soon_as_that_is_cert
             IndexError("batch"),
             counted_model(MemoryError(), []),
             None,
-            batch_rows=2,
             on_input_fault=lambda index, failed: handed.append(index),
         )
         assert handed == []
@@ -311,7 +345,6 @@ async def test_a_row_nobody_waits_for_any_more_is_not_run_alone(
         IndexError("batch"),
         counted_model(MemoryError(), runs),
         known_good,
-        batch_rows=3,
         still_waiting=still_waiting,
     )
     assert verdict.alone == [[2], None, [6]] and not verdict.server_failing
@@ -367,3 +400,37 @@ async def test_a_row_answered_after_its_batch_failed_spent_that_batch_computing(
     assert answered.compute_s == pytest.approx(0.22)
     assert answered.batch is not None
     assert answered.batch.failed_batch_s == pytest.approx(0.21)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        CUBLAS_ALLOC_FAILED,
+        "CUDA error: out of memory",
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+        "memory: you tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)",
+        "[enforce fail at CPUAllocator.cpp:64] . DefaultCPUAllocator: not enough memory: you "
+        "tried to allocate 1073741824 bytes.",
+    ],
+    ids=["cublas", "cuda-runtime", "cpu-allocator", "cpu-allocator-older-torch"],
+)
+def test_an_allocation_torch_failed_is_the_server_s_fault(message: str) -> None:
+    """Torch raises these as a plain `RuntimeError`, not its `OutOfMemoryError`: a row
+    alone hitting one was blamed on its input (400, health's count cleared). A model's
+    own exception saying so is still its own."""
+
+    class ModelsOwn(RuntimeError):
+        pass
+
+    assert server_fault(RuntimeError(message))
+    assert not server_fault(ModelsOwn(message)) and not server_fault(ValueError(message))
+
+
+def test_torch_s_own_failed_allocation_is_the_server_s_fault() -> None:
+    """As this torch words it: 1 PiB is past any address space."""
+    import torch
+
+    with pytest.raises(RuntimeError) as raised:
+        torch.empty(2**50, dtype=torch.uint8)
+    assert type(raised.value) is not torch.OutOfMemoryError  # by its words alone
+    assert server_fault(raised.value)

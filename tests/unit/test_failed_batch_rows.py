@@ -40,14 +40,16 @@ class OutOfMemoryError(RuntimeError):
 class Model:
     """Doubles rows, each run moving the clock `RUN_S`; throws an IndexError on a batch
     holding a BAD row, `heavy_fault` on a HEAVY row alone, `batch_fault` (when set) on any
-    batch of more than one row. `on_known_good` runs when the known-good row (0) does,
-    `on_batch` when a batch of more than one row does."""
+    batch of more than one row, `next_fault` (when set) on the next run only.
+    `on_known_good` runs when the known-good row (0) does, `on_batch` when a batch of more
+    than one row does."""
 
     def __init__(self, heavy_fault: Exception | None = None) -> None:
         self.now = 0.0
         self.ran: list[list[int]] = []
         self.heavy_fault = heavy_fault
         self.batch_fault: Exception | None = None
+        self.next_fault: Exception | None = None
         self.on_known_good: Callable[[], None] = lambda: None
         self.on_batch: Callable[[], None] = lambda: None
 
@@ -61,6 +63,9 @@ class Model:
             self.on_known_good()
         if len(rows) > 1:
             self.on_batch()
+        if self.next_fault is not None:
+            fault, self.next_fault = self.next_fault, None
+            raise fault
         if self.batch_fault is not None and len(rows) > 1:
             raise self.batch_fault
         if BAD in rows:
@@ -102,8 +107,11 @@ async def answer(futures: list[asyncio.Future[ItemResult[int]]]) -> list[FromEng
 
 
 LOST = RuntimeError("CUDA error: an illegal memory access was encountered")
-SERVER_FAULTS = [MemoryError(), OutOfMemoryError("CUDA out of memory"), LOST]
-IDS = ["memory", "torch-oom", "device-lost"]
+CUBLAS_ALLOC_FAILED = RuntimeError(
+    "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
+)
+SERVER_FAULTS = [MemoryError(), OutOfMemoryError("CUDA out of memory"), LOST, CUBLAS_ALLOC_FAILED]
+IDS = ["memory", "torch-oom", "device-lost", "cublas-alloc"]
 
 
 @pytest.mark.parametrize("fault", SERVER_FAULTS, ids=IDS)
@@ -240,4 +248,25 @@ async def test_a_request_failed_by_one_row_alone_has_no_other_row_run_alone(warm
     assert (await other).value == 8
     certain = [[0], [BAD]] if warmed else [[BAD], [1]]
     assert model.ran == [[BAD, 1, 2, 4], *certain, [4]]
+    assert health.consecutive_failures == 0
+
+
+@pytest.mark.parametrize("warmed", [True, False], ids=["known-good", "warm-up-off"])
+async def test_a_batch_of_one_failed_in_passing_is_answered_from_its_run_alone(
+    warmed: bool,
+) -> None:
+    """A passing fault of the server's (one `server_fault` does not know) failed a batch
+    of one row: the row was never run again, but blamed on its input (400, and health's
+    count of failed batches cleared) once the known-good row computed, or answered 500
+    without one; two rows with the same fault were each run again and answered."""
+    model = Model()
+    health = BatchHealth(threshold=3)
+    batcher = await warmed_batcher(model, health) if warmed else cold_batcher(model, health)
+    model.next_fault = RuntimeError("a passing fault of the server's")
+    (row,) = batcher.submit([5], deadline=100.0)
+    batcher.start()
+    await asyncio.wait([row])
+    await batcher.close()
+    assert (await row).value == 10
+    assert model.ran == [[5], *([[0]] if warmed else []), [5]]
     assert health.consecutive_failures == 0

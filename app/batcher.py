@@ -292,18 +292,45 @@ class Batcher(Generic[RowT, OutT]):
         request's other rows are not run alone for nobody (`_still_waiting`).
         A row answered waited in the queue until the failed batch `started`; all its time
         since was spent computing, its own run alone and the rest lost to the failed batch
-        (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`)."""
+        (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`).
+        The triage holds the batch's compute slot: the scheduler hears of the runs it may
+        still make, each at a row's estimated compute alone, before the first and as each
+        ends or is skipped (`Scheduler.runs_until`), so the backlog admission reads counts
+        them."""
         length = batch.shape.length
         solo = BatchShape(self.scheduler.policy.padded_batch(length, 1), length)
+        solo_s = self.scheduler.estimated_compute(solo)
         waiting = [p for p in pendings if not p.future.done()]  # not those gone or expired
+        runs_left = len(waiting)
+
+        def run_done() -> None:
+            nonlocal runs_left
+            runs_left -= 1
+            self.scheduler.runs_until(batch, self._clock() + runs_left * solo_s)
+
+        async def run_alone(rows: Sequence[RowT]) -> ComputedBatch[OutT]:
+            try:
+                return await self._dispatcher.run_compute(self._run_batch, solo, rows)
+            finally:
+                run_done()
+
+        def still_waiting(index: int) -> bool:
+            if self._still_waiting(waiting[index], solo):
+                return True
+            run_done()  # not run
+            return False
+
         try:
             known_good = self._known_good_rows(solo)[:1] if self._known_good_rows else None
+            if known_good is not None:
+                runs_left += 1
+            self.scheduler.runs_until(batch, self._clock() + runs_left * solo_s)
             verdict = await triage(
                 [p.row for p in waiting],
                 error,
-                lambda rows: self._dispatcher.run_compute(self._run_batch, solo, rows),
+                run_alone,
                 known_good,
-                still_waiting=lambda index: self._still_waiting(waiting[index], solo),
+                still_waiting=still_waiting,
                 on_input_fault=lambda index, failed: self._fail_row(waiting[index], failed),
             )
         except BaseException as fault:

@@ -200,7 +200,8 @@ class Scheduler:
     def backlog_seconds(self, now: float) -> float:
         """The compute a new input waits behind, on one worker (the caller divides among
         workers): what is left of the running batches (their estimated compute from when
-        they started, at least 0) and everything queued, run in full batches.
+        they started, or as `runs_until` moved their end; at least 0) and everything
+        queued, run in full batches.
 
         Counting the running batches is what keeps an admitted request's wait within the
         delay budget under overload: without them the budget let a request wait up to a
@@ -218,6 +219,17 @@ class Scheduler:
         """A full batch of this bucket: its rows and its measured compute seconds."""
         rows = self.policy.max_batch(length_bucket)
         return rows, self._compute.get(BatchShape(rows, length_bucket))
+
+    def runs_until(self, batch: Batch, until: float) -> None:
+        """A batch `poll` handed out, still running, now ends at `until`, not at its
+        estimate from when it started: a failed batch run again row by row (a known-good
+        row, then each row alone: `batch_triage`), on its compute slot all along, which
+        `backlog_seconds` read as free once the batch's own estimate ran out, so admission
+        let in requests that waited behind the triage and ended 504. The caller keeps it
+        current as the runs go. A batch already `finished` is left so."""
+        key = batch.items[0].item_id
+        if key in self._running_until:
+            self._running_until[key] = until
 
     def finished(self, batch: Batch) -> None:
         """A batch `poll` handed out has ended (computed or failed): its remaining compute

@@ -18,9 +18,10 @@ from app.compute_slots import ComputeSlots
 from app.engine.health import BatchHealth
 from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit
 from app.engine.rows import gather_rows
+from app.execute import SlotTimings
 from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
-from app.scheduler import BatchPolicy, BatchShape
+from app.scheduler import BatchPolicy, BatchShape, Scheduler
 from tests.support.inline_batching import Computed, InlineDispatcher
 
 T = TypeVar("T")
@@ -270,3 +271,48 @@ async def test_a_batch_of_one_failed_in_passing_is_answered_from_its_run_alone(
     assert (await row).value == 10
     assert model.ran == [[5], *([[0]] if warmed else []), [5]]
     assert health.consecutive_failures == 0
+
+
+class TimedModel(Model):
+    """`Model` whose runs measure what its clock moves (`RUN_S`), so the scheduler's
+    estimates are the clock's: `backlogs` holds the scheduler's backlog at each run's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler: Scheduler | None = None
+        self.backlogs: list[float] = []
+
+    def __call__(self, shape: BatchShape, rows: Sequence[int]) -> Computed:
+        try:
+            computed = super().__call__(shape, rows)
+        finally:
+            if self.scheduler is not None:
+                self.backlogs.append(self.scheduler.backlog_seconds(self.now))
+        return Computed(computed.rows, SlotTimings(RUN_S, acquire_wait_s=0.0, pool_miss=False))
+
+
+async def test_a_failed_batch_counts_in_the_backlog_while_its_rows_run_again() -> None:
+    """Its triage holds the compute slot for a known-good row and each row alone, one run
+    after another: the backlog counted the batch only until its own estimate ran out, so
+    admission read the slot as free and let in requests that waited behind the triage
+    and ended 504. A row skipped (its client left) is a run less."""
+    model = TimedModel()
+    health = BatchHealth(threshold=3)
+    batcher = await warmed_batcher(model, health)
+    model.scheduler = batcher.scheduler
+    start = model.now
+    (good,) = batcher.submit([1], deadline=start + 100)
+    (bad,) = batcher.submit([BAD], deadline=start + 100)
+    (gone,) = batcher.submit([4], deadline=start + 100)
+    (other,) = batcher.submit([2], deadline=start + 100)
+    model.on_known_good = gone.cancel  # its client disconnects
+    batcher.start()
+    await asyncio.wait([good, bad, other])
+    await batcher.close()
+    assert (await good).value == 2 and (await other).value == 4
+    assert isinstance(bad.exception(), InputFailed)
+    assert model.ran == [[1, BAD, 4, 2], [0], [1], [BAD], [2]]
+    # The batch ends as estimated; then 5 runs to come (known-good, 4 rows), 1 s each:
+    # at the known-good row's end 4 s left, then 3, 2; `gone` skipped; `other` the last.
+    assert model.backlogs == [0.0, 4.0, 3.0, 2.0, 0.0]
+    assert batcher.scheduler.backlog_seconds(model.now) == 0.0

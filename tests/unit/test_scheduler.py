@@ -285,3 +285,26 @@ def test_expire_drops_only_dead_inputs_and_says_when_the_next_one_dies() -> None
     assert [i.item_id for i in second.expired] == [dying.item_id]
     assert second.wake_at == pytest.approx(0.490)
     assert scheduler.depth == 1
+
+
+def test_a_running_batch_whose_end_moves_counts_in_the_backlog_until_then() -> None:
+    """A failed batch holds its compute slot while its rows run again one by one (the
+    batcher's triage): once its estimate from `poll` ran out the backlog read that slot as
+    free, and admission let in requests that waited behind the triage and ended 504."""
+    scheduler = Scheduler(POLICY)
+    scheduler.record_compute(BatchShape(4, 16), 0.040)
+    for _ in range(3):
+        scheduler.enqueue(item(5, at=0.0))
+    batch = scheduler.poll(now=1.000).batch  # 3 rows padded to 4, estimated 40 ms
+    assert batch is not None and batch.shape == BatchShape(4, 16)
+    assert scheduler.backlog_seconds(now=1.040) == 0.0  # it failed, as estimated
+    # Triage: a known-good row and the three alone, 10 ms each, on the same slot.
+    scheduler.runs_until(batch, 1.040 + 4 * 0.010)
+    assert scheduler.backlog_seconds(now=1.040) == pytest.approx(0.040)
+    assert scheduler.backlog_seconds(now=1.050) == pytest.approx(0.030)
+    scheduler.runs_until(batch, 1.065 + 2 * 0.010)  # two runs done, slower than estimated
+    assert scheduler.backlog_seconds(now=1.065) == pytest.approx(0.020)
+    scheduler.finished(batch)
+    assert scheduler.backlog_seconds(now=1.065) == 0.0
+    scheduler.runs_until(batch, 2.000)  # ended: no longer running, nothing to count
+    assert scheduler.backlog_seconds(now=1.065) == 0.0

@@ -36,6 +36,20 @@ from app.model_specs import ModelSpec
 from app.startup import policy_for
 
 
+def payload_problem(payload: EmbedPayload) -> str | None:
+    """Why the engine cannot embed `payload` as sent, or None: no inputs (the longest of
+    none has no length: `admit` raised, a 500), or an input of no tokens (its attention
+    mask all zeros, which some kernels turn into NaN: `BufferSlot.write_inputs`). A front
+    end sends neither (it refuses empty texts and tokenizes with the model's special
+    tokens); one misbehaving, or of another version, gets `BAD_REQUEST`, a 400."""
+    if not payload.token_ids:
+        return "no inputs: token_ids is empty"
+    for index, ids in enumerate(payload.token_ids):
+        if not ids:
+            return f"input {index} has no tokens"
+    return None
+
+
 class EmbeddingHost(BatchedHost):
     task = "embed"
 
@@ -59,6 +73,8 @@ class EmbeddingHost(BatchedHost):
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
         if not isinstance(request.payload, EmbedPayload):
             return None  # refused as a bad request by `submit`
+        if payload_problem(request.payload) is not None:
+            return None  # likewise
         token_ids = request.payload.token_ids
         longest = max(len(ids) for ids in token_ids)
         return admit_rows(self.batcher.scheduler, load, len(token_ids), longest, request.deadline)
@@ -70,6 +86,10 @@ class EmbeddingHost(BatchedHost):
                 f"model {self.name!r} computes embeddings; it was sent {payload_kind(request)}"
             )
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
+            return None
+        problem = payload_problem(payload)
+        if problem is not None:
+            emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
         try:
             futures = self.batcher.submit(payload.token_ids, request.deadline)

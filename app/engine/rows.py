@@ -35,18 +35,19 @@ def admit_rows(
     """None to queue `rows` inputs (the longest `longest` tokens or elements long); else
     why not: the queue cap, or a predicted wait (the engine's backlog counted in whole
     batches of the request's bucket, plus its own batch: `batch_delay`) over the delay
-    budget or past its deadline. A request that fits no length bucket is let through:
-    `submit` answers it 400."""
+    budget or past its deadline. A request that fits no length bucket is let through,
+    whatever the queue: `submit` answers it 400 (refused 429 `queue` first, its client
+    retried what can never be served)."""
+    policy = scheduler.policy
+    bucket = policy.length_bucket_for(longest)
+    if bucket is None:
+        return None
     if load.queued_inputs + rows > load.max_queue:
         return Rejected(
             RejectReason.QUEUE,
             f"{load.queued_inputs} inputs queued (cap {load.max_queue})",
             load.backlog_s,
         )
-    policy = scheduler.policy
-    bucket = policy.length_bucket_for(longest)
-    if bucket is None:
-        return None
     full_rows, full_batch_s = scheduler.full_batch(bucket)
     queue = BatchQueue(
         backlog_s=load.backlog_s,

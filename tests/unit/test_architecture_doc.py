@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from app.metrics import Metrics
+from app.scheduler import CloseReason
 from tests.support.server import REPO_ROOT
 
 DOC = REPO_ROOT / "docs" / "ARCHITECTURE.md"
@@ -79,3 +80,28 @@ def test_section_citations_in_the_code_point_at_sections_that_exist() -> None:
             cited |= set(CITATION_PATTERN.findall(text))
     assert cited, "module docstrings cite docs/ARCHITECTURE.md sections"
     assert cited <= sections, sorted(cited - sections)
+
+
+def _section(number: int) -> str:
+    return DOC.read_text().split(f"\n## {number}. ", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_compute_threads_row_names_every_batch_executor() -> None:
+    """§3 said every batch runs through `execute.run_batch`: a `tensor` model's runs
+    through `tensor_batch.py`'s executor."""
+    from app.execute import run_batch
+    from app.tensor_batch import execute_tensor_batch
+
+    [row] = [line for line in _section(3).splitlines() if line.startswith("| engine: compute")]
+    for executor in (run_batch, execute_tensor_batch):
+        assert f"`{executor.__module__.removeprefix('app.')}.{executor.__name__}`" in row
+
+
+def test_the_request_path_closes_a_batch_on_the_scheduler_s_reasons() -> None:
+    """§4 said a batch closes on the "oldest deadline": `Scheduler.poll` closes on the
+    earliest, the most urgent input's (`CloseReason.DEADLINE`)."""
+    match = re.search(r"Scheduler\.poll closes a batch \(([^)]*)\)", _section(4))
+    assert match is not None
+    reasons = [reason.split(":")[0].strip() for reason in match.group(1).split("|")]
+    assert reasons == ["full", "max wait", "earliest deadline"]
+    assert [reason.name for reason in CloseReason] == ["FULL", "MAX_WAIT", "DEADLINE"]

@@ -8,11 +8,11 @@ batcher draws on one shared `ComputeSlots`, so together they never start more ba
 the dispatcher has threads.
 Each input's future is resolved exactly once (by its batch, by the scheduler dropping it,
 or by its request's answer cancelling it); resolving an already-done future is a no-op. A
-batch that fails leaves no input waiting: it is triaged (`batch_triage.py`), the rows that
-compute alone are answered, a row that fails alone fails as its input's fault once the
-server was seen computing (until then, the server's), and when the server fails whatever it
-runs, every input fails as the server's. An input that fails
-withdraws its request's still-queued inputs at once (`_fail`).
+batch that fails leaves no input waiting: its rows run again alone (`batch_rerun.py`,
+`batch_triage.py`), the rows that compute alone are answered, a row that fails alone fails
+as its input's fault once the server was seen computing (until then, the server's), and
+when the server fails whatever it runs, every input fails as the server's. An input that
+fails withdraws its request's still-queued inputs at once (`_fail`).
 """
 
 from __future__ import annotations
@@ -22,24 +22,19 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Generic, TypeVar
 
+from app.batch_rerun import FailedBatchRerun, Pending, set_result_if_not_done
 from app.batch_trace import ComputedBatch, ItemResult, batch_trace, record_batch_metrics
-from app.batch_triage import RowFailed, triage
 from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
-from app.failures import BatchFailed, DeadlineExceeded, InputFailed
+from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.scheduler import Batch, BatchPolicy, BatchShape, Decision, Scheduler, WorkItem
 from app.telemetry.shapes import ShapeTracker
 
 log = logging.getLogger(__name__)
-
-# What a row of a failed batch too late for its run alone is told (not "in the queue": it
-# had left the queue for the batch that failed).
-RERUN_DEADLINE_PASSED = "deadline passed while its batch, which failed, was run again row by row"
 
 T = TypeVar("T")
 RowT = TypeVar("RowT")  # one queued input, as the batch's executor takes it
@@ -48,20 +43,6 @@ OutT = TypeVar("OutT")  # one input's answer, as the batch's executor gives it
 
 BatchExecutor = Callable[[BatchShape, Sequence[RowT]], ComputedBatch[OutT]]
 """Runs one closed batch (its padded shape, its inputs in order) on a compute thread."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending(Generic[RowT, OutT]):
-    item: WorkItem
-    row: RowT
-    future: asyncio.Future[ItemResult[OutT]]
-    request_items: tuple[int, ...]  # the item ids of its request's inputs, its own included
-    request_futures: tuple[asyncio.Future[ItemResult[OutT]], ...]  # in the same order
-
-
-def _set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 class Batcher(Generic[RowT, OutT]):
@@ -95,10 +76,15 @@ class Batcher(Generic[RowT, OutT]):
         self._metrics = metrics
         self._on_batch_done = on_batch_done
         self._clock = clock
-        # Rows the model computes (the warm-up's), to tell a failing input from a failing
-        # server (`_answer_failed_batch`); None until warm-up ran.
-        self._known_good_rows: Callable[[BatchShape], Sequence[RowT]] | None = None
-        self._pending: dict[int, _Pending[RowT, OutT]] = {}
+        # A failed batch's rows are answered from their runs alone, told a failing input
+        # from a failing server by the warm-up's rows (`known_good_rows`, once warm-up ran).
+        self._rerun: FailedBatchRerun[RowT, OutT] = FailedBatchRerun(
+            self.scheduler,
+            lambda shape, rows: dispatcher.run_compute(self._run_batch, shape, rows),
+            clock,
+            self._fail,
+        )
+        self._pending: dict[int, Pending[RowT, OutT]] = {}
         self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         slots.listen(self._wakeup)
@@ -130,7 +116,7 @@ class Batcher(Generic[RowT, OutT]):
             assert bucket is not None
             item = WorkItem(item_id, length, bucket, enqueued_at=now, deadline=deadline)
             future.add_done_callback(partial(self._on_done, item_id))
-            self._pending[item_id] = _Pending(item, row, future, request_items, request_futures)
+            self._pending[item_id] = Pending(item, row, future, request_items, request_futures)
             self.scheduler.enqueue(item)
         # With every worker busy the loop only needs waking if these inputs expire before
         # the moment it already waits for: spares a queue scan per arrival under overload.
@@ -147,7 +133,7 @@ class Batcher(Generic[RowT, OutT]):
             self.scheduler.cancel(item_id)
             self._wakeup.set()
 
-    def _fail(self, pending: _Pending[RowT, OutT], error: BaseException) -> None:
+    def _fail(self, pending: Pending[RowT, OutT], error: BaseException) -> None:
         """Fail one input (off `_pending`), which answers its request (`gather_rows`), and
         withdraw the request's queued inputs now: left to that answer, callbacks later, they
         were taken first by the batch loop of Python 3.12 (its `wait_for` resumes sooner).
@@ -252,7 +238,7 @@ class Batcher(Generic[RowT, OutT]):
             self._record(batch, output, first_seen)
             trace = batch_trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
-                _set_result_if_not_done(
+                set_result_if_not_done(
                     pending.future,
                     ItemResult(
                         value=output.row(row),
@@ -263,7 +249,7 @@ class Batcher(Generic[RowT, OutT]):
                 )
         except Exception as error:
             log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)
-            failure = await self._answer_failed_batch(batch, pendings, error, started)
+            failure = await self._rerun.answer(batch, pendings, error, started)
         except BaseException as error:
             failure = error
             for pending in pendings:
@@ -274,119 +260,6 @@ class Batcher(Generic[RowT, OutT]):
             self._running_batches -= 1
             self._slots.give()
             self._on_batch_done(failure)
-
-    async def _answer_failed_batch(
-        self,
-        batch: Batch,
-        pendings: list[_Pending[RowT, OutT]],
-        error: Exception,
-        started: float,
-    ) -> Exception | None:
-        """Answer each row of a failed batch from its run alone (`batch_triage`), in the
-        smallest batch of its length (a full-size padded batch per row cost as many full
-        batches as rows); returns the failure to count against the engine's health, None
-        only when triage saw the server compute (its known-good row, or a row alone) and
-        inputs alone were at fault: a failed batch where nothing computed never clears
-        health's count. Out of memory and a lost device are the server's, for the batch and
-        for a row alone (`batch_triage.server_fault`: a transient one would otherwise read
-        as the input's fault), and so is a fault of the triage itself. A row of its input's
-        fault is failed as soon as triage is sure of it (`on_input_fault`), so its
-        request's other rows are not run alone for nobody (`_still_waiting`).
-        A row answered waited in the queue until the failed batch `started`; all its time
-        since was spent computing, its own run alone and the rest lost to the failed batch
-        (the batch's run, the triage's other runs: `BatchTrace.failed_batch_s`).
-        The triage holds the batch's compute slot: the scheduler hears of the runs it may
-        still make, each at a row's estimated compute alone, before the first and as each
-        ends or is skipped (`Scheduler.runs_until`), so the backlog admission reads counts
-        them."""
-        length = batch.shape.length
-        solo = BatchShape(self.scheduler.policy.padded_batch(length, 1), length)
-        solo_s = self.scheduler.estimated_compute(solo)
-        waiting = [p for p in pendings if not p.future.done()]  # not those gone or expired
-        runs_left = len(waiting)
-
-        def run_done() -> None:
-            nonlocal runs_left
-            runs_left -= 1
-            self.scheduler.runs_until(batch, self._clock() + runs_left * solo_s)
-
-        async def run_alone(rows: Sequence[RowT]) -> ComputedBatch[OutT]:
-            try:
-                return await self._dispatcher.run_compute(self._run_batch, solo, rows)
-            finally:
-                run_done()
-
-        def still_waiting(index: int) -> bool:
-            if self._still_waiting(waiting[index], solo):
-                return True
-            run_done()  # not run
-            return False
-
-        try:
-            known_good = self._known_good_rows(solo)[:1] if self._known_good_rows else None
-            if known_good is not None:
-                runs_left += 1
-            self.scheduler.runs_until(batch, self._clock() + runs_left * solo_s)
-            verdict = await triage(
-                [p.row for p in waiting],
-                error,
-                run_alone,
-                known_good,
-                still_waiting=still_waiting,
-                on_input_fault=lambda index, failed: self._fail_row(waiting[index], failed),
-            )
-        except BaseException as fault:
-            for pending in pendings:
-                self._fail(pending, BatchFailed(repr(fault)))
-            if isinstance(fault, Exception):
-                return fault
-            raise
-        for pending, alone in zip(waiting, verdict.alone, strict=True):
-            if alone is None:
-                continue  # answered already, or nobody waits for it
-            if isinstance(alone, RowFailed):
-                self._fail_row(pending, alone)  # a no-op for one failed already
-                continue
-            own_s = alone.timings.compute_s
-            since_started = self._clock() - started
-            _set_result_if_not_done(
-                pending.future,
-                ItemResult(
-                    value=alone.row(0),
-                    queue_wait_s=started - pending.item.enqueued_at,
-                    compute_s=since_started,
-                    batch=batch_trace(
-                        batch, alone, own_s, False, failed_batch_s=max(0.0, since_started - own_s)
-                    ),
-                ),
-            )
-        return verdict.server_error
-
-    def _fail_row(self, pending: _Pending[RowT, OutT], failed: RowFailed) -> None:
-        """Fail a row of a failed batch as triage found it: 500 when the server's, else 400
-        (`InputFailed`); a no-op for a row already answered. Event loop thread only."""
-        failure = (BatchFailed if failed.servers else InputFailed)(repr(failed.error))
-        failure.__cause__ = failed.error  # its traceback, for whoever answers it
-        self._fail(pending, failure)
-
-    def _still_waiting(self, pending: _Pending[RowT, OutT], solo: BatchShape) -> bool:
-        """Whether a row of a failed batch is still worth its run alone, asked just before
-        it: not once an input of its request, itself included, failed or was cancelled
-        (its client left, or the request is answered with that failure, the rest unread:
-        checked here, as the answer's task may not have run yet to cancel them), nor once
-        it can no longer finish in time (its deadline before now plus the run's estimated
-        compute, the scheduler's rule for queued inputs): that one is answered 504 now, its
-        request's queued inputs withdrawn with it (`_fail`). A row in a batch is off the
-        scheduler, so nothing else expires it. Event loop thread only."""
-        if pending.future.done() or any(
-            future.cancelled() or (future.done() and future.exception() is not None)
-            for future in pending.request_futures
-        ):
-            return False
-        if pending.item.deadline <= self._clock() + self.scheduler.estimated_compute(solo):
-            self._fail(pending, DeadlineExceeded(RERUN_DEADLINE_PASSED))
-            return False
-        return True
 
     def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""
@@ -408,7 +281,7 @@ class Batcher(Generic[RowT, OutT]):
         total)` reports progress. The first run of a shape is cold (allocations, lazy
         initialisation: ~1.3-2x a later one), and an estimate seeded from it refused or
         expired requests that would have fitted until traffic measured the shape again."""
-        self._known_good_rows = rows_for_shape
+        self._rerun.known_good_rows = rows_for_shape
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
             rows = rows_for_shape(shape)

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from app.batcher import RERUN_DEADLINE_PASSED
+from app.batch_rerun import RERUN_DEADLINE_PASSED
 from app.engine.protocol import Failure, FailureKind, FromEngine, Output, Submit, TokensOutput
 from tests.support.edge import CONTEXT, front_end
 
@@ -118,7 +118,7 @@ async def test_a_deadline_answer_says_where_the_engine_found_it_passed(
 ) -> None:
     """The v2 route answered every 504 "deadline passed before the request was computed",
     whatever the engine said (a row too late for its run alone after its batch failed had
-    left the queue: `batcher.RERUN_DEADLINE_PASSED`)."""
+    left the queue: `batch_rerun.RERUN_DEADLINE_PASSED`)."""
 
     def late(submit: Submit) -> FromEngine:
         return Failure(submit.request_id, FailureKind.DEADLINE, RERUN_DEADLINE_PASSED)

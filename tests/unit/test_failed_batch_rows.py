@@ -12,8 +12,9 @@ from typing import TypeVar
 
 import pytest
 
+from app.batch_rerun import RERUN_DEADLINE_PASSED
 from app.batch_trace import ItemResult
-from app.batcher import RERUN_DEADLINE_PASSED, Batcher
+from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.engine.health import BatchHealth
 from app.engine.protocol import EmbedPayload, FailureKind, FromEngine, Submit

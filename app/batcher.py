@@ -201,11 +201,7 @@ class Batcher(Generic[RowT, OutT]):
                 wake_at = min((t for t in times if t is not None), default=None)
             self._drop(decision)
             if decision.batch is not None:
-                self._slots.take(self)
-                self._running_batches += 1
-                task = asyncio.create_task(self._execute(decision.batch))
-                self._running.add(task)
-                task.add_done_callback(self._running.discard)
+                self._launch(decision.batch)
                 continue
             if self._closing and not self._pending and self._running_batches == 0:
                 return
@@ -220,21 +216,40 @@ class Batcher(Generic[RowT, OutT]):
         for item in decision.cancelled:
             self._pending.pop(item.item_id, None)
 
+    def _launch(self, batch: Batch) -> None:
+        """Take a compute slot and run `batch` in a task of its own."""
+        self._slots.take(self)
+        self._running_batches += 1
+        task = asyncio.create_task(self._execute(batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def _launch_ready_batch(self) -> None:
+        """Start the next batch now if one is ready and a slot is this model's to take:
+        called as a batch's slot comes back, before its answers go out, so the compute
+        thread does not idle while the loop sends them (the batch loop, woken by the slot's
+        return, does the rest: waiting, the line of models)."""
+        if self._slots.available(self):
+            decision = self.scheduler.poll(self._clock())
+            self._drop(decision)
+            if decision.batch is not None:
+                self._launch(decision.batch)
+
     async def _execute(self, batch: Batch) -> None:
         pendings = [self._pending.pop(item.item_id) for item in batch.items]
-        failure: BaseException | None = None
         started = self._clock()
-        try:
-            bucket = str(batch.shape.length)
-            for pending in pendings:
-                self._metrics.queue_wait.labels(self.name, bucket).observe(
-                    started - pending.item.enqueued_at
-                )
-            expected_s = self.scheduler.estimated_compute(batch.shape)
-            first_seen = self.shapes.first_seen(batch.shape)
-            output = await self._dispatcher.run_compute(
-                self._run_batch, batch.shape, [p.row for p in pendings]
+        bucket = str(batch.shape.length)
+        for pending in pendings:
+            self._metrics.queue_wait.labels(self.name, bucket).observe(
+                started - pending.item.enqueued_at
             )
+        expected_s = self.scheduler.estimated_compute(batch.shape)
+        first_seen = self.shapes.first_seen(batch.shape)
+        output = await self._compute(batch, pendings, started)
+        if output is None:
+            return  # it failed: its rows were answered from their runs alone
+        self._launch_ready_batch()
+        try:
             self._record(batch, output, first_seen)
             trace = batch_trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
@@ -247,9 +262,25 @@ class Batcher(Generic[RowT, OutT]):
                         batch=trace,
                     ),
                 )
+        except Exception as error:  # a fault of ours after a good batch: still answer all
+            log.exception("answering batch %s of %s failed", batch.shape, self.name)
+            for pending in pendings:
+                self._fail(pending, BatchFailed(repr(error)))
+
+    async def _compute(
+        self, batch: Batch, pendings: list[Pending[RowT, OutT]], started: float
+    ) -> ComputedBatch[OutT] | None:
+        """Run `batch` on its compute slot, then give the slot back; None when it failed
+        (its rows answered from their runs alone, on the same slot)."""
+        failure: BaseException | None = None
+        try:
+            return await self._dispatcher.run_compute(
+                self._run_batch, batch.shape, [p.row for p in pendings]
+            )
         except Exception as error:
             log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)
             failure = await self._rerun.answer(batch, pendings, error, started)
+            return None
         except BaseException as error:
             failure = error
             for pending in pendings:

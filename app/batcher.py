@@ -163,13 +163,18 @@ class Batcher(Generic[RowT, OutT]):
         if task.cancelled() or task.exception() is None:
             return
         log.error("batch loop of %s failed", self.name, exc_info=task.exception())
+        self._fail_queued("batch loop failed")
+        if not self._closing:
+            self.start()
+
+    def _fail_queued(self, why: str) -> None:
+        """Fail every input not yet in a batch (500): after a bug in what closes batches,
+        none is known to be in the queue still."""
         self._slots.withdraw(self)
         for item_id, pending in list(self._pending.items()):
             self.scheduler.cancel(item_id)
             if not pending.future.done():
-                pending.future.set_exception(BatchFailed("batch loop failed"))
-        if not self._closing:
-            self.start()
+                pending.future.set_exception(BatchFailed(why))
 
     async def close(self) -> None:
         """Stop after the queue is empty and running batches have finished."""
@@ -238,19 +243,17 @@ class Batcher(Generic[RowT, OutT]):
     async def _execute(self, batch: Batch) -> None:
         pendings = [self._pending.pop(item.item_id) for item in batch.items]
         started = self._clock()
-        bucket = str(batch.shape.length)
-        for pending in pendings:
-            self._metrics.queue_wait.labels(self.name, bucket).observe(
-                started - pending.item.enqueued_at
-            )
-        expected_s = self.scheduler.estimated_compute(batch.shape)
-        first_seen = self.shapes.first_seen(batch.shape)
-        output = await self._compute(batch, pendings, started)
-        if output is None:
+        computed = await self._compute(batch, pendings, started)
+        if computed is None:
             return  # it failed: its rows were answered from their runs alone
-        self._launch_ready_batch()
+        output, expected_s, first_seen = computed
         try:
-            self._record(batch, output, first_seen)
+            self._launch_ready_batch()
+        except Exception:  # a bug in what the batch loop also runs: its own safety net
+            log.exception("starting the next batch of %s failed", self.name)
+            self._fail_queued("starting a batch failed")
+        try:
+            record_batch_metrics(self._metrics, self.name, batch, output, first_seen)
             trace = batch_trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
                 set_result_if_not_done(
@@ -269,14 +272,26 @@ class Batcher(Generic[RowT, OutT]):
 
     async def _compute(
         self, batch: Batch, pendings: list[Pending[RowT, OutT]], started: float
-    ) -> ComputedBatch[OutT] | None:
-        """Run `batch` on its compute slot, then give the slot back; None when it failed
-        (its rows answered from their runs alone, on the same slot)."""
+    ) -> tuple[ComputedBatch[OutT], float, bool] | None:
+        """Run `batch` on its compute slot, record its compute time for the scheduler's
+        estimates, then give the slot back; returns the batch's output, its estimated
+        compute and whether its shape was new, or None when it failed (its rows answered
+        from their runs alone, on the same slot)."""
         failure: BaseException | None = None
         try:
-            return await self._dispatcher.run_compute(
+            bucket = str(batch.shape.length)
+            for pending in pendings:
+                self._metrics.queue_wait.labels(self.name, bucket).observe(
+                    started - pending.item.enqueued_at
+                )
+            expected_s = self.scheduler.estimated_compute(batch.shape)
+            first_seen = self.shapes.first_seen(batch.shape)
+            output = await self._dispatcher.run_compute(
                 self._run_batch, batch.shape, [p.row for p in pendings]
             )
+            # Before the slot goes to the next batch, which is planned on these estimates.
+            self.scheduler.record_compute(batch.shape, output.timings.compute_s)
+            return output, expected_s, first_seen
         except Exception as error:
             log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)
             failure = await self._rerun.answer(batch, pendings, error, started)
@@ -296,10 +311,6 @@ class Batcher(Generic[RowT, OutT]):
         """Compute threads only."""
         self._before_batch()
         return self._execute_rows(shape, rows)
-
-    def _record(self, batch: Batch, output: ComputedBatch[OutT], first_seen: bool) -> None:
-        self.scheduler.record_compute(batch.shape, output.timings.compute_s)
-        record_batch_metrics(self._metrics, self.name, batch, output, first_seen)
 
     # --- warm-up ----------------------------------------------------------------------
     async def warm_up_rows(

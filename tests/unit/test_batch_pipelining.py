@@ -13,12 +13,10 @@ from typing import Any
 
 import pytest
 
-from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.failures import BatchFailed
-from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape, Decision
-from tests.support.inline_batching import Computed, InlineDispatcher
+from tests.support.inline_batching import Computed, inline_batcher
 
 FOUR_A_BATCH = BatchPolicy(
     length_buckets=(16,), max_batch_size=4, max_batch_tokens=64, max_wait_s=0
@@ -36,22 +34,9 @@ class Model:
         return Computed(rows)
 
 
-def batcher_of(model: Model, slots: ComputeSlots) -> Batcher[int, int]:
-    return Batcher(
-        "m",
-        FOUR_A_BATCH,
-        model,
-        length_of=lambda row: row,
-        dispatcher=InlineDispatcher(),  # type: ignore[arg-type]
-        slots=slots,
-        metrics=Metrics(),
-        clock=lambda: 0.0,
-    )
-
-
 async def test_the_next_batch_starts_before_the_last_batch_s_answers_are_delivered() -> None:
     model = Model()
-    batcher = batcher_of(model, ComputeSlots(1))
+    batcher = inline_batcher(model, ComputeSlots(1), FOUR_A_BATCH)
     futures = batcher.submit([1, 2, 3, 4, 5, 6, 7, 8], deadline=10.0)
     batches_run_when_the_first_answer_came: list[int] = []
     futures[0].add_done_callback(
@@ -70,7 +55,7 @@ async def test_the_next_batch_is_planned_on_the_compute_time_of_the_batch_before
     """Started before the last batch's answers, the next batch was polled before the last
     one's compute time was recorded: without warm-up a new shape's second batch was
     planned (its share of the backlog, its deadline checks) on an estimate of 0."""
-    batcher = batcher_of(Model(), ComputeSlots(1))
+    batcher = inline_batcher(Model(), ComputeSlots(1), FOUR_A_BATCH)
     shape = BatchShape(4, 16)
     estimates_when_a_batch_closed: list[float] = []
     poll = batcher.scheduler.poll
@@ -95,7 +80,7 @@ async def test_a_fault_starting_the_next_batch_still_answers_the_batch_that_ran(
     """The next batch is started outside the batch loop, whose death fails what is queued
     and restarts it: a bug there left the rows of the batch that had just computed, off
     the queue already, unanswered."""
-    batcher = batcher_of(Model(), ComputeSlots(1))
+    batcher = inline_batcher(Model(), ComputeSlots(1), FOUR_A_BATCH)
     polls = 0
     poll = batcher.scheduler.poll
 
@@ -120,7 +105,7 @@ async def test_a_fault_before_a_batch_computes_gives_its_compute_slot_back() -> 
     block that gives the slot back: a fault there kept a compute thread from every model
     for good, and `close` never returned."""
     slots = ComputeSlots(1)
-    batcher = batcher_of(Model(), slots)
+    batcher = inline_batcher(Model(), slots, FOUR_A_BATCH)
     histogram = batcher._metrics.queue_wait
     calls = 0
 

@@ -7,20 +7,19 @@ so the event loop's order of callbacks decides, deterministically, with no sleep
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import TypeVar
 
 import pytest
 
 from app.batch_trace import ItemResult
-from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, Submit
 from app.engine.rows import gather_rows
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
-from tests.support.inline_batching import Computed, InlineDispatcher
+from tests.support.inline_batching import Computed, inline_batcher
 
 T = TypeVar("T")
 BAD = 3  # a row the fake model throws on
@@ -43,25 +42,6 @@ class Model:
 
     def computed(self, row: int) -> bool:
         return any(row in rows for rows in self.ran)
-
-
-def batcher_of(
-    model: Model,
-    slots: ComputeSlots,
-    policy: BatchPolicy,
-    on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
-) -> Batcher[int, int]:
-    return Batcher(
-        "m",
-        policy,
-        model,
-        length_of=lambda row: row,
-        dispatcher=InlineDispatcher(),  # type: ignore[arg-type]
-        slots=slots,
-        metrics=Metrics(),
-        clock=lambda: 0.0,
-        on_batch_done=on_batch_done,
-    )
 
 
 FOUR_A_BATCH = BatchPolicy(
@@ -104,7 +84,7 @@ async def test_a_failed_batch_withdraws_its_request_s_queued_input_before_it_end
     Python 3.12's batch loop took it first), and never computes."""
     model = Model(broken=True)
     depth_at_batch_end: list[int] = []
-    batcher = batcher_of(
+    batcher = inline_batcher(
         model,
         ComputeSlots(1),
         FOUR_A_BATCH,
@@ -130,7 +110,7 @@ async def test_with_python_3_12_s_wait_for_a_failed_request_s_last_input_is_not_
     failing it) for nobody."""
     model = Model(broken=True)
     slots = ComputeSlots(1)
-    batcher = batcher_of(model, slots, FOUR_A_BATCH)
+    batcher = inline_batcher(model, slots, FOUR_A_BATCH)
     futures = batcher.submit([1, 2, 4, 5, 9], deadline=10.0)
     batcher.start()
     emitted = await answer(futures)
@@ -147,7 +127,7 @@ async def test_an_input_already_in_a_batch_is_left_to_it_and_its_slot_comes_back
     its compute slot gone for good), it computes, and nobody reads its result."""
     model = Model()
     slots = ComputeSlots(2)
-    batcher = batcher_of(model, slots, TWO_BUCKETS)
+    batcher = inline_batcher(model, slots, TWO_BUCKETS)
     futures = batcher.submit([LONG, BAD], deadline=10.0)
     request = asyncio.create_task(answer(futures))
     batcher.start()
@@ -171,14 +151,14 @@ async def test_a_request_failed_before_its_answer_runs_is_answered_once_with_tha
     model = Model()
     slots = ComputeSlots(1)
     if failing_by == "batch":
-        batcher = batcher_of(model, slots, TWO_BUCKETS)
+        batcher = inline_batcher(model, slots, TWO_BUCKETS)
         first, failing = LONG, BAD  # the short one goes first, alone, and fails
         expected = FailureKind.FAILED
     else:
         policy = BatchPolicy(
             length_buckets=(8, 16), max_batch_size=4, max_batch_tokens=64, max_wait_s=5.0
         )
-        batcher = batcher_of(model, slots, policy)
+        batcher = inline_batcher(model, slots, policy)
         # The long bucket's one-row batch takes 2 s: with 1 s left, the long input can no
         # longer make it, and expires; the short one is queued, waiting for more.
         batcher.scheduler.record_compute(BatchShape(1, 16), 2.0)
@@ -200,7 +180,7 @@ async def test_an_expired_one_input_request_withdraws_nothing() -> None:
     request left to withdraw, and no queue is asked (under overload a poll expires many,
     and each asked for a walk of every queue)."""
     model = Model()
-    batcher = batcher_of(model, ComputeSlots(1), FOUR_A_BATCH)
+    batcher = inline_batcher(model, ComputeSlots(1), FOUR_A_BATCH)
     asked: list[object] = []
     withdraw = batcher.scheduler.withdraw
     batcher.scheduler.withdraw = lambda ids: asked.append(ids) or withdraw(ids)  # type: ignore[method-assign]

@@ -112,6 +112,19 @@ async def started_service(
     return service, engine
 
 
+async def compute_one(service: Service, now: float, deadline: float, timer: PhaseTimer) -> None:
+    """One single-input embed request, arrived `now`, through `Service.compute`."""
+    await service.compute(
+        service.resolve_model(None),
+        "embed",
+        EmbedPayload([[1]]),
+        cost=1,
+        deadline=deadline,
+        arrived_at=now,
+        timer=timer,
+    )
+
+
 def let_in(service: Service) -> list[Entry]:
     """Requests `shed` lets in before the first refusal (queue), each left in flight, its
     body not read yet."""
@@ -286,15 +299,7 @@ async def test_time_at_an_engine_that_answers_only_its_deadline_is_queue_time() 
 
     expiry = asyncio.create_task(expire_it_at_the_engine())
     with pytest.raises(DeadlineExceeded):
-        await service.compute(
-            service.resolve_model(None),
-            "embed",
-            EmbedPayload([[1]]),
-            cost=1,
-            deadline=now + 0.02,  # admitted, then never answered: given up at the deadline
-            arrived_at=now,
-            timer=timer,
-        )
+        await compute_one(service, now, now + 0.02, timer)  # never answered: given up then
     await expiry
     assert set(timer.phases) == {"admission", "queue"}
 
@@ -311,15 +316,7 @@ async def test_time_at_an_engine_that_went_away_is_the_engine_lost_phase() -> No
 
     lost = asyncio.create_task(lose_the_engine())
     with pytest.raises(Rejected) as refused:
-        await service.compute(
-            service.resolve_model(None),
-            "embed",
-            EmbedPayload([[1]]),
-            cost=1,
-            deadline=now + 10,
-            arrived_at=now,
-            timer=timer,
-        )
+        await compute_one(service, now, now + 10, timer)
     await lost
     assert refused.value.reason is RejectReason.ENGINE_LOST
     assert set(timer.phases) == {"admission", "engine_lost"}
@@ -338,14 +335,6 @@ async def test_a_request_answered_by_the_engine_has_closed_its_stream_on_return(
         engine._deliver(Output(request_id, True, EmbedOutput(bytes(4 * 384), 1, 384, 1), 0, 0))
 
     answering = asyncio.create_task(answer_it())
-    await service.compute(
-        service.resolve_model(None),
-        "embed",
-        EmbedPayload([[1]]),
-        cost=1,
-        deadline=now + 10,
-        arrived_at=now,
-        timer=PhaseTimer(),
-    )
+    await compute_one(service, now, now + 10, PhaseTimer())
     assert engine.open_streams == 0
     await answering

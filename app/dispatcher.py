@@ -11,11 +11,13 @@ thread gets its own stream, so host-to-device copies of one batch overlap anothe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -117,10 +119,17 @@ class Dispatcher:
     """Owns the compute pool. Construct and call from the engine's event loop thread;
     the functions it runs execute on its pool threads."""
 
-    def __init__(self, plan: ThreadPlan, device: torch.device) -> None:
+    def __init__(
+        self, plan: ThreadPlan, device: torch.device, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.plan = plan
         self.device = device
         self._local = threading.local()
+        self._clock = clock
+        # When each job not yet finished was handed to the pool, by job (loop thread only):
+        # a compute that never returns (a wedged GPU) is seen by its age, not by its end.
+        self._running: dict[int, float] = {}
+        self._jobs = 0
         configure_torch_threads(plan)
         self._compute = ThreadPoolExecutor(
             max_workers=plan.compute_threads,
@@ -144,8 +153,32 @@ class Dispatcher:
         return stream
 
     async def run_compute(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on a compute thread. The job counts as running from its hand-off until
+        it returns on its thread, whether or not its caller still awaits it (a cancelled
+        caller leaves the thread running it)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._compute, fn, *args)
+        job = self._jobs = self._jobs + 1
+        self._running[job] = self._clock()
+        try:
+            future = self._compute.submit(fn, *args)
+        except BaseException:
+            del self._running[job]
+            raise
+
+        def finished(_: Future[T]) -> None:  # on the compute thread (or here, if done)
+            with contextlib.suppress(RuntimeError):  # the loop closed first: nobody reads it
+                loop.call_soon_threadsafe(self._running.pop, job, None)
+
+        future.add_done_callback(finished)
+        return await asyncio.wrap_future(future, loop=loop)
+
+    def oldest_compute_s(self) -> float:
+        """How long the oldest job not yet finished has run (0.0: none runs), counted from
+        its hand-off: what the engine publishes, for its supervisor to kill an engine whose
+        compute never returns (`EngineSupervisor.overdue`). Loop thread."""
+        if not self._running:
+            return 0.0
+        return max(0.0, self._clock() - min(self._running.values()))
 
     async def run_on_every_compute_thread(self, fn: Callable[..., T], *args: object) -> list[T]:
         """`fn(*args)` once on each compute thread, all at once: warm-up, so that every

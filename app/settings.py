@@ -8,7 +8,6 @@ then: nothing in steadyserve reads the environment at import time. The CLI build
 from __future__ import annotations
 
 import ipaddress
-import os
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -146,6 +145,14 @@ class Settings(BaseSettings):
         "is killed by the supervisor and restarted with backoff; five such restarts in a row "
         "turn the probe port's /healthz 503. Longer than the slowest load and warm-up: the "
         "GPU overlay's startup probe allows ten minutes.",
+    )
+    stuck_compute_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A ready engine process whose oldest compute (a batch, a generation step) "
+        "has run this long is killed by the supervisor and restarted with backoff: a wedged "
+        "GPU or a driver call that never returns leaves its event loop publishing a live "
+        "status while nothing is answered. Far above the slowest batch or step.",
     )
     unhealthy_after_failed_batches: int = Field(
         default=5,
@@ -388,9 +395,3 @@ class Settings(BaseSettings):
 def default_frontend_processes(cpus: int) -> int:
     """Front ends when `frontend_workers` is unset: half the CPUs, at least 1, at most 8."""
     return max(1, min(8, cpus // 2))
-
-
-def export_cuda_alloc_conf(settings: Settings) -> str:
-    """Give PYTORCH_CUDA_ALLOC_CONF its default unless the environment sets it; returns the
-    value in effect. Call before CUDA initialises (it reads the variable once, then)."""
-    return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf)

@@ -1,5 +1,5 @@
 """What start-up needs besides the `Service` itself: loading a model, the batch policy a
-loaded model gets, eager CUDA initialisation, and freezing the start-up heap.
+loaded model gets, eager CUDA initialisation (and the allocator configuration it reads).
 
 `load_runner` and `init_cuda` block (seconds) and run on dispatcher compute threads only;
 the rest is called from the event loop thread.
@@ -8,6 +8,7 @@ the rest is called from the event loop thread.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,12 @@ def load_runner(spec: ModelSpec, device: torch.device, largest_length_bucket: in
         max_input_tokens=spec.max_input_tokens,
         largest_length_bucket=largest_length_bucket,
     )
+
+
+def export_cuda_alloc_conf(settings: Settings) -> str:
+    """Give PYTORCH_CUDA_ALLOC_CONF its default unless the environment sets it; returns the
+    value in effect. Call before CUDA initialises (it reads the variable once, then)."""
+    return os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", settings.cuda_alloc_conf)
 
 
 def init_cuda(device: torch.device, alloc_conf: str | None) -> None:

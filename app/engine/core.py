@@ -45,8 +45,8 @@ from app.engine.tracing import NO_TRACES, ProbeTracer
 from app.heap import freeze_startup_heap
 from app.metrics import Metrics
 from app.models.base import resolve_device
-from app.settings import Settings, export_cuda_alloc_conf
-from app.startup import RunnerLoader, load_runner
+from app.settings import Settings
+from app.startup import RunnerLoader, export_cuda_alloc_conf, load_runner
 from app.telemetry.cgroup import available_cpus
 from app.telemetry.cuda import CudaAllocatorProbe, CudaContextProbe
 from app.telemetry.gpu import NvmlProbe
@@ -85,8 +85,7 @@ class EngineCore:
             # default before anything (the compute threads' streams included) touches it.
             self._cuda_alloc_conf = export_cuda_alloc_conf(settings)
         self.dispatcher = Dispatcher(
-            engine_thread_plan(settings, available_cpus()),
-            self.device,
+            engine_thread_plan(settings, available_cpus()), self.device, clock
         )
         self.slots = ComputeSlots(self.dispatcher.capacity)
         self.health = BatchHealth(settings.unhealthy_after_failed_batches)
@@ -259,6 +258,7 @@ class EngineCore:
             taken_inputs=dict(self._taken_inputs),
             models={name: host.info() for name, host in self.hosts.items()},
             problem=self._startup_error or self.health.problem,
+            oldest_compute_s=self.dispatcher.oldest_compute_s(),
         )
 
     def refresh_gauges(self) -> None:

@@ -217,11 +217,17 @@ class EngineServer:
 
 
 def worth_publishing(status: EngineStatus, last_sent: EngineStatus | None) -> bool:
-    """Whether to send `status`: it differs from the last one sent in more than its time,
-    or that one is `STATUS_HEARTBEAT_S` old. Pure."""
+    """Whether to send `status`: it differs from the last one sent in more than its time
+    and the age of its oldest compute (which grows at every tick while a batch runs), or
+    that one is `STATUS_HEARTBEAT_S` old. Pure."""
     if last_sent is None or status.published_at - last_sent.published_at >= STATUS_HEARTBEAT_S:
         return True
-    return msgspec.structs.replace(status, published_at=last_sent.published_at) != last_sent
+    unchanged = msgspec.structs.replace(
+        status,
+        published_at=last_sent.published_at,
+        oldest_compute_s=last_sent.oldest_compute_s,
+    )
+    return unchanged != last_sent
 
 
 async def _serve(

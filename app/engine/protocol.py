@@ -267,7 +267,10 @@ class EngineStatus(msgspec.Struct, frozen=True):
     in which front ends count the queue as the engine does (`admission.batch_delay`);
     `taken_inputs`: the inputs (`payload_inputs`) this engine has taken from each front
     end, by its socket identity, admitted or not: what a front end sent beyond that is on
-    its way and not in `backlog_s` yet, so it adds that itself.
+    its way and not in `backlog_s` yet, so it adds that itself;
+    `oldest_compute_s`: how long the oldest compute job not yet finished (a batch, a
+    generation step) has run, 0.0 when none runs: the supervisor kills a ready engine whose
+    compute never returns (`stuck_compute_s`), which its loop's heartbeat alone hides.
     """
 
     engine_id: str
@@ -286,6 +289,7 @@ class EngineStatus(msgspec.Struct, frozen=True):
     taken_inputs: dict[bytes, int] = {}
     models: dict[str, ModelInfo] = {}
     problem: str | None = None  # why it is failed or unhealthy, for /readyz and /healthz
+    oldest_compute_s: float = 0.0  # a default: an older engine's status still decodes
 
 
 class _Addressed(msgspec.Struct):

@@ -110,8 +110,11 @@ class EngineSupervisor:
         not. `heard` is its own last status (None: none heard since it started, or since
         its status went stale). Silent since its start past `FIRST_STATUS_WITHIN_S`, or
         loading or warming up past `engine_ready_timeout_s`: its warm-up is never going to
-        end. A failed engine is left to the probes (its /healthz is 503) and a ready one to
-        the staleness of its status. On the owner's clock; event loop thread."""
+        end. Ready with a compute running past `stuck_compute_s`: a wedged GPU or a driver
+        call that never returns, while its loop still publishes (warm-up's computes are
+        the ready timeout's). A failed engine is left to the probes (its /healthz is 503)
+        and a hung loop to the staleness of its status. On the owner's clock; event loop
+        thread."""
         process, started_at = self.process, self.started_at
         if self._stopping or process is None or started_at is None:
             return None
@@ -129,6 +132,12 @@ class EngineSupervisor:
                     f"is still {heard.state} {running_s:.0f} s after it started "
                     f"(STEADY_ENGINE_READY_TIMEOUT_S={limit_s:g})"
                 )
+        stuck_s = self._settings.stuck_compute_s
+        if heard.state == "ready" and heard.oldest_compute_s > stuck_s:
+            return (
+                f"has had a compute running for {heard.oldest_compute_s:.0f} s, still not "
+                f"returned (STEADY_STUCK_COMPUTE_S={stuck_s:g})"
+            )
         return None
 
     def kill(self, why: str) -> None:

@@ -1,7 +1,7 @@
 """The supervisor kills an engine that is alive but stuck, on a timer of its own (with or
-without a probe port): silent since its last status, silent since its start, or short of
-ready past `engine_ready_timeout_s`. Stand-in processes on the tree's injected clock: no
-child is started."""
+without a probe port): silent since its last status, silent since its start, short of
+ready past `engine_ready_timeout_s`, or ready with a compute running past `stuck_compute_s`.
+Stand-in processes on the tree's injected clock: no child is started."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from app.settings import Settings
 from tests.support.process_tree import StandIn, ready_status
 
 READY_TIMEOUT_S = 300.0
+STUCK_COMPUTE_S = 45.0
 
 
 class Clock:
@@ -38,7 +39,7 @@ def clock() -> Clock:
 @pytest.fixture
 async def tree(tmp_path: Path, clock: Clock) -> AsyncIterator[ProcessTree]:
     # No probe port (the default): nothing asks the probes.
-    settings = Settings(engine_ready_timeout_s=READY_TIMEOUT_S)
+    settings = Settings(engine_ready_timeout_s=READY_TIMEOUT_S, stuck_compute_s=STUCK_COMPUTE_S)
     tree = ProcessTree(settings, tmp_path, clock=clock)
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
     tree._frontends_serving_since = [clock()]
@@ -52,9 +53,11 @@ def spawned(tree: ProcessTree, clock: Clock, engine: StandIn) -> None:
     tree.engine.started_at = clock()
 
 
-def said(tree: ProcessTree, engine: StandIn, state: str) -> None:
+def said(tree: ProcessTree, engine: StandIn, state: str, oldest_compute_s: float = 0.0) -> None:
     """The engine publishes its status now (heard on the tree's clock)."""
-    status = msgspec.structs.replace(ready_status(engine.pid), state=state)
+    status = msgspec.structs.replace(
+        ready_status(engine.pid), state=state, oldest_compute_s=oldest_compute_s
+    )
     tree._engine_status.take(status)
 
 
@@ -127,6 +130,43 @@ def test_a_ready_or_failed_engine_is_not_killed_for_its_age(
     spawned(tree, clock, engine)
     clock.now += READY_TIMEOUT_S * 2
     said(tree, engine, state)
+    tree._check_engine()
+    assert not engine.killed
+
+
+def test_a_ready_engine_whose_compute_never_returns_is_killed(
+    tree: ProcessTree, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wedged GPU: a batch's CUDA sync never returns, while the engine's loop goes on
+    publishing `ready` every 0.1 s. Never stale, never failed: /readyz and /healthz said
+    200 for ever, and every request waited out its deadline."""
+    engine = StandIn(777)
+    spawned(tree, clock, engine)
+    said(tree, engine, "ready")
+    tree._check_engine()
+    for age_s in range(1, int(STUCK_COMPUTE_S)):
+        clock.now += 1
+        said(tree, engine, "ready", oldest_compute_s=age_s)
+        tree._check_engine()
+    assert not engine.killed
+    clock.now += 2
+    said(tree, engine, "ready", oldest_compute_s=STUCK_COMPUTE_S + 1)
+    tree._check_engine()
+    assert engine.killed
+    assert "STEADY_STUCK_COMPUTE_S=45" in caplog.text
+    assert tree._answer_probe("/readyz")[0] == 503  # the replacement is not ready yet
+
+
+@pytest.mark.parametrize("state", ["loading", "warming_up", "failed"])
+def test_a_long_compute_short_of_ready_is_left_to_the_other_checks(
+    tree: ProcessTree, clock: Clock, state: str
+) -> None:
+    """Loading a model and warming it up run on the compute threads too, for minutes on a
+    cold cache: the ready timeout bounds those (`test_an_engine_short_of_ready_...`)."""
+    engine = StandIn(888)
+    spawned(tree, clock, engine)
+    clock.now += READY_TIMEOUT_S - 1
+    said(tree, engine, state, oldest_compute_s=READY_TIMEOUT_S - 1)
     tree._check_engine()
     assert not engine.killed
 

@@ -54,6 +54,11 @@ STATUS_INTERVAL_S = 0.005
 # this; far inside STALE_AFTER_S).
 STATUS_HEARTBEAT_S = 0.1
 STALE_AFTER_S = 10.0
+# A front end looks this often whether its status went stale, on a timer of its own: read
+# only by a request, a probe or a send, it was not seen with nothing arriving (or during a
+# drain, which refuses before it reads the status), and open requests waited out their
+# deadlines instead of the 503 STALE_AFTER_S promises.
+STALE_CHECK_INTERVAL_S = 1.0
 # Why a status subscriber reports its engine lost (`on_lost`).
 STATUS_WENT_STALE = "its status went stale"
 NEW_ENGINE = "a new engine replaced it"
@@ -204,6 +209,7 @@ class ZmqEngineClient(StreamingClient):
         self._tasks = [
             asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
             asyncio.create_task(self._watch_disconnects(), name="engine-monitor"),
+            asyncio.create_task(self._watch_staleness(), name="engine-staleness"),
         ]
 
     async def close(self) -> None:
@@ -236,6 +242,13 @@ class ZmqEngineClient(StreamingClient):
             raise EngineNotConnected("no engine is connected")
         if not send_now(self._requests, encode(message)):
             raise EngineNotConnected("no engine is connected")
+
+    async def _watch_staleness(self) -> None:
+        """Read the status every `STALE_CHECK_INTERVAL_S`: reading it is what notices that it
+        went stale (`StatusSubscriber.status`), and fails the open requests."""
+        while True:
+            await asyncio.sleep(STALE_CHECK_INTERVAL_S)
+            self.status()
 
     def _engine_gone(self, why: str) -> None:
         """The engine that went away will answer none of what it was sent; one whose status

@@ -201,3 +201,33 @@ async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path)
     finally:
         await client.close()
         context.destroy(linger=0)
+
+
+async def test_a_stale_status_fails_open_requests_with_nothing_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Staleness was noticed only when something read the status (a new request, a probe,
+    a send): with no arrivals, or during a drain, open requests waited out their deadline
+    (+ 5 s) instead of the 503 the front end owes them after STALE_AFTER_S of silence."""
+    monkeypatch.setattr("app.engine.zmq_client.STALE_CHECK_INTERVAL_S", 0.01)
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.asyncio.Context()
+    engine = context.socket(zmq.ROUTER)
+    engine.bind(addresses.requests)
+    now = [time.monotonic()]
+    client = ZmqEngineClient(addresses, clock=lambda: now[0])
+    await client.start()
+    try:
+        await connected(client)
+        client._subscriber.take(status("e", now[0]))
+        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
+        requesting = asyncio.create_task(anext(aiter(client.stream(request))))
+        _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
+        assert isinstance(decode_to_engine(data), Submit)
+        now[0] += STALE_AFTER_S + 1  # silent since; nothing here reads the status
+        with pytest.raises(Rejected, match="stopped answering"):
+            await asyncio.wait_for(requesting, 10)
+    finally:
+        await client.close()
+        context.destroy(linger=0)
+    assert all(task.done() for task in client._tasks)  # the timer ends with the client

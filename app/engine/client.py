@@ -98,8 +98,6 @@ def failure_error(failure: Failure) -> Exception:
         return DeadlineExceeded(failure.message)
     if failure.kind is FailureKind.BAD_REQUEST:
         return EngineRefused(failure.message, failure.input_index)
-    if failure.kind is FailureKind.ENGINE_RESTARTING:
-        return engine_lost("the engine restarted while the request was in it; retry")
     return BatchFailed(failure.message)
 
 

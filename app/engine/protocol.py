@@ -222,11 +222,14 @@ class Output(msgspec.Struct, frozen=True, tag="output"):
 
 
 class FailureKind(Enum):
+    """How the engine answers a request it will not compute. None for an engine that dies
+    with it: a dead engine answers nothing, and its front ends fail what they sent it
+    themselves (503 `engine_lost`, `client.engine_lost`) when its socket closes."""
+
     REJECTED = "rejected"  # refused at admission: 429 (`reason`), 503 or 504
     DEADLINE = "deadline"  # expired in the queue: 504
     BAD_REQUEST = "bad_request"  # the request cannot be served as sent: 400
     FAILED = "failed"  # the batch failed on the server's side: 500
-    ENGINE_RESTARTING = "engine_restarting"  # the engine died with the request: 503
 
 
 class Failure(msgspec.Struct, frozen=True, tag="failure"):

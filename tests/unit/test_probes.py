@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 from app.engine.protocol import EngineStatus
-from app.probes import liveness, probe_response, readiness
+from app.probes import ProbeListener, liveness, probe_response, readiness
 
 
 def engine(state: str = "ready", healthy: bool = True, problem: str | None = None) -> EngineStatus:
@@ -45,3 +47,31 @@ def test_probe_responses() -> None:
     assert probe_response("/healthz", ready, "engine unhealthy")[0] == 503
     assert probe_response("/healthz", ready, None) == (200, b'{"status":"ok"}')
     assert probe_response("/other", ready, None)[0] == 404
+
+
+async def test_a_request_longer_than_a_probe_is_closed_unanswered() -> None:
+    """`_MAX_REQUEST_BYTES` (8 KiB) was never passed to the listener: heads up to the
+    default 64 KiB were read and answered."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    listener = ProbeListener("127.0.0.1", port, lambda path: (200, b"{}"))
+    await listener.start()
+
+    async def ask(path: str) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: probe\r\n\r\n".encode())
+        await writer.drain()
+        try:
+            answer = await asyncio.wait_for(reader.read(), 10)
+        except ConnectionResetError:  # closed with some of the request unread
+            answer = b""
+        writer.close()
+        return answer
+
+    try:
+        assert (await ask("/healthz")).startswith(b"HTTP/1.1 200 OK")
+        assert await ask("/healthz?" + "x" * 8192) == b""
+        assert (await ask("/healthz?" + "x" * 7000)).startswith(b"HTTP/1.1 200 OK")
+    finally:
+        await listener.close()

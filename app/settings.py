@@ -152,7 +152,8 @@ class Settings(BaseSettings):
         description="A ready engine process whose oldest compute (a batch, a generation step) "
         "has run this long is killed by the supervisor and restarted with backoff: a wedged "
         "GPU or a driver call that never returns leaves its event loop publishing a live "
-        "status while nothing is answered. Far above the slowest batch or step.",
+        "status while nothing is answered. Far above the slowest batch or step, and at least "
+        "STEADY_MAX_TIMEOUT_MS: a compute no request can wait for any more is stuck.",
     )
     unhealthy_after_failed_batches: int = Field(
         default=5,

@@ -37,6 +37,12 @@ def inconsistency(settings: Settings) -> str | None:
             "engine_restart_backoff_s must be (first, longest) with 0 < first <= longest: "
             "a zero wait restarts a crashing process in a tight loop"
         )
+    if settings.stuck_compute_s < settings.max_timeout_ms / 1000:
+        return (
+            "stuck_compute_s must be at least max_timeout_ms (in seconds): a compute that "
+            "some request may still wait for is not stuck, and killing its engine fails "
+            "every request in it"
+        )
     if settings.health_port is not None and settings.health_port == settings.port:
         return "health_port must differ from port (it carries no traffic)"
     generates = any(model.task == "generate" for model in settings.models)

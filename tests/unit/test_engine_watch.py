@@ -39,7 +39,11 @@ def clock() -> Clock:
 @pytest.fixture
 async def tree(tmp_path: Path, clock: Clock) -> AsyncIterator[ProcessTree]:
     # No probe port (the default): nothing asks the probes.
-    settings = Settings(engine_ready_timeout_s=READY_TIMEOUT_S, stuck_compute_s=STUCK_COMPUTE_S)
+    settings = Settings(
+        engine_ready_timeout_s=READY_TIMEOUT_S,
+        stuck_compute_s=STUCK_COMPUTE_S,
+        max_timeout_ms=1000 * STUCK_COMPUTE_S,  # no deadline outlasts the stuck limit
+    )
     tree = ProcessTree(settings, tmp_path, clock=clock)
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
     tree._frontends_serving_since = [clock()]

@@ -56,7 +56,14 @@ def _timeout_given(recorded: Path) -> float:
 def test_wrk_waits_past_the_longest_deadline_the_server_serves_with(
     wrk_arguments: Path, max_timeout_ms: str | None
 ) -> None:
-    env = {} if max_timeout_ms is None else {"STEADY_MAX_TIMEOUT_MS": max_timeout_ms}
+    env = (
+        {}
+        if max_timeout_ms is None
+        else {
+            "STEADY_MAX_TIMEOUT_MS": max_timeout_ms,
+            "STEADY_STUCK_COMPUTE_S": str(float(max_timeout_ms) / 1000),  # at least that long
+        }
+    )
     settings = served_settings(env)
     assert settings.max_timeout_ms == float(max_timeout_ms or 60_000)  # default, or as set
     result = run_wrk("http://127.0.0.1:9", 64, 1, timeout_s=wrk_timeout_s(settings))

@@ -160,3 +160,12 @@ def test_a_server_without_generate_models_needs_no_burst_for_a_kv_slot() -> None
     Settings(
         rate_limit_burst=16, length_buckets=(16,), max_batch_tokens=16, max_inputs_per_request=1
     )
+
+
+def test_a_compute_some_request_may_still_wait_for_is_never_called_stuck() -> None:
+    """The supervisor kills an engine whose compute runs past `stuck_compute_s`: below
+    the longest deadline it could kill one slow but still awaited (a large batch, a long
+    multi-step run), failing every request in the engine."""
+    Settings(max_timeout_ms=120_000, stuck_compute_s=120)
+    with pytest.raises(ValidationError, match="stuck_compute_s must be at least"):
+        Settings(max_timeout_ms=120_000)  # the 60 s default

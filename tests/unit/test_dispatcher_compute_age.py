@@ -15,26 +15,19 @@ import torch
 
 from app.dispatcher import Dispatcher, plan_threads
 from app.engine.process import worth_publishing
+from tests.support.manual_clock import ManualClock
 from tests.support.process_tree import ready_status
 
 WAIT_S = 10.0  # a bound on each wait, never a way to synchronise
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(500.0)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def dispatcher(clock: Clock) -> AsyncIterator[Dispatcher]:
+async def dispatcher(clock: ManualClock) -> AsyncIterator[Dispatcher]:
     # torch's own pools as they are: the test changes nothing process-wide.
     plan = plan_threads(2, torch.get_num_threads(), torch.get_num_interop_threads(), 2)
     dispatcher = Dispatcher(plan, torch.device("cpu"), clock)
@@ -52,7 +45,7 @@ async def until_none_runs(dispatcher: Dispatcher) -> None:
 
 
 async def test_a_running_compute_ages_until_it_returns(
-    dispatcher: Dispatcher, clock: Clock
+    dispatcher: Dispatcher, clock: ManualClock
 ) -> None:
     release, started = threading.Event(), threading.Event()
 
@@ -77,7 +70,7 @@ async def test_a_running_compute_ages_until_it_returns(
 
 
 async def test_a_compute_whose_caller_gave_up_still_counts(
-    dispatcher: Dispatcher, clock: Clock
+    dispatcher: Dispatcher, clock: ManualClock
 ) -> None:
     """Cancelling the awaiting task leaves the thread running the job (threads cannot be
     interrupted): it is still the engine's compute, stuck or not."""

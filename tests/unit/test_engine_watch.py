@@ -17,27 +17,20 @@ from app.engine.supervisor import FIRST_STATUS_WITHIN_S, KILL_GRACE_S
 from app.engine.zmq_client import STALE_AFTER_S
 from app.processes import ProcessTree
 from app.settings import Settings
+from tests.support.manual_clock import ManualClock
 from tests.support.process_tree import StandIn, ready_status
 
 READY_TIMEOUT_S = 300.0
 STUCK_COMPUTE_S = 45.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(1000.0)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def tree(tmp_path: Path, clock: Clock) -> AsyncIterator[ProcessTree]:
+async def tree(tmp_path: Path, clock: ManualClock) -> AsyncIterator[ProcessTree]:
     # No probe port (the default): nothing asks the probes.
     settings = Settings(
         engine_ready_timeout_s=READY_TIMEOUT_S,
@@ -51,7 +44,7 @@ async def tree(tmp_path: Path, clock: Clock) -> AsyncIterator[ProcessTree]:
     tree._zmq.destroy(linger=0)
 
 
-def spawned(tree: ProcessTree, clock: Clock, engine: StandIn) -> None:
+def spawned(tree: ProcessTree, clock: ManualClock, engine: StandIn) -> None:
     """What the supervisor does when it spawns `engine` now."""
     tree.engine.process = engine  # type: ignore[assignment]
     tree.engine.started_at = clock()
@@ -65,7 +58,9 @@ def said(tree: ProcessTree, engine: StandIn, state: str, oldest_compute_s: float
     tree._engine_status.take(status)
 
 
-def test_a_hung_engine_is_killed_without_a_probe_port(tree: ProcessTree, clock: Clock) -> None:
+def test_a_hung_engine_is_killed_without_a_probe_port(
+    tree: ProcessTree, clock: ManualClock
+) -> None:
     """The staleness check ran only inside the probe port's answer: without
     STEADY_HEALTH_PORT (the default) an engine whose loop hung was never killed."""
     engine = StandIn(111)
@@ -79,7 +74,7 @@ def test_a_hung_engine_is_killed_without_a_probe_port(tree: ProcessTree, clock: 
     assert engine.killed
 
 
-def test_an_engine_silent_since_its_start_is_killed(tree: ProcessTree, clock: Clock) -> None:
+def test_an_engine_silent_since_its_start_is_killed(tree: ProcessTree, clock: ManualClock) -> None:
     """A replacement stuck before its first status (a wedged driver in
     `torch.cuda.is_available()`): no status, no age, never killed, /healthz 200."""
     engine = StandIn(222)
@@ -93,7 +88,7 @@ def test_an_engine_silent_since_its_start_is_killed(tree: ProcessTree, clock: Cl
 
 
 def test_a_dead_engines_status_does_not_count_for_its_replacement(
-    tree: ProcessTree, clock: Clock
+    tree: ProcessTree, clock: ManualClock
 ) -> None:
     dead = StandIn(111)
     spawned(tree, clock, dead)
@@ -108,7 +103,7 @@ def test_a_dead_engines_status_does_not_count_for_its_replacement(
 
 @pytest.mark.parametrize("state", ["loading", "warming_up"])
 def test_an_engine_short_of_ready_past_the_timeout_is_killed(
-    tree: ProcessTree, clock: Clock, state: str
+    tree: ProcessTree, clock: ManualClock, state: str
 ) -> None:
     """A replacement that published `loading` and then hung in a compute thread (its loop
     still publishing): NotReady for ever, and /healthz 200."""
@@ -127,7 +122,7 @@ def test_an_engine_short_of_ready_past_the_timeout_is_killed(
 
 @pytest.mark.parametrize("state", ["ready", "failed"])
 def test_a_ready_or_failed_engine_is_not_killed_for_its_age(
-    tree: ProcessTree, clock: Clock, state: str
+    tree: ProcessTree, clock: ManualClock, state: str
 ) -> None:
     """A failed start-up stays up, failed, for /healthz to report (no restart loop)."""
     engine = StandIn(444)
@@ -139,7 +134,7 @@ def test_a_ready_or_failed_engine_is_not_killed_for_its_age(
 
 
 def test_a_ready_engine_whose_compute_never_returns_is_killed(
-    tree: ProcessTree, clock: Clock, caplog: pytest.LogCaptureFixture
+    tree: ProcessTree, clock: ManualClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A wedged GPU: a batch's CUDA sync never returns, while the engine's loop goes on
     publishing `ready` every 0.1 s. Never stale, never failed: /readyz and /healthz said
@@ -163,7 +158,7 @@ def test_a_ready_engine_whose_compute_never_returns_is_killed(
 
 @pytest.mark.parametrize("state", ["loading", "warming_up", "failed"])
 def test_a_long_compute_short_of_ready_is_left_to_the_other_checks(
-    tree: ProcessTree, clock: Clock, state: str
+    tree: ProcessTree, clock: ManualClock, state: str
 ) -> None:
     """Loading a model and warming it up run on the compute threads too, for minutes on a
     cold cache: the ready timeout bounds those (`test_an_engine_short_of_ready_...`)."""
@@ -192,7 +187,7 @@ async def test_the_check_runs_on_the_supervisors_own_timer(
 
 
 async def test_the_supervisor_times_each_engine_from_its_spawn(
-    tree: ProcessTree, clock: Clock, monkeypatch: pytest.MonkeyPatch
+    tree: ProcessTree, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[float | None] = []
 
@@ -213,7 +208,7 @@ async def test_the_supervisor_times_each_engine_from_its_spawn(
 
 
 def test_an_engine_that_outlives_its_kill_makes_the_pod_unhealthy(
-    tree: ProcessTree, clock: Clock
+    tree: ProcessTree, clock: ManualClock
 ) -> None:
     """Stuck in the kernel (a wedged driver), a killed engine never exits, so it is never
     restarted either: only restarting the pod frees the device."""
@@ -234,7 +229,7 @@ def test_an_engine_that_outlives_its_kill_makes_the_pod_unhealthy(
 
 
 async def test_the_served_tree_watches_its_engine_from_the_start(
-    tree: ProcessTree, clock: Clock, monkeypatch: pytest.MonkeyPatch
+    tree: ProcessTree, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tasks the serving tree starts include the engine's check: a stuck engine is
     killed with no probe port and nobody calling `_check_engine` by hand."""

@@ -21,6 +21,7 @@ from app.telemetry.background import SAMPLER_THREAD_NAME
 from app.telemetry.cuda import CudaAllocatorProbe
 from app.telemetry.gpu import NvmlProbe
 from app.telemetry.sampler import ProcessTelemetry
+from tests.support.manual_clock import ManualClock
 
 NOT_SUPPORTED, NOT_FOUND, GPU_IS_LOST, UNKNOWN = 3, 6, 15, 999
 
@@ -176,20 +177,12 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
     yield cuda
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_nvml_and_the_allocator_snapshot_are_read_on_the_sampler_thread_not_the_loop(
     fake_gpus: FakeCuda,
 ) -> None:
     """Each 5 ms tick of the engine's loop read every probe there: NVML's driver calls and,
     once a second, the allocator's snapshot (a dict per block, under the GIL)."""
-    clock = Clock()
+    clock = ManualClock(100.0)
     telemetry = ProcessTelemetry(
         "engine",
         Metrics(),

@@ -5,7 +5,9 @@ as ready. Real ZeroMQ sockets on a private IPC directory, no engine process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -166,10 +168,12 @@ async def test_an_unreadable_status_is_skipped(tmp_path: Path) -> None:
         context.destroy(linger=0)
 
 
-async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path) -> None:
-    """Its status stale, the engine may only have stalled: the front end answered 503 but
-    sent no Cancel (none could go without a current status), and an engine that recovered
-    computed the request for nobody. Its later statuses are heard again."""
+@contextlib.asynccontextmanager
+async def engine_and_client(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[zmq.asyncio.Socket, ZmqEngineClient, list[float]]]:
+    """An engine's request socket and a started client on a clock the test moves
+    (`now[0]`), connected and told the engine's status; both closed after."""
     addresses = EngineAddresses.in_directory(tmp_path)
     context = zmq.asyncio.Context()
     engine = context.socket(zmq.ROUTER)
@@ -177,14 +181,27 @@ async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path)
     now = [time.monotonic()]
     client = ZmqEngineClient(addresses, clock=lambda: now[0])
     await client.start()
-
-    async def one_request() -> list[Output]:
-        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
-        return [output async for output in client.stream(request)]
-
     try:
         await connected(client)
         client._subscriber.take(status("e", now[0]))
+        yield engine, client, now
+    finally:
+        await client.close()
+        context.destroy(linger=0)
+
+
+async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path) -> None:
+    """Its status stale, the engine may only have stalled: the front end answered 503 but
+    sent no Cancel (none could go without a current status), and an engine that recovered
+    computed the request for nobody. Its later statuses are heard again."""
+    async with engine_and_client(tmp_path) as (engine, client, now):
+
+        async def one_request() -> list[Output]:
+            request = Submit(
+                client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]])
+            )
+            return [output async for output in client.stream(request)]
+
         requesting = asyncio.create_task(one_request())
         _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
         submit = decode_to_engine(data)
@@ -198,9 +215,6 @@ async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path)
         assert decode_to_engine(data) == Cancel(submit.request_id)
         client._subscriber.take(status("e", time.monotonic() + STALE_AFTER_S + 2))  # it recovers
         assert client.status() is not None
-    finally:
-        await client.close()
-        context.destroy(linger=0)
 
 
 async def test_a_stale_status_fails_open_requests_with_nothing_reading_it(
@@ -210,16 +224,7 @@ async def test_a_stale_status_fails_open_requests_with_nothing_reading_it(
     a send): with no arrivals, or during a drain, open requests waited out their deadline
     (+ 5 s) instead of the 503 the front end owes them after STALE_AFTER_S of silence."""
     monkeypatch.setattr("app.engine.zmq_client.STALE_CHECK_INTERVAL_S", 0.01)
-    addresses = EngineAddresses.in_directory(tmp_path)
-    context = zmq.asyncio.Context()
-    engine = context.socket(zmq.ROUTER)
-    engine.bind(addresses.requests)
-    now = [time.monotonic()]
-    client = ZmqEngineClient(addresses, clock=lambda: now[0])
-    await client.start()
-    try:
-        await connected(client)
-        client._subscriber.take(status("e", now[0]))
+    async with engine_and_client(tmp_path) as (engine, client, now):
         request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
         requesting = asyncio.create_task(anext(aiter(client.stream(request))))
         _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
@@ -227,7 +232,4 @@ async def test_a_stale_status_fails_open_requests_with_nothing_reading_it(
         now[0] += STALE_AFTER_S + 1  # silent since; nothing here reads the status
         with pytest.raises(Rejected, match="stopped answering"):
             await asyncio.wait_for(requesting, 10)
-    finally:
-        await client.close()
-        context.destroy(linger=0)
     assert all(task.done() for task in client._tasks)  # the timer ends with the client

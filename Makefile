@@ -4,7 +4,8 @@ VENV ?= .venv
 # On a CUDA machine: make serve TORCH_CONSTRAINTS=/path/to/your/constraints.txt
 TORCH_CONSTRAINTS ?= constraints-cpu.txt
 # Every other package, pinned to the versions CI passed with (how to refresh it: its header).
-# Every pip install below takes both files.
+# Every pip install below takes it (pip's own upgrade too); the package installs also take
+# $(TORCH_CONSTRAINTS).
 LOCK_CONSTRAINTS ?= constraints-lock.txt
 BIN := $(VENV)/bin
 # Lines the batch client's bench pushes through one server (make bench BATCH_BENCH_LINES=20000)

@@ -169,8 +169,13 @@ class Dispatcher:
             with contextlib.suppress(RuntimeError):  # the loop closed first: nobody reads it
                 loop.call_soon_threadsafe(self._running.pop, job, None)
 
-        future.add_done_callback(finished)
-        return await asyncio.wrap_future(future, loop=loop)
+        try:
+            return await asyncio.wrap_future(future, loop=loop)
+        finally:
+            if future.done():  # the usual end: no hop back from the compute thread
+                self._running.pop(job, None)
+            else:  # its caller was cancelled while it runs on: it counts until it ends
+                future.add_done_callback(finished)
 
     def oldest_compute_s(self) -> float:
         """How long the oldest job not yet finished has run (0.0: none runs), counted from

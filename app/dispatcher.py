@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -165,17 +166,21 @@ class Dispatcher:
             del self._running[job]
             raise
 
-        def finished(_: Future[T]) -> None:  # on the compute thread (or here, if done)
-            with contextlib.suppress(RuntimeError):  # the loop closed first: nobody reads it
-                loop.call_soon_threadsafe(self._running.pop, job, None)
-
         try:
             return await asyncio.wrap_future(future, loop=loop)
         finally:
             if future.done():  # the usual end: no hop back from the compute thread
                 self._running.pop(job, None)
             else:  # its caller was cancelled while it runs on: it counts until it ends
-                future.add_done_callback(finished)
+                future.add_done_callback(partial(self._forget_when_done, loop, job))
+
+    def _forget_when_done(
+        self, loop: asyncio.AbstractEventLoop, job: int, _: Future[object]
+    ) -> None:
+        """Drop the record of a job whose caller stopped waiting, once it ends: on the
+        compute thread that ran it, or here if it ended meanwhile."""
+        with contextlib.suppress(RuntimeError):  # the loop closed first: nobody reads it
+            loop.call_soon_threadsafe(self._running.pop, job, None)
 
     def oldest_compute_s(self) -> float:
         """How long the oldest job not yet finished has run (0.0: none runs), counted from

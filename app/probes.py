@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 import orjson
 
-from app.engine.protocol import EngineStatus
+from app.engine.protocol import EngineRestart, EngineStatus
 from app.schemas import error_object
 
 log = logging.getLogger(__name__)
@@ -49,19 +49,37 @@ class Readiness:
         return body
 
 
+def restart_problem(restart: EngineRestart) -> str:
+    """What `/readyz` says of an engine restart under way: why the last engine was lost."""
+    return (
+        f"{restart.why}; restart {restart.attempt} under way "
+        f"(after a {restart.backoff_s:g} s back-off)"
+    )
+
+
 def readiness(
-    engine: EngineStatus | None, startup_error: str | None, draining: bool, can_serve: bool
+    engine: EngineStatus | None,
+    startup_error: str | None,
+    draining: bool,
+    can_serve: bool,
+    restart: EngineRestart | None = None,
 ) -> Readiness:
     """Ready once the engine has warmed up every shape, nothing failed and the server is
-    not draining; `can_serve` is whether the front end(s) are up to take traffic."""
+    not draining; `can_serve` is whether the front end(s) are up to take traffic. `restart`:
+    the engine restart under way (its supervisor's word), said until an engine is ready:
+    why the last engine was lost, with no engine connected or a new one still warming up."""
     if startup_error is not None:
         state, problem = "failed", startup_error
     elif draining:
         state, problem = "draining", None
     elif engine is None:
         state, problem = "engine_unavailable", "no engine is connected (restarting?)"
+        if restart is not None:
+            problem = restart_problem(restart)
     else:
         state, problem = engine.state, engine.problem
+        if restart is not None and state != "ready":
+            problem = "; ".join(filter(None, (problem, restart_problem(restart))))
     if state == "ready" and not can_serve:
         state, problem = "frontend_unavailable", "no front end is running"
     return Readiness(

@@ -121,7 +121,7 @@ class ProcessTree:
         )
         if engine is not None and engine.state == "ready":
             self._restarts_when_last_ready = self.engine.restarts
-        ready = readiness(engine, None, self._stopping, can_serve)
+        ready = readiness(engine, None, self._stopping, can_serve, self.engine.restart)
         pod_problem = self._crash_loop() or self.engine.unkillable()
         return probe_response(path, ready, liveness(engine, pod_problem))
 

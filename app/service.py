@@ -163,6 +163,7 @@ class Service:
             self._startup_error,
             self.admission.draining,
             can_serve=self._started,
+            restart=self.engine.restart_under_way(),
         )
 
     def liveness(self) -> str | None:

@@ -22,6 +22,7 @@ from app.engine.protocol import (
     Cancel,
     DebugQuery,
     DebugReply,
+    EngineRestart,
     EngineStatus,
     Failure,
     FailureKind,
@@ -110,6 +111,11 @@ class EngineClient(Protocol):
         """The engine's last published status; None while no engine is connected."""
         ...
 
+    def restart_under_way(self) -> EngineRestart | None:
+        """The engine restart under way, as its supervisor published it: why the last engine
+        was lost, until a new one is ready; None when none is (or none is published)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -166,6 +172,9 @@ class StreamingClient:
 
     def status(self) -> EngineStatus | None:
         raise NotImplementedError
+
+    def restart_under_way(self) -> EngineRestart | None:
+        return None  # no supervisor restarts an engine in this process's view
 
     def next_request_id(self) -> int:
         return next(self._ids)

@@ -295,6 +295,18 @@ class EngineStatus(msgspec.Struct, frozen=True):
     oldest_compute_s: float = 0.0  # a default: an older engine's status still decodes
 
 
+class EngineRestart(msgspec.Struct, frozen=True):
+    """What the supervisor publishes while it restarts the engine (`EngineSupervisor`), from
+    the last engine's loss until its replacement is heard ready (then None): `why` the last
+    engine was lost ("engine 1234 exited by signal SIGKILL", "... killed: it has had a
+    compute running for 75 s ..."), `attempt`: restarts since an engine was last ready,
+    `backoff_s`: the wait before this one. Both probe answers say it (`probes.readiness`)."""
+
+    why: str
+    attempt: int
+    backoff_s: float
+
+
 class _Addressed(msgspec.Struct):
     """What is read of a message to the engine that did not decode: its request id, every
     other field (its tag included) ignored."""
@@ -307,10 +319,11 @@ _addressed_decoder = msgspec.msgpack.Decoder(_Addressed)
 _from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
 _from_engine_batch_decoder = msgspec.msgpack.Decoder(list[FromEngine])
 _status_decoder = msgspec.msgpack.Decoder(EngineStatus)
+_restart_decoder = msgspec.msgpack.Decoder(EngineRestart | None)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(message: ToEngine | FromEngine | EngineStatus) -> bytes:
+def encode(message: ToEngine | FromEngine | EngineStatus | EngineRestart | None) -> bytes:
     return _encoder.encode(message)
 
 
@@ -344,3 +357,7 @@ def decode_batch_from_engine(data: bytes) -> list[FromEngine]:
 
 def decode_status(data: bytes) -> EngineStatus:
     return _status_decoder.decode(data)
+
+
+def decode_restart(data: bytes) -> EngineRestart | None:
+    return _restart_decoder.decode(data)

@@ -3,13 +3,16 @@
 Runs in the process that owns the engine: the `steadyserve serve` parent, or a test's app.
 Death is seen at once through the process sentinel (readable when the child exits), whatever
 killed it: kill -9, a segfault, a fatal CUDA error, an exception at start-up. Front ends
-notice on their own (their socket closes) and answer what was in flight with 503s. Event
-loop thread of the owning process only.
+notice on their own (their socket closes) and answer what was in flight with 503s. Until a
+new engine is ready, the supervisor publishes why the last one was lost and the restart
+under way (`EngineRestart`, on `EngineAddresses.restarts`): every probe answer says it, the
+front ends' and its own. Event loop thread of the owning process only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -20,9 +23,11 @@ from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from app.engine.process import CoreFactory, run_engine_process
-from app.engine.protocol import EngineStatus
-from app.engine.zmq_client import EngineAddresses
+import zmq
+
+from app.engine.process import DEVICE_LOST_EXIT, CoreFactory, run_engine_process
+from app.engine.protocol import EngineRestart, EngineStatus, encode
+from app.engine.zmq_client import RESTART_HEARTBEAT_S, EngineAddresses
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,23 @@ def next_backoff(previous_s: float | None, first_s: float, longest_s: float) -> 
     return first_s if previous_s is None else min(longest_s, previous_s * 2)
 
 
+def loss_reason(pid: int, exitcode: int | None, killed_because: str | None) -> str:
+    """Why engine `pid` is gone, for the probes and the log: the supervisor killed it
+    (`killed_because`: what `EngineSupervisor.overdue` or the staleness check said), or it
+    ended by a signal or with an exit status of its own."""
+    if killed_because is not None:
+        return f"engine {pid} killed: it {killed_because}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = str(-exitcode)
+        return f"engine {pid} exited by signal {name}"
+    if exitcode == DEVICE_LOST_EXIT:
+        return f"engine {pid} exited with code {exitcode} (a sticky CUDA error: device lost)"
+    return f"engine {pid} exited with code {exitcode}"
+
+
 class EngineSupervisor:
     def __init__(
         self,
@@ -91,7 +113,14 @@ class EngineSupervisor:
         self._task: asyncio.Task[None] | None = None
         self._ready_since: float | None = None  # when the running engine was first heard ready
         self.started_at: float | None = None  # when the running engine was spawned
-        self._killed: tuple[int, float] | None = None  # (pid, when) of the last engine killed
+        # (pid, when, why) of the last engine killed.
+        self._killed: tuple[int, float, str] | None = None
+        # The restart under way and why the last engine was lost, published to the front
+        # ends (`_publish_restart`); None once an engine is heard ready (`saw_ready`).
+        self.restart: EngineRestart | None = None
+        self._restart_changed = asyncio.Event()
+        self._restarts_when_ready = 0  # `restarts` when an engine was last heard ready
+        self._publisher: asyncio.Task[None] | None = None
 
     def saw_ready(self, pid: int) -> None:
         """The engine `pid` published that it is ready (its owner's status subscriber, on
@@ -99,6 +128,19 @@ class EngineSupervisor:
         process = self.process
         if process is not None and process.pid == pid and self._ready_since is None:
             self._ready_since = self._clock()
+            self._restarts_when_ready = self.restarts
+            self._set_restart(None)
+
+    def _set_restart(self, restart: EngineRestart | None) -> None:
+        self.restart = restart
+        self._restart_changed.set()
+
+    def _restarting(self, why: str, backoff_s: float) -> None:
+        """An engine was lost (`why`) or could not be started: one more restart, after
+        `backoff_s`."""
+        self.restarts += 1
+        attempt = self.restarts - self._restarts_when_ready
+        self._set_restart(EngineRestart(why, attempt, backoff_s))
 
     def _ran_stable(self) -> bool:
         """Whether the engine that just died had been ready for `STABLE_AFTER_S`."""
@@ -148,7 +190,7 @@ class EngineSupervisor:
             return
         assert process.pid is not None
         log.error("engine %d %s: killing it", process.pid, why)
-        self._killed = (process.pid, self._clock())
+        self._killed = (process.pid, self._clock(), why)
         process.kill()
 
     def unkillable(self) -> str | None:
@@ -164,6 +206,29 @@ class EngineSupervisor:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name="engine-supervisor")
+        if self._addresses.restarts is not None:
+            self._publisher = asyncio.create_task(
+                self._publish_restart(self._addresses.restarts), name="engine-restarts"
+            )
+
+    async def _publish_restart(self, address: str) -> None:
+        """Publish `restart` (None: none under way) on each change and every
+        `RESTART_HEARTBEAT_S`, till `stop`."""
+        context = zmq.Context()
+        try:
+            publisher = context.socket(zmq.PUB)
+            publisher.setsockopt(zmq.LINGER, 0)
+            publisher.bind(address)
+            while True:
+                with contextlib.suppress(zmq.Again):
+                    publisher.send(encode(self.restart), zmq.NOBLOCK)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._restart_changed.wait(), RESTART_HEARTBEAT_S)
+                self._restart_changed.clear()
+        except zmq.ZMQError:  # the probes then say no more than before: not worth a stop
+            log.exception("the engine's restarts cannot be published")
+        finally:
+            context.destroy(linger=0)
 
     def _spawn(self) -> BaseProcess:
         process = self._context.Process(
@@ -183,13 +248,14 @@ class EngineSupervisor:
             try:
                 self.process = process = self._spawn()
                 self.started_at = self._clock()
-            except Exception:
+            except Exception as error:
                 # The pid limit, memory, /dev/shm full: a failed spawn is a failed restart,
                 # retried with backoff; ending this task would leave no engine, silently.
                 log.exception("the engine process could not be started")
                 first, longest = self._settings.engine_restart_backoff_s
                 backoff = next_backoff(backoff, first, longest)
-                self.restarts += 1
+                why = f"the engine process could not be started ({type(error).__name__})"
+                self._restarting(why, backoff)
                 await asyncio.sleep(backoff)
                 continue
             await wait_for_exit(process)
@@ -202,13 +268,14 @@ class EngineSupervisor:
                 backoff = None
             first, longest = self._settings.engine_restart_backoff_s
             backoff = next_backoff(backoff, first, longest)
-            self.restarts += 1
-            log.error(
-                "engine process %d exited with %s; restarting in %.1f s",
+            killed = self._killed
+            why = loss_reason(
                 process.pid,
                 process.exitcode,
-                backoff,
+                killed[2] if killed is not None and killed[0] == process.pid else None,
             )
+            self._restarting(why, backoff)
+            log.error("%s; restarting in %.1f s", why, backoff)
             await asyncio.sleep(backoff)
 
     def stop_restarting(self) -> None:
@@ -230,8 +297,9 @@ class EngineSupervisor:
                 log.warning("engine did not stop in %.0f s; killing it", timeout_s)
                 process.kill()
                 await asyncio.to_thread(process.join, 5)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._publisher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._run_dir is not None:
             shutil.rmtree(self._run_dir, ignore_errors=True)

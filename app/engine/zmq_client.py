@@ -35,9 +35,11 @@ from app.engine.client import (
 )
 from app.engine.protocol import (
     Cancel,
+    EngineRestart,
     EngineStatus,
     ToEngine,
     decode_batch_from_engine,
+    decode_restart,
     decode_status,
     encode,
     frontend_identity,
@@ -53,6 +55,9 @@ STATUS_INTERVAL_S = 0.005
 # An unchanged status is sent again this often (a front end that connects hears it within
 # this; far inside STALE_AFTER_S).
 STATUS_HEARTBEAT_S = 0.1
+# The supervisor publishes the engine restart under way (or None) on each change and at
+# least this often (`EngineSupervisor`): a front end that connects late hears it within this.
+RESTART_HEARTBEAT_S = 1.0
 STALE_AFTER_S = 10.0
 # A front end looks this often whether its status went stale, on a timer of its own: read
 # only by a request, a probe or a send, it was not seen with nothing arriving (or during a
@@ -66,8 +71,12 @@ NEW_ENGINE = "a new engine replaced it"
 
 @dataclass(frozen=True, slots=True)
 class EngineAddresses:
+    """The engine's sockets, and the supervisor's (`restarts`: where it publishes the
+    `EngineRestart` under way; None: no supervisor publishes one)."""
+
     requests: str
     status: str
+    restarts: str | None = None
 
     @classmethod
     def in_directory(cls, directory: Path) -> EngineAddresses:
@@ -75,6 +84,7 @@ class EngineAddresses:
         return cls(
             requests=f"ipc://{directory / 'engine-requests.sock'}",
             status=f"ipc://{directory / 'engine-status.sock'}",
+            restarts=f"ipc://{directory / 'engine-restarts.sock'}",
         )
 
 
@@ -171,6 +181,39 @@ class StatusSubscriber:
             self.take(status)
 
 
+class RestartSubscriber:
+    """The engine restart under way, as the supervisor last published it (it publishes on
+    every change and at least every `RESTART_HEARTBEAT_S`, so a front end started during a
+    restart hears it within that): a front end's probes say why the last engine was lost
+    until a new one is ready, as the supervisor's own probes do. Event loop thread."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self._context = context
+        self._address = address
+        self.restart: EngineRestart | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self._address)
+        self._task = asyncio.create_task(self._receive(socket), name="engine-restarts")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await socket.recv()
+            try:
+                self.restart = decode_restart(data)
+            except Exception:  # the next comes within a heartbeat
+                log.exception("the supervisor's word on the engine restart could not be read")
+
+
 class ZmqEngineClient(StreamingClient):
     def __init__(
         self,
@@ -190,6 +233,11 @@ class ZmqEngineClient(StreamingClient):
         self._subscriber = StatusSubscriber(
             self._context, addresses.status, clock, on_lost=self._engine_gone, on_status=on_status
         )
+        self._restarts = (
+            RestartSubscriber(self._context, addresses.restarts)
+            if addresses.restarts is not None
+            else None
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -206,6 +254,8 @@ class ZmqEngineClient(StreamingClient):
         requests.connect(self._addresses.requests)
         self._requests = requests
         self._subscriber.start()
+        if self._restarts is not None:
+            self._restarts.start()
         self._tasks = [
             asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
             asyncio.create_task(self._watch_disconnects(), name="engine-monitor"),
@@ -217,6 +267,8 @@ class ZmqEngineClient(StreamingClient):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._subscriber.close()
+        if self._restarts is not None:
+            await self._restarts.close()
         self._context.destroy(linger=0)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -234,6 +286,9 @@ class ZmqEngineClient(StreamingClient):
 
     def status(self) -> EngineStatus | None:
         return self._subscriber.status()
+
+    def restart_under_way(self) -> EngineRestart | None:
+        return self._restarts.restart if self._restarts is not None else None
 
     def _send(self, message: ToEngine) -> None:
         """A request only to an engine whose status is current; a `Cancel` to whatever

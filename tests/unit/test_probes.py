@@ -6,7 +6,7 @@ import asyncio
 import json
 import socket
 
-from app.engine.protocol import EngineStatus
+from app.engine.protocol import EngineRestart, EngineStatus
 from app.probes import ProbeListener, liveness, probe_response, readiness
 
 
@@ -26,6 +26,19 @@ def test_ready_only_with_a_ready_engine_a_front_end_and_no_drain() -> None:
     assert readiness(engine(), None, False, can_serve=False).status == "frontend_unavailable"
     failed = readiness(engine(), "front-end start-up failed: OSError", False, True)
     assert (failed.status, failed.problem) == ("failed", "front-end start-up failed: OSError")
+
+
+def test_an_engine_restart_under_way_is_said_until_an_engine_is_ready() -> None:
+    restart = EngineRestart("engine 7 exited by signal SIGKILL", attempt=2, backoff_s=2.0)
+    said = "engine 7 exited by signal SIGKILL; restart 2 under way (after a 2 s back-off)"
+    assert readiness(None, None, False, True, restart).problem == said
+    assert readiness(engine("loading"), None, False, True, restart).problem == said
+    failed = readiness(
+        engine("failed", problem="start-up failed: OSError"), None, False, True, restart
+    )
+    assert failed.problem == f"start-up failed: OSError; {said}"
+    assert readiness(engine(), None, False, True, restart).problem is None  # ready: cleared
+    assert readiness(engine(), None, True, True, restart).problem is None  # draining
 
 
 def test_alive_unless_start_up_failed_or_batches_keep_failing() -> None:

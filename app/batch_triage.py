@@ -11,7 +11,8 @@ known-good row, or without one a row alone): until then it is only suspected, an
 server's when nothing computes. The row of a batch of one runs again alone too: an error
 that passes (a transient one the server raised) must not be blamed on its input. Whatever
 the input, out of memory (an allocation that failed) and a lost device are the server's
-(`server_fault`), for the whole batch and for a row alone.
+(`server_fault`), for the whole batch and for a row alone, also when a model library
+wrapped them in an exception of its own.
 
 Pure orchestration over an injected `run` (which computes rows on a compute thread and
 raises what the model raised); event loop thread only.
@@ -23,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from app.failures import device_lost
+from app.failures import caused_by, device_lost, raised_by_torch
 
 RowT = TypeVar("RowT")
 OutputT = TypeVar("OutputT")
@@ -39,30 +40,31 @@ OutputT = TypeVar("OutputT")
 _ALLOCATION_FAILED = ("ALLOC_FAILED", "not enough memory", "can't allocate memory", "out of memory")
 
 
-def allocation_failed(error: BaseException) -> bool:
-    """Whether `error` is torch's for an allocation that failed (by its words,
-    `_ALLOCATION_FAILED`): only a plain `RuntimeError` or torch's `AcceleratorError` (a
-    CUDA runtime error, in newer torch), as torch raises these, never a model's own
-    exception class whose text merely says so."""
-    if type(error) is not RuntimeError and type(error).__name__ != "AcceleratorError":
-        return False
-    message = str(error)
-    return any(words in message for words in _ALLOCATION_FAILED)
-
-
-def server_fault(error: BaseException) -> bool:
-    """Whether `error` is the server's, whatever the input: out of memory (Python's
-    `MemoryError`, torch's `OutOfMemoryError`, by name: no torch here, or torch's
-    `RuntimeError` for an allocation that failed, `allocation_failed`; memory others'
-    batches held, or a transient peak) or a lost device (`failures.device_lost`).
-    Such a failure is answered 500 and counted toward the engine's ill health: blamed on
-    an input, it was answered 400 and reset that count."""
+def _out_of_memory(error: BaseException) -> bool:
     return (
         isinstance(error, MemoryError)
         or type(error).__name__ == "OutOfMemoryError"
-        or allocation_failed(error)
-        or device_lost(error)
+        or (raised_by_torch(error) and any(words in str(error) for words in _ALLOCATION_FAILED))
     )
+
+
+def allocation_failed(error: BaseException) -> bool:
+    """Whether `error`, or an exception it was raised from or while handling (a model
+    library's own exception wrapping torch's: `failures.caused_by`), is an allocation that
+    failed: Python's `MemoryError`, torch's `OutOfMemoryError` (by name: no torch here), or
+    torch's words for one (`_ALLOCATION_FAILED`) in a plain `RuntimeError` or its
+    `AcceleratorError`, as torch raises these (`failures.raised_by_torch`), never in a
+    model's own exception class whose text merely says so."""
+    return caused_by(error, _out_of_memory)
+
+
+def server_fault(error: BaseException) -> bool:
+    """Whether `error` is the server's, whatever the input: out of memory
+    (`allocation_failed`: memory others' batches held, or a transient peak) or a lost
+    device (`failures.device_lost`), each also when a model library wrapped it. Such a
+    failure is answered 500 and counted toward the engine's ill health: blamed on an input,
+    it was answered 400 and reset that count."""
+    return allocation_failed(error) or device_lost(error)
 
 
 @dataclass(frozen=True, slots=True)

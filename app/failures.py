@@ -1,8 +1,11 @@
 """Failures a request can meet after admission, shared by the engine (where they happen) and
 the front end (which answers them); and which of the model's exceptions mean a lost device
-(`device_lost`: the engine's health and the batcher's triage both ask). Torch-free."""
+(`device_lost`: the engine's health and the batcher's triage both ask), read through the
+exceptions a model library wrapped them in (`caused_by`). Torch-free."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 
 class DeadlineExceeded(Exception):
@@ -41,21 +44,50 @@ _STICKY_DEVICE_ERRORS = (
 _ERROR_PREFIXES = ("CUDA error: ", "HIP error: ")
 
 
-def device_lost(error: BaseException) -> bool:
-    """Whether `error` (or an exception it was raised from, or while handling) is a sticky
-    device error that leaves the process's CUDA context unusable. Only torch's own: its
-    `AcceleratorError`, or a plain `RuntimeError` (older torch) whose message starts with
-    the runtime's prefix, never an exception of the model's whose text merely says so."""
+# The most exceptions `caused_by` reads of one chain: a model library wraps torch's error
+# once or twice; a chain longer than this is not read further.
+MAX_CAUSES = 16
+
+
+def caused_by(error: BaseException, is_it: Callable[[BaseException], bool]) -> bool:
+    """Whether `is_it` holds for `error` or an exception it was raised from (`__cause__`)
+    or while handling (`__context__`), the chain Python's traceback prints: torch's error
+    wrapped by a model library (`raise ModelError(...) from error`, or raised in its
+    `except`) is still torch's. Each exception once (a cycle ends the walk), at most
+    `MAX_CAUSES` of them."""
     seen: set[int] = set()
     current: BaseException | None = error
-    while current is not None and id(current) not in seen:
+    while current is not None and id(current) not in seen and len(seen) < MAX_CAUSES:
+        if is_it(current):
+            return True
         seen.add(id(current))
-        if type(current).__name__ == "AcceleratorError" or type(current) is RuntimeError:
-            message = str(current)
-            for prefix in _ERROR_PREFIXES:
-                if message.startswith(prefix):
-                    rest = message[len(prefix) :]
-                    if any(rest.startswith(words) for words in _STICKY_DEVICE_ERRORS):
-                        return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def raised_by_torch(error: BaseException) -> bool:
+    """Whether `error` is of a class torch raises its runtime's failures as: a plain
+    `RuntimeError`, or its `AcceleratorError` (a CUDA runtime error, in newer torch; by
+    name: no torch here); never a model's own exception class, whatever its text says."""
+    return type(error) is RuntimeError or type(error).__name__ == "AcceleratorError"
+
+
+def _sticky_device_error(error: BaseException) -> bool:
+    if not raised_by_torch(error):
+        return False
+    message = str(error)
+    for prefix in _ERROR_PREFIXES:
+        if message.startswith(prefix):
+            rest = message[len(prefix) :]
+            if any(rest.startswith(words) for words in _STICKY_DEVICE_ERRORS):
+                return True
+    return False
+
+
+def device_lost(error: BaseException) -> bool:
+    """Whether `error` (or an exception it was raised from, or while handling: `caused_by`)
+    is a sticky device error that leaves the process's CUDA context unusable. Only torch's
+    own: its `AcceleratorError`, or a plain `RuntimeError` (older torch) whose message
+    starts with the runtime's prefix, never an exception of the model's whose text merely
+    says so."""
+    return caused_by(error, _sticky_device_error)

@@ -122,6 +122,17 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
                 10,
                 "the probe port to report the engine gone",
             )
+            # Both probe answers say why, from the supervisor's word, until the new engine
+            # is ready (its load and warm-up take seconds).
+            why = f"engine {first_engine} exited by signal SIGKILL"
+            wait_for(
+                lambda: (
+                    why in str(readyz(server, probes)[1].get("problem"))
+                    and why in str(readyz(server)[1].get("problem"))
+                ),
+                10,
+                "both /readyz answers to say why the engine was lost",
+            )
             wait_for(lambda: readyz(server)[0] == 200, 120, "a new engine to be ready")
             wait_for(lambda: readyz(server, probes)[0] == 200, 10, "the probe port to agree")
             answered_before = load.count(200)

@@ -112,8 +112,7 @@ class GenerationHost:
         return 0.0
 
     def batch_cost(self) -> None:
-        """None: a generate request adds nothing to the shared backlog (`backlog_seconds`);
-        `admit` weighs it by its wait for a KV-cache slot instead."""
+        """None: a generate request adds nothing to the shared backlog (`backlog_seconds`)."""
         return None
 
     def queued_inputs(self) -> int:
@@ -298,16 +297,19 @@ class GenerationHost:
     def _advance(self, sequences: list[GenerationSequence], tokens: list[list[int]]) -> None:
         """Give each sequence its new tokens (one output with all of them, for a sequence that
         streams), and end those at EOS (not sent) or at their length, freeing their slots for
-        the next step. The outputs go to the outbox as they are made: a sequence that ended
-        is no longer the loop's, so should anything fail later in this step, only the outbox
+        the next step (zeroed if its logits broke down, also for one that left during the
+        step). The outputs go to the outbox as they are made: a sequence that ended is no
+        longer the loop's, so should anything fail later in this step, only the outbox
         (sent by `_supervised_loop`) still answers it."""
         now = self._context.clock()
         eos = self.runner.eos_token_ids
         outbox = self._outbox  # empty: sent before the step was awaited
         for sequence, chosen in zip(sequences, tokens, strict=True):
-            if not self._batch.is_running(sequence):
-                continue  # cancelled or expired while the step ran
             broken = NO_TOKEN in chosen  # its logits broke down: it fails after its tokens
+            if not self._batch.is_running(sequence):  # cancelled or expired while it ran
+                if broken and sequence.slot is not None:  # its slot, free, holds NaN: zero it
+                    self._steps.clear_slot(sequence.slot)
+                continue
             if broken:
                 chosen = chosen[: chosen.index(NO_TOKEN)]
             if sequence.first_token_at is None and chosen:

@@ -19,7 +19,13 @@ from app.engine.generation_host import GenerationHost
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.failures import BatchFailed
 from app.models.causal_lm import StepRow
-from tests.support.generation_engine import expected_greedy, generate, settings_for, started
+from tests.support.generation_engine import (
+    collect,
+    expected_greedy,
+    generate,
+    settings_for,
+    started,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -126,6 +132,72 @@ async def test_the_slot_of_a_sequence_with_nan_logits_is_zeroed_for_its_next_occ
         )
         with pytest.raises(BatchFailed, match="not finite"):
             await generate(engine, BROKEN_PROMPT, SamplingParams(max_new_tokens=12))
+        assert not long_one.done(), "the premise: the long one still runs beside the next"
+        short = await generate(engine, short_prompt, SamplingParams(max_new_tokens=6))
+        long_done = await long_one
+    finally:
+        await engine.close()
+    assert short.token_ids == short_tokens  # in the broken one's slot, beside the long one
+    assert long_done.token_ids == long_tokens
+
+
+async def test_a_sequence_cancelled_in_the_step_its_logits_broke_still_has_its_slot_zeroed(
+    tiny_causal_lm: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client of a sequence whose activations overflow goes away (or its front end stops
+    it at a stop string) while that step computes: the cancel frees its slot at once, and
+    the step's result, read after, skipped the dropped sequence before seeing its NaN. The
+    slot went back to the free list with NaN keys and values, and its next occupant,
+    decoding beside a longer sequence, failed with "not finite"."""
+    _, model = reference
+    short_prompt = [1, 44, 45]
+    long_tokens = expected_greedy(model, BESIDE_PROMPT, 40).token_ids
+    short_tokens = expected_greedy(model, short_prompt, 6).token_ids
+    assert len(long_tokens) == 40 and len(short_tokens) == 6, "the premise: no EOS in these"
+    engine = await started(settings_for(tiny_causal_lm, warmup=False, generate_slots=2))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    logits, cache = host.runner.logits, host.runner.cache
+    loop = asyncio.get_running_loop()
+    broken_request = Submit(
+        engine.next_request_id(),
+        "tiny",
+        time.monotonic() + 60,
+        GeneratePayload(BROKEN_PROMPT, SamplingParams(max_new_tokens=12), stream=True),
+    )
+    cancelled = asyncio.Event()
+    broken: dict[str, int] = {}  # the broken sequence's slot, once it prefilled
+
+    def cancel_broken() -> None:  # the loop thread: as a front end's Cancel arrives
+        engine.core.cancel(engine.origin, broken_request.request_id)
+        cancelled.set()
+
+    def overflowing(rows: Sequence[StepRow]) -> torch.Tensor:
+        computed = logits(rows).clone()
+        for index, row in enumerate(rows):
+            if list(row.token_ids) == BROKEN_PROMPT:
+                broken["slot"] = row.slot
+            elif row.slot == broken.get("slot") and "poisoned" not in broken:
+                computed[index] = float("nan")
+                for layer in cache.layers:
+                    layer.keys[row.slot].fill_(float("nan"))  # type: ignore[index]
+                    layer.values[row.slot].fill_(float("nan"))  # type: ignore[index]
+                broken["poisoned"] = 1
+                # Queued on the loop before this step's result is: the cancel is read first.
+                loop.call_soon_threadsafe(cancel_broken)
+        return computed
+
+    monkeypatch.setattr(host.runner, "logits", overflowing)
+    try:
+        long_one = asyncio.create_task(
+            generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=40))
+        )
+        broken_one = asyncio.create_task(collect(engine.stream(broken_request)))
+        await cancelled.wait()
+        broken_one.cancel()  # its engine answers no more: the client is gone
+        await asyncio.gather(broken_one, return_exceptions=True)
         assert not long_one.done(), "the premise: the long one still runs beside the next"
         short = await generate(engine, short_prompt, SamplingParams(max_new_tokens=6))
         long_done = await long_one

@@ -173,7 +173,8 @@ class Metrics:
         )
         self.time_per_output_token = Histogram(
             "steadyserve_time_per_output_token_seconds",
-            "A finished sequence's mean time between its generated tokens, by model.",
+            "A finished sequence's mean time between its generated tokens (its first kept token"
+            " to its last; EOS is not one), by model.",
             ["model"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,

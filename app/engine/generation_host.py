@@ -317,6 +317,7 @@ class GenerationHost:
                 self._first_token_histogram.observe(now - sequence.arrived)
             fresh, finish = sequence.take(chosen, eos)
             if fresh:
+                sequence.last_token_at = now
                 self._tokens_counter.inc(len(fresh))
             if finish is not None:
                 outbox.append((sequence, self._finish(sequence, fresh, finish, now)))
@@ -351,7 +352,7 @@ class GenerationHost:
         self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float
     ) -> Output:
         """End the sequence (its slot is free from now) and return its final output."""
-        if (per_token := sequence.time_per_output_token(now)) is not None:
+        if (per_token := sequence.time_per_output_token()) is not None:
             self._context.metrics.time_per_output_token.labels(self.name).observe(per_token)
         sent = token_ids if sequence.streams else sequence.generated
         output = sequence.output(sent, reason, now, self._context.tracer)

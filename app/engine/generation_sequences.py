@@ -32,6 +32,7 @@ class GenerationSequence:
     slot: int | None = None
     started: float | None = None  # joined the batch
     first_token_at: float | None = None
+    last_token_at: float | None = None  # when its last kept token was made (not EOS)
     last_output_at: float | None = None  # when its previous output was made
     generated: list[int] = field(default_factory=list)
 
@@ -66,12 +67,14 @@ class GenerationSequence:
             return "length"
         return "failed" if deadline <= now else None
 
-    def time_per_output_token(self, now: float) -> float | None:
-        """Mean seconds between its generated tokens, once it has two."""
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between its generated tokens, once it has two: from its first to
+        its last kept one, not to the step that chose EOS (not kept) nor to the deadline
+        check that ended it, which would stretch its `produced - 1` intervals."""
         produced = len(self.generated)
-        if produced < 2 or self.first_token_at is None:
+        if produced < 2 or self.first_token_at is None or self.last_token_at is None:
             return None
-        return (now - self.first_token_at) / (produced - 1)
+        return (self.last_token_at - self.first_token_at) / (produced - 1)
 
     def row(self) -> StepRow:
         """Its part of the next step: the prompt, or its last token at its position."""

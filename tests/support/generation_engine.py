@@ -1,10 +1,12 @@
 """Driving the `generate` task of an in-process engine over the tiny random-weight causal
 LM (tests/integration/generation_engine/): its settings (8 KV-cache slots of 256 tokens),
 an engine started and ready, one request's outputs collected, and `model.generate`'s
-greedy answer to compare them with. Event loop thread only."""
+greedy answer to compare them with, and the tiny model with one more EOS token. Event loop
+thread only."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from app.engine.protocol import (
 )
 from app.metrics import Metrics
 from app.settings import Settings
+from loadtest.tiny_causal_lm import build_tiny_causal_lm
 from tests.support.generation import generate_settings, reference_greedy
 
 SLOTS = 8
@@ -94,3 +97,14 @@ def expected_greedy(
     result = reference_greedy(model, prompt_ids, max_new_tokens)
     finish = FinishReason.EOS if result.at_eos else FinishReason.LENGTH
     return Generated(result.token_ids, finish, 0, len(prompt_ids))
+
+
+def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
+    """The tiny model with `stop` among its EOS tokens (a generation config may name
+    several), written to `directory`."""
+    build_tiny_causal_lm(directory)
+    config_path = directory / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], stop]
+    config_path.write_text(json.dumps(config))
+    return directory

@@ -42,8 +42,9 @@ async def test_a_run_past_the_length_is_cut_at_it() -> None:
 
 async def test_time_per_output_token_needs_two_tokens() -> None:
     seq = await sequence(10)
-    seq.first_token_at = 1.0
+    seq.first_token_at = seq.last_token_at = 1.0
     seq.take([7], EOS)
-    assert seq.time_per_output_token(2.0) is None
+    assert seq.time_per_output_token() is None
     seq.take([8, 9], EOS)
-    assert seq.time_per_output_token(2.0) == 0.5
+    seq.last_token_at = 2.0
+    assert seq.time_per_output_token() == 0.5

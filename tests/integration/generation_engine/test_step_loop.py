@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -23,7 +22,6 @@ from app.engine.host import Emit
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
 from app.models.causal_lm import StepRow
-from loadtest.tiny_causal_lm import build_tiny_causal_lm
 from tests.support.generation_engine import (
     Generated,
     collect,
@@ -32,6 +30,7 @@ from tests.support.generation_engine import (
     settings_for,
     started,
     submit,
+    tiny_model_that_also_ends_at,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -70,17 +69,6 @@ async def test_eos_ends_the_sequence_without_the_token(
     assert next_to_it.token_ids == beside
     if steps_per_dispatch > 1:  # the last output is a run's tokens up to EOS
         assert result.sizes[-1] >= 2, result.sizes
-
-
-def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
-    """The tiny model with `stop` among its EOS tokens (a generation config may name
-    several), written to `directory`."""
-    build_tiny_causal_lm(directory)
-    config_path = directory / "generation_config.json"
-    config = json.loads(config_path.read_text())
-    config["eos_token_id"] = [config["eos_token_id"], stop]
-    config_path.write_text(json.dumps(config))
-    return directory
 
 
 # Two sequences in two slots, and a third for the slot the first frees when it chooses EOS.

@@ -147,6 +147,7 @@ class Batcher(Generic[RowT, OutT]):
         if not others:
             return  # its request's only input, or the rest already answered or batched
         queued = self.scheduler.withdraw(others)
+        self._observe_queue_wait(queued, self._clock())
         for item in queued:
             del self._pending[item.item_id]
         if queued:
@@ -204,7 +205,7 @@ class Batcher(Generic[RowT, OutT]):
                 # Not ready yet: wake when it is, to take its place in line then.
                 times = (decision.wake_at,) if ready else (decision.wake_at, ready_at)
                 wake_at = min((t for t in times if t is not None), default=None)
-            self._drop(decision)
+            self._drop(decision, now)
             if decision.batch is not None:
                 self._launch(decision.batch)
                 continue
@@ -215,11 +216,24 @@ class Batcher(Generic[RowT, OutT]):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 
-    def _drop(self, decision: Decision) -> None:
+    def _drop(self, decision: Decision, now: float) -> None:
+        """Answer the inputs `decision` expired (504) and forget those cancelled; each one's
+        wait in the queue ends `now`."""
+        self._observe_queue_wait(decision.expired, now)
+        self._observe_queue_wait(decision.cancelled, now)
         for item in decision.expired:
             self._fail(self._pending.pop(item.item_id), DeadlineExceeded())
         for item in decision.cancelled:
             self._pending.pop(item.item_id, None)
+
+    def _observe_queue_wait(self, items: Sequence[WorkItem], left_at: float) -> None:
+        """The queue-wait histogram holds every input's wait until it left the queue: for
+        its batch, expired, cancelled (its client gone) or withdrawn with its request; the
+        batches' inputs alone hid the waits of overload, which ends mostly in expiries."""
+        for item in items:
+            self._metrics.queue_wait.labels(self.name, str(item.length_bucket)).observe(
+                left_at - item.enqueued_at
+            )
 
     def _launch(self, batch: Batch) -> None:
         """Take a compute slot and run `batch` in a task of its own."""
@@ -235,8 +249,9 @@ class Batcher(Generic[RowT, OutT]):
         thread does not idle while the loop sends them (the batch loop, woken by the slot's
         return, does the rest: waiting, the line of models)."""
         if self._slots.available(self):
-            decision = self.scheduler.poll(self._clock())
-            self._drop(decision)
+            now = self._clock()
+            decision = self.scheduler.poll(now)
+            self._drop(decision, now)
             if decision.batch is not None:
                 self._launch(decision.batch)
 
@@ -279,11 +294,7 @@ class Batcher(Generic[RowT, OutT]):
         from their runs alone, on the same slot)."""
         failure: BaseException | None = None
         try:
-            bucket = str(batch.shape.length)
-            for pending in pendings:
-                self._metrics.queue_wait.labels(self.name, bucket).observe(
-                    started - pending.item.enqueued_at
-                )
+            self._observe_queue_wait([p.item for p in pendings], started)
             expected_s = self.scheduler.estimated_compute(batch.shape)
             first_seen = self.shapes.first_seen(batch.shape)
             output = await self._dispatcher.run_compute(

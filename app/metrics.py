@@ -65,7 +65,8 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "steadyserve_queue_wait_seconds",
-            "Admitted until its batch starts, per input.",
+            "Admitted until it left the queue, per input: for its batch, or expired, cancelled"
+            " (client gone) or withdrawn with its failed request.",
             ["model", "bucket"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,
@@ -166,7 +167,8 @@ class Metrics:
         # --- generation (task `generate`, engine) ------------------------------------------
         self.time_to_first_token = Histogram(
             "steadyserve_time_to_first_token_seconds",
-            "Arrival in the engine to a sequence's first generated token, by model.",
+            "Arrival in the engine to a sequence's first generated token, by model (one that"
+            " ended before it, at its deadline or its client gone, is not observed).",
             ["model"],
             buckets=LATENCY_BUCKETS_S,
             registry=r,

@@ -42,13 +42,11 @@ class ComputedBatch(Protocol[OutT_co]):
 
 
 def record_batch_metrics(
-    metrics: Metrics, model: str, batch: Batch, output: ComputedBatch[Any], first_seen: bool
+    metrics: Metrics, model: str, batch: Batch, output: ComputedBatch[Any]
 ) -> None:
-    """A computed batch's size, compute, slot wait and pool miss, by model (and bucket)."""
+    """A computed batch's size, compute, slot wait and pool miss, by model (and bucket);
+    the busy time and an unwarmed shape are the batcher's (every batch, failed or not)."""
     bucket, timings = str(batch.shape.length), output.timings
-    metrics.dispatcher_busy.labels(model).inc(timings.compute_s)
-    if first_seen:
-        metrics.unwarmed_shapes.labels(model).inc()
     metrics.batch_size.labels(model, bucket).observe(len(batch.items))
     metrics.batch_compute.labels(model, bucket).observe(timings.compute_s)
     metrics.pool_acquire_wait.labels(model).observe(timings.acquire_wait_s)

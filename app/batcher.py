@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Generic, TypeVar
@@ -74,6 +75,7 @@ class Batcher(Generic[RowT, OutT]):
         self._dispatcher = dispatcher
         self._slots = slots
         self._metrics = metrics
+        self._busy = metrics.dispatcher_busy.labels(name)  # charged on compute threads
         self._on_batch_done = on_batch_done
         self._clock = clock
         # A failed batch's rows are answered from their runs alone, told a failing input
@@ -268,7 +270,7 @@ class Batcher(Generic[RowT, OutT]):
             log.exception("starting the next batch of %s failed", self.name)
             self._fail_queued("starting a batch failed")
         try:
-            record_batch_metrics(self._metrics, self.name, batch, output, first_seen)
+            record_batch_metrics(self._metrics, self.name, batch, output)
             trace = batch_trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
                 set_result_if_not_done(
@@ -297,6 +299,8 @@ class Batcher(Generic[RowT, OutT]):
             self._observe_queue_wait([p.item for p in pendings], started)
             expected_s = self.scheduler.estimated_compute(batch.shape)
             first_seen = self.shapes.first_seen(batch.shape)
+            if first_seen:  # whether or not it computes: it is not run a first time again
+                self._metrics.unwarmed_shapes.labels(self.name).inc()
             output = await self._dispatcher.run_compute(
                 self._run_batch, batch.shape, [p.row for p in pendings]
             )
@@ -319,6 +323,21 @@ class Batcher(Generic[RowT, OutT]):
             self._on_batch_done(failure)
 
     def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
+        """Compute threads only: a batch, or a failed batch's row run alone, its compute
+        charged to the busy time as it ends, whether it returned (its `compute_s`) or
+        raised (the time until then): failure storms keep the threads busy too. Warm-up's
+        runs are not charged (`_warm_up_batch`)."""
+        self._before_batch()
+        started = time.perf_counter()
+        try:
+            output = self._execute_rows(shape, rows)
+        except BaseException:
+            self._busy.inc(time.perf_counter() - started)
+            raise
+        self._busy.inc(output.timings.compute_s)
+        return output
+
+    def _warm_up_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""
         self._before_batch()
         return self._execute_rows(shape, rows)
@@ -338,9 +357,9 @@ class Batcher(Generic[RowT, OutT]):
         shapes = self.scheduler.policy.shapes()
         for done, shape in enumerate(shapes, start=1):
             rows = rows_for_shape(shape)
-            await self._dispatcher.run_on_every_compute_thread(self._run_batch, shape, rows)
+            await self._dispatcher.run_on_every_compute_thread(self._warm_up_batch, shape, rows)
             outputs = await self._dispatcher.run_on_every_compute_thread(
-                self._run_batch, shape, rows
+                self._warm_up_batch, shape, rows
             )
             for output in outputs:
                 self.scheduler.record_compute(shape, output.timings.compute_s)

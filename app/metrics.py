@@ -268,13 +268,14 @@ class Metrics:
         )
         self.dispatcher_busy = Counter(
             "steadyserve_dispatcher_busy_seconds",
-            "Wall time compute threads spent running batches (divide by threads for use).",
+            "Wall time compute threads spent running batches and generation steps, failed ones"
+            " and a failed batch's rows run alone included (divide by threads for use).",
             ["model"],
             registry=r,
         )
         self.unwarmed_shapes = Counter(
             "steadyserve_unwarmed_shapes",
-            "Batches run at a shape warm-up had not covered (first time each).",
+            "Batches run at a shape warm-up had not covered (first time each, failed or not).",
             ["model"],
             registry=r,
         )

@@ -292,7 +292,6 @@ class GenerationHost:
             if self._step_s == 0
             else (1 - STEP_TIME_SMOOTHING) * self._step_s + STEP_TIME_SMOOTHING * seconds
         )
-        self._context.metrics.dispatcher_busy.labels(self.name).inc(result.compute_s)
 
     def _advance(self, sequences: list[GenerationSequence], tokens: list[list[int]]) -> None:
         """Give each sequence its new tokens (one output with all of them, for a sequence that

@@ -50,6 +50,8 @@ class StepRunner:
         self.runner = runner
         self._context = context
         self._wakeup = wakeup
+        # Charged on the compute thread as each serving dispatch ends, failed or not.
+        self._busy = context.metrics.dispatcher_busy.labels(runner.name)
         self._interrupted = threading.Event()
         # Set while a sequence waits for a slot: a row choosing EOS ends the run (its slot
         # can be taken at once). Read on the compute thread after each step.
@@ -114,16 +116,17 @@ class StepRunner:
         while not self._context.slots.available(self):
             await self._wakeup.wait()
             self._wakeup.clear()
-        return await self.start(rows)
+        return await self.start(rows, metered=False)
 
     def start(
-        self, rows: list[StepRow], steps: int = 1, end_on_eos: bool = False
+        self, rows: list[StepRow], steps: int = 1, end_on_eos: bool = False, metered: bool = True
     ) -> asyncio.Task[StepResult]:
         """Take a shared compute slot (one must be free) and run one step on a compute
         thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
         fewer if every row chooses EOS (with `end_on_eos`, or once `sequence_waits` is called,
         any row: a sequence waits for the slot it frees) or `interrupt` is called; the slot is
-        given back when it ends."""
+        given back when it ends. `metered` (all but warm-up): its compute time is charged to
+        the busy time, also when it fails."""
         if steps > 1 and any(row.start == 0 for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
@@ -137,7 +140,9 @@ class StepRunner:
         async def step() -> StepResult:
             failure: BaseException | None = None
             try:
-                return await self._context.dispatcher.run_compute(self._compute, rows, steps)
+                return await self._context.dispatcher.run_compute(
+                    self._compute, rows, steps, metered
+                )
             except BaseException as error:
                 failure = error
                 raise
@@ -148,11 +153,20 @@ class StepRunner:
 
         return asyncio.create_task(step())
 
-    def _compute(self, rows: Sequence[StepRow], steps: int) -> StepResult:
-        """Compute thread: the prefill rows in one forward, the decode rows in another; with
-        `steps` > 1, further decode steps on each row's chosen token."""
+    def _compute(self, rows: Sequence[StepRow], steps: int, metered: bool) -> StepResult:
+        """Compute thread: the dispatch (`_forwards`), its time charged to the busy time as
+        it ends, whether it returned or raised, when `metered`."""
         self._context.before_batch()
         started = time.perf_counter()
+        try:
+            return self._forwards(rows, steps, started)
+        finally:
+            if metered:
+                self._busy.inc(time.perf_counter() - started)
+
+    def _forwards(self, rows: Sequence[StepRow], steps: int, started: float) -> StepResult:
+        """Compute thread: the prefill rows in one forward, the decode rows in another; with
+        `steps` > 1, further decode steps on each row's chosen token."""
         while self._slots_to_clear:
             self.runner.cache.clear_slot(self._slots_to_clear.pop())
         if steps > 1:

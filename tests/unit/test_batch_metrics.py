@@ -1,17 +1,20 @@
-"""What the batcher records of inputs that never computed in a batch: the queue wait of an
-input that leaves the queue otherwise (expired, cancelled, withdrawn with its failed
-request) is observed as a batch's inputs' waits are. Over the inline fake dispatcher
-(tests/support/inline_batching.py) on a clock the test moves."""
+"""What the batcher records of what did not go as planned: the queue wait of an input that
+leaves the queue otherwise than in a batch (expired, cancelled, withdrawn with its failed
+request) is observed as a batch's inputs' waits are; a failed batch and its rows' runs
+alone are charged to the busy time, and its unwarmed shape counted. Over the inline fake
+dispatcher (tests/support/inline_batching.py) on a clock the test moves."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import pytest
 
 from app.batcher import Batcher
 from app.compute_slots import ComputeSlots
+from app.execute import SlotTimings
 from app.failures import BatchFailed, DeadlineExceeded
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
@@ -96,3 +99,46 @@ async def test_an_input_withdrawn_with_its_failed_request_has_its_wait_observed(
     assert not long.done()  # its request's answer, not the batcher, cancels it
     assert queue_wait(batcher, "16") == (1.0, 0.0)  # its batch started at once
     assert queue_wait(batcher, "32") == (1.0, pytest.approx(2.0))
+
+
+def counter(batcher: Batcher[int, int], name: str) -> float:
+    value = batcher._metrics.registry.get_sample_value(name, {"model": "m"})
+    return value or 0.0
+
+
+async def test_a_failed_batch_and_its_rows_run_alone_are_charged_to_the_busy_time() -> None:
+    """The batch of two fails after 50 ms; each row alone computes in 250 ms (its
+    `compute_s`). Only a batch that computed was charged: in a failure storm the busy time
+    read the compute threads idle while every one of them ran batches that failed."""
+
+    def fails_together(shape: BatchShape, rows: Sequence[int]) -> Computed:
+        if len(rows) > 1:
+            time.sleep(0.05)  # the failed batch's compute, on the real clock it is timed by
+            raise RuntimeError("this batch fails")
+        return Computed(rows, SlotTimings(compute_s=0.25, acquire_wait_s=0.0, pool_miss=False))
+
+    batcher = batcher_on(ManualClock(100.0), fails_together)
+    futures = batcher.submit([5, 6], deadline=200.0)
+    batcher.start()
+    answers = await asyncio.wait_for(asyncio.gather(*futures), 5)
+    await batcher.close()
+    assert [answer.value for answer in answers] == [10, 12]  # from their runs alone
+    busy = counter(batcher, "steadyserve_dispatcher_busy_seconds_total")
+    assert 0.05 + 2 * 0.25 <= busy < 2 * 0.25 + 1.0
+
+
+async def test_a_failing_batch_at_an_unwarmed_shape_is_counted_once() -> None:
+    """The shape was marked seen before the batch computed, and counted only once it had:
+    a failing unwarmed shape was never counted, not then nor at its next batch."""
+
+    def always_fails(shape: BatchShape, rows: Sequence[int]) -> Computed:
+        raise RuntimeError("every batch fails")
+
+    batcher = batcher_on(ManualClock(100.0), always_fails)
+    batcher.start()
+    for _ in range(2):
+        [failing] = batcher.submit([5], deadline=200.0)
+        with pytest.raises(BatchFailed):
+            await asyncio.wait_for(failing, 5)
+    await batcher.close()
+    assert counter(batcher, "steadyserve_unwarmed_shapes_total") == 1.0

@@ -324,3 +324,32 @@ async def test_a_step_failing_after_a_sequence_finished_still_sends_its_final_ou
         assert isinstance(failed, Exception)  # the sequence the loop held fails (500)
     finally:
         await engine.close()
+
+
+async def test_a_failed_step_is_charged_to_the_busy_time(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a step that returned was charged (`_record_step`): a failing step's compute,
+    here 200 ms until it raised, was missing from the busy time."""
+    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    model_step = host.runner.step
+    forwards = itertools.count(1)
+
+    def second_forward_fails(rows: Sequence[StepRow]) -> list[int]:
+        if next(forwards) == 2:
+            time.sleep(0.2)  # its compute, on the real clock it is timed by
+            raise RuntimeError("this step fails")
+        return model_step(rows)
+
+    monkeypatch.setattr(host.runner, "step", second_forward_fails)
+    try:
+        with pytest.raises(Exception, match="generation step failed"):
+            await generate(engine, [1, 40, 41], SamplingParams(max_new_tokens=4))
+    finally:
+        await engine.close()
+    busy = engine.core.metrics.registry.get_sample_value(
+        "steadyserve_dispatcher_busy_seconds_total", {"model": "tiny"}
+    )
+    assert busy is not None and busy >= 0.2

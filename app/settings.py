@@ -87,7 +87,8 @@ class Settings(BaseSettings):
         ge=1,
         description="Open connections per front-end process; once this many are open, each "
         "request is answered 429 (reason `connections`, Retry-After 1 s) from its headers and "
-        "its connection closed. Sized so a flood meets the in-flight cap's 429s long before it.",
+        "its connection closed, but Prometheus's GET /metrics, served. Sized so a flood meets "
+        "the in-flight cap's 429s long before it.",
     )
     listen_backlog: int = Field(
         default=4096,

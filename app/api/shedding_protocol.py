@@ -16,7 +16,9 @@ The protocol also answers uvicorn's connection cap (`limit_concurrency`, set fro
 `max_connections`): past it, uvicorn would answer a plain-text 503 of its own, counted
 nowhere, without `Retry-After` or the retry-elsewhere header. Instead every request there
 gets the prebuilt 429 `connections`, written from its headers like the refusals above and
-counted among them, and its connection is closed: closing is what frees a place. A
+counted among them, and its connection is closed: closing is what frees a place. All but
+Prometheus's scrape (`GET /metrics`), served past the cap: refused, a flood's metrics were
+lost just while it lasted (the probes have a port of their own: `health_port`). A
 connection closed while the request's body is still arriving is closed gently (half-closed,
 the rest of the body discarded, then closed), or a client still sending would get a reset
 in place of the answer.
@@ -51,6 +53,9 @@ from app.api.shedding import (
     shed_timing,
 )
 from app.service import Service
+
+# Served past the connection cap: Prometheus's scrape records the flood that fills it.
+SCRAPE_METHOD, SCRAPE_PATH = "GET", "/metrics"
 
 # Headers a proxy adds (the shipped Envoy adds x-forwarded-for and x-envoy-*).
 _PROXY_HEADERS = frozenset({b"forwarded", b"via", b"x-forwarded-for", b"x-forwarded-proto"})
@@ -102,8 +107,8 @@ def shedding_protocol(
     (one from `trusted_proxies` whose request carries proxy headers). A request it admits
     goes on through the ASGI app with its `Entry` in the scope, so `SheddingMiddleware` must
     wrap that app (it calls `Service.leave`). Past uvicorn's connection cap
-    (`Config(limit_concurrency=...)`) every request gets the 429 `connections` instead of
-    uvicorn's 503.
+    (`Config(limit_concurrency=...)`) every request but `GET /metrics` gets the 429
+    `connections` instead of uvicorn's 503; a scrape is served.
 
     A request answered before its body ended (refused here, or answered early by the app)
     has the rest of its body discarded as it arrives, for at most `body_read_timeout_s`
@@ -285,10 +290,13 @@ def shedding_protocol(
 
         def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
             # uvicorn decided on its connection cap itself (a request pipelined behind an
-            # unanswered one, which `_refused_here` leaves to it, or an upgrade): the same
-            # refusal as written from the headers, in place of its plain-text 503.
+            # unanswered one, which `_refused_here` leaves to it, an upgrade, or a scrape):
+            # the same refusal as written from the headers in place of its plain-text 503,
+            # and a scrape served.
             if app is service_unavailable:
-                app = refuse_at_connection_cap  # type: ignore[assignment]  # starlette's ASGI types
+                scope = cycle.scope
+                scrape = scope["method"] == SCRAPE_METHOD and scope["path"] == SCRAPE_PATH
+                app = self.app if scrape else refuse_at_connection_cap  # type: ignore[assignment]  # starlette's ASGI types
             super()._start_asgi_task(cycle, app)
 
         def _at_connection_cap(self) -> bool:
@@ -306,9 +314,11 @@ def shedding_protocol(
                 # (or, at the cap, by what `_start_asgi_task` puts in uvicorn's 503's place).
                 return False
             if self._at_connection_cap():
-                # Any method and path, as uvicorn refused them: no task, no ASGI, and none of
-                # uvicorn's log lines, one per request of the flood.
+                # Any method and path but a scrape, as uvicorn refused them: no task, no
+                # ASGI, and none of uvicorn's log lines, one per request of the flood.
                 path = httptools.parse_url(self.url).path
+                if self.parser.get_method() == b"GET" and path == SCRAPE_PATH.encode():
+                    return False  # served: `_start_asgi_task` lifts uvicorn's cap for it
                 self._send_refusal(CONNECTION_CAP_REFUSAL, path, time.perf_counter(), close=True)
                 count_connection_cap_refusal()
                 return True

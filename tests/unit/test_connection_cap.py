@@ -2,8 +2,9 @@
 request is refused as the HTTP protocol refuses the others (`app/api/shedding_protocol.py`): the
 prebuilt JSON 429 `connections`, with `Retry-After` and the header the shipped Envoy retries
 on, counted in `steadyserve_rejected_total`, its connection closed; not uvicorn's own
-plain-text 503, which no metric counted. The protocol is driven with bytes through a fake
-transport on a real event loop (uvicorn answers in tasks): no socket, no server."""
+plain-text 503, which no metric counted; all but Prometheus's scrape, served there. The
+protocol is driven with bytes through a fake transport on a real event loop (uvicorn
+answers in tasks): no socket, no server."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ POST_INFER = (
     b"content-length: %d\r\n\r\n" % len(BODY) + BODY
 )
 GET_METRICS = b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n"
+GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: test\r\n\r\n"
 
 
 class Arrivals:
@@ -128,7 +130,7 @@ def assert_connection_cap_refusal(response: Response) -> None:
     assert error["message"].startswith("over capacity")
 
 
-@pytest.mark.parametrize("request_bytes", [POST_INFER, GET_METRICS], ids=["infer", "metrics"])
+@pytest.mark.parametrize("request_bytes", [POST_INFER, GET_HEALTHZ], ids=["infer", "healthz"])
 def test_a_request_past_the_connection_cap_gets_the_prebuilt_429_and_is_counted(
     request_bytes: bytes,
 ) -> None:
@@ -175,6 +177,43 @@ def test_a_request_pipelined_past_the_cap_gets_the_same_429_after_the_one_ahead(
     assert_connection_cap_refusal(second)
     assert transport.closing
     assert service.refused_at_the_cap() == 1
+
+
+def test_a_scrape_past_the_connection_cap_is_served_and_not_counted() -> None:
+    """Prometheus's `GET /metrics` was refused 429 `connections` (and counted) at the cap:
+    the flood that filled it went unrecorded, scrapes failing just while it lasted. Served,
+    from its headers and pipelined behind another request alike; a POST to /metrics is
+    refused still."""
+    service = CappedService()
+    state = ServerState()
+
+    async def scraped() -> tuple[FakeTransport, FakeTransport, FakeTransport]:
+        loop = asyncio.get_running_loop()
+        connect(service, state, loop)
+        protocol, at_the_cap = connect(service, state, loop)  # 2 of 2
+        protocol.data_received(GET_METRICS)
+        await until_answered(state)
+        pipelined_state = ServerState()
+        first, pipelined = connect(service, pipelined_state, loop)
+        first.data_received(b"GET /first HTTP/1.1\r\nhost: test\r\n\r\n")  # under the cap
+        connect(service, pipelined_state, loop)  # the cap is reached meanwhile
+        first.data_received(GET_METRICS)  # left to uvicorn: behind the unanswered first
+        await until_answered(pipelined_state)
+        posting, posted = connect(service, state, loop)
+        posting.data_received(post(b"/metrics"))
+        await until_answered(state)
+        return at_the_cap, pipelined, posted
+
+    at_the_cap, pipelined, posted = asyncio.run(scraped())
+    assert [(status, body) for status, _, body in responses(at_the_cap.written)] == [(200, b"ok")]
+    assert not at_the_cap.closing  # Prometheus keeps its connection
+    assert [(status, body) for status, _, body in responses(pipelined.written)] == [
+        (200, b"ok"),
+        (200, b"ok"),
+    ]
+    [refused] = responses(posted.written)
+    assert_connection_cap_refusal(refused)
+    assert service.refused_at_the_cap() == 1  # the POST alone
 
 
 def post(path: bytes) -> bytes:

@@ -13,7 +13,6 @@ event loop thread only. Torch-free.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -215,6 +214,13 @@ class RestartSubscriber:
 
 
 class ZmqEngineClient(StreamingClient):
+    """Answers arrive on the DEALER, the connection's changes on its monitor socket; each is
+    taken off its socket only by a synchronous drain (`_take_arrived`, `_take_events`), so
+    none waits, read, in a future for a task's next turn: on a closed connection what the
+    engine sent before it went is delivered before the loss (a stream reads its messages in
+    order, and a loss queued ahead of an answer already here discarded it: a request the
+    engine had computed answered 503 `engine_lost`)."""
+
     def __init__(
         self,
         addresses: EngineAddresses,
@@ -230,6 +236,10 @@ class ZmqEngineClient(StreamingClient):
         self._context = zmq.asyncio.Context()
         self._requests: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
+        # The same two sockets, read without waiting.
+        self._arrived: zmq.Socket[bytes] | None = None
+        self._events: zmq.Socket[bytes] | None = None
+        self._connected = False  # as the monitor last said
         self._subscriber = StatusSubscriber(
             self._context, addresses.status, clock, on_lost=self._engine_gone, on_status=on_status
         )
@@ -243,22 +253,24 @@ class ZmqEngineClient(StreamingClient):
     async def start(self) -> None:
         requests = self._context.socket(zmq.DEALER)
         requests.setsockopt(zmq.IDENTITY, self._identity)
-        # Queue nothing for an engine that is not connected: a send then fails at once
-        # (503) instead of reaching a future engine after its client gave up.
-        requests.setsockopt(zmq.IMMEDIATE, 1)
+        # Not IMMEDIATE: with it libzmq tears down the connection's pipe when the engine's
+        # socket closes, and the answers it sent last, arrived but not yet read, are thrown
+        # away. `_send` refuses instead while the monitor says no engine is connected.
         requests.setsockopt(zmq.SNDHWM, 0)
         requests.setsockopt(zmq.RCVHWM, 0)
         requests.setsockopt(zmq.LINGER, 0)
         requests.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._monitor = requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = requests.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         requests.connect(self._addresses.requests)
-        self._requests = requests
+        self._requests, self._monitor = requests, monitor
+        self._arrived = zmq.Socket.shadow(requests.underlying)
+        self._events = zmq.Socket.shadow(monitor.underlying)
         self._subscriber.start()
         if self._restarts is not None:
             self._restarts.start()
         self._tasks = [
             asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
-            asyncio.create_task(self._watch_disconnects(), name="engine-monitor"),
+            asyncio.create_task(self._watch_connection(), name="engine-monitor"),
             asyncio.create_task(self._watch_staleness(), name="engine-staleness"),
         ]
 
@@ -269,6 +281,7 @@ class ZmqEngineClient(StreamingClient):
         await self._subscriber.close()
         if self._restarts is not None:
             await self._restarts.close()
+        self._requests = None  # what status() may still notice delivers nothing now
         self._context.destroy(linger=0)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -292,8 +305,13 @@ class ZmqEngineClient(StreamingClient):
 
     def _send(self, message: ToEngine) -> None:
         """A request only to an engine whose status is current; a `Cancel` to whatever
-        engine the socket still reaches (one whose status went stale may yet recover)."""
-        if self._requests is None or (not isinstance(message, Cancel) and self.status() is None):
+        engine the socket still reaches (one whose status went stale may yet recover).
+        Nothing while none is connected (as libzmq knows it now, not as the monitor's task
+        last heard): it would be queued for the next engine, long after its client left."""
+        self._take_events()
+        if self._requests is None or not self._connected:
+            raise EngineNotConnected("no engine is connected")
+        if not isinstance(message, Cancel) and self.status() is None:
             raise EngineNotConnected("no engine is connected")
         if not send_now(self._requests, encode(message)):
             raise EngineNotConnected("no engine is connected")
@@ -307,35 +325,63 @@ class ZmqEngineClient(StreamingClient):
 
     def _engine_gone(self, why: str) -> None:
         """The engine that went away will answer none of what it was sent; one whose status
-        went stale may still run it (its streams cancel it there)."""
+        went stale may still run it (its streams cancel it there). What it sent before is
+        delivered first."""
+        self._take_arrived()
         if self.open_streams:
             log.warning("engine lost (%s): failing %d open requests", why, self.open_streams)
         self._subscriber.forget()
         self._fail_all(ENGINE_WENT_SILENT if why == STATUS_WENT_STALE else ENGINE_EXITED)
 
-    async def _receive_outputs(self) -> None:
-        """Deliver the engine's answers. A message this front end cannot read must not end
-        the loop (every later answer would go unread, each request waiting out its deadline
-        while /readyz said ready): its requests cannot be told apart, so every open one
-        fails at once (503, retryable) and the loop goes on."""
-        assert self._requests is not None
-        while True:
-            data = await self._requests.recv()
+    def _take_arrived(self) -> None:
+        """Deliver every answer the socket holds now, without waiting. On a closed
+        connection these are all the closed engine's: one that connects after is sent
+        nothing before its connection is heard (`_send`), which is after the close."""
+        while self._requests is not None and self._arrived is not None:
+            try:
+                data = self._arrived.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
             try:
                 messages = decode_batch_from_engine(data)
             except Exception:
+                # Must not end the reading (every later answer would go unread, each
+                # request waiting out its deadline while /readyz said ready): its requests
+                # cannot be told apart, so every open one fails at once (503, retryable);
+                # the engine still holds them: each is cancelled there as it fails.
                 log.exception("an answer from the engine could not be read")
-                # The engine still holds them: each is cancelled there as it fails.
                 self._fail_all(ANSWER_UNREADABLE)
                 continue
             for message in messages:
                 self._deliver(message)
 
-    async def _watch_disconnects(self) -> None:
+    def _take_events(self) -> None:
+        """The connection's changes the monitor holds now, without waiting: a closed one
+        fails every open request (503 `engine_lost`), after what it delivered."""
+        while self._requests is not None and self._events is not None:
+            # Asked first: cheaper than a refused read, and every send asks (`_send`).
+            pending = self._events.get(zmq.EVENTS)
+            if not (isinstance(pending, int) and pending & zmq.POLLIN):
+                return
+            frames = self._events.recv_multipart(zmq.NOBLOCK)
+            try:
+                event = parse_monitor_message(frames)["event"]
+            except Exception:  # not one of libzmq's events: nothing to act on
+                continue
+            if event == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected = False
+                self._engine_gone("its connection closed")
+
+    async def _receive_outputs(self) -> None:
+        assert self._requests is not None
+        while True:
+            await self._requests.poll()  # POLLIN, no timeout
+            self._take_arrived()
+
+    async def _watch_connection(self) -> None:
         assert self._monitor is not None
         while True:
-            frames = await self._monitor.recv_multipart()
-            with contextlib.suppress(Exception):
-                event = parse_monitor_message(frames)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._engine_gone("its connection closed")
+            await self._monitor.poll()  # POLLIN, no timeout
+            self._take_events()

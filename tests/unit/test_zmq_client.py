@@ -93,12 +93,11 @@ def test_a_front_ends_identity_names_its_process() -> None:
 
 
 async def connected(client: ZmqEngineClient) -> None:
-    """Until the client's socket can send: it connects in ZeroMQ's I/O thread, and with
-    IMMEDIATE a send before that is refused (as if no engine were there)."""
-    assert client._requests is not None
+    """Until the client has heard its socket connect: it connects in ZeroMQ's I/O thread,
+    and a send before the monitor says so is refused (as if no engine were there)."""
     for _ in range(1000):  # bounded poll: 10 s
-        events = client._requests.get(zmq.EVENTS)
-        if isinstance(events, int) and events & zmq.POLLOUT:
+        client._take_events()
+        if client._connected:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the client never connected to the engine's socket")
@@ -233,3 +232,39 @@ async def test_a_stale_status_fails_open_requests_with_nothing_reading_it(
         with pytest.raises(Rejected, match="stopped answering"):
             await asyncio.wait_for(requesting, 10)
     assert all(task.done() for task in client._tasks)  # the timer ends with the client
+
+
+async def test_an_answer_that_arrived_before_its_engine_exited_is_not_lost(
+    tmp_path: Path,
+) -> None:
+    """An engine sends a request's final output, then exits. Its connection's close (the
+    socket monitor's event) and the answer waiting on the socket were read by two tasks in
+    no set order: with the close handled first, the stream was failed 503 `engine_lost`
+    (not to be retried elsewhere) ahead of its answer, which was discarded. And with
+    IMMEDIATE, libzmq itself threw the unread answer away once it saw the close. Here the
+    close is handled first for certain: the task that reads answers is stopped."""
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.asyncio.Context()
+    engine = context.socket(zmq.ROUTER)
+    engine.bind(addresses.requests)
+    client = ZmqEngineClient(addresses)
+    await client.start()
+    try:
+        await connected(client)
+        client._subscriber.take(status("e", time.monotonic()))
+        (reader,) = (task for task in client._tasks if task.get_name() == "engine-outputs")
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
+        requesting = asyncio.create_task(anext(aiter(client.stream(request))))
+        origin, data = await asyncio.wait_for(engine.recv_multipart(), 10)
+        assert decode_to_engine(data) == request
+        vectors = EmbedOutput(b"\0" * 4, rows=1, width=1, input_tokens=1)
+        final = Output(request.request_id, True, vectors, queue_s=0.0, compute_s=0.0)
+        await engine.send_multipart([origin, encode_batch([final])])
+        engine.close(linger=10_000)  # the answer leaves, then the connection closes
+        assert await asyncio.wait_for(requesting, 10) == final
+        assert client.status() is None  # and the engine is taken for gone
+    finally:
+        await client.close()
+        context.destroy(linger=0)

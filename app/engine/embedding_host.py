@@ -21,14 +21,15 @@ from app.engine.protocol import (
     Failure,
     FailureKind,
     ModelInfo,
+    Output,
     Submit,
 )
 from app.engine.rows import (
     BatchedHost,
     admit_rows,
+    answer_rows,
     answering,
     final_output,
-    gather_rows,
     record_pool,
 )
 from app.model_batcher import ModelBatcher
@@ -109,17 +110,17 @@ class EmbeddingHost(BatchedHost):
         emit: Emit,
         arrival: object | None,
     ) -> None:
-        results = await gather_rows(futures, request, emit, self._context.metrics)
-        if results is None:
-            return
-        vectors = np.ascontiguousarray(np.stack([r.value for r in results]), dtype=np.float32)
-        payload = EmbedOutput(
-            vectors=vectors.tobytes(),
-            rows=vectors.shape[0],
-            width=vectors.shape[1],
-            input_tokens=sum(len(ids) for ids in request_payload.token_ids),
-        )
-        emit(final_output(request, payload, results, self._context.tracer, arrival))
+        async def output(results: list[ItemResult[npt.NDArray[np.float32]]]) -> Output:
+            vectors = np.ascontiguousarray(np.stack([r.value for r in results]), np.float32)
+            payload = EmbedOutput(
+                vectors=vectors.tobytes(),
+                rows=vectors.shape[0],
+                width=vectors.shape[1],
+                input_tokens=sum(len(ids) for ids in request_payload.token_ids),
+            )
+            return final_output(request, payload, results, self._context.tracer, arrival)
+
+        await answer_rows(futures, request, emit, self._context.metrics, output)
 
 
 async def load_embedding_host(spec: ModelSpec, context: EngineContext) -> EmbeddingHost:

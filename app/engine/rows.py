@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from app.admission import BatchQueue, Rejected, RejectReason, batch_delay, delay_verdict
@@ -109,6 +109,38 @@ async def gather_rows(
     finally:
         for future in futures:
             future.cancel()  # a no-op for those already done
+
+
+async def answer_rows(
+    futures: list[asyncio.Future[ItemResult[OutT]]],
+    request: Submit,
+    emit: Emit,
+    metrics: Metrics,
+    output: Callable[[list[ItemResult[OutT]]], Awaitable[Output]],
+) -> None:
+    """Answer the request: its `output` of every row's result (`gather_rows`), or why
+    there is none. Should making that output raise (a `MemoryError` stacking a large
+    answer, the tracer), the request is answered 500 (`FAILED`: the server's fault, its
+    traceback in this log): the task died unanswered, and its front end waited out the
+    deadline and `ANSWER_GRACE_S` to say 503 `not_ready`."""
+    results = await gather_rows(futures, request, emit, metrics)
+    if results is None:
+        return
+    try:
+        answer = await output(results)
+    except Exception as error:
+        log.exception(
+            "request %d to %s: its rows computed, but its answer could not be made",
+            request.request_id,
+            request.model,
+        )
+        message = (
+            f"the server could not make the answer ({type(error).__name__}); "
+            f"the server logged why under request {request.request_id}"
+        )
+        emit(Failure(request.request_id, FailureKind.FAILED, message))
+        return
+    emit(answer)
 
 
 def input_failure(

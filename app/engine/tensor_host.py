@@ -26,6 +26,7 @@ from app.engine.protocol import (
     Failure,
     FailureKind,
     ModelInfo,
+    Output,
     Submit,
     TensorData,
     TensorOutput,
@@ -34,9 +35,9 @@ from app.engine.protocol import (
 from app.engine.rows import (
     BatchedHost,
     admit_rows,
+    answer_rows,
     answering,
     final_output,
-    gather_rows,
     record_pool,
 )
 from app.model_specs import ModelSpec, TensorSpec
@@ -182,13 +183,13 @@ class TensorHost(BatchedHost):
         emit: Emit,
         arrival: object | None,
     ) -> None:
-        results = await gather_rows(futures, request, emit, self._context.metrics)
-        if results is None:
-            return
-        outputs = await stacked_outputs(
-            self.model.outputs, [r.value for r in results], self._stacker
-        )
-        emit(final_output(request, TensorOutput(outputs), results, self._context.tracer, arrival))
+        async def output(results: list[ItemResult[tuple[Array, ...]]]) -> Output:
+            values = [r.value for r in results]
+            outputs = await stacked_outputs(self.model.outputs, values, self._stacker)
+            tracer = self._context.tracer
+            return final_output(request, TensorOutput(outputs), results, tracer, arrival)
+
+        await answer_rows(futures, request, emit, self._context.metrics, output)
 
     async def close(self) -> None:
         """Finish queued and running batches, then the answers they leave (each may still

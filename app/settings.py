@@ -245,7 +245,8 @@ class Settings(BaseSettings):
     default_timeout_ms: float = Field(
         default=10_000.0,
         gt=0,
-        description="Deadline of a request that sets neither `timeout_ms` nor Envoy's header.",
+        description="Deadline of a request that sets neither `timeout_ms` nor Envoy's header; "
+        "at most STEADY_MAX_TIMEOUT_MS.",
     )
     max_timeout_ms: float = Field(
         default=60_000.0, gt=0, description="Upper bound on any request's deadline."
@@ -321,7 +322,7 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(
         default=60.0,
         ge=0,
-        description="On SIGTERM, how long admitted requests get to finish (as long as the "
+        description="On SIGTERM, how long admitted requests get to finish (at least the "
         "longest deadline a request may have, STEADY_MAX_TIMEOUT_MS: a generation admitted just "
         "before the signal is not cut); the server exits as soon as nothing is in flight.",
     )

@@ -43,6 +43,16 @@ def inconsistency(settings: Settings) -> str | None:
             "some request may still wait for is not stuck, and killing its engine fails "
             "every request in it"
         )
+    if settings.drain_timeout_s < settings.max_timeout_ms / 1000:
+        return (
+            "drain_timeout_s must be at least max_timeout_ms (in seconds): a request admitted "
+            "just before SIGTERM may wait that long, and a shorter drain cuts it"
+        )
+    if settings.default_timeout_ms > settings.max_timeout_ms:
+        return (
+            "default_timeout_ms must not exceed max_timeout_ms: every deadline is cut to "
+            "max_timeout_ms, so such a default is not the deadline requests get"
+        )
     if settings.health_port is not None and settings.health_port == settings.port:
         return "health_port must differ from port (it carries no traffic)"
     generates = any(model.task == "generate" for model in settings.models)

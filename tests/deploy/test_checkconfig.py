@@ -296,20 +296,34 @@ def test_capacity_key_that_nothing_reads_is_an_error(
     assert "capacity.replica_inflight is read by check-config but missing" in err
 
 
-def test_a_drain_shorter_than_the_longest_route_is_refused(
+def test_a_drain_shorter_than_the_longest_deadline_is_refused(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A generation admitted just before SIGTERM may run its route's 60 s: a 20 s drain (and
-    a grace period sized for it) cut it. Changed everywhere, so only the invariant catches it."""
+    """A generation admitted just before SIGTERM may run STEADY_MAX_TIMEOUT_MS (60 s, its
+    route's too): a 20 s drain (and a grace period sized for it) cut it. Changed everywhere:
+    the server refuses such settings, and check-config with it."""
     replace_once(
         deploy_copy / "k8s" / "base" / "kustomization.yaml",
         "STEADY_DRAIN_TIMEOUT_S=60",
         "STEADY_DRAIN_TIMEOUT_S=20",
     )
     replace_once(deploy_copy / "baseline.yaml", "drain_timeout_s: 60.0", "drain_timeout_s: 20.0")
+    assert check(deploy_copy) == 2
+    err = capsys.readouterr().err
+    assert "drain_timeout_s must be at least max_timeout_ms" in err
+
+
+def test_a_drain_shorter_than_the_longest_route_is_refused(
+    deploy_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A route over the server's longest deadline (itself refused) is also over the drain:
+    a request admitted just before SIGTERM may run the route's 90 s."""
+    replace_once(deploy_copy / "envoy" / "envoy.yaml", " timeout: 60s\n", " timeout: 90s\n")
+    for key in ("completions_route_timeout_s", "chat_route_timeout_s"):
+        replace_once(deploy_copy / "baseline.yaml", f"{key}: 60.0", f"{key}: 90.0")
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
-    assert "settings.drain_timeout_s: 20.0 is under the longest Envoy route timeout (60.0)" in out
+    assert "settings.drain_timeout_s: 60.0 is under the longest Envoy route timeout (90.0)" in out
 
 
 def test_memory_requests_below_limits_are_refused(

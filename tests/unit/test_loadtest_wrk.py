@@ -62,6 +62,7 @@ def test_wrk_waits_past_the_longest_deadline_the_server_serves_with(
         else {
             "STEADY_MAX_TIMEOUT_MS": max_timeout_ms,
             "STEADY_STUCK_COMPUTE_S": str(float(max_timeout_ms) / 1000),  # at least that long
+            "STEADY_DRAIN_TIMEOUT_S": str(float(max_timeout_ms) / 1000),  # as is the drain
         }
     )
     settings = served_settings(env)

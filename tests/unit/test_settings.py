@@ -166,6 +166,22 @@ def test_a_compute_some_request_may_still_wait_for_is_never_called_stuck() -> No
     """The supervisor kills an engine whose compute runs past `stuck_compute_s`: below
     the longest deadline it could kill one slow but still awaited (a large batch, a long
     multi-step run), failing every request in the engine."""
-    Settings(max_timeout_ms=120_000, stuck_compute_s=120)
+    Settings(max_timeout_ms=120_000, stuck_compute_s=120, drain_timeout_s=120)
     with pytest.raises(ValidationError, match="stuck_compute_s must be at least"):
         Settings(max_timeout_ms=120_000)  # the 60 s default
+
+
+def test_the_drain_lasts_as_long_as_the_longest_deadline() -> None:
+    """A 300 s deadline with the default 60 s drain was accepted (check-config too): a
+    generation admitted just before SIGTERM was cut 240 s short."""
+    longest = {"max_timeout_ms": 300_000, "stuck_compute_s": 300}
+    assert Settings(**longest, drain_timeout_s=300).drain_timeout_s == 300  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="drain_timeout_s must be at least max_timeout_ms"):
+        Settings(**longest)  # type: ignore[arg-type]
+
+
+def test_a_default_deadline_past_the_longest_is_refused() -> None:
+    """A default of 90 s under a 60 s bound was taken and silently cut to 60 s."""
+    Settings(default_timeout_ms=60_000)
+    with pytest.raises(ValidationError, match="default_timeout_ms must not exceed max_timeout_ms"):
+        Settings(default_timeout_ms=90_000)

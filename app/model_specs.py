@@ -98,6 +98,14 @@ class ModelSpec(BaseModel):
             names = [t.name for t in (*self.inputs, *self.outputs)]
             if len(set(names)) != len(names):
                 raise ValueError(f"{self.name}: input and output names must be unique")
+            # A dynamic output dimension is sliced to the row's longest dynamic input
+            # dimension: with none, its buffer holds 1 and any other length fails every batch.
+            unsized = [t.name for t in self.outputs if t.dynamic]
+            if unsized and not any(t.dynamic for t in self.inputs):
+                raise ValueError(
+                    f"{self.name}: output {unsized[0]!r} has a dynamic dimension (-1 past the "
+                    "batch) but no input has one to give its length"
+                )
         elif self.inputs or self.outputs:
             raise ValueError(f"{self.name}: only a tensor model declares inputs and outputs")
         return self

@@ -215,6 +215,15 @@ def test_tensor_specs_are_checked_at_the_edge() -> None:
         ModelSpec(name="m", task="tensor", source="/m.pt2", inputs=(IDS,), outputs=(IDS,))
 
 
+def test_a_dynamic_output_needs_a_dynamic_input() -> None:
+    """Its length is the row's longest dynamic input dimension: with no dynamic input the
+    buffers held 1, and a model answering any other length never became ready."""
+    scores = TensorSpec(name="scores", datatype="FP32", shape=(-1, -1))
+    with pytest.raises(ValidationError, match="output 'scores' has a dynamic dimension"):
+        ModelSpec(name="m", task="tensor", source="/m.pt2", inputs=(IDS,), outputs=(scores,))
+    ModelSpec(name="m", task="tensor", source="/m.pt2", inputs=(MASK,), outputs=(scores,))
+
+
 def test_steady_models_takes_a_tensor_model_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "STEADY_MODELS",

@@ -53,9 +53,15 @@ class ModelSpec(BaseModel):
 
     model_config = {"frozen": True, "extra": "forbid"}
 
+    # A path segment of /v2/models/{name}/...: no '/' (`source` may be a Hugging Face id,
+    # `org/model`; the name may not), and not empty (a request naming "" got the default).
     name: str = Field(
         default="all-MiniLM-L6-v2",
-        description="Public name, used in the `model` field of requests and in /v1/models.",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.:-]*$",
+        description="Public name, used in the `model` field of requests, in /v1/models and "
+        "in /v2/models/{name}: letters, digits and `_.:-`.",
     )
     task: Literal["embed", "tensor", "generate"] = Field(
         default="embed",

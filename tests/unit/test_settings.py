@@ -185,3 +185,18 @@ def test_a_default_deadline_past_the_longest_is_refused() -> None:
     Settings(default_timeout_ms=60_000)
     with pytest.raises(ValidationError, match="default_timeout_ms must not exceed max_timeout_ms"):
         Settings(default_timeout_ms=90_000)
+
+
+@pytest.mark.parametrize("name", ["team/scorer", "", "../a", "a b", ".hidden"])
+def test_a_model_name_that_is_no_path_segment_is_refused(name: str) -> None:
+    """/v2/models/{name}/infer cannot route a '/', and a request naming "" got the default
+    model: both names were accepted."""
+    with pytest.raises(ValidationError, match=r"models\.0\.name"):
+        Settings(models=({"name": name},))  # type: ignore[arg-type]
+
+
+def test_a_hugging_face_id_is_a_source_not_a_name() -> None:
+    source = "sentence-transformers/all-MiniLM-L6-v2"
+    for name in ("all-MiniLM-L6-v2", "bge-small-en-v1.5", "qwen2.5:0.5b", "_private"):
+        (model,) = Settings(models=({"name": name, "source": source},)).models  # type: ignore[arg-type]
+        assert (model.name, model.source) == (name, source)

@@ -8,6 +8,7 @@ process that builds `Settings`); any thread of either process may then read them
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -16,6 +17,8 @@ BUNDLED_DEFAULT_SOURCE = "bundled:all-MiniLM-L6-v2"
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 TensorDatatype = Literal["FP16", "BF16", "FP32", "INT64", "BOOL"]
+# Bytes of one element as binary data (`tensors.NUMPY_DTYPES`' item sizes).
+DATATYPE_BYTES: dict[str, int] = {"FP16": 2, "BF16": 2, "FP32": 4, "INT64": 8, "BOOL": 1}
 
 
 class TensorSpec(BaseModel):
@@ -46,6 +49,13 @@ class TensorSpec(BaseModel):
     def dynamic(self) -> bool:
         """Whether a dimension besides the batch is dynamic."""
         return -1 in self.shape[1:]
+
+    def smallest_row_bytes(self) -> int:
+        """The fewest body bytes that can carry one row of this tensor, its dynamic
+        dimensions at 1: its raw bytes (binary data), or as JSON one digit and a comma an
+        element, whichever is fewer (token ids in JSON take fewer than their INT64 bytes)."""
+        elements = math.prod(max(size, 1) for size in self.shape[1:])
+        return min(elements * DATATYPE_BYTES[self.datatype], 2 * elements - 1)
 
 
 class ModelSpec(BaseModel):

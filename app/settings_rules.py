@@ -55,6 +55,15 @@ def inconsistency(settings: Settings) -> str | None:
         )
     if settings.health_port is not None and settings.health_port == settings.port:
         return "health_port must differ from port (it carries no traffic)"
+    for model in settings.models:
+        smallest = sum(tensor.smallest_row_bytes() for tensor in model.inputs)
+        if smallest > settings.max_body_bytes:
+            return (
+                f"max_body_bytes ({settings.max_body_bytes}) is under the smallest request to "
+                f"tensor model {model.name!r} ({smallest} bytes: one row, dynamic dimensions "
+                "at 1, each element its raw bytes or one JSON digit and comma): every request "
+                "to it would be refused 413"
+            )
     generates = any(model.task == "generate" for model in settings.models)
     if generates and settings.generate_slot_tokens > settings.rate_limit_burst:
         return (

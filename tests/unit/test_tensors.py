@@ -233,3 +233,45 @@ def test_steady_models_takes_a_tensor_model_as_json(monkeypatch: pytest.MonkeyPa
     )
     (spec,) = Settings().models
     assert spec.task == "tensor" and spec.inputs[0].dynamic and not spec.outputs[0].dynamic
+
+
+def tensor_model(datatype: str, shape: tuple[int, ...]) -> dict[str, object]:
+    return {
+        "name": "m",
+        "task": "tensor",
+        "source": "/m.pt2",
+        "inputs": [{"name": "x", "datatype": datatype, "shape": shape}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": (-1,)}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape"),
+    [
+        ("FP32", (-1, 300_000)),  # 1.2 MB of raw bytes; JSON of one-digit numbers, 0.6 MB
+        ("INT64", (-1, 400_000, -1)),  # token ids in JSON take fewer bytes than as INT64
+        ("BOOL", (-1, 1_000_000)),
+    ],
+)
+def test_a_tensor_model_some_request_fits_is_served(datatype: str, shape: tuple[int, ...]) -> None:
+    Settings(models=(tensor_model(datatype, shape),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("datatype", "shape"),
+    [("FP32", (-1, 600_000)), ("BOOL", (-1, 1_100_000)), ("FP16", (-1, 2, -1, 300_000))],
+)
+def test_a_tensor_model_whose_smallest_request_is_too_large_is_refused(
+    datatype: str, shape: tuple[int, ...]
+) -> None:
+    """Accepted, it answered every request 413: one row (dynamic dimensions at 1) cannot
+    fit STEADY_MAX_BODY_BYTES, whether its data is binary or JSON."""
+    with pytest.raises(ValidationError, match=r"max_body_bytes .* tensor model 'm'"):
+        Settings(models=(tensor_model(datatype, shape),))  # type: ignore[arg-type]
+
+
+def test_datatype_sizes_are_numpys() -> None:
+    from app.model_specs import DATATYPE_BYTES
+    from app.tensors import NUMPY_DTYPES
+
+    assert {name: dtype.itemsize for name, dtype in NUMPY_DTYPES.items()} == DATATYPE_BYTES

@@ -9,9 +9,9 @@ process that builds `Settings`); any thread of either process may then read them
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 BUNDLED_DEFAULT_SOURCE = "bundled:all-MiniLM-L6-v2"
 
@@ -125,3 +125,14 @@ class ModelSpec(BaseModel):
         elif self.inputs or self.outputs:
             raise ValueError(f"{self.name}: only a tensor model declares inputs and outputs")
         return self
+
+
+def _at_least_one(models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+    if not models:
+        raise ValueError("at least one model is needed")
+    return models
+
+
+# The models to serve, at least one. Not `min_length=1`: pydantic checks that on what is
+# left once a model has failed, and added a false "at least 1 item" to the real error.
+ModelSpecs = Annotated[tuple[ModelSpec, ...], AfterValidator(_at_least_one)]

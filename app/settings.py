@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.model_specs import ModelSpec
+from app.model_specs import ModelSpec, ModelSpecs
 from app.settings_rules import inconsistency
 
 Device = Literal["auto", "cpu", "cuda"]
@@ -40,9 +40,8 @@ class Settings(BaseSettings):
         description="Idle keep-alive connections are closed after this; keep it above the "
         "proxy's upstream idle timeout so the proxy, not the server, closes idle connections.",
     )
-    models: tuple[ModelSpec, ...] = Field(
+    models: ModelSpecs = Field(
         default=(ModelSpec(),),
-        min_length=1,
         description='Models to serve, as JSON: `[{"name":..., "task":"embed", "source":...}]`; '
         "a `tensor` model also declares its `inputs` and `outputs` (README: Open Inference "
         "Protocol).",

@@ -200,3 +200,18 @@ def test_a_hugging_face_id_is_a_source_not_a_name() -> None:
     for name in ("all-MiniLM-L6-v2", "bge-small-en-v1.5", "qwen2.5:0.5b", "_private"):
         (model,) = Settings(models=({"name": name, "source": source},)).models  # type: ignore[arg-type]
         assert (model.name, model.source) == (name, source)
+
+
+def test_a_model_that_fails_gives_its_error_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown task also gave "models: Tuple should have at least 1 item after
+    validation, not 0" (the check ran on what was left once the model failed)."""
+    from app.cli import main
+
+    monkeypatch.setenv("STEADY_MODELS", '[{"name": "a", "task": "classify"}]')
+    assert main(["serve"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("steadyserve: STEADY_MODELS: Input should be 'embed'")
+    with pytest.raises(ValidationError, match="at least one model is needed"):
+        Settings(models=())

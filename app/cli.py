@@ -19,9 +19,9 @@ import math
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -196,10 +196,39 @@ def settings_problems(error: ValidationError) -> list[str]:
     return lines
 
 
+def serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings `serve`'s flags override (those given): they win over the environment."""
+    return {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+
+
+class CommandLineError(ValueError):
+    """A command line `main` would refuse (check-config reads the server container's)."""
+
+
+class _RefusingParser(argparse.ArgumentParser):
+    """The command line's parser, raising where `main`'s would print and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(message)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise CommandLineError(message or f"it exits (status {status}) without serving")
+
+
+def serve_command_overrides(argv: Sequence[str]) -> dict[str, Any]:
+    """The settings the command line `steadyserve <argv>` overrides, parsed by `main`'s own
+    parser; raises `CommandLineError` where it runs no `serve` or `main` would refuse it."""
+    args, rest = build_parser(_RefusingParser).parse_known_args(list(argv))
+    if args.command != "serve":
+        raise CommandLineError(f"it runs `{args.command}`, not `serve`")
+    if rest:
+        raise CommandLineError(f"unrecognized arguments: {' '.join(rest)}")
+    return serve_overrides(args)
+
+
 def serve(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     try:
-        settings = Settings(**overrides)
+        settings = Settings(**serve_overrides(args))
     except ValidationError as error:
         for line in settings_problems(error):
             sys.stderr.write(f"steadyserve: {line}\n")
@@ -229,10 +258,12 @@ DELEGATED = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
     """The top-level command line: `serve` and `settings` parsed here, the others' arguments
     left for their own modules (`DELEGATED`)."""
-    parser = argparse.ArgumentParser(prog="steadyserve")
+    parser = parser_class(prog="steadyserve")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="serve the configured models over HTTP")
     serve_parser.add_argument("--host", help="overrides STEADY_HOST")

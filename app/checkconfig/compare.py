@@ -91,10 +91,11 @@ def check_overlay(
     where = f"k8s[{name}]"
     environment = pod_environment(manifests)
     try:
-        settings, unknown = settings_from_environment(environment.variables)
+        settings, unknown = settings_from_environment(environment.variables, environment.overrides)
     except ValidationError as error:
         # The server would not start: a config error (run_checks names the overlay).
-        raise ConfigError(describe_validation_error(error, environment.variables)) from error
+        described = describe_validation_error(error, environment.variables, environment)
+        raise ConfigError(described) from error
     expected_settings = {**baseline.settings, **overlay.get("settings", {})}
     differences = compare(
         f"{where}.settings", expected_settings, _settings_values(settings, expected_settings)

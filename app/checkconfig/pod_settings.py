@@ -21,6 +21,7 @@ from app.checkconfig.common import ENV_PREFIX, SERVER_CONTAINER, ConfigError, Ma
 from app.checkconfig.kustomize import find_manifest
 from app.checkconfig.quantities import cpu_count
 from app.checkconfig.sources import server_parts
+from app.cli import CommandLineError, serve_command_overrides
 from app.settings import Settings
 
 # pydantic-settings matches variable names to fields ignoring case unless told otherwise;
@@ -51,6 +52,10 @@ class PodEnvironment:
     variables: dict[str, str] = field(default_factory=dict)
     # One line per settings variable whose value comes from somewhere the checker cannot read.
     unreadable: list[str] = field(default_factory=list)
+    # The settings the container's command line overrides (`serve --host --port`), which win
+    # over the environment, and that command line as written.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    command_line: str = ""
 
 
 def pod_environment(manifests: list[Manifest]) -> PodEnvironment:
@@ -81,7 +86,45 @@ def pod_environment(manifests: list[Manifest]) -> PodEnvironment:
             raise ConfigError(f"container {SERVER_CONTAINER}: an env entry has no name")
         if is_setting_name(name):
             _set_from_env_entry(environment, manifests, container, variable, name)
+    _read_command_line(environment, container)
     return environment
+
+
+# What the image runs: its ENTRYPOINT, with the container's `args` (else the image's CMD).
+IMAGE_ENTRYPOINT = "steadyserve"
+
+
+def _read_command_line(environment: PodEnvironment, container: Manifest) -> None:
+    """The settings the container's command line overrides, as `steadyserve serve` applies
+    them (the server's own parser: `cli.serve_command_overrides`)."""
+    command, args = container.get("command"), container.get("args")
+    for key, value in (("command", command), ("args", args)):
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(item, str) for item in value)
+        ):
+            raise ConfigError(f"container {SERVER_CONTAINER}: {key} is not a list of strings")
+    command, args = command or None, args or None  # empty is unset, to Kubernetes
+    if command is None and args is None:
+        environment.unreadable.append(
+            "the server container sets no args: the image's CMD, which check-config cannot "
+            "read, may override settings"
+        )
+        return
+    if command is not None and command[0].rsplit("/", 1)[-1] != IMAGE_ENTRYPOINT:
+        environment.unreadable.append(
+            f"the server container runs {command}, not {IMAGE_ENTRYPOINT}: its command line "
+            "is not checked"
+        )
+        return
+    argv = [*(command or [IMAGE_ENTRYPOINT])[1:], *(args or [])]
+    environment.command_line = " ".join([IMAGE_ENTRYPOINT, *argv])
+    try:
+        environment.overrides = serve_command_overrides(argv)
+    except CommandLineError as error:
+        raise ConfigError(
+            f"container {SERVER_CONTAINER}: `{environment.command_line}` would not serve: "
+            f"{' '.join(str(error).split())}"
+        ) from error
 
 
 def _set(environment: PodEnvironment, name: str, value: str) -> None:
@@ -172,18 +215,27 @@ def describe_settings_error(error: SettingsError) -> str:
     )
 
 
-def describe_validation_error(error: ValidationError, variables: Mapping[str, str]) -> str:
+def describe_validation_error(
+    error: ValidationError, variables: Mapping[str, str], pod: PodEnvironment | None = None
+) -> str:
     """Settings that parse but fail validation (a value out of range, a rule between settings)
-    as one line naming each variable, its value and the rule: a config error, as the server
-    would refuse to start on it, not a difference from the baseline."""
+    as one line naming each variable (or the pod's command-line flag, which wins over it),
+    its value and the rule: a config error, as the server would refuse to start on it, not a
+    difference from the baseline."""
     problems = []
+    command_line = pod.command_line if pod is not None else ""
+    flags = pod.overrides if pod is not None else {}
+    with_flags = f" (with the flags of `{command_line}`, which win)" if flags else ""
     for problem in error.errors(include_url=False):
         reason = " ".join(str(problem["msg"]).removeprefix("Value error, ").split())
         location = problem["loc"]
         if not location:
-            problems.append(f"the settings together do not validate: {reason}")
+            problems.append(f"the settings together do not validate: {reason}{with_flags}")
             continue
         setting = str(location[0])
+        if setting in flags:
+            problems.append(f"--{setting} of `{command_line}` does not validate: {reason}")
+            continue
         variable = next(
             (name for name in sorted(variables) if _field_of(name) == setting),
             f"{ENV_PREFIX}{setting.upper()}",
@@ -196,10 +248,13 @@ def describe_validation_error(error: ValidationError, variables: Mapping[str, st
     return "; ".join(problems)
 
 
-def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings, list[str]]:
+def settings_from_environment(
+    environment: Mapping[str, str], overrides: Mapping[str, Any] | None = None
+) -> tuple[Settings, list[str]]:
     """Settings from a pod's environment, parsed by pydantic-settings' own environment source
     (the server's parser: JSON only for fields whose type needs it, names matched as it
-    matches them); also the variables that carry the prefix but name no setting (typos).
+    matches them), with `overrides` (the command line's) winning as they win in `serve`;
+    also the variables that carry the prefix but name no setting (typos).
 
     Raises ConfigError where a value cannot be parsed at all (pydantic's SettingsError), and
     pydantic's ValidationError where values parse but fail validation (for
@@ -223,7 +278,7 @@ def settings_from_environment(environment: Mapping[str, str]) -> tuple[Settings,
         for name in environment
         if (field := _field_of(name)) is not None and field not in Settings.model_fields
     ]
-    return _EnvironmentFreeSettings(**values), unknown
+    return _EnvironmentFreeSettings(**{**values, **(overrides or {})}), unknown
 
 
 def _show_source(source: Mapping[str, Any]) -> str:

@@ -215,3 +215,15 @@ def test_a_model_that_fails_gives_its_error_only(
     assert line.startswith("steadyserve: STEADY_MODELS: Input should be 'embed'")
     with pytest.raises(ValidationError, match="at least one model is needed"):
         Settings(models=())
+
+
+def test_the_serve_flags_a_command_line_sets_are_read_by_the_servers_parser() -> None:
+    """check-config reads the server container's args with it (`serve` applies them)."""
+    from app.cli import CommandLineError, serve_command_overrides
+
+    flags = ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert serve_command_overrides(flags) == {"host": "0.0.0.0", "port": 8000}
+    assert serve_command_overrides(["serve"]) == {}
+    for refused in (["serve", "--bogus"], ["serve", "--port", "x"], ["settings"], []):
+        with pytest.raises(CommandLineError):
+            serve_command_overrides(refused)

@@ -155,6 +155,8 @@ def _named_as_sent(request: Request, noun: str, index: int) -> str:
 
 
 async def _too_long(request: Request, error: Exception) -> Response:
+    # An embedding input: a generation prompt over its limit, in tokens or in characters,
+    # is a `ContextTooLong` (400 `context_length_exceeded`), whatever its route.
     assert isinstance(error, InputTooLong)
     param = _text_param(request, error.index)
     message = error.described(_named_as_sent(request, "input", error.index))

@@ -10,10 +10,11 @@ _ERROR_WHEN = {
     "`dimensions` other than the model's width; "
     "generation asked of an embedding model, chat of a model without a chat template, or "
     "messages its template refuses (`invalid_request`); a prompt plus its new tokens over "
-    "what one sequence holds (`context_length_exceeded`).",
+    "what one sequence holds, or a prompt over it in characters (`context_length_exceeded`).",
     404: "Unknown model (`model_not_found`).",
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
-    "(`too_many_inputs`), an input over the model's token limit (`input_too_long`), or a "
+    "(`too_many_inputs`), an embedding input over the model's token limit "
+    "(`input_too_long`), or a "
     "generation needing more tokens than STEADY_RATE_LIMIT_BURST (`too_many_tokens`).",
     415: "A compressed body (`unsupported_content_encoding`): send it uncompressed.",
     422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",

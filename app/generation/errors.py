@@ -31,6 +31,25 @@ class ContextTooLong(Exception):
         )
 
 
+class PromptTooManyCharacters(ContextTooLong):
+    """A prompt with more characters than the sequence's limit allows (`MAX_CHARS_PER_TOKEN`
+    per token), refused before a tokenizer pass: the same refusal as the token check's, 400
+    `context_length_exceeded`, however long the prompt (a client's handler of an overflow
+    keys on it)."""
+
+    def __init__(self, index: int, characters: int, max_characters: int, limit: int) -> None:
+        self.index, self.sizes = index, (characters, max_characters, limit)
+        Exception.__init__(self, self.described(f"prompt {index}"))
+
+    def described(self, prompt: str) -> str:
+        characters, max_characters, limit = self.sizes
+        return (
+            f"{prompt} has {characters} characters; a sequence holds at most {limit} tokens "
+            f"(prompt + new tokens), and a prompt over {max_characters} characters is refused "
+            "before it is tokenized"
+        )
+
+
 class TooManyTokens(Exception):
     """The whole request needs more tokens than the admission bucket can ever hold (413)."""
 

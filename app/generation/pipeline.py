@@ -21,10 +21,14 @@ from typing import Any, Literal
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.generation.detokenize import IncrementalDetokenizer, WholeText
-from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
+from app.generation.errors import (
+    ContextTooLong,
+    NoChatTemplate,
+    PromptTooManyCharacters,
+    TooManyTokens,
+)
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
-from app.models.tokenizer import InputTooLong
 from app.service import MAX_CHARS_PER_TOKEN, Service, WrongTask
 from app.timing import PhaseTimer
 
@@ -136,15 +140,16 @@ class TextGeneration:
         timer: PhaseTimer,
     ) -> PreparedGeneration:
         """Check, tokenize and admit. `templated`: the prompts come from a chat template,
-        which writes its special tokens itself. Raises `WrongTask`, `InputTooLong`,
-        `ContextTooLong`, `TooManyTokens` or `Rejected` (429/503/504)."""
+        which writes its special tokens itself. Raises `WrongTask`, `ContextTooLong` (a
+        prompt over the sequence's limit, in tokens or, before any tokenizer pass, in
+        characters), `TooManyTokens` or `Rejected` (429/503/504)."""
         tokenizer = self.tokenizer(model)
         now, deadline = self.service.begin(model, timeout_ms, envoy_timeout_ms)
         limit = self.context_limit(model)
         max_chars = limit * MAX_CHARS_PER_TOKEN
         for index, text in enumerate(prompts):  # before any tokenizer pass
             if len(text) > max_chars:
-                raise InputTooLong(index, len(text), max_chars, "characters")
+                raise PromptTooManyCharacters(index, len(text), max_chars, limit)
         prompt_ids = await self.service.run_tokenizer(
             sum(len(text) for text in prompts),
             timer,

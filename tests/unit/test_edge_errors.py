@@ -69,6 +69,53 @@ async def test_an_error_about_one_text_names_it_as_the_client_sent_it(
     assert f"at most {CONTEXT} tokens" in error["message"], error
 
 
+# Over CONTEXT * MAX_CHARS_PER_TOKEN characters: refused before any tokenizer pass.
+LONG_PROMPT = "hello " * 100
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "named"),
+    [
+        ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, "prompt", "the prompt"),
+        ("/v1/completions", {"prompt": ["hello", LONG_PROMPT]}, "prompt[1]", "prompt 1"),
+        ("/infer", {"inputs": LONG_PROMPT}, "inputs", "the prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+            "messages",
+            "the prompt rendered from the messages",
+        ),
+    ],
+)
+async def test_a_prompt_over_the_context_in_characters_is_context_length_exceeded(
+    tmp_path: Path, path: str, body: dict[str, object], param: str, named: str
+) -> None:
+    """A prompt refused by its characters, before it is tokenized, was a 413 `input_too_long`
+    where a shorter one over the same context was a 400 `context_length_exceeded`: a
+    client's overflow handler (openai's BadRequestError, LiteLLM's context-window mapping)
+    missed the longest prompts."""
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    async with front_end(tmp_path) as (client, _, engine):
+        response = await client.post(path, json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == param, error
+    assert error["message"].startswith(f"{named} has "), error  # the rendered chat: 601
+    assert f" characters; a sequence holds at most {CONTEXT} tokens" in error["message"], error
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/embeddings", "input"), ("/infer", "inputs")])
+async def test_an_embedding_input_over_the_limit_in_characters_stays_a_413(
+    tmp_path: Path, path: str, field: str
+) -> None:
+    """Only generation prompts are answered 400: an embedding input is `input_too_long`."""
+    async with front_end(tmp_path) as (client, _, _):
+        response = await client.post(path, json={"model": "minilm", field: LONG_PROMPT})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "input_too_long"
+
+
 @pytest.mark.parametrize(
     ("body", "param", "named"),
     [

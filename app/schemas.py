@@ -17,9 +17,10 @@ NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are refused (422), and values are taken as the JSON type the field
-    has: `"max_tokens": true` was 1 token and `"temperature": "0.5"` was 0.5, while
-    `"stream": "true"` was refused (an integer is still a number for a float field)."""
+    """Unknown fields are refused (422; 400 on the OpenAI routes), and values are taken as
+    the JSON type the field has: `"max_tokens": true` was 1 token and `"temperature": "0.5"`
+    was 0.5, while `"stream": "true"` was refused (an integer is still a number for a float
+    field)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 

@@ -4,10 +4,10 @@ generate model, and OpenAI's /v1/completions and /v1/chat/completions.
 OpenAI's sampling conventions hold on the OpenAI routes (temperature 0 is greedy, the
 default 1.0 samples); /infer follows transformers' `generate` (greedy unless `do_sample`).
 Fields OpenAI defines that steadyserve does not implement are modelled at the value that asks
-for nothing (a request asking for more is refused, 422), and any other field is refused: a
-request is never silently served differently than asked. Fields that change nothing about
-the answer (an end-user id, chat's `store: false`, `metadata`, `service_tier`) are taken and
-ignored.
+for nothing (a request asking for more is refused: 400 on the OpenAI routes, 422 on /infer),
+and any other field is refused: a request is never silently served differently than asked.
+Fields that change nothing about the answer (an end-user id, chat's `store: false`,
+`metadata`, `service_tier`) are taken and ignored.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from app.api.common import (
     validated,
 )
 from app.api.errors import texts_as_sent
-from app.api.errors_doc import ERRORS
+from app.api.errors_doc import ERRORS, OPENAI_ERRORS
 from app.api.generate import infer_generate
 from app.api.responses import error_response, in_envelope_of, json_response, service_of
 from app.embedding_service import EmbedResult, embed_texts
@@ -136,7 +136,7 @@ async def embeddings_request(request: Request) -> EmbeddingsRequest:
 @router.post(
     "/v1/embeddings",
     response_model=EmbeddingsResponse,
-    responses=ERRORS,
+    responses=OPENAI_ERRORS,
     openapi_extra=body_document(EmbeddingsRequest),
 )
 async def embeddings(request: Request) -> Response:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
-from app.api.responses import error_response, in_envelope_of
+from app.api.responses import error_response, in_envelope_of, speaks_openai
 from app.embedding_service import NonFiniteOutput
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
 from app.failures import DeadlineExceeded
@@ -101,7 +101,17 @@ async def _validation_error(request: Request, error: Exception) -> Response:
     message = str(first.get("msg", "invalid request"))
     if first.get("type") == "missing" and param:
         message = f"field required: {param}"
-    return error_response(422, "invalid_request", message, param)
+    return error_response(
+        invalid_request_status(request.url.path), "invalid_request", message, param
+    )
+
+
+def invalid_request_status(path: str) -> int:
+    """The status of a body that parses but is refused (a wrong type, an unknown field, a
+    value not served): 400 on the OpenAI routes, as OpenAI (and vLLM) answer it, which the
+    openai client raises as `BadRequestError` (a 422 was its `UnprocessableEntityError`,
+    which a caller's handler of bad requests missed); FastAPI's 422 elsewhere."""
+    return 400 if speaks_openai(path) else 422
 
 
 async def _rejected(request: Request, error: Exception) -> Response:
@@ -160,7 +170,7 @@ async def _too_long(request: Request, error: Exception) -> Response:
     assert isinstance(error, InputTooLong)
     param = _text_param(request, error.index)
     message = error.described(_named_as_sent(request, "input", error.index))
-    if request.url.path.startswith("/v1/") or error.unit == "characters":
+    if speaks_openai(request.url.path) or error.unit == "characters":
         return error_response(413, "input_too_long", message, param)
     message = f"{message}; set parameters.truncate to cut inputs to the limit"
     return error_response(413, "input_too_long", message, param)

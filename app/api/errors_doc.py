@@ -32,3 +32,12 @@ _ERROR_WHEN = {
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody, "description": when} for code, when in _ERROR_WHEN.items()
 }
+# The OpenAI routes answer a refused field 400, as OpenAI does (`errors.invalid_request_status`).
+OPENAI_ERRORS: dict[int | str, dict[str, object]] = {
+    **{code: answer for code, answer in ERRORS.items() if code != 422},
+    400: {
+        "model": ErrorBody,
+        "description": f"{_ERROR_WHEN[400]} Wrong types, empty input or unknown fields "
+        "(`invalid_request`, with `param`).",
+    },
+}

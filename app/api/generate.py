@@ -21,7 +21,7 @@ from app.admission import Rejected, RejectReason
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
 from app.api.errors import REJECTION_STATUS, texts_as_sent
-from app.api.errors_doc import ERRORS
+from app.api.errors_doc import OPENAI_ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
@@ -170,7 +170,7 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,
-    responses=ERRORS,
+    responses=OPENAI_ERRORS,
     openapi_extra=body_document(CompletionRequest),
 )
 async def completions(request: Request) -> Response:
@@ -189,7 +189,7 @@ async def completions(request: Request) -> Response:
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
-    responses=ERRORS,
+    responses=OPENAI_ERRORS,
     openapi_extra=body_document(ChatCompletionRequest),
 )
 async def chat_completions(request: Request) -> Response:

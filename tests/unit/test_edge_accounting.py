@@ -29,7 +29,7 @@ from tests.support.edge import SETTINGS, front_end
         ("/infer", b'{"model": "minilm", "inputs": 5}', 422),
         ("/v1/embeddings", b'{"model": "minilm", "input": ', 400),
         ("/v1/completions", b'{"model": "tiny", "prompt": "hello", "max_tokens": 16}', 400),
-        ("/v1/chat/completions", b'{"model": "tiny", "messages": "hello"}', 422),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": "hello"}', 400),
         ("/v2/models/minilm/infer", b'{"inputs": "not a list"}', 400),
     ],
 )

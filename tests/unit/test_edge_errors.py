@@ -142,12 +142,12 @@ LONE = "a\udc00"  # JSON may escape a lone surrogate; no tokenizer takes it (Typ
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
-        ("/v1/completions", {"model": "tiny", "prompt": LONE}, 422, "prompt"),
-        ("/v1/completions", {"model": "tiny", "prompt": ["hello", LONE]}, 422, "prompt[1]"),
-        ("/v1/completions", {"model": "tiny", "prompt": "hello", "stop": [LONE]}, 422, "stop[0]"),
+        ("/v1/completions", {"model": "tiny", "prompt": LONE}, 400, "prompt"),
+        ("/v1/completions", {"model": "tiny", "prompt": ["hello", LONE]}, 400, "prompt[1]"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "stop": [LONE]}, 400, "stop[0]"),
         ("/infer", {"model": "tiny", "inputs": LONE}, 422, "inputs"),
         ("/infer", {"model": "minilm", "inputs": [LONE]}, 422, "inputs[0]"),
-        ("/v1/embeddings", {"model": "minilm", "input": LONE}, 422, "input"),
+        ("/v1/embeddings", {"model": "minilm", "input": LONE}, 400, "input"),
         (
             "/v1/chat/completions",
             {"model": "tiny", "messages": [{"role": "user", "content": LONE}]},

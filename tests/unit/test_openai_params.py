@@ -1,4 +1,4 @@
-"""What the OpenAI routes refuse rather than serve differently than asked (422)."""
+"""What the OpenAI routes refuse rather than serve differently than asked (400)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""OpenAI's text fields that also take a list: token arrays are refused (422) with a message
-naming the field, on the embeddings and the completions routes alike."""
+"""OpenAI's text fields that also take a list: token arrays are refused (400 on the
+OpenAI routes) with a message naming the field, on the embeddings and the completions routes
+alike."""
 
 from __future__ import annotations
 

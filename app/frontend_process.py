@@ -46,11 +46,13 @@ def run_frontend_process(
     processes: int,
     started: Connection,
     parent_pid: int,
+    created: int,
 ) -> None:
     """Entry point of one front-end process. Writes `STARTED` on `started` (the write end of
     its start pipe) once its start-up succeeded: the supervisor counts it as serving from
     then on; a start-up that fails ends the process (exit status 1), which the supervisor
-    restarts with backoff."""
+    restarts with backoff. `created`: when the process tree started (the served models'
+    `created` on /v1/models, the same in every front end)."""
     die_with_parent(parent_pid)
     # Until uvicorn installs its handlers: a drain asked for during start-up is a clean
     # exit, and the group's SIGTERM/SIGINT are the parent's to handle.
@@ -72,6 +74,10 @@ def run_frontend_process(
         started.close()
 
     app = create_app(
-        settings, engine_addresses=addresses, frontend_processes=processes, on_started=on_started
+        settings,
+        engine_addresses=addresses,
+        frontend_processes=processes,
+        on_started=on_started,
+        created=created,
     )
     sys.exit(run_uvicorn(app, settings, sockets=[sock], in_process_tree=True))

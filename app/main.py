@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -111,6 +112,7 @@ def create_app(
     frontend_processes: int = 1,
     engine: EngineClient | None = None,
     on_started: Callable[[bool], None] | None = None,
+    created: int | None = None,
 ) -> FastAPI:
     """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
     `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling); `engine`
@@ -118,7 +120,9 @@ def create_app(
     `on_started(ok)` (the process tree's) is called on the event loop once the front end's
     start-up (tokenizers, engine connection) has succeeded or failed; with it the lifespan's
     start-up waits for that, and fails with it. Without it, start-up goes on in the
-    background while the app answers (the in-process server's probes report it)."""
+    background while the app answers (the in-process server's probes report it). `created`:
+    the served models' `created` on /v1/models (Unix seconds): the process tree's start,
+    the same in every front end; by default now (an in-process server is the whole tree)."""
     metrics = Metrics()
     supervisor: EngineSupervisor | None = None
     if engine is None:
@@ -200,6 +204,7 @@ def create_app(
     app.state.v2_renderer = AnswerRenderer()  # large /v2 answers' render thread
     app.state.generation = TextGeneration(service)
     app.state.settings = settings
+    app.state.models_created = int(time.time()) if created is None else created
     app.state.supervisor = supervisor
     app.state.telemetry = telemetry
     app.state.recorder = None

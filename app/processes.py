@@ -82,6 +82,7 @@ class ProcessTree:
         self.run_dir = run_dir
         self.addresses = EngineAddresses.in_directory(run_dir)
         self.frontend_count = settings.frontend_processes(available_cpus())
+        self.created = int(time.time())  # /v1/models' `created`, the same in every front end
         self._context = multiprocessing.get_context("spawn")
         self._clock = clock
         self.engine = EngineSupervisor(
@@ -194,10 +195,9 @@ class ProcessTree:
         # A pipe, not a shared flag: its end turns readable the moment the front end says it
         # started (or dies), so the supervisor times its serving on its own clock.
         heard, started = self._context.Pipe(duplex=False)
+        frontend = (self.settings, self.addresses, self.frontend_count, started, os.getpid())
         process = self._context.Process(
-            target=run_frontend_process,
-            args=(self.settings, self.addresses, self.frontend_count, started, os.getpid()),
-            name="steadyserve-frontend",
+            target=run_frontend_process, args=(*frontend, self.created), name="steadyserve-frontend"
         )
         try:
             process.start()

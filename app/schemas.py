@@ -98,8 +98,15 @@ class EmbeddingsResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's Model object (`id`, `object`, `created`, `owned_by`), plus the model's task."""
+
     id: str
     object: Literal["model"] = "model"
+    created: int = Field(
+        description="When the server started (Unix seconds; the same in every front end, "
+        "since a model is served from its start): OpenAI's field is required, and the model "
+        "files' own age is not known of every source."
+    )
     owned_by: str = "steadyserve"
     task: str
 

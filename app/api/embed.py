@@ -1,5 +1,5 @@
 """POST /infer (native; a generate model's requests go on to `generate.py`) and the
-OpenAI-compatible /v1/embeddings and /v1/models."""
+OpenAI-compatible /v1/embeddings, /v1/models and /v1/models/{model}."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from app.schemas import (
     ModelList,
 )
 from app.schemas_generation import GenerateInferRequest, GenerateInferResponse
-from app.service import Service
+from app.service import Service, UnknownModel
 from app.timing import PhaseTimer
 
 router = APIRouter()
@@ -178,11 +178,28 @@ async def embeddings(request: Request) -> Response:
     )
 
 
+def _card(request: Request, name: str) -> dict[str, Any]:
+    created: int = request.app.state.models_created
+    return ModelCard(
+        id=name, created=created, task=service_of(request).model_task(name)
+    ).model_dump()
+
+
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> Response:
-    service = service_of(request)
-    cards = [
-        ModelCard(id=name, task=service.model_task(name)).model_dump()
-        for name in service.model_names()
-    ]
+    cards = [_card(request, name) for name in service_of(request).model_names()]
     return json_response({"object": "list", "data": cards})
+
+
+@router.get(
+    "/v1/models/{model:path}",
+    response_model=ModelCard,
+    responses={404: OPENAI_ERRORS[404]},
+)
+async def retrieve_model(request: Request, model: str) -> Response:
+    # OpenAI's retrieve (`client.models.retrieve`); an unknown name is 404 `model_not_found`.
+    # `:path`: a name with a `/` (a Hugging Face id, were one served under it) still matches.
+    service = service_of(request)
+    if model not in service.model_names():
+        raise UnknownModel(model, service.model_names())
+    return json_response(_card(request, model))

@@ -87,7 +87,7 @@ class AnsweringEngine(AlwaysReadyEngine):
 
 @contextlib.asynccontextmanager
 async def front_end(
-    tmp_path: Path, answer: Answer | None = None
+    tmp_path: Path, answer: Answer | None = None, created: int | None = None
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI, AnsweringEngine]]:
     generation = word_level_tokenizer(tmp_path)
 
@@ -98,6 +98,6 @@ async def front_end(
         return Failure(submit.request_id, FailureKind.FAILED, "not expected in this test")
 
     engine = AnsweringEngine(SETTINGS, answer or refused)
-    app = create_app(SETTINGS, tokenizer_loader=tokenizers, engine=engine)
+    app = create_app(SETTINGS, tokenizer_loader=tokenizers, engine=engine, created=created)
     async with serving(app) as client:
         yield client, app, engine

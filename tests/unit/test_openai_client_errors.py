@@ -5,14 +5,20 @@ OpenAI routes' refusals and model listing, a front end in front of an engine dou
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import time
 from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from app.processes import ProcessTree
+from app.settings import Settings
 from tests.support.edge import CHAT_TEMPLATE, front_end
+from tests.support.process_tree import StandIn
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -70,3 +76,67 @@ async def test_a_refused_field_is_a_bad_request_naming_it(
         "invalid_request",
         param,
     ), body
+
+
+async def test_the_client_lists_and_retrieves_each_model_with_when_it_was_created(
+    tmp_path: Path,
+) -> None:
+    """OpenAI's Model object requires `created`, which the list lacked, and
+    `client.models.retrieve` got 404 `not_found` (no such route) for a served model."""
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    async with front_end(tmp_path, created=1_700_000_000) as (http, _, _):
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http)
+        listed = (await http.get("/v1/models")).json()["data"]
+        tiny = await client.models.retrieve("tiny")
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.models.retrieve("gpt-17")
+    assert [(card["id"], card["created"]) for card in listed] == [
+        ("tiny", 1_700_000_000),
+        ("minilm", 1_700_000_000),
+    ]
+    assert tiny.model_dump(exclude_none=True) == {
+        "id": "tiny",
+        "object": "model",
+        "created": 1_700_000_000,
+        "owned_by": "steadyserve",
+        "task": "generate",
+    }
+    body = unknown.value.body
+    assert isinstance(body, dict) and (body["code"], body["param"]) == ("model_not_found", "model")
+
+
+class SpawnRecorder:
+    """The spawn context, recording each front end's arguments; no child starts."""
+
+    def __init__(self) -> None:
+        self.Pipe = multiprocessing.get_context("spawn").Pipe
+        self.args: list[tuple[object, ...]] = []
+
+    def Process(self, target: object, args: tuple[object, ...], name: str) -> StandIn:
+        self.args.append(args)
+        started = args[3]
+        assert isinstance(started, Connection)
+
+        class Child(StandIn):
+            def start(self) -> None:
+                started.close()  # as a child's end closes when it exits
+
+        return Child(500 + len(self.args))
+
+
+async def test_every_front_end_is_given_the_tree_s_start_as_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front end restarted later says the same `created` as the others: the tree's start,
+    not its own."""
+    tree = ProcessTree(Settings(), tmp_path)
+    spawned = SpawnRecorder()
+    monkeypatch.setattr(tree, "_context", spawned)
+    monkeypatch.setattr(tree, "_heard_frontend", lambda *heard: None)
+    try:
+        for index in (0, 1, 0):  # the third: front end 0 restarted
+            tree._spawn_frontend(index)
+    finally:
+        tree._zmq.destroy(linger=0)
+    assert abs(tree.created - time.time()) < 60
+    assert [args[-1] for args in spawned.args] == [tree.created] * 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +28,12 @@ TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+# OpenAI's `developer` role, its name for the instructions `system` gave (since its o1
+# models; the openai client and its wrappers send it). Templates written before it test
+# `role == 'system'` and refuse any other role, or drop it: a developer message is rendered
+# as a system one, unless the template names the role itself (it then renders it as it
+# means to, as gpt-oss's does).
+_NAMES_DEVELOPER = re.compile(r"""["']developer["']""")
 
 
 class ChatTemplateError(Exception):
@@ -89,13 +96,20 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
         self._template = _environment().from_string(source)
         self._special_tokens = dict(special_tokens)
+        self._developer_as_system = _NAMES_DEVELOPER.search(source) is None
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opened.
+        """The prompt text for `messages`, ending with the assistant's turn opened (a
+        `developer` message as a `system` one, unless the template names that role).
         Raises `ChatTemplateError` when the template refuses them or fails on them."""
+        rendered_messages = [dict(message) for message in messages]
+        if self._developer_as_system:
+            for message in rendered_messages:
+                if message.get("role") == "developer":
+                    message["role"] = "system"
         try:
             rendered = self._template.render(
-                messages=[dict(message) for message in messages],
+                messages=rendered_messages,
                 # As transformers renders them: templates test `tools is not none`, and
                 # an undefined name is not none.
                 tools=None,

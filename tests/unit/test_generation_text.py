@@ -197,6 +197,32 @@ def test_a_lone_surrogate_in_any_message_field_is_a_template_error(field: str) -
         ChatTemplate(source, {}).render([message])
 
 
+ROLES = (  # a template written before OpenAI's `developer` role: it knows these three
+    "{% for m in messages %}{% if m['role'] in ['system', 'user', 'assistant'] %}"
+    "[{{ m['role'] }}] {{ m['content'] }}{% else %}{{ raise_exception('unknown role') }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+def test_a_developer_message_is_rendered_as_a_system_message() -> None:
+    """OpenAI's `developer` role (its name for instructions since o1) reached templates
+    that test `role == 'system'`: refused (400), or its instructions silently dropped."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert ChatTemplate(ROLES, {}).render(messages) == "[system] Be brief.[user] Hi"
+    assert ChatTemplate(CHATML, {}).render(messages).startswith("<|im_start|>system\nBe brief.")
+    with pytest.raises(ChatTemplateError, match="system messages are not supported"):
+        ChatTemplate(STRICT, {}).render(messages)  # refused as its system message would be
+
+
+def test_a_template_that_names_the_developer_role_renders_it_itself() -> None:
+    source = (
+        "{% for m in messages %}{% if m.role == 'developer' %}D: {% elif m.role == 'system' %}"
+        "S: {% endif %}{{ m.content }}{% endfor %}"
+    )
+    messages = [{"role": "developer", "content": "x"}, {"role": "system", "content": "y"}]
+    assert ChatTemplate(source, {}).render(messages) == "D: xS: y"
+
+
 def test_templates_load_from_the_file_or_the_tokenizer_config(tmp_path: Path) -> None:
     assert load_chat_template(tmp_path) is None
     config = {"eos_token": {"content": "</s>"}, "chat_template": "{{ eos_token }}"}

@@ -1,5 +1,5 @@
 """What OpenAI's own client (and the wrappers built on it: LiteLLM, LangChain) makes of the
-OpenAI routes' refusals and model listing, a front end in front of an engine double
+OpenAI routes' refusals, model listing and chat roles, a front end in front of an engine double
 (tests/support/edge.py): the exception class each status maps to is what a caller catches."""
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ from typing import Any
 import openai
 import pytest
 
+from app.engine.protocol import (
+    FinishReason,
+    FromEngine,
+    GeneratePayload,
+    Output,
+    Submit,
+    TokensOutput,
+)
 from app.processes import ProcessTree
 from app.settings import Settings
 from tests.support.edge import CHAT_TEMPLATE, front_end
@@ -140,3 +148,36 @@ async def test_every_front_end_is_given_the_tree_s_start_as_created(
         tree._zmq.destroy(linger=0)
     assert abs(tree.created - time.time()) < 60
     assert [args[-1] for args in spawned.args] == [tree.created] * 3
+
+
+# Knows OpenAI's roles of before `developer`; its words are the tiny vocabulary's
+# (tests/support/edge.py: hello=2, world=3, again=4).
+ROLE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}again {% elif m['role'] == 'user' %}"
+    "{{ m['content'] }} {% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def one_token(submit: Submit) -> FromEngine:
+    assert isinstance(submit.payload, GeneratePayload)
+    prompt = len(submit.payload.prompt_ids)
+    return Output(submit.request_id, True, TokensOutput([2], prompt, FinishReason.LENGTH), 0, 0)
+
+
+async def test_a_developer_message_reaches_the_model_as_its_instructions(tmp_path: Path) -> None:
+    """The client's `developer` role was refused (400) by a template that knows `system`."""
+    (tmp_path / "chat_template.jinja").write_text(ROLE_TEMPLATE)
+    async with front_end(tmp_path, one_token) as (http, _, engine):
+        client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http)
+        answer = await client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "developer", "content": "anything"},
+                {"role": "user", "content": "hello world"},
+            ],
+            max_completion_tokens=1,
+        )
+    assert answer.choices[0].finish_reason == "length"
+    payload = engine.submitted[0].payload
+    assert isinstance(payload, GeneratePayload) and payload.prompt_ids == [4, 2, 3]

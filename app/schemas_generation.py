@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -199,6 +200,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # templates may read fields such as `name`
 
     role: NonEmptyText
+    # Null or left out only on an assistant's message (one that called tools), as OpenAI
+    # allows: another's was rendered as an empty turn, served as if the client sent one.
     content: (
         str
         | Annotated[
@@ -207,7 +210,20 @@ class ChatMessage(BaseModel):
             BeforeValidator(_at_most(MAX_CONTENT_PARTS, "content parts")),
         ]
         | None
-    ) = None
+    ) = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _only_the_assistant_s_may_be_null(
+        cls, content: str | list[TextPart] | None, info: ValidationInfo
+    ) -> str | list[TextPart] | None:
+        role = info.data.get("role")  # absent when the role itself was refused
+        if content is None and role is not None and role != "assistant":
+            raise ValueError(
+                f"a {role} message needs content (a string or a list of text parts); only "
+                "an assistant's may be null or left out"
+            )
+        return content
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -181,3 +181,46 @@ async def test_a_developer_message_reaches_the_model_as_its_instructions(tmp_pat
     assert answer.choices[0].finish_reason == "length"
     payload = engine.submitted[0].payload
     assert isinstance(payload, GeneratePayload) and payload.prompt_ids == [4, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": None},
+        {"role": "user"},
+        {"role": "system", "content": None},
+        {"role": "tool", "tool_call_id": "call-1"},
+    ],
+)
+async def test_a_message_without_content_is_refused_unless_the_assistant_s(
+    tmp_path: Path, message: dict[str, object]
+) -> None:
+    """OpenAI allows null content only on an assistant's message (one that called tools);
+    another's became an empty turn, served as if the client had sent one."""
+    async with openai_client(tmp_path) as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hello"}, message],  # type: ignore[list-item]
+            )
+    body = refused.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[1].content", body
+    assert f"a {message['role']} message" in body["message"], body
+
+
+async def test_an_assistant_message_may_have_null_content(tmp_path: Path) -> None:
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    async with front_end(tmp_path, one_token) as (http, _, engine):
+        body = {
+            "model": "tiny",
+            "max_tokens": 1,
+            "messages": [
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "world"},
+            ],
+        }
+        answer = await http.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    payload = engine.submitted[0].payload
+    assert isinstance(payload, GeneratePayload) and payload.prompt_ids == [2, 3]

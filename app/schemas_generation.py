@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StringConstraints,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -30,9 +31,14 @@ from app.schemas import NonEmptyText, StrictModel, strings_only
 
 # One prompt, or several, each continued independently.
 Prompts = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
+# The longest stop string taken. Text that may begin one is held back from the stream until
+# the next token shows whether it does, and matching such a beginning costs up to its length
+# squared per token, on the front end's event loop: a megabyte-long stop stalled it.
+STOP_MAX_CHARACTERS = 256
+StopText = Annotated[str, StringConstraints(min_length=1, max_length=STOP_MAX_CHARACTERS)]
 # OpenAI allows up to 4 stop sequences.
-StopList = Annotated[list[NonEmptyText], Field(max_length=4)]
-StopStrings = NonEmptyText | StopList | None
+StopList = Annotated[list[StopText], Field(max_length=4)]
+StopStrings = StopText | StopList | None
 Finish = Literal["stop", "length"]
 
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions

@@ -53,6 +53,9 @@ async def openai_client(tmp_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
         ),
         ("chat", {"extra_body": {"surprise": 1}}, "surprise"),
         ("completions", {"echo": True}, "echo"),
+        # Text that may begin a stop string is held back, and matched on every token.
+        ("completions", {"stop": "#" * 257}, "stop"),
+        ("chat", {"stop": ["\n", "#" * 257]}, "stop[1]"),
         ("completions", {"logprobs": 1}, "logprobs"),
         ("completions", {"prompt": [1, 2, 3]}, "prompt"),
         ("completions", {"max_tokens": "many"}, "max_tokens"),

@@ -220,13 +220,17 @@ class Batcher(Generic[RowT, OutT]):
 
     def _drop(self, decision: Decision, now: float) -> None:
         """Answer the inputs `decision` expired (504) and forget those cancelled; each one's
-        wait in the queue ends `now`."""
+        wait in the queue ends `now`. Every one leaves `_pending` before any is failed: a
+        failure withdraws its request's inputs still pending, and a request's inputs expire
+        together; popped one at a time, each failure had `withdraw` look for the request's
+        other expired inputs, no longer queued ((k-1) x k ids for a k-input request)."""
         self._observe_queue_wait(decision.expired, now)
         self._observe_queue_wait(decision.cancelled, now)
-        for item in decision.expired:
-            self._fail(self._pending.pop(item.item_id), DeadlineExceeded())
+        expired = [self._pending.pop(item.item_id) for item in decision.expired]
         for item in decision.cancelled:
             self._pending.pop(item.item_id, None)
+        for pending in expired:
+            self._fail(pending, DeadlineExceeded())
 
     def _observe_queue_wait(self, items: Sequence[WorkItem], left_at: float) -> None:
         """The queue-wait histogram holds every input's wait until it left the queue: for

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Generic, TypeVar
 
+from prometheus_client import Histogram
+
 from app.batch_rerun import FailedBatchRerun, Pending, set_result_if_not_done
 from app.batch_trace import ComputedBatch, ItemResult, batch_trace, record_batch_metrics
 from app.compute_slots import ComputeSlots
@@ -76,6 +78,7 @@ class Batcher(Generic[RowT, OutT]):
         self._slots = slots
         self._metrics = metrics
         self._busy = metrics.dispatcher_busy.labels(name)  # charged on compute threads
+        self._queue_wait: dict[int, Histogram] = {}  # `metrics.queue_wait`'s, by bucket
         self._on_batch_done = on_batch_done
         self._clock = clock
         # A failed batch's rows are answered from their runs alone, told a failing input
@@ -237,9 +240,11 @@ class Batcher(Generic[RowT, OutT]):
         its batch, expired, cancelled (its client gone) or withdrawn with its request; the
         batches' inputs alone hid the waits of overload, which ends mostly in expiries."""
         for item in items:
-            self._metrics.queue_wait.labels(self.name, str(item.length_bucket)).observe(
-                left_at - item.enqueued_at
-            )
+            histogram = self._queue_wait.get(item.length_bucket)
+            if histogram is None:  # labelled once a bucket: an overload expires thousands
+                histogram = self._metrics.queue_wait.labels(self.name, str(item.length_bucket))
+                self._queue_wait[item.length_bucket] = histogram
+            histogram.observe(left_at - item.enqueued_at)
 
     def _launch(self, batch: Batch) -> None:
         """Take a compute slot and run `batch` in a task of its own."""
@@ -327,19 +332,16 @@ class Batcher(Generic[RowT, OutT]):
             self._on_batch_done(failure)
 
     def _run_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
-        """Compute threads only: a batch, or a failed batch's row run alone, its compute
-        charged to the busy time as it ends, whether it returned (its `compute_s`) or
-        raised (the time until then): failure storms keep the threads busy too. Warm-up's
-        runs are not charged (`_warm_up_batch`)."""
+        """Compute threads only: a batch, or a failed batch's row run alone, its time on the
+        thread charged to the busy time as it ends, whether it returned or raised (failure
+        storms keep the threads busy too), measured alike for both. Warm-up's runs are not
+        charged (`_warm_up_batch`)."""
         self._before_batch()
         started = time.perf_counter()
         try:
-            output = self._execute_rows(shape, rows)
-        except BaseException:
+            return self._execute_rows(shape, rows)
+        finally:
             self._busy.inc(time.perf_counter() - started)
-            raise
-        self._busy.inc(output.timings.compute_s)
-        return output
 
     def _warm_up_batch(self, shape: BatchShape, rows: Sequence[RowT]) -> ComputedBatch[OutT]:
         """Compute threads only."""

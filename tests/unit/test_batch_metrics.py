@@ -107,15 +107,17 @@ def counter(batcher: Batcher[int, int], name: str) -> float:
 
 
 async def test_a_failed_batch_and_its_rows_run_alone_are_charged_to_the_busy_time() -> None:
-    """The batch of two fails after 50 ms; each row alone computes in 250 ms (its
-    `compute_s`). Only a batch that computed was charged: in a failure storm the busy time
-    read the compute threads idle while every one of them ran batches that failed."""
+    """The batch of two fails after 50 ms; each row alone then takes 100 ms on the thread
+    (its own `compute_s` says none: a pool wait is not compute). Only a batch that computed
+    was charged, so in a failure storm the busy time read the compute threads idle while
+    every one ran batches that failed; and a batch that computed was charged its
+    `compute_s`, one that raised its time on the thread: both are the thread's time now."""
 
     def fails_together(shape: BatchShape, rows: Sequence[int]) -> Computed:
+        time.sleep(0.05 if len(rows) > 1 else 0.1)  # on the real clock busy time is read by
         if len(rows) > 1:
-            time.sleep(0.05)  # the failed batch's compute, on the real clock it is timed by
             raise RuntimeError("this batch fails")
-        return Computed(rows, SlotTimings(compute_s=0.25, acquire_wait_s=0.0, pool_miss=False))
+        return Computed(rows, SlotTimings(compute_s=0.0, acquire_wait_s=0.0, pool_miss=False))
 
     batcher = batcher_on(ManualClock(100.0), fails_together)
     futures = batcher.submit([5, 6], deadline=200.0)
@@ -124,7 +126,30 @@ async def test_a_failed_batch_and_its_rows_run_alone_are_charged_to_the_busy_tim
     await batcher.close()
     assert [answer.value for answer in answers] == [10, 12]  # from their runs alone
     busy = counter(batcher, "steadyserve_dispatcher_busy_seconds_total")
-    assert 0.05 + 2 * 0.25 <= busy < 2 * 0.25 + 1.0
+    assert 0.05 + 2 * 0.1 <= busy < 0.05 + 2 * 0.1 + 1.0
+
+
+async def test_the_queue_wait_histogram_is_labelled_once_a_bucket() -> None:
+    """An overload that expires thousands of inputs in one turn of the batch loop looked up
+    the histogram's labels (a string and a locked dictionary) for each of them."""
+    clock = ManualClock(100.0)
+    batcher = batcher_on(clock)
+    looked_up: list[tuple[str, ...]] = []
+    labels = batcher._metrics.queue_wait.labels
+
+    def counted(*values: str) -> object:
+        looked_up.append(values)
+        return labels(*values)
+
+    batcher._metrics.queue_wait.labels = counted  # type: ignore[method-assign]
+    expiring = [f for _ in range(50) for f in batcher.submit([5, 20], deadline=100.5)]
+    clock.now = 101.0
+    batcher.start()
+    outcomes = await asyncio.gather(*expiring, return_exceptions=True)
+    await batcher.close()
+    assert all(isinstance(outcome, DeadlineExceeded) for outcome in outcomes)
+    assert sorted(looked_up) == [("m", "16"), ("m", "32")]
+    assert queue_wait(batcher, "16") == (50.0, pytest.approx(50.0))
 
 
 async def test_a_failing_batch_at_an_unwarmed_shape_is_counted_once() -> None:

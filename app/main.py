@@ -141,13 +141,15 @@ def create_app(
         "frontend", metrics, publishes_container=settings.engine == "inprocess"
     )
     # With the engine in-process this app is the whole server: it answers the probe port
-    # itself (in engine-process mode the supervisor does). The image sets the port, and its
-    # HEALTHCHECK and the Kubernetes probes go there whatever the mode.
+    # itself (in engine-process mode the supervisor does), /metrics there as on its traffic
+    # port. The image sets the port, and its HEALTHCHECK, the Kubernetes probes and the
+    # ServiceMonitor's scrapes go there whatever the mode.
     probes = (
         ProbeListener(
             settings.host,
             settings.health_port,
             lambda path: probe_response(path, service.readiness(), service.liveness()),
+            lambda: health.scrape(service),
         )
         if settings.engine == "inprocess" and settings.health_port is not None
         else None

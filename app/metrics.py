@@ -7,12 +7,14 @@ ends, queue, batches, pool and warm-up in the engine.
 
 With several processes (`steadyserve serve` in engine-process mode) prometheus_client's
 multiprocess mode is on: the supervisor sets `PROMETHEUS_MULTIPROC_DIR` before any child
-starts, every process writes its values there, and any front end's /metrics renders them
-all (`render`). Each gauge says how its processes' values combine; the names stay the same.
+starts, every process writes its values there, and /metrics renders them all, on any front
+end and on the supervisor's probe port (`render_processes`). Each gauge says how its
+processes' values combine; the names stay the same.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import os
@@ -358,13 +360,22 @@ class Metrics:
         )
 
     def render(self) -> bytes:
-        """The Prometheus text of this process, or of every process in multiprocess mode.
-        Any thread (the /metrics route runs it off the event loop)."""
-        if multiprocess_mode():
-            merged = CollectorRegistry()
-            merged.register(_WrittenFilesCollector(os.environ[MULTIPROCESS_DIR_ENV]))
-            return generate_latest(merged)
-        return generate_latest(self.registry)
+        """The Prometheus text of this process, or of every process in multiprocess mode
+        (`render_processes`). Any thread (/metrics runs it off the event loop)."""
+        return render_processes() if multiprocess_mode() else generate_latest(self.registry)
+
+
+def render_processes() -> bytes:
+    """Every process's metrics, merged from the multiprocess directory: /metrics under
+    `steadyserve serve`, on each front end and on the supervisor's probe port. Any thread."""
+    merged = CollectorRegistry()
+    merged.register(_WrittenFilesCollector(os.environ[MULTIPROCESS_DIR_ENV]))
+    return generate_latest(merged)
+
+
+async def scrape_processes() -> bytes:
+    """`render_processes` off the event loop (the supervisor's /metrics)."""
+    return await asyncio.to_thread(render_processes)
 
 
 class _WrittenFilesCollector(Collector):

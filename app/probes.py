@@ -5,10 +5,13 @@ supervisor (its own probe port) reach them from the same facts, so both answer a
 
 `ProbeListener` serves those two paths on `STEADY_HEALTH_PORT` from the supervisor, a process
 that carries no traffic: however many connections flood the front ends, a kubelet's probe is
-answered in well under 100 ms there. With `STEADY_ENGINE=inprocess` the one process serves
-it on its own event loop, with the traffic (so the image's HEALTHCHECK and the Kubernetes
-probes find a listener; a flood there delays it like the traffic port). Event loop thread
-of the process that serves it only.
+answered in well under 100 ms there. It serves `/metrics` too, the front ends' exposition
+rendered by the same code (`app/metrics.py`), so Prometheus scrapes apart from the flood and
+is let onto this port alone (deploy/k8s: a NetworkPolicy cannot tell /metrics from /infer on
+the traffic port). With `STEADY_ENGINE=inprocess` the one process serves it on its own event
+loop, with the traffic (so the image's HEALTHCHECK and the Kubernetes probes find a listener;
+a flood there delays it like the traffic port). Event loop thread of the process that
+serves it only.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.engine.protocol import EngineRestart, EngineStatus
 from app.schemas import error_object
@@ -119,11 +123,16 @@ def _readyz(ready: Readiness, alive_problem: str | None) -> tuple[int, bytes]:
 
 HEALTHZ = "/healthz"
 READYZ = "/readyz"
-# The probe port's routes: `probe_response` (so `ProbeListener`, in the supervisor and in the
-# in-process server) answers these paths and 404s any other. The front end's routes of the
-# same names (app/api/health.py) answer through it too. tests/deploy/test_served_paths.py
-# checks the image's HEALTHCHECK and every Kubernetes probe on this port against these keys.
+METRICS = "/metrics"
+# The verdicts' routes: `probe_response` answers these paths and 404s any other;
+# `ProbeListener` (in the supervisor and in the in-process server) routes every path but
+# `METRICS` through it. The front end's routes of the same names (app/api/health.py) answer
+# through it too.
 PROBE_ROUTES: Mapping[str, ProbeAnswer] = MappingProxyType({HEALTHZ: _healthz, READYZ: _readyz})
+# Every path `ProbeListener` serves: the verdicts, and `METRICS` (its `scrape`).
+# tests/deploy/test_served_paths.py checks the image's HEALTHCHECK, every Kubernetes probe and
+# the ServiceMonitor's scrape on this port against it.
+PROBE_PORT_PATHS = frozenset({*PROBE_ROUTES, METRICS})
 
 
 def probe_response(path: str, ready: Readiness, alive_problem: str | None) -> tuple[int, bytes]:
@@ -134,49 +143,95 @@ def probe_response(path: str, ready: Readiness, alive_problem: str | None) -> tu
     return route(ready, alive_problem)
 
 
-_REASONS = {200: b"OK", 404: b"Not Found", 503: b"Service Unavailable", 400: b"Bad Request"}
+_REASONS = {
+    200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}  # fmt: skip
+_JSON = b"application/json"
 # A probe's request line and headers; anything longer is not a probe, and its connection is
 # closed unanswered (the listener's read limit: the default, 64 KiB, read 8x more).
 _MAX_REQUEST_BYTES = 8192
 _READ_TIMEOUT_S = 2.0
+# From the request read to the answer written: a scrape's merge (milliseconds; longer while
+# the supervisor folds a dead process's files) and a reader that stops reading. Under
+# Prometheus's default scrape timeout (10 s), which gives up on a slower one anyway.
+_ANSWER_TIMEOUT_S = 5.0
 
 
 class ProbeListener:
-    """A minimal HTTP/1.1 listener for GET /healthz and /readyz, one request per
-    connection. `answer(path)` gives the status and body (`probe_response`, which routes by
-    `PROBE_ROUTES`)."""
+    """A minimal HTTP/1.1 listener for GET /healthz, /readyz and /metrics, one request per
+    connection. `answer(path)` gives the status and JSON body of any path but /metrics
+    (`probe_response`, which routes by `PROBE_ROUTES`); `scrape()` the Prometheus text (the
+    process's own /metrics, which renders off the event loop). One scrape runs at a time:
+    one that arrives meanwhile shares its answer, so a burst costs one render, one thread."""
 
-    def __init__(self, host: str, port: int, answer: Callable[[str], tuple[int, bytes]]) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        answer: Callable[[str], tuple[int, bytes]],
+        scrape: Callable[[], Awaitable[bytes]],
+    ) -> None:
         self._host = host
         self._port = port
         self._answer = answer
+        self._scrape = scrape
+        self._scraping: asyncio.Future[bytes] | None = None
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
             self._serve, self._host, self._port, limit=_MAX_REQUEST_BYTES
         )
-        log.info("probes on %s:%d (%s)", self._host, self._port, ", ".join(PROBE_ROUTES))
+        paths = ", ".join(sorted(PROBE_PORT_PATHS))
+        log.info("probes on %s:%d (%s)", self._host, self._port, paths)
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
 
+    async def _metrics(self) -> tuple[int, bytes, bytes]:
+        if self._scraping is None:
+            self._scraping = asyncio.ensure_future(self._scrape())
+            self._scraping.add_done_callback(self._scraped)
+        try:
+            # Shielded: a scraper that gives up does not cancel the others' answer.
+            body = await asyncio.shield(self._scraping)
+        except Exception:  # logged once, by `_scraped`
+            body = orjson.dumps(error_object("internal_error", "the metrics could not be read"))
+            return 500, _JSON, body
+        return 200, CONTENT_TYPE_LATEST.encode(), body
+
+    def _scraped(self, scrape: asyncio.Future[bytes]) -> None:
+        self._scraping = None
+        if not scrape.cancelled() and scrape.exception() is not None:
+            log.error("cannot render the metrics: %r", scrape.exception())
+
+    async def _route(self, method: str, path: str) -> tuple[int, bytes, bytes]:
+        """Status, content type and body of `method` `path` (its query left off)."""
+        if method not in ("GET", "HEAD"):
+            return 400, _JSON, b""
+        if path == METRICS:
+            return await self._metrics()
+        status, body = self._answer(path)
+        return status, _JSON, body
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
+            async with asyncio.timeout(_READ_TIMEOUT_S):
+                head = await reader.readuntil(b"\r\n\r\n")
             method, path, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-            status, body = (
-                self._answer(path.split("?", 1)[0]) if method in ("GET", "HEAD") else (400, b"")
-            )
-            writer.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n" % (status, _REASONS.get(status, b""), len(body))
-            )
-            if method == "GET":
-                writer.write(body)
-            await writer.drain()
+            async with asyncio.timeout(_ANSWER_TIMEOUT_S):
+                status, content_type, body = await self._route(method, path.split("?", 1)[0])
+                writer.write(
+                    b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+                    b"connection: close\r\n\r\n"
+                    % (status, _REASONS.get(status, b""), content_type, len(body))
+                )
+                if method == "GET":
+                    writer.write(body)
+                await writer.drain()
         except (
             TimeoutError,
             ValueError,
@@ -186,6 +241,8 @@ class ProbeListener:
         ):
             pass  # not a well-formed probe, or the prober went away: nothing to answer
         finally:
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()  # an answer its reader stopped reading: not flushed
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

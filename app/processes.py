@@ -6,11 +6,11 @@ steadyserve serve (this module: supervises, no torch, no traffic)
 └── front end x N   uvicorn + FastAPI on one port (SO_REUSEPORT), niced below the engine
 ```
 
-The parent sets prometheus_client's multiprocess directory before any child starts, so
-every process's metrics appear on any front end's /metrics. On SIGTERM/SIGINT it asks the
-front ends to drain (each answers what it admitted, then exits), then stops the engine; a
-second signal stops everything at once. Front ends that die are restarted too. Runs on the
-parent's event loop thread (each front-end process starts in `app/frontend_process.py`).
+The parent sets prometheus_client's multiprocess directory before any child starts: every
+process's metrics appear on /metrics of any front end and of the probe port. On SIGTERM or
+SIGINT it asks the front ends to drain (each answers what it admitted, then exits), then
+stops the engine; a second signal stops everything at once. Front ends that die are restarted
+too. Runs on the parent's event loop thread (each front end starts in `app/frontend_process.py`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from app.frontend_process import (
     drained,
     run_frontend_process,
 )
+from app.metrics import scrape_processes
 from app.metrics_archive import MULTIPROCESS_DIR_ENV, forget_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.run_dir import run_directory
@@ -107,7 +108,7 @@ class ProcessTree:
         # The supervisor's own line to the engine, only to say a front end died (`run`).
         self._engine_notices: zmq.asyncio.Socket | None = None
         self._probes = (
-            ProbeListener(settings.host, settings.health_port, self._answer_probe)
+            ProbeListener(settings.host, settings.health_port, self._answer_probe, scrape_processes)
             if settings.health_port is not None
             else None
         )
@@ -186,8 +187,7 @@ class ProcessTree:
 
     def _engine_lost(self, why: str) -> None:
         """An engine whose status went silent while its process lives has a hung event loop
-        (seen by `_check_engine` or a probe): kill it, and the supervisor starts a fresh
-        one."""
+        (seen by `_check_engine` or a probe): kill it; the supervisor starts a fresh one."""
         if why == STATUS_WENT_STALE and not self._stopping:
             self.engine.kill(f"has published nothing for {STALE_AFTER_S:g} s (a hung loop)")
 

@@ -70,9 +70,10 @@ class Settings(BaseSettings):
         default=None,
         ge=1,
         le=65535,
-        description="/healthz and /readyz are also answered on this port, which carries no "
-        "traffic: in engine-process mode by the supervisor, so no flood delays a kubelet's "
-        "probe; with STEADY_ENGINE=inprocess by the one process, on its traffic's loop.",
+        description="/healthz, /readyz and /metrics are also answered on this port, which "
+        "carries no traffic: in engine-process mode by the supervisor, so no flood delays a "
+        "kubelet's probe or a scrape; with STEADY_ENGINE=inprocess by the one process, on its "
+        "traffic's loop.",
     )
     frontend_nice: int = Field(
         default=5,

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
 from app.api.responses import service_of
-from app.probes import HEALTHZ, READYZ, probe_response
+from app.probes import HEALTHZ, METRICS, READYZ, probe_response
 from app.service import Service
 
 router = APIRouter()
@@ -50,11 +50,15 @@ def _probe(path: str, service: Service) -> Response:
     return Response(body, status, media_type="application/json")
 
 
-@router.get("/metrics", response_class=PlainTextResponse)
+@router.get(METRICS, response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
-    service = service_of(request)
+    return Response(await scrape(service_of(request)), media_type=CONTENT_TYPE_LATEST)
+
+
+async def scrape(service: Service) -> bytes:
+    """The Prometheus text of /metrics: this route's, and the in-process server's on its
+    probe port (`ProbeListener`). Event loop thread."""
     service.engine.refresh_metrics()
     # Off the event loop: the merge reads every process's files, and waits (flock) while
     # the supervisor folds a dead process's into the archive (app/metrics_archive.py).
-    body = await asyncio.to_thread(service.metrics.render)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+    return await asyncio.to_thread(service.metrics.render)

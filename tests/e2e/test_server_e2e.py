@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModel, AutoTokenizer
 
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
@@ -133,3 +135,26 @@ def test_an_in_process_server_answers_the_probe_port_too(tmp_path: Path) -> None
     with running_server(tmp_path, env):  # returns once the traffic port says ready
         assert http_status(f"http://127.0.0.1:{probes}/readyz") == 200
         assert http_status(f"http://127.0.0.1:{probes}/healthz") == 200
+        assert http_status(f"http://127.0.0.1:{probes}/metrics") == 200
+
+
+def metric_families(url: str) -> dict[str, str]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {family.name: family.type for family in text_string_to_metric_families(text)}
+
+
+def test_the_supervisor_serves_every_process_metrics_on_the_probe_port(tmp_path: Path) -> None:
+    """Prometheus scrapes the probe port (deploy/k8s): the supervisor renders there what a
+    front end's /metrics does, every process's (the engine's batches, the front end's
+    requests). It answered only /healthz and /readyz there: /metrics was a 404."""
+    probes = free_port()
+    with running_server(tmp_path, {"STEADY_HEALTH_PORT": str(probes)}) as server:
+        answered = httpx.post(f"{server.base_url}/infer", json={"inputs": "x"}, timeout=30)
+        assert answered.status_code == 200
+        before = metric_families(f"http://127.0.0.1:{probes}/metrics")
+        traffic = metric_families(f"{server.base_url}/metrics")
+        after = metric_families(f"http://127.0.0.1:{probes}/metrics")
+    # One directory, whose processes may add a family between two scrapes (never remove one).
+    assert before.items() <= traffic.items() <= after.items()
+    assert {"steadyserve_batch_size", "steadyserve_request_duration_seconds"} <= before.keys()

@@ -68,7 +68,11 @@ async def test_a_request_longer_than_a_probe_is_closed_unanswered() -> None:
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    listener = ProbeListener("127.0.0.1", port, lambda path: (200, b"{}"))
+
+    async def scrape() -> bytes:
+        return b""
+
+    listener = ProbeListener("127.0.0.1", port, lambda path: (200, b"{}"), scrape)
     await listener.start()
 
     async def ask(path: str) -> bytes:

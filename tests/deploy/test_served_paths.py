@@ -5,7 +5,8 @@ What is served is read from the servers themselves, never from a copied list:
   routes of the FastAPI app `create_app` builds (an engine double: no model is loaded),
   matched by Starlette's own route matching;
 - its probe port (STEADY_HEALTH_PORT from the pod's rendered ConfigMap and env, parsed as the
-  server parses it): `app.probes.PROBE_ROUTES`, the table its `ProbeListener` routes by;
+  server parses it): `app.probes.PROBE_PORT_PATHS`, the paths its `ProbeListener` routes
+  (the verdicts and /metrics; tests/unit/test_probe_metrics.py holds the listener to it);
 - an Envoy port: the exact-path routes of the listener on that port in the envoy.yaml the
   Envoy pod mounts (the stats listener proxies two admin paths; admin stays on 127.0.0.1).
 
@@ -36,7 +37,7 @@ from app.checkconfig.common import ENVOY_CONFIG_KEY, HCM_FILTER, SERVER_CONTAINE
 from app.checkconfig.pod_settings import pod_environment, settings_from_environment
 from app.cli import build_parser
 from app.main import create_app
-from app.probes import PROBE_ROUTES
+from app.probes import PROBE_PORT_PATHS
 from app.settings import Settings
 from loadtest.null_engine import AlwaysReadyEngine
 from tests.deploy.test_dockerfile import DOCKERFILE, instructions
@@ -62,8 +63,8 @@ def traffic_serves(path: str) -> bool:
 
 
 def probe_port_serves(path: str) -> bool:
-    """Whether the probe port answers `path`: the table `probe_response` routes by."""
-    return path in PROBE_ROUTES
+    """Whether the probe port answers `path`: the paths `ProbeListener` routes."""
+    return path in PROBE_PORT_PATHS
 
 
 class Server(NamedTuple):
@@ -276,9 +277,9 @@ def _envoy_health_check_problems(overlay: str, manifests: list[Manifest]) -> lis
 def test_shipped_files_request_only_served_paths() -> None:
     assert path_problems(DEPLOY, DOCKERFILE) == []
     # Not vacuous: the servers serve the paths the files name, and only those.
-    assert all(map(probe_port_serves, ["/healthz", "/readyz"]))
+    assert all(map(probe_port_serves, ["/healthz", "/readyz", "/metrics"]))
     assert all(map(traffic_serves, ["/healthz", "/readyz", "/metrics", "/v2/models/m/ready"]))
-    assert not any(map(probe_port_serves, ["/metrics", "/healthz/", "/"]))
+    assert not any(map(probe_port_serves, ["/metric", "/healthz/", "/", "/v2/health/ready"]))
     assert not any(map(traffic_serves, ["/health", "/metric", "/infer"]))  # /infer: POST
 
 
@@ -295,10 +296,10 @@ def test_shipped_files_request_only_served_paths() -> None:
             "k8s/base/steadyserve-deployment.yaml",
             "path: /readyz\n              port: probes\n            periodSeconds: 5\n"
             "            timeoutSeconds: 2\n            failureThreshold: 1",
-            "path: /metrics\n              port: probes\n            periodSeconds: 5\n"
+            "path: /v2/health/ready\n              port: probes\n            periodSeconds: 5\n"
             "            timeoutSeconds: 2\n            failureThreshold: 1",
             # Served on the traffic port, not on the probe port the probe goes to.
-            "steadyserve readinessProbe: /metrics on port probes (8001: the probe port)",
+            "steadyserve readinessProbe: /v2/health/ready on port probes (8001: the probe port)",
         ),
         (
             "k8s/base/envoy-deployment.yaml",
@@ -310,7 +311,7 @@ def test_shipped_files_request_only_served_paths() -> None:
             "k8s/base/servicemonitor.yaml",
             "path: /metrics",
             "path: /metric",
-            "cpu: ServiceMonitor steadyserve: /metric on port http (8000: the traffic port)",
+            "cpu: ServiceMonitor steadyserve: /metric on port probes (8001: the probe port)",
         ),
         (
             "k8s/base/servicemonitor.yaml",

@@ -61,7 +61,10 @@ def caused_by(error: BaseException, is_it: Callable[[BaseException], bool]) -> b
         if is_it(current):
             return True
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        if current.__cause__ is not None:
+            current = current.__cause__
+        else:  # as a traceback prints it: `raise ... from None` ends the chain
+            current = None if current.__suppress_context__ else current.__context__
     return False
 
 

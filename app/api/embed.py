@@ -198,7 +198,8 @@ async def models(request: Request) -> Response:
 )
 async def retrieve_model(request: Request, model: str) -> Response:
     # OpenAI's retrieve (`client.models.retrieve`); an unknown name is 404 `model_not_found`.
-    # `:path`: a name with a `/` (a Hugging Face id, were one served under it) still matches.
+    # `:path`: `/v1/models/org/name` (a Hugging Face id) is a model not served here (names
+    # have no `/`), answered as OpenAI answers one, not as an unknown route.
     service = service_of(request)
     if model not in service.model_names():
         raise UnknownModel(model, service.model_names())

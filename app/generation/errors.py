@@ -38,11 +38,12 @@ class PromptTooManyCharacters(ContextTooLong):
     keys on it)."""
 
     def __init__(self, index: int, characters: int, max_characters: int, limit: int) -> None:
-        self.index, self.sizes = index, (characters, max_characters, limit)
+        # Not the parent's `sizes` (tokens): characters, the most taken, the token limit.
+        self.index, self.characters = index, (characters, max_characters, limit)
         Exception.__init__(self, self.described(f"prompt {index}"))
 
     def described(self, prompt: str) -> str:
-        characters, max_characters, limit = self.sizes
+        characters, max_characters, limit = self.characters
         return (
             f"{prompt} has {characters} characters; a sequence holds at most {limit} tokens "
             f"(prompt + new tokens), and a prompt over {max_characters} characters is refused "

@@ -107,3 +107,17 @@ def test_the_walk_ends_on_a_cycle_and_past_its_bound() -> None:
 
     assert server_fault(chain(MAX_CAUSES - 1))  # the last one the walk reads
     assert not server_fault(chain(MAX_CAUSES))
+
+
+def test_an_error_raised_from_none_hides_what_it_was_handling() -> None:
+    """`raise ModelError(...) from None` in a handler of torch's allocation failure (a
+    library that recovered from it, then found the input at fault) says the failure is not
+    its cause, and a traceback does not print it: the walk followed `__context__` anyway,
+    and blamed the server (500, a health strike) for the input's 400."""
+    try:
+        try:
+            raise RuntimeError(CUBLAS_ALLOC_FAILED)
+        except RuntimeError:
+            raise ModelError("the input has no tokens") from None
+    except ModelError as error:
+        assert not server_fault(error)

@@ -163,6 +163,8 @@ class ServerTimingMiddleware:
             # middleware) so that the 500 carries Server-Timing like every other response.
             if response_started:
                 raise
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            # The path as `repr` shows it: decoded from %-escapes, it may hold a line end
+            # that would forge a log line of its own.
+            log.exception("unhandled error on %s %r", scope.get("method"), scope.get("path"))
             response = error_response(500, "internal_error", "internal server error")
             await in_envelope_of(scope.get("path", ""), response)(scope, receive, send_with_timing)

@@ -21,7 +21,8 @@ Prometheus's scrape (`GET /metrics`), served past the cap: refused, a flood's me
 lost just while it lasted (the probes have a port of their own: `health_port`). A
 connection closed while the request's body is still arriving is closed gently (half-closed,
 the rest of the body discarded, then closed), or a client still sending would get a reset
-in place of the answer.
+in place of the answer. It is a `HeaderLimitedProtocol` (`api/header_limits.py`): a header
+deadline, a size cap on the headers and an idle timeout from the connection's opening.
 
 Everything here runs on the event loop's thread.
 """
@@ -29,9 +30,8 @@ Everything here runs on the event loop's thread.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection
 from functools import cache
 from typing import cast
 
@@ -44,6 +44,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from app.admission import Entry, Rejected, RejectReason
 from app.api.common import ENTRY, envoy_timeout_in
+from app.api.header_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, HeaderLimitedProtocol
+from app.api.proxies import came_through_a_proxy, trusted_networks
 from app.api.refusal_budget import RefusalBudget
 from app.api.shedding import (
     CONNECTION_CAP_REFUSAL,
@@ -57,39 +59,6 @@ from app.service import Service
 # Served past the connection cap: Prometheus's scrape records the flood that fills it.
 SCRAPE_METHOD, SCRAPE_PATH = "GET", "/metrics"
 
-# Headers a proxy adds (the shipped Envoy adds x-forwarded-for and x-envoy-*).
-_PROXY_HEADERS = frozenset({b"forwarded", b"via", b"x-forwarded-for", b"x-forwarded-proto"})
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def trusted_networks(addresses: Iterable[str]) -> tuple[Network, ...]:
-    """`STEADY_TRUSTED_PROXIES` (addresses or CIDR blocks, already validated by `Settings`)
-    as networks; a bare address is a network of one."""
-    return tuple(ipaddress.ip_network(address) for address in addresses)
-
-
-def came_through_a_proxy(
-    peer: str | None, headers: Sequence[tuple[bytes, bytes]], trusted: Sequence[Network]
-) -> bool:
-    """Whether a request arrived through a proxy: its connection comes from a trusted
-    proxy's address (`peer`: the socket's, None for a Unix socket) and it carries a header a
-    proxy adds. A proxy's upstream connection carries many clients' requests one after
-    another, so it is never paused: a refusal must not stall the next client's request; the
-    proxy sheds its own clients (Envoy's circuit breakers, deploy/envoy). The headers alone
-    prove nothing: any client can send `Via:` to dodge the pause. Pure; any thread."""
-    if not trusted or peer is None:
-        return False
-    if not any(name in _PROXY_HEADERS or name.startswith(b"x-envoy-") for name, _ in headers):
-        return False
-    try:
-        address = ipaddress.ip_address(peer)
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # an IPv4 peer on a dual-stack socket
-    return any(address in network for network in trusted)
-
 
 def shedding_protocol(
     service: Service,
@@ -99,6 +68,8 @@ def shedding_protocol(
     trusted_proxies: Collection[str] = (),
     *,
     body_read_timeout_s: float,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol (pass it as `uvicorn.Config(http=...)`), refusing what
     `service.shed` refuses as soon as a request's headers are parsed, and pausing reads of
@@ -122,7 +93,11 @@ def shedding_protocol(
     after the answer (`write_eof`), its input discarded until the message ends, the client
     closes or that same bound passes, then closed. Closing a socket with unread input makes
     Linux reset the connection (RST), and a client still sending its body lost the
-    answer."""
+    answer.
+
+    A request's headers must end within `header_timeout_s` of its first byte and stay
+    within `max_header_bytes`: else 408/431, and the connection closed gently, its input
+    dropped for at most `body_read_timeout_s` (`HeaderLimitedProtocol`)."""
     # A private method: pyproject.toml only sets uvicorn's floor (0.45, which added it);
     # constraints-lock.txt pins the version `make` installs, the one the tests passed with.
     if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45
@@ -144,15 +119,14 @@ def shedding_protocol(
         count_connection_cap_refusal()
         await send_rejection(CONNECTION_CAP_REFUSAL, scope["path"], send, started, close=True)
 
-    class SheddingProtocol(HttpToolsProtocol):
+    class SheddingProtocol(HeaderLimitedProtocol):
         # True from a refusal to the end of that request's message: its body is dropped.
         _discarding = False
         # The connection closes once the message being read ends (`_close_gently`):
         # everything read until then is dropped.
         _closing = False
-        # True from a request's first byte to the end of its message; the cycle uvicorn
-        # made for it (None for one refused here, or not handed to the app).
-        _in_message = False
+        # The cycle uvicorn made for the message being read (`_in_message`): None for one
+        # refused here, or not handed to the app.
         _message_cycle: RequestResponseCycle | None = None
         # Closes the connection if the body of a request answered before its end is still
         # arriving then (`data_received`); the refusal's read pause extends it.
@@ -209,11 +183,11 @@ def shedding_protocol(
             self._unset_keepalive_if_required()
             super().on_message_begin()
 
-        def on_headers_complete(self) -> None:
+        def _on_headers(self) -> None:
             if self._closing or self._refused_here():
                 return
             before = self.cycle
-            super().on_headers_complete()
+            super()._on_headers()
             if self.cycle is not before:  # not for an upgrade
                 self._message_cycle = self.cycle
                 self.cycle.transport = self._cycle_transport
@@ -229,6 +203,9 @@ def shedding_protocol(
                 super().on_message_complete()
             if answered:
                 self._discarded()
+
+        def _may_answer(self) -> bool:
+            return not self._closing and super()._may_answer()  # half-closed: no more
 
         def _answered_before_its_end(self) -> bool:
             """Whether the request being parsed was answered (refused here, or by the app)
@@ -383,6 +360,9 @@ def shedding_protocol(
             if not self.transport.is_closing():
                 self.flow.resume_reading()
 
+    SheddingProtocol.header_timeout_s = header_timeout_s
+    SheddingProtocol.max_header_bytes = max_header_bytes
+    SheddingProtocol.linger_s = body_read_timeout_s
     return SheddingProtocol
 
 

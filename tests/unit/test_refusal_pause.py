@@ -13,8 +13,9 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from app.admission import Rejected, RejectReason
+from app.api.proxies import came_through_a_proxy, trusted_networks
 from app.api.refusal_budget import RefusalBudget
-from app.api.shedding_protocol import came_through_a_proxy, shedding_protocol, trusted_networks
+from app.api.shedding_protocol import shedding_protocol
 from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
 

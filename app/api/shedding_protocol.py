@@ -57,7 +57,13 @@ from app.api.shedding import (
 from app.service import Service
 
 # Served past the connection cap: Prometheus's scrape records the flood that fills it.
-SCRAPE_METHOD, SCRAPE_PATH = "GET", "/metrics"
+SCRAPE_METHOD, SCRAPE_PATH = b"GET", b"/metrics"
+
+
+def is_scrape(method: bytes, raw_path: bytes) -> bool:
+    """Whether a request is Prometheus's scrape, by its method and undecoded path (both
+    places that let one past the connection cap ask this, so they agree on `/%6Detrics`)."""
+    return method == SCRAPE_METHOD and raw_path == SCRAPE_PATH
 
 
 def shedding_protocol(
@@ -272,7 +278,8 @@ def shedding_protocol(
             # and a scrape served.
             if app is service_unavailable:
                 scope = cycle.scope
-                scrape = scope["method"] == SCRAPE_METHOD and scope["path"] == SCRAPE_PATH
+                # No root path is configured: the raw path is the URL's, as parsed there.
+                scrape = is_scrape(scope["method"].encode("ascii"), scope["raw_path"])
                 app = self.app if scrape else refuse_at_connection_cap  # type: ignore[assignment]  # starlette's ASGI types
             super()._start_asgi_task(cycle, app)
 
@@ -293,15 +300,15 @@ def shedding_protocol(
             if self._at_connection_cap():
                 # Any method and path but a scrape, as uvicorn refused them: no task, no
                 # ASGI, and none of uvicorn's log lines, one per request of the flood.
-                path = httptools.parse_url(self.url).path
-                if self.parser.get_method() == b"GET" and path == SCRAPE_PATH.encode():
+                path = self._path()
+                if is_scrape(self.parser.get_method(), path):
                     return False  # served: `_start_asgi_task` lifts uvicorn's cap for it
                 self._send_refusal(CONNECTION_CAP_REFUSAL, path, time.perf_counter(), close=True)
                 count_connection_cap_refusal()
                 return True
             if self.parser.get_method() != b"POST":
                 return False
-            path = httptools.parse_url(self.url).path
+            path = self._path()
             if path not in shed_paths:
                 return False
             started = time.perf_counter()
@@ -312,6 +319,11 @@ def shedding_protocol(
                 return False
             self._send_refusal(entry, path, started)
             return True
+
+        def _path(self) -> bytes:
+            """The parsed request's path; "/" for a proxy's absolute form without one
+            (`GET http://host`: None, on which the refusal's envelope failed, a 400)."""
+            return httptools.parse_url(self.url).path or b"/"
 
         def _send_refusal(
             self, rejection: Rejected, path: bytes, started: float, close: bool = False

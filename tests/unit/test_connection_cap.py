@@ -32,6 +32,8 @@ POST_INFER = (
 )
 GET_METRICS = b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n"
 GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: test\r\n\r\n"
+# A proxy's absolute form with no path: parsed, its path is None (read as "/").
+GET_ABSOLUTE_FORM = b"GET http://test HTTP/1.1\r\nhost: test\r\n\r\n"
 
 
 class Arrivals:
@@ -130,7 +132,11 @@ def assert_connection_cap_refusal(response: Response) -> None:
     assert error["message"].startswith("over capacity")
 
 
-@pytest.mark.parametrize("request_bytes", [POST_INFER, GET_HEALTHZ], ids=["infer", "healthz"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [POST_INFER, GET_HEALTHZ, GET_ABSOLUTE_FORM],
+    ids=["infer", "healthz", "absolute-form"],
+)
 def test_a_request_past_the_connection_cap_gets_the_prebuilt_429_and_is_counted(
     request_bytes: bytes,
 ) -> None:

@@ -92,7 +92,6 @@ class ProcessTree:
         self.frontends: list[BaseProcess] = []
         # When the supervisor heard each front end's start-up succeed; None: not (yet).
         self._frontends_serving_since: list[float | None] = []
-        self._restarts_when_last_ready = 0
         self._metric_folds: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._forced = False
@@ -121,8 +120,6 @@ class ProcessTree:
             process.is_alive() and since is not None
             for process, since in zip(self.frontends, self._frontends_serving_since, strict=True)
         )
-        if engine is not None and engine.state == "ready":
-            self._restarts_when_last_ready = self.engine.restarts
         ready = readiness(engine, None, self._stopping, can_serve, self.engine.restart)
         pod_problem = self._crash_loop() or self.engine.unkillable()
         return probe_response(path, ready, liveness(engine, pod_problem))
@@ -164,7 +161,7 @@ class ProcessTree:
 
     def _crash_loop(self) -> str | None:
         """Why the pod should be restarted, if its engine keeps dying without being ready."""
-        restarts = self.engine.restarts - self._restarts_when_last_ready
+        restarts = self.engine.restarts_since_ready
         if restarts < RESTARTS_BEFORE_UNHEALTHY:
             return None
         return f"the engine restarted {restarts} times without becoming ready"
@@ -178,12 +175,9 @@ class ProcessTree:
 
     def _engine_said(self, status: EngineStatus) -> None:
         if status.state == "ready":
-            self.engine.saw_ready(status.pid)
-            # Heard here too, not only when a probe asks: without a probe port, engines that
+            # Heard here, not only when a probe asks: without a probe port, engines that
             # died now and then over a long life read as a crash loop at exit.
-            process = self.engine.process
-            if process is not None and process.pid == status.pid:
-                self._restarts_when_last_ready = self.engine.restarts
+            self.engine.saw_ready(status.pid)
 
     def _engine_lost(self, why: str) -> None:
         """An engine whose status went silent while its process lives has a hung event loop

@@ -124,12 +124,22 @@ class EngineSupervisor:
 
     def saw_ready(self, pid: int) -> None:
         """The engine `pid` published that it is ready (its owner's status subscriber, on
-        the event loop thread): from now on its running counts toward a stable engine."""
+        the event loop thread): from now on its running counts toward a stable engine, and
+        no restart is under way. Each ready status of the running engine says so again."""
         process = self.process
-        if process is not None and process.pid == pid and self._ready_since is None:
+        if process is None or process.pid != pid:
+            return
+        if self._ready_since is None:
             self._ready_since = self._clock()
-            self._restarts_when_ready = self.restarts
+        self._restarts_when_ready = self.restarts
+        if self.restart is not None:
             self._set_restart(None)
+
+    @property
+    def restarts_since_ready(self) -> int:
+        """Restarts since an engine was last heard ready: the restart under way's attempt,
+        and the supervisor's crash-loop count (`ProcessTree`), one number for both."""
+        return self.restarts - self._restarts_when_ready
 
     def _set_restart(self, restart: EngineRestart | None) -> None:
         self.restart = restart
@@ -139,8 +149,7 @@ class EngineSupervisor:
         """An engine was lost (`why`) or could not be started: one more restart, after
         `backoff_s`."""
         self.restarts += 1
-        attempt = self.restarts - self._restarts_when_ready
-        self._set_restart(EngineRestart(why, attempt, backoff_s))
+        self._set_restart(EngineRestart(why, self.restarts_since_ready, backoff_s))
 
     def _ran_stable(self) -> bool:
         """Whether the engine that just died had been ready for `STABLE_AFTER_S`."""

@@ -35,5 +35,7 @@ def ready_status(pid: int) -> EngineStatus:
 
 
 def hear(tree: ProcessTree, status: EngineStatus, seconds_ago: float = 0.0) -> None:
+    """`status` heard `seconds_ago`, and told to the tree as its subscriber tells it."""
     tree._engine_status._status = status
     tree._engine_status._received_at = time.monotonic() - seconds_ago
+    tree._engine_said(status)

@@ -1,6 +1,6 @@
 """The front end's connection to an engine process, over ZeroMQ (as vLLM's API server talks
-to its engine core): a DEALER socket carries requests and their outputs, a SUB socket the
-engine's status within milliseconds of a change.
+to its engine core): a DEALER socket carries requests and their outputs (`zmq_dealer.py`), a SUB
+socket the engine's status within milliseconds of a change.
 
 The engine going away is noticed two ways: the DEALER's connection closes (the kernel closes
 it the moment the process dies) and the status goes stale. Either way every open stream is
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from app.engine.client import (
     ANSWER_UNREADABLE,
@@ -43,6 +42,7 @@ from app.engine.protocol import (
     encode,
     frontend_identity,
 )
+from app.engine.zmq_dealer import EngineDealer
 
 log = logging.getLogger(__name__)
 
@@ -214,12 +214,9 @@ class RestartSubscriber:
 
 
 class ZmqEngineClient(StreamingClient):
-    """Answers arrive on the DEALER, the connection's changes on its monitor socket; each is
-    taken off its socket only by a synchronous drain (`_take_arrived`, `_take_events`), so
-    none waits, read, in a future for a task's next turn: on a closed connection what the
-    engine sent before it went is delivered before the loss (a stream reads its messages in
-    order, and a loss queued ahead of an answer already here discarded it: a request the
-    engine had computed answered 503 `engine_lost`)."""
+    """Requests go out and answers come back on an `EngineDealer` (`zmq_dealer.py`), which
+    hands on a closed connection's answers before its close and gives the next engine a
+    fresh socket; the engine's status comes on a SUB socket (`StatusSubscriber`)."""
 
     def __init__(
         self,
@@ -234,12 +231,13 @@ class ZmqEngineClient(StreamingClient):
         self._addresses = addresses
         self._clock = clock
         self._context = zmq.asyncio.Context()
-        self._requests: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        # The same two sockets, read without waiting.
-        self._arrived: zmq.Socket[bytes] | None = None
-        self._events: zmq.Socket[bytes] | None = None
-        self._connected = False  # as the monitor last said
+        self._dealer = EngineDealer(
+            zmq.Context.shadow(self._context.underlying),
+            addresses.requests,
+            self._identity,
+            on_answer=self._take_answer,
+            on_closed=lambda: self._engine_gone("its connection closed"),
+        )
         self._subscriber = StatusSubscriber(
             self._context, addresses.status, clock, on_lost=self._engine_gone, on_status=on_status
         )
@@ -251,28 +249,11 @@ class ZmqEngineClient(StreamingClient):
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        requests = self._context.socket(zmq.DEALER)
-        requests.setsockopt(zmq.IDENTITY, self._identity)
-        # Not IMMEDIATE: with it libzmq tears down the connection's pipe when the engine's
-        # socket closes, and the answers it sent last, arrived but not yet read, are thrown
-        # away. `_send` refuses instead while the monitor says no engine is connected.
-        requests.setsockopt(zmq.SNDHWM, 0)
-        requests.setsockopt(zmq.RCVHWM, 0)
-        requests.setsockopt(zmq.LINGER, 0)
-        requests.setsockopt(zmq.RECONNECT_IVL, 50)
-        monitor = requests.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        requests.connect(self._addresses.requests)
-        self._requests, self._monitor = requests, monitor
-        self._arrived = zmq.Socket.shadow(requests.underlying)
-        self._events = zmq.Socket.shadow(monitor.underlying)
+        self._dealer.open()
         self._subscriber.start()
         if self._restarts is not None:
             self._restarts.start()
-        self._tasks = [
-            asyncio.create_task(self._receive_outputs(), name="engine-outputs"),
-            asyncio.create_task(self._watch_connection(), name="engine-monitor"),
-            asyncio.create_task(self._watch_staleness(), name="engine-staleness"),
-        ]
+        self._tasks = [asyncio.create_task(self._watch_staleness(), name="engine-staleness")]
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -281,7 +262,7 @@ class ZmqEngineClient(StreamingClient):
         await self._subscriber.close()
         if self._restarts is not None:
             await self._restarts.close()
-        self._requests = None  # what status() may still notice delivers nothing now
+        self._dealer.close()  # what status() may still notice delivers nothing now
         self._context.destroy(linger=0)
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -306,14 +287,14 @@ class ZmqEngineClient(StreamingClient):
     def _send(self, message: ToEngine) -> None:
         """A request only to an engine whose status is current; a `Cancel` to whatever
         engine the socket still reaches (one whose status went stale may yet recover).
-        Nothing while none is connected (as libzmq knows it now, not as the monitor's task
-        last heard): it would be queued for the next engine, long after its client left."""
-        self._take_events()
-        if self._requests is None or not self._connected:
+        Nothing while none is connected (as the monitor says at the send, not as a drain
+        last heard): a closed connection's socket is replaced, its queue discarded."""
+        self._dealer.take_events()
+        if not self._dealer.connected:
             raise EngineNotConnected("no engine is connected")
         if not isinstance(message, Cancel) and self.status() is None:
             raise EngineNotConnected("no engine is connected")
-        if not send_now(self._requests, encode(message)):
+        if not self._dealer.send(encode(message)):
             raise EngineNotConnected("no engine is connected")
 
     async def _watch_staleness(self) -> None:
@@ -327,61 +308,22 @@ class ZmqEngineClient(StreamingClient):
         """The engine that went away will answer none of what it was sent; one whose status
         went stale may still run it (its streams cancel it there). What it sent before is
         delivered first."""
-        self._take_arrived()
+        self._dealer.take_arrived()
         if self.open_streams:
             log.warning("engine lost (%s): failing %d open requests", why, self.open_streams)
         self._subscriber.forget()
         self._fail_all(ENGINE_WENT_SILENT if why == STATUS_WENT_STALE else ENGINE_EXITED)
 
-    def _take_arrived(self) -> None:
-        """Deliver every answer the socket holds now, without waiting. On a closed
-        connection these are all the closed engine's: one that connects after is sent
-        nothing before its connection is heard (`_send`), which is after the close."""
-        while self._requests is not None and self._arrived is not None:
-            try:
-                data = self._arrived.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                messages = decode_batch_from_engine(data)
-            except Exception:
-                # Must not end the reading (every later answer would go unread, each
-                # request waiting out its deadline while /readyz said ready): its requests
-                # cannot be told apart, so every open one fails at once (503, retryable);
-                # the engine still holds them: each is cancelled there as it fails.
-                log.exception("an answer from the engine could not be read")
-                self._fail_all(ANSWER_UNREADABLE)
-                continue
-            for message in messages:
-                self._deliver(message)
-
-    def _take_events(self) -> None:
-        """The connection's changes the monitor holds now, without waiting: a closed one
-        fails every open request (503 `engine_lost`), after what it delivered."""
-        while self._requests is not None and self._events is not None:
-            # Asked first: cheaper than a refused read, and every send asks (`_send`).
-            pending = self._events.get(zmq.EVENTS)
-            if not (isinstance(pending, int) and pending & zmq.POLLIN):
-                return
-            frames = self._events.recv_multipart(zmq.NOBLOCK)
-            try:
-                event = parse_monitor_message(frames)["event"]
-            except Exception:  # not one of libzmq's events: nothing to act on
-                continue
-            if event == zmq.EVENT_CONNECTED:
-                self._connected = True
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._connected = False
-                self._engine_gone("its connection closed")
-
-    async def _receive_outputs(self) -> None:
-        assert self._requests is not None
-        while True:
-            await self._requests.poll()  # POLLIN, no timeout
-            self._take_arrived()
-
-    async def _watch_connection(self) -> None:
-        assert self._monitor is not None
-        while True:
-            await self._monitor.poll()  # POLLIN, no timeout
-            self._take_events()
+    def _take_answer(self, data: bytes) -> None:
+        try:
+            messages = decode_batch_from_engine(data)
+        except Exception:
+            # Must not end the reading (every later answer would go unread, each request
+            # waiting out its deadline while /readyz said ready): its requests cannot be
+            # told apart, so every open one fails at once (503, retryable); the engine
+            # still holds them: each is cancelled there as it fails.
+            log.exception("an answer from the engine could not be read")
+            self._fail_all(ANSWER_UNREADABLE)
+            return
+        for message in messages:
+            self._deliver(message)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -96,8 +98,8 @@ async def connected(client: ZmqEngineClient) -> None:
     """Until the client has heard its socket connect: it connects in ZeroMQ's I/O thread,
     and a send before the monitor says so is refused (as if no engine were there)."""
     for _ in range(1000):  # bounded poll: 10 s
-        client._take_events()
-        if client._connected:
+        client._dealer.take_events()
+        if client._dealer.connected:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("the client never connected to the engine's socket")
@@ -242,7 +244,8 @@ async def test_an_answer_that_arrived_before_its_engine_exited_is_not_lost(
     no set order: with the close handled first, the stream was failed 503 `engine_lost`
     (not to be retried elsewhere) ahead of its answer, which was discarded. And with
     IMMEDIATE, libzmq itself threw the unread answer away once it saw the close. Here the
-    close is handled first for certain: the task that reads answers is stopped."""
+    close is handled first for certain: the event loop no longer reads the sockets, and the
+    test hands the client the close once it is there."""
     addresses = EngineAddresses.in_directory(tmp_path)
     context = zmq.asyncio.Context()
     engine = context.socket(zmq.ROUTER)
@@ -252,9 +255,11 @@ async def test_an_answer_that_arrived_before_its_engine_exited_is_not_lost(
     try:
         await connected(client)
         client._subscriber.take(status("e", time.monotonic()))
-        (reader,) = (task for task in client._tasks if task.get_name() == "engine-outputs")
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+        dealer = client._dealer
+        assert dealer.requests is not None and dealer.events is not None
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(dealer.requests.FD)
+        loop.remove_reader(dealer.events.FD)
         request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
         requesting = asyncio.create_task(anext(aiter(client.stream(request))))
         origin, data = await asyncio.wait_for(engine.recv_multipart(), 10)
@@ -263,8 +268,142 @@ async def test_an_answer_that_arrived_before_its_engine_exited_is_not_lost(
         final = Output(request.request_id, True, vectors, queue_s=0.0, compute_s=0.0)
         await engine.send_multipart([origin, encode_batch([final])])
         engine.close(linger=10_000)  # the answer leaves, then the connection closes
+        assert dealer.events.poll(10_000)  # the close is there (and the answer before it)
+        dealer.take_events()
         assert await asyncio.wait_for(requesting, 10) == final
         assert client.status() is None  # and the engine is taken for gone
     finally:
         await client.close()
+        context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("when", ["queued before it died", "sent before its death was heard"])
+async def test_a_request_for_an_engine_that_died_never_reaches_the_next_one(
+    tmp_path: Path, when: str
+) -> None:
+    """Without IMMEDIATE, libzmq kept the DEALER's outgoing queue across a reconnect and
+    flushed it to the next engine: requests still queued when the engine died, and those
+    sent after its death but before its close was heard. Their clients were answered 503
+    already, yet the new engine counted them as taken from this front end (whose count had
+    restarted at zero: its shedding let in that many more) or computed them for nobody."""
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.asyncio.Context()
+    engine = context.socket(zmq.ROUTER)
+    engine.setsockopt(zmq.RCVHWM, 1)  # reads nothing: the rest waits in the client's queue
+    engine.bind(addresses.requests)
+    client = ZmqEngineClient(addresses)
+    await client.start()
+
+    async def one_request(tokens: int) -> list[Output]:
+        request = Submit(
+            client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1] * tokens])
+        )
+        return [output async for output in client.stream(request)]
+
+    try:
+        await connected(client)
+        client._subscriber.take(status("e", time.monotonic()))
+        if when == "queued before it died":
+            # 8 MB: far more than the dead engine's socket and the kernel's buffer hold.
+            requesting = [asyncio.create_task(one_request(1_000_000)) for _ in range(8)]
+            await asyncio.sleep(0)  # each task's first step sends its request
+            assert client.open_streams == len(requesting)
+            engine.close(linger=0)
+        else:
+            engine.close(linger=0)
+            dealer = client._dealer
+            assert dealer.events is not None and dealer.events.poll(10_000)  # the close is in
+            # As when the I/O thread posts the close just after the sends look for it.
+            take_events = dealer.take_events
+            dealer.take_events = lambda: None  # type: ignore[method-assign]
+            requesting = [asyncio.create_task(one_request(1)) for _ in range(3)]
+            await asyncio.sleep(0)
+            assert client.open_streams == len(requesting)
+            dealer.take_events = take_events  # type: ignore[method-assign]
+            dealer.take_events()
+        for lost in asyncio.as_completed(requesting, timeout=10):
+            with pytest.raises(Rejected, match="exited"):
+                await lost
+        engine = context.socket(zmq.ROUTER)  # the next engine, at the same address
+        engine.bind(addresses.requests)
+        await connected(client)
+        client._subscriber.take(status("f", time.monotonic()))
+        after = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[2]]))
+        requesting = [asyncio.create_task(anext(aiter(client.stream(after))))]
+        _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
+        assert decode_to_engine(data) == after  # the first, and only, it is sent
+        requesting[0].cancel()
+    finally:
+        await client.close()
+        context.destroy(linger=0)
+
+
+async def test_an_answer_that_arrives_as_a_request_is_sent_is_read(tmp_path: Path) -> None:
+    """ZeroMQ's descriptor is edge-triggered: a send may take in the notice that an answer
+    arrived, after which the descriptor never says so and the event loop never reads it
+    (nor any answer after it: the socket's reader is awake, so none is noticed again)."""
+    async with engine_and_client(tmp_path) as (engine, client, _):
+        dealer = client._dealer
+        assert dealer.requests is not None
+        first = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
+        requesting = asyncio.create_task(anext(aiter(client.stream(first))))
+        origin, _ = await asyncio.wait_for(engine.recv_multipart(), 10)
+        vectors = EmbedOutput(b"\0" * 4, rows=1, width=1, input_tokens=1)
+        final = Output(first.request_id, True, vectors, queue_s=0.0, compute_s=0.0)
+        await engine.send_multipart([origin, encode_batch([final])])
+        # With no turn of the event loop between: the answer's arrival is signalled ...
+        assert select.select([dealer.requests.FD], [], [], 10)[0]
+        # ... and a send after libzmq's command throttle (about 1 ms) takes the signal in.
+        time.sleep(0.01)  # noqa: ASYNC251 (not to synchronise: the loop must not turn)
+        client._send(Submit(client.next_request_id(), "m", time.monotonic() + 60, first.payload))
+        assert await asyncio.wait_for(requesting, 10) == final
+
+
+async def test_answers_arriving_in_bursts_between_sends_are_all_read(tmp_path: Path) -> None:
+    """Many requests, sent while the answers to earlier ones arrive in bursts from an engine
+    on another thread: none waits on the socket unread (a lost wake-up)."""
+    addresses = EngineAddresses.in_directory(tmp_path)
+    context = zmq.Context()
+    engine = context.socket(zmq.ROUTER)
+    engine.setsockopt(zmq.LINGER, 0)
+    engine.bind(addresses.requests)
+    stop = threading.Event()
+
+    def serve() -> None:  # answers what has come, in one burst per wake
+        vectors = EmbedOutput(b"\0" * 4, rows=1, width=1, input_tokens=1)
+        while not stop.is_set():
+            if not engine.poll(10):
+                continue
+            burst: list[list[bytes]] = []
+            while engine.poll(0):
+                burst.append(engine.recv_multipart())
+            for origin, data in burst:
+                submit = decode_to_engine(data)
+                if isinstance(submit, Submit):
+                    final = Output(submit.request_id, True, vectors, queue_s=0.0, compute_s=0.0)
+                    engine.send_multipart([origin, encode_batch([final])])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    client = ZmqEngineClient(addresses)
+    await client.start()
+
+    async def one_request() -> list[Output]:
+        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
+        return [output async for output in client.stream(request)]
+
+    try:
+        await connected(client)
+        client._subscriber.take(status("e", time.monotonic()))
+        for _ in range(20):
+            requesting = []
+            for _ in range(100):
+                requesting.append(asyncio.create_task(one_request()))
+                await asyncio.sleep(0)
+            answers = await asyncio.wait_for(asyncio.gather(*requesting), 10)
+            assert all(len(outputs) == 1 and outputs[0].final for outputs in answers)
+    finally:
+        await client.close()
+        stop.set()
+        server.join()
         context.destroy(linger=0)

@@ -187,9 +187,12 @@ class ProbeListener:
         log.info("probes on %s:%d (%s)", self._host, self._port, paths)
 
     async def close(self) -> None:
+        """Stop listening; a scrape still rendering is let go (its thread ends on its own)."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        if self._scraping is not None:
+            self._scraping.cancel()
 
     async def _metrics(self) -> tuple[int, bytes, bytes]:
         if self._scraping is None:

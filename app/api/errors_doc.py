@@ -18,7 +18,10 @@ _ERROR_WHEN = {
     "generation needing more tokens than STEADY_RATE_LIMIT_BURST (`too_many_tokens`).",
     415: "A compressed body (`unsupported_content_encoding`): send it uncompressed.",
     422: "Wrong types, empty input or unknown fields (`invalid_request`, with `param`).",
-    408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`).",
+    408: "The body did not arrive within STEADY_BODY_READ_TIMEOUT_S (`body_timeout`), or "
+    "the headers within 10 s of the request's first byte (`header_timeout`).",
+    431: "The request line and headers over 64 KiB, or spread over more than 1,024 reads "
+    "(`headers_too_large`).",
     429: "Over the token rate (`rate`), the in-flight cap (`inflight`), or a predicted wait "
     "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; a front end "
     "holding STEADY_MAX_CONNECTIONS connections (`connections`: this connection is closed). "

@@ -18,12 +18,17 @@ front end, docs/ARCHITECTURE.md §4):
   request's answer is still to come does not count against the client.
 - A request line and headers over `max_header_bytes` (64 KiB: above the 60 KiB Envoy
   forwards, with room for the headers it adds) are answered 431 `headers_too_large`, as
-  soon as the reads that brought them are over it: a line that never ends is cut once
-  64 KiB + one read (at most 256 KiB) has arrived.
+  soon as the reads that brought them are over it: a line that never ends is cut once the
+  read it began in, 64 KiB and one more read have arrived (at most ~576 KiB). So are
+  headers that span over `max_header_reads` reads (1,024): each read copies the URL or
+  header value so far, so a client sending a byte at a time made ~64 KiB squared of
+  copying within the cap; the cap bounds that copying, it does not remove it.
 
 Either answer, in the envelope of the request's path (as far as it arrived) like the other
 prebuilt refusals (`api/shedding.py`), closes its connection gently: half-closed after the
-answer, input dropped unparsed until the client closes or `linger_s` passes.
+answer, input dropped unparsed until the client closes or `linger_s` passes; behind an
+earlier request whose answer is still to come (pipelined), it waits for that answer and
+the input is dropped meanwhile. Each is counted (`_count_head_refusal`).
 
 The cost on the way of a request whose headers arrive in one read is a few attribute
 stores: no timer, no allocation. Everything here runs on the event loop's thread.
@@ -38,6 +43,7 @@ from http import HTTPStatus
 import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from app.api.shedding import envelope_of
 from app.schemas import error_object, openai_error_object
@@ -47,17 +53,18 @@ HEADER_TIMEOUT_S = 10.0
 # Envoy's `max_request_headers_kb` (60 KiB, its default) plus room for what Envoy adds
 # (x-forwarded-for, x-request-id, x-envoy-*): a request Envoy forwards is never refused here.
 MAX_HEADER_BYTES = 64 * 1024
+# Reads one request's headers may span: far above any real client's (a few), far below the
+# 65,536 one-byte reads that fit the byte cap.
+MAX_HEADER_READS = 1024
+HEADER_TIMEOUT, HEADERS_TOO_LARGE = "header_timeout", "headers_too_large"
 
 
 @lru_cache(maxsize=16)
-def header_refusal(status: int, limit: float, envelope: str) -> tuple[bytes, bytes]:
-    """The 408 (`limit`: the header timeout, s) or 431 (`limit`: the cap, bytes) as HTTP/1.1
+def header_refusal(status: int, message: str, envelope: str) -> tuple[bytes, bytes]:
+    """The 408 `header_timeout` or 431 `headers_too_large` saying `message`, as HTTP/1.1
     bytes: status line with its fixed headers (`Connection: close`), and JSON body in
     `envelope` (`shedding.envelope_of`)."""
-    if status == 408:
-        reason, message = "header_timeout", f"request headers not received within {limit:g} s"
-    else:
-        reason, message = "headers_too_large", f"request line and headers exceed {limit:g} bytes"
+    reason = HEADER_TIMEOUT if status == 408 else HEADERS_TOO_LARGE
     if envelope == "v2":
         error: object = {"error": message}
     elif envelope == "openai":
@@ -72,12 +79,18 @@ def header_refusal(status: int, limit: float, envelope: str) -> tuple[bytes, byt
     return head.encode(), body
 
 
+def default_headers(server_state: ServerState) -> bytes:
+    """uvicorn's default headers (server, date) as lines, for a refusal written as bytes."""
+    return b"".join(name + b": " + value + b"\r\n" for name, value in server_state.default_headers)
+
+
 class HeaderLimitedProtocol(HttpToolsProtocol):
     """The limits of the module's docstring; a subclass sets the class attributes and
     overrides `_on_headers`, not `on_headers_complete`, to see headers within them."""
 
     header_timeout_s = HEADER_TIMEOUT_S
     max_header_bytes = MAX_HEADER_BYTES
+    max_header_reads = MAX_HEADER_READS
     linger_s = 5.0  # a refused connection's input is dropped for at most this long
 
     # True from a request's first byte to the end of its message; `_in_headers`: to the end
@@ -91,8 +104,13 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
     _read_len = 0
     _first_read = 0
     _header_reads = 0
+    _header_read_count = 0  # reads the headers have spanned
     # Answered 408/431: nothing more is parsed.
     _refused_head = False
+    # Refused behind an earlier request whose answer is still to come: its status, written
+    # once that answer is (`on_response_complete`).
+    _deferred_refusal = 0
+    _refusal_message = ""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's
         super().connection_made(transport)
@@ -112,6 +130,7 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
         self._read_len = length = len(data)
         if self._in_headers:
             self._header_reads += length
+            self._header_read_count += 1
         super().data_received(data)
         if self._refused_head:
             return
@@ -119,6 +138,9 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
             # Every read after the first is the request's own: over the cap already?
             if self._header_reads - self._first_read > self.max_header_bytes:
                 self._refuse_head(431)
+                return
+            if self._header_read_count > self.max_header_reads:
+                self._refuse_head(431, too_many_reads=True)
                 return
         elif self._in_message or self.timeout_keep_alive_task is not None or not self._answered():
             return  # a body, an idle connection under keep-alive, or an answer still to come
@@ -131,6 +153,7 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         self._in_message = self._in_headers = True
         self._header_reads = self._first_read = self._read_len
+        self._header_read_count = 1
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
@@ -190,32 +213,53 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
         else:
             self.transport.close()  # only blank lines: no request to answer
 
-    def _refuse_head(self, status: int) -> None:
+    def _refuse_head(self, status: int, too_many_reads: bool = False) -> None:
         """Answer 408/431 and close the connection gently: half-closed, its input dropped
-        unparsed until the client closes or `linger_s` passes; where no answer may be
-        written (an earlier one still to come, a half-closed connection), close it."""
+        unparsed until the client closes or `linger_s` passes; behind an earlier answer
+        still to come, once it is written (`on_response_complete`); where no answer may be
+        written (a half-closed connection), close it."""
         self._cancel_header_deadline()
+        if not self._refused_head:
+            self._count_head_refusal(HEADER_TIMEOUT if status == 408 else HEADERS_TOO_LARGE)
         self._refused_head = True
         transport = self.transport
         if transport.is_closing():
             return
+        if not self._answered():
+            self._deferred_refusal = status  # a refusal must not overtake that answer
+            self._refusal_message = self._head_refusal_message(status, too_many_reads)
+            return
         if not self._may_answer():
             transport.close()
             return
+        self._unset_keepalive_if_required()
         try:
-            path = (httptools.parse_url(self.url).path or b"").decode("latin-1")
+            path = (httptools.parse_url(self.url).path or b"/").decode("latin-1")
         except httptools.HttpParserInvalidURLError:
             path = ""  # no path arrived: the project's own envelope
-        limit = self.header_timeout_s if status == 408 else self.max_header_bytes
-        head, body = header_refusal(status, limit, envelope_of(path))
-        defaults = b"".join(
-            name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
-        )
-        transport.write(head + defaults + b"\r\n" + body)
+        message = self._refusal_message or self._head_refusal_message(status, too_many_reads)
+        head, body = header_refusal(status, message, envelope_of(path))
+        transport.write(head + default_headers(self.server_state) + b"\r\n" + body)
         if transport.can_write_eof():
             transport.write_eof()
         self.flow.resume_reading()  # dropped as it arrives, whatever paused it
         self._header_deadline = self.loop.call_later(self.linger_s, transport.close)
+
+    def _head_refusal_message(self, status: int, too_many_reads: bool) -> str:
+        if status == 408:
+            return f"request headers not received within {self.header_timeout_s:g} s"
+        if too_many_reads:
+            return f"request line and headers arrived in over {self.max_header_reads} reads"
+        return f"request line and headers exceed {self.max_header_bytes} bytes"
+
+    def _count_head_refusal(self, reason: str) -> None:
+        """Count a 408/431 (`reason`); a subclass with metrics does."""
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        status, self._deferred_refusal = self._deferred_refusal, 0
+        if status:  # the answer it waited for is written: its turn (or it waits on)
+            self._refuse_head(status)
 
     def _cancel_header_deadline(self) -> None:
         if self._header_deadline is not None:

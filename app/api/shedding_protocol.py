@@ -44,7 +44,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from app.admission import Entry, Rejected, RejectReason
 from app.api.common import ENTRY, envoy_timeout_in
-from app.api.header_limits import HEADER_TIMEOUT_S, MAX_HEADER_BYTES, HeaderLimitedProtocol
+from app.api.header_limits import (
+    HEADER_TIMEOUT_S,
+    MAX_HEADER_BYTES,
+    HeaderLimitedProtocol,
+    default_headers,
+)
 from app.api.proxies import came_through_a_proxy, trusted_networks
 from app.api.refusal_budget import RefusalBudget
 from app.api.shedding import (
@@ -213,6 +218,10 @@ def shedding_protocol(
         def _may_answer(self) -> bool:
             return not self._closing and super()._may_answer()  # half-closed: no more
 
+        def _count_head_refusal(self, reason: str) -> None:
+            service.drain.arrived()  # a request arrived, as `Service.shed` counts them
+            service.metrics.rejected.labels("", reason).inc()
+
         def _answered_before_its_end(self) -> bool:
             """Whether the request being parsed was answered (refused here, or by the app)
             while its body is still arriving: what arrives of it is discarded."""
@@ -345,11 +354,8 @@ def shedding_protocol(
                 not keep_alive,
                 envelope_of(path.decode("latin-1")),
             )
-            defaults = b"".join(
-                name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers
-            )
             timing = b"server-timing: " + shed_timing(started) + b"\r\n\r\n"
-            self.transport.write(head + defaults + timing + body)
+            self.transport.write(head + default_headers(self.server_state) + timing + body)
             self._discarding = True
             if not keep_alive:
                 self._close_gently()

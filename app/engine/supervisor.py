@@ -127,8 +127,8 @@ class EngineSupervisor:
         the event loop thread): from now on its running counts toward a stable engine, and
         no restart is under way. Each ready status of the running engine says so again."""
         process = self.process
-        if process is None or process.pid != pid:
-            return
+        if process is None or process.pid != pid or process.exitcode is not None:
+            return  # not the running engine (a dead one's status read late says nothing)
         if self._ready_since is None:
             self._ready_since = self._clock()
         self._restarts_when_ready = self.restarts

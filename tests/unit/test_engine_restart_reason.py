@@ -169,3 +169,19 @@ def test_the_loss_reason_names_the_signal_or_the_exit_status() -> None:
     assert loss_reason(7, -signal.SIGSEGV, None) == "engine 7 exited by signal SIGSEGV"
     assert loss_reason(7, 3, None).startswith("engine 7 exited with code 3 (a sticky CUDA")
     assert loss_reason(7, -9, "is stuck") == "engine 7 killed: it is stuck"
+
+
+async def test_a_ready_status_the_dead_engine_left_queued_does_not_end_its_restart(
+    tree: ProcessTree,
+) -> None:
+    """The engine published "ready" every few milliseconds before it died, and one still
+    queued may be read after its death was (an app that supervises its own engine forgets
+    no status at the exit): it ended the restart under way, /readyz said nothing of why
+    through the back-off and reload, and the next restart counted from 1 again."""
+    dead = Engine(501)
+    tree.engine.process = dead  # type: ignore[assignment]
+    dead.die(-signal.SIGKILL)
+    tree.engine._restarting("engine 501 exited by signal SIGKILL", 1.0)
+    tree.engine.saw_ready(501)  # its last word, read late
+    assert tree.engine.restart is not None
+    assert tree.engine.restarts_since_ready == 1

@@ -22,6 +22,7 @@ from uvicorn.server import ServerState
 from app.api.header_limits import MAX_HEADER_BYTES
 from app.api.refusal_budget import RefusalBudget
 from app.api.shedding_protocol import shedding_protocol
+from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
 from tests.support.server import REPO_ROOT
 
@@ -29,10 +30,29 @@ HELD = "/held"  # answered once the test sets `release`
 WAIT_S = 10.0  # the most any test waits for the server: a failure, not a bound on timing
 
 
+class Arrivals:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def arrived(self) -> None:
+        self.count += 1
+
+
 class Admits:
-    """What the protocol asks of a `Service` when no path is shed and no cap is set."""
+    """What the protocol asks of a `Service` when no path is shed and no cap is set, and
+    where it counts a refusal of its own."""
 
     admission = type("Admission", (), {"draining": False})()
+
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.drain = Arrivals()
+
+    def refused(self, reason: str) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "steadyserve_rejected_total", {"model": "", "reason": reason}
+        )
+        return value or 0.0
 
 
 @contextlib.asynccontextmanager
@@ -246,13 +266,32 @@ async def test_a_request_waiting_behind_an_answer_is_refused_only_after_it() -> 
         writer.write(
             b"GET %s HTTP/1.1\r\nhost: test\r\n\r\nGET /next HTTP/1.1\r\nx-" % HELD.encode()
         )
-        await asyncio.sleep(0.6)  # the header timeout passes, three times
-        assert not reader.at_eof()
+        with pytest.raises(TimeoutError):  # nothing, while the header timeout passes 3 times
+            await asyncio.wait_for(reader.read(1), 0.6)
         release.set()
         first, second = responses(await until_closed(reader))
         writer.close()
     assert first[0] == 200
     assert_refused(second, 408, "header_timeout")
+
+
+async def test_headers_over_the_cap_behind_an_answer_are_refused_only_after_it() -> None:
+    """A pipelined request's headers pass the cap while the request before it computes:
+    the connection was closed at once, the earlier answer lost (and the unread input
+    reset it); the 431 now waits for that answer, as the 408 does."""
+    async with serving() as (port, release):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET %s HTTP/1.1\r\nhost: test\r\n\r\nGET /next HTTP/1.1\r\nx-pad: " % HELD.encode()
+            + b"a" * (1024 * 1024)  # over several reads: the cap is judged as each ends
+        )
+        with pytest.raises(TimeoutError):  # refused, but not before the answer ahead of it
+            await asyncio.wait_for(reader.read(1), 0.3)
+        release.set()
+        first, second = responses(await until_closed(reader))
+        writer.close()
+    assert first[0] == 200
+    assert_refused(second, 431, "headers_too_large")
 
 
 def test_the_readme_names_the_header_refusals() -> None:
@@ -314,3 +353,33 @@ def test_what_follows_headers_over_the_cap_in_the_same_read_is_dropped_unparsed(
 
 async def _never_called(scope: Any, receive: Any, send: Any) -> None:
     raise AssertionError("a refused request never reaches the app")
+
+
+def test_headers_sent_a_byte_at_a_time_are_refused_after_so_many_reads() -> None:
+    """Each read copies the URL or header value so far (uvicorn's `url +=`, httptools'
+    values): a byte at a time within the 64 KiB cap made ~2 GiB of copying on the event
+    loop per connection. Past `max_header_reads` reads the request is answered 431, and
+    counted as the other refusals are."""
+    service = Admits()
+    protocol_class = shedding_protocol(
+        service,  # type: ignore[arg-type]
+        [],
+        read_pause_s=1.0,
+        budget=RefusalBudget(0),
+        body_read_timeout_s=3.0,
+    )
+    config = uvicorn.Config(_never_called, lifespan="off", log_level="warning")
+    protocol = protocol_class(  # type: ignore[call-arg]
+        config=config, server_state=ServerState(), app_state={}, _loop=RecordingLoop()
+    )
+    transport = FakeTransport(("203.0.113.9", 40000))
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    request = b"GET /x HTTP/1.1\r\nx-slow: " + b"a" * 2000
+    reads = protocol_class.max_header_reads + 1
+    for index in range(reads):
+        protocol.data_received(request[index : index + 1])
+    [response] = responses(bytes(transport.written))
+    assert_refused(response, 431, "headers_too_large")
+    message = orjson.loads(response[2])["error"]["message"]
+    assert message == f"request line and headers arrived in over {reads - 1} reads"
+    assert service.refused("headers_too_large") == 1 and service.drain.count == 1

@@ -208,8 +208,12 @@ async def test_a_failed_render_is_a_500_and_a_slow_one_is_cut_off(
         started = loop.time()
         assert await get(port, "/metrics") == (0, {}, b"")  # closed at the deadline
         assert loop.time() - started < 5
+        stuck = listener._scraping
+        assert stuck is not None and not stuck.done()
     finally:
         await listener.close()
+    with pytest.raises(asyncio.CancelledError):  # let go at close, not left pending
+        await stuck
 
 
 async def test_an_answer_its_reader_does_not_read_is_dropped_at_the_deadline(

@@ -41,12 +41,10 @@ from functools import lru_cache
 from http import HTTPStatus
 
 import httptools
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.api.shedding import envelope_of
-from app.schemas import error_object, openai_error_object
+from app.api.shedding import envelope_of, error_body
 
 # The shipped Envoy's `request_headers_timeout` (deploy/envoy/envoy.yaml).
 HEADER_TIMEOUT_S = 10.0
@@ -65,13 +63,7 @@ def header_refusal(status: int, message: str, envelope: str) -> tuple[bytes, byt
     bytes: status line with its fixed headers (`Connection: close`), and JSON body in
     `envelope` (`shedding.envelope_of`)."""
     reason = HEADER_TIMEOUT if status == 408 else HEADERS_TOO_LARGE
-    if envelope == "v2":
-        error: object = {"error": message}
-    elif envelope == "openai":
-        error = openai_error_object(status, reason, message)
-    else:
-        error = error_object(reason, message)
-    body = orjson.dumps(error)
+    body = error_body(envelope, status, reason, message)
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n"

@@ -68,6 +68,17 @@ def envelope_of(path: str) -> str:
     return "openai" if speaks_openai(path) else "steadyserve"
 
 
+def error_body(envelope: str, status: int, reason: str, message: str) -> bytes:
+    """The JSON error body of a refusal written before the app (`envelope_of`'s envelope)."""
+    if envelope == "v2":
+        error: object = {"error": message}
+    elif envelope == "openai":
+        error = openai_error_object(status, reason, message)
+    else:
+        error = error_object(reason, message)
+    return orjson.dumps(error)
+
+
 @lru_cache(maxsize=128)
 def _shed_response(
     reason: str, retry_after: str | None, close: bool, envelope: str = "steadyserve"
@@ -75,14 +86,7 @@ def _shed_response(
     """Status, headers and body of a refusal in `envelope` (`envelope_of`), built once per
     distinct answer."""
     status = REJECTION_STATUS[RejectReason(reason)]
-    message = _SHED_MESSAGES.get(reason, reason)
-    if envelope == "v2":
-        error: object = {"error": message}
-    elif envelope == "openai":
-        error = openai_error_object(status, reason, message)
-    else:
-        error = error_object(reason, message)
-    body = orjson.dumps(error)
+    body = error_body(envelope, status, reason, _SHED_MESSAGES.get(reason, reason))
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

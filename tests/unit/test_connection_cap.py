@@ -12,7 +12,6 @@ import asyncio
 import logging
 from typing import Any
 
-import httptools
 import orjson
 import pytest
 import uvicorn
@@ -23,6 +22,7 @@ from app.api.refusal_budget import RefusalBudget
 from app.api.shedding_protocol import shedding_protocol
 from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
+from tests.support.http_responses import Response, responses
 
 CAP = 2
 BODY = b'{"inputs": "x"}'
@@ -92,32 +92,6 @@ async def until_answered(state: ServerState) -> None:
     """Until every task uvicorn started (and those they started) has ended."""
     while state.tasks:
         await asyncio.gather(*list(state.tasks))
-
-
-Response = tuple[int, dict[str, str], bytes]
-
-
-def responses(written: bytes) -> list[Response]:
-    """The HTTP/1.1 responses written to a connection, in order."""
-    parsed: list[Response] = []
-    headers: dict[str, str] = {}
-    body = bytearray()
-
-    class Callbacks:
-        def on_header(self, name: bytes, value: bytes) -> None:
-            headers[name.decode().lower()] = value.decode()
-
-        def on_body(self, chunk: bytes) -> None:
-            body.extend(chunk)
-
-        def on_message_complete(self) -> None:
-            parsed.append((parser.get_status_code(), dict(headers), bytes(body)))
-            headers.clear()
-            body.clear()
-
-    parser = httptools.HttpResponseParser(Callbacks())
-    parser.feed_data(bytes(written))
-    return parsed
 
 
 def assert_connection_cap_refusal(response: Response) -> None:

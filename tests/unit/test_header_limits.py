@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httptools
 import orjson
 import pytest
 import uvicorn
@@ -24,6 +23,7 @@ from app.api.refusal_budget import RefusalBudget
 from app.api.shedding_protocol import shedding_protocol
 from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
+from tests.support.http_responses import Response, responses
 from tests.support.server import REPO_ROOT
 
 HELD = "/held"  # answered once the test sets `release`
@@ -101,32 +101,6 @@ async def serving(
         for connection in list(state.connections):
             connection.transport.close()
         await server.wait_closed()
-
-
-Response = tuple[int, dict[str, str], bytes]
-
-
-def responses(received: bytes) -> list[Response]:
-    """The HTTP/1.1 responses in what a connection received, in order."""
-    parsed: list[Response] = []
-    headers: dict[str, str] = {}
-    body = bytearray()
-
-    class Callbacks:
-        def on_header(self, name: bytes, value: bytes) -> None:
-            headers[name.decode().lower()] = value.decode()
-
-        def on_body(self, chunk: bytes) -> None:
-            body.extend(chunk)
-
-        def on_message_complete(self) -> None:
-            parsed.append((parser.get_status_code(), dict(headers), bytes(body)))
-            headers.clear()
-            body.clear()
-
-    parser = httptools.HttpResponseParser(Callbacks())
-    parser.feed_data(received)
-    return parsed
 
 
 async def until_closed(reader: asyncio.StreamReader) -> bytes:

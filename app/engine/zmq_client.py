@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -96,6 +97,55 @@ def send_now(socket: zmq.asyncio.Socket, data: bytes) -> bool:
     return not (sent.done() and sent.exception() is not None)
 
 
+M = TypeVar("M")  # a message a subscription decodes
+
+
+class Subscription(Generic[M]):
+    """Every message a PUB socket at `address` publishes, decoded (`decode`) and handed to
+    `take`, on a task of its own (`name`). A message that does not decode is logged
+    (`what`) and skipped: its publisher sends the next soon. Event loop thread only."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        address: str,
+        name: str,
+        decode: Callable[[bytes], M],
+        take: Callable[[M], None],
+        what: str,
+    ) -> None:
+        self._context = context
+        self._address = address
+        self._name = name
+        self._decode = decode
+        self._take = take
+        self._what = what
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, 16)
+        socket.connect(self._address)
+        self._task = asyncio.create_task(self._receive(socket), name=self._name)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
+        while True:
+            data = await socket.recv()
+            try:
+                message = self._decode(data)
+            except Exception:
+                log.exception("%s could not be read", self._what)
+                continue
+            self._take(message)
+
+
 class StatusSubscriber:
     """The engine's published status, from its PUB socket. Event loop thread of the process
     that holds it (a front end, or the supervisor for its probe listener)."""
@@ -120,20 +170,15 @@ class StatusSubscriber:
         self._last_engine_id: str | None = None
         # (engine id, when): an engine forgotten then, whose earlier statuses are not heard.
         self._forgotten: tuple[str, float] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._subscription = Subscription(
+            context, address, "engine-status", decode_status, self.take, "an engine status"
+        )
 
     def start(self) -> None:
-        socket = self._context.socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, 16)
-        socket.connect(self._address)
-        self._task = asyncio.create_task(self._receive(socket), name="engine-status")
+        self._subscription.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._subscription.close()
 
     def status(self) -> EngineStatus | None:
         if self._status is None:
@@ -169,16 +214,6 @@ class StatusSubscriber:
         self._received_at = self._clock()
         self._on_status(status)
 
-    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
-        while True:
-            data = await socket.recv()
-            try:
-                status = decode_status(data)
-            except Exception:  # one unreadable status: the next comes milliseconds later
-                log.exception("an engine status could not be read")
-                continue
-            self.take(status)
-
 
 class RestartSubscriber:
     """The engine restart under way, as the supervisor last published it (it publishes on
@@ -187,30 +222,24 @@ class RestartSubscriber:
     until a new one is ready, as the supervisor's own probes do. Event loop thread."""
 
     def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
-        self._context = context
-        self._address = address
         self.restart: EngineRestart | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._subscription = Subscription(
+            context,
+            address,
+            "engine-restarts",
+            decode_restart,
+            self._take,
+            "the supervisor's word on the engine restart",
+        )
 
     def start(self) -> None:
-        socket = self._context.socket(zmq.SUB)
-        socket.setsockopt(zmq.SUBSCRIBE, b"")
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self._address)
-        self._task = asyncio.create_task(self._receive(socket), name="engine-restarts")
+        self._subscription.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._subscription.close()
 
-    async def _receive(self, socket: zmq.asyncio.Socket) -> None:
-        while True:
-            data = await socket.recv()
-            try:
-                self.restart = decode_restart(data)
-            except Exception:  # the next comes within a heartbeat
-                log.exception("the supervisor's word on the engine restart could not be read")
+    def _take(self, restart: EngineRestart | None) -> None:
+        self.restart = restart
 
 
 class ZmqEngineClient(StreamingClient):

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import PreTrainedModel
 
 from app.engine.core import EngineCore
+from app.engine.generation_host import GenerationHost
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     FinishReason,
@@ -52,6 +53,20 @@ async def started(settings: Settings) -> InProcessEngine:
     await engine.start()
     await engine.wait_ready()
     return engine
+
+
+async def started_on_clock(
+    source: Path, clock: Callable[[], float]
+) -> tuple[InProcessEngine, GenerationHost]:
+    """An engine serving the tiny model at `source` (no warm-up) on `clock`, and its
+    generation host."""
+    core = EngineCore(settings_for(source, warmup=False), Metrics(), clock=clock)
+    engine = InProcessEngine(core)
+    await engine.start()
+    await engine.wait_ready()
+    host = core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    return engine, host
 
 
 async def generate(

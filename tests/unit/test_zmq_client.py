@@ -46,6 +46,14 @@ def status(engine_id: str, published_at: float) -> EngineStatus:
     return ready_status(engine_id, published_at)
 
 
+async def one_request(client: ZmqEngineClient, tokens: int = 1) -> list[Output]:
+    """Every output of one embedding request of `tokens` tokens."""
+    request = Submit(
+        client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1] * tokens])
+    )
+    return [output async for output in client.stream(request)]
+
+
 async def test_a_request_sent_while_no_engine_is_connected_is_refused_at_once(
     tmp_path: Path,
 ) -> None:
@@ -125,22 +133,18 @@ async def test_an_unreadable_answer_fails_the_open_requests_and_later_ones_are_a
         final = Output(submit.request_id, True, vectors, queue_s=0.0, compute_s=0.0)
         await engine.send_multipart([origin, frame if frame is not None else encode_batch([final])])
 
-    async def one_request() -> list[Output]:
-        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
-        return [output async for output in client.stream(request)]
-
     try:
         await connected(client)
         client._subscriber.take(status("e", time.monotonic()))
         answering = asyncio.create_task(answer_next(b"\xc1 not msgpack"))
         with pytest.raises(Rejected):  # engine_lost: 503, retry
-            await asyncio.wait_for(one_request(), 10)
+            await asyncio.wait_for(one_request(client), 10)
         await answering
         # The engine still held it: told to drop it, not left to run to its end.
         _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
         assert isinstance(decode_to_engine(data), Cancel)
         answering = asyncio.create_task(answer_next(None))
-        outputs = await asyncio.wait_for(one_request(), 10)
+        outputs = await asyncio.wait_for(one_request(client), 10)
         await answering
         assert len(outputs) == 1 and outputs[0].final
     finally:
@@ -163,7 +167,8 @@ async def test_an_unreadable_status_is_skipped(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.01)
         assert subscriber.status() is not None
-        assert subscriber._task is not None and not subscriber._task.done()
+        task = subscriber._subscription._task
+        assert task is not None and not task.done()
     finally:
         await subscriber.close()
         context.destroy(linger=0)
@@ -196,14 +201,7 @@ async def test_a_stale_engine_is_told_to_cancel_what_it_was_sent(tmp_path: Path)
     sent no Cancel (none could go without a current status), and an engine that recovered
     computed the request for nobody. Its later statuses are heard again."""
     async with engine_and_client(tmp_path) as (engine, client, now):
-
-        async def one_request() -> list[Output]:
-            request = Submit(
-                client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]])
-            )
-            return [output async for output in client.stream(request)]
-
-        requesting = asyncio.create_task(one_request())
+        requesting = asyncio.create_task(one_request(client))
         _, data = await asyncio.wait_for(engine.recv_multipart(), 10)
         submit = decode_to_engine(data)
         assert isinstance(submit, Submit)
@@ -294,18 +292,12 @@ async def test_a_request_for_an_engine_that_died_never_reaches_the_next_one(
     client = ZmqEngineClient(addresses)
     await client.start()
 
-    async def one_request(tokens: int) -> list[Output]:
-        request = Submit(
-            client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1] * tokens])
-        )
-        return [output async for output in client.stream(request)]
-
     try:
         await connected(client)
         client._subscriber.take(status("e", time.monotonic()))
         if when == "queued before it died":
             # 8 MB: far more than the dead engine's socket and the kernel's buffer hold.
-            requesting = [asyncio.create_task(one_request(1_000_000)) for _ in range(8)]
+            requesting = [asyncio.create_task(one_request(client, 1_000_000)) for _ in range(8)]
             await asyncio.sleep(0)  # each task's first step sends its request
             assert client.open_streams == len(requesting)
             engine.close(linger=0)
@@ -316,7 +308,7 @@ async def test_a_request_for_an_engine_that_died_never_reaches_the_next_one(
             # As when the I/O thread posts the close just after the sends look for it.
             take_events = dealer.take_events
             dealer.take_events = lambda: None  # type: ignore[method-assign]
-            requesting = [asyncio.create_task(one_request(1)) for _ in range(3)]
+            requesting = [asyncio.create_task(one_request(client, 1)) for _ in range(3)]
             await asyncio.sleep(0)
             assert client.open_streams == len(requesting)
             dealer.take_events = take_events  # type: ignore[method-assign]
@@ -388,17 +380,13 @@ async def test_answers_arriving_in_bursts_between_sends_are_all_read(tmp_path: P
     client = ZmqEngineClient(addresses)
     await client.start()
 
-    async def one_request() -> list[Output]:
-        request = Submit(client.next_request_id(), "m", time.monotonic() + 60, EmbedPayload([[1]]))
-        return [output async for output in client.stream(request)]
-
     try:
         await connected(client)
         client._subscriber.take(status("e", time.monotonic()))
         for _ in range(20):
             requesting = []
             for _ in range(100):
-                requesting.append(asyncio.create_task(one_request()))
+                requesting.append(asyncio.create_task(one_request(client)))
                 await asyncio.sleep(0)
             answers = await asyncio.wait_for(asyncio.gather(*requesting), 10)
             assert all(len(outputs) == 1 and outputs[0].final for outputs in answers)

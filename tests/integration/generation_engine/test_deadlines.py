@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.admission import Rejected, RejectReason
-from app.engine.core import EngineCore
 from app.engine.generation_host import GenerationHost
-from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     FinishReason,
     GeneratePayload,
@@ -23,7 +21,6 @@ from app.engine.protocol import (
     TokensOutput,
 )
 from app.failures import DeadlineExceeded
-from app.metrics import Metrics
 from app.models.causal_lm import CausalLMRunner, StepRow
 from tests.support.generation_engine import (
     SLOT_TOKENS,
@@ -31,41 +28,19 @@ from tests.support.generation_engine import (
     collect,
     settings_for,
     started,
+    started_on_clock,
     submit,
 )
+from tests.support.manual_clock import ManualClock
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-class ManualClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def started_on_clock(
-    source: Path, clock: ManualClock
-) -> tuple[InProcessEngine, GenerationHost]:
-    """An engine (no warm-up) whose clock the test sets, and its generation host."""
-    core = EngineCore(settings_for(source, warmup=False), Metrics(), clock=clock)
-    engine = InProcessEngine(core)
-    await engine.start()
-    await engine.wait_ready()
-    host = core.hosts["tiny"]
-    assert isinstance(host, GenerationHost)
-    return engine, host
 
 
 async def test_a_deadline_passing_mid_sequence_fails_it_and_frees_its_slot(
     tiny_causal_lm: Path,
 ) -> None:
-    clock = ManualClock()
-    core = EngineCore(settings_for(tiny_causal_lm, warmup=False), Metrics(), clock=clock)
-    engine = InProcessEngine(core)
-    await engine.start()
-    await engine.wait_ready()
+    clock = ManualClock(1000.0)
+    engine, host = await started_on_clock(tiny_causal_lm, clock)
     try:
         request = Submit(
             engine.next_request_id(),
@@ -79,7 +54,7 @@ async def test_a_deadline_passing_mid_sequence_fails_it_and_frees_its_slot(
                 received += 1
                 clock.now += 20  # past the deadline before the next step
         assert 1 <= received < 200
-        assert core.hosts["tiny"].debug_report()["slots_held"] == 0
+        assert host.debug_report()["slots_held"] == 0
     finally:
         await engine.close()
 
@@ -91,7 +66,7 @@ async def test_a_sequence_without_a_client_set_limit_is_fitted_to_its_deadline(
     step time passed its deadline (every chat request without max_tokens on a slow model),
     although it might stop at EOS soon. Without a client-set limit it is admitted on one
     token's time and ends with `length` once the deadline's share of steps is spent."""
-    clock = ManualClock()
+    clock = ManualClock(1000.0)
     engine, host = await started_on_clock(tiny_causal_lm, clock)
     host._step_s = 1.0  # as if each step took a second
     room = SLOT_TOKENS - 3
@@ -122,7 +97,7 @@ async def test_a_fitted_sequence_short_of_time_ends_with_length_not_a_504(
     """Its cap is planned from the compute time of a step; a token really takes longer (the
     loop's turn between steps), so it reached its deadline before its cap and was failed
     504, its whole answer lost. It now ends with `length` once another step would not fit."""
-    clock = ManualClock()
+    clock = ManualClock(1000.0)
     engine, host = await started_on_clock(tiny_causal_lm, clock)
     host._step_s = 1.0
     # Held at 1 s: measured steps (milliseconds) would otherwise smooth it away, and whether

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -92,23 +92,25 @@ async def test_a_row_with_nan_logits_fails_its_sequence_alone(
     assert "tiny: non-finite logits" in caplog.text
 
 
-async def test_the_slot_of_a_sequence_with_nan_logits_is_zeroed_for_its_next_occupant(
-    tiny_causal_lm: Path,
-    reference: tuple[AutoTokenizer, PreTrainedModel],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A sequence whose activations overflow leaves NaN keys and values in its slot. Stale
-    entries are masked, but a mask is added to a score and NaN stays NaN: the slot's next
-    occupant, decoding beside a longer sequence (so attending past its own length), got
-    NaN logits too, and failed, as would every later occupant of that slot."""
-    _, model = reference
-    short_prompt = [1, 44, 45]
+SHORT_PROMPT = [1, 44, 45]  # the next occupant of the broken one's slot
+
+
+def slot_premise(model: PreTrainedModel) -> tuple[list[int], list[int]]:
+    """The greedy tokens of the long sequence beside (40) and of the next occupant (6)."""
     long_tokens = expected_greedy(model, BESIDE_PROMPT, 40).token_ids
-    short_tokens = expected_greedy(model, short_prompt, 6).token_ids
+    short_tokens = expected_greedy(model, SHORT_PROMPT, 6).token_ids
     assert len(long_tokens) == 40 and len(short_tokens) == 6, "the premise: no EOS in these"
-    engine = await started(settings_for(tiny_causal_lm, warmup=False, generate_slots=2))
-    host = engine.core.hosts["tiny"]
-    assert isinstance(host, GenerationHost)
+    return long_tokens, short_tokens
+
+
+def poison_the_broken_slot(
+    host: GenerationHost,
+    monkeypatch: pytest.MonkeyPatch,
+    then: Callable[[], None] = lambda: None,
+) -> None:
+    """At the broken prompt's first decode step, its logits are NaN and so are its slot's
+    keys and values in every layer (its activations overflowed); `then` runs after, on
+    the compute thread, within that step."""
     logits, cache = host.runner.logits, host.runner.cache
     broken: dict[str, int] = {}  # the broken sequence's slot, once it prefilled
 
@@ -118,14 +120,31 @@ async def test_the_slot_of_a_sequence_with_nan_logits_is_zeroed_for_its_next_occ
             if list(row.token_ids) == BROKEN_PROMPT:
                 broken["slot"] = row.slot
             elif row.slot == broken.get("slot") and "poisoned" not in broken:
-                computed[index] = float("nan")  # its first decode step overflows
-                for layer in cache.layers:  # and so did its keys and values, everywhere
+                computed[index] = float("nan")
+                for layer in cache.layers:
                     layer.keys[row.slot].fill_(float("nan"))  # type: ignore[index]
                     layer.values[row.slot].fill_(float("nan"))  # type: ignore[index]
                 broken["poisoned"] = 1
+                then()
         return computed
 
     monkeypatch.setattr(host.runner, "logits", overflowing)
+
+
+async def test_the_slot_of_a_sequence_with_nan_logits_is_zeroed_for_its_next_occupant(
+    tiny_causal_lm: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence whose activations overflow leaves NaN keys and values in its slot. Stale
+    entries are masked, but a mask is added to a score and NaN stays NaN: the slot's next
+    occupant, decoding beside a longer sequence (so attending past its own length), got
+    NaN logits too, and failed, as would every later occupant of that slot."""
+    long_tokens, short_tokens = slot_premise(reference[1])
+    engine = await started(settings_for(tiny_causal_lm, warmup=False, generate_slots=2))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    poison_the_broken_slot(host, monkeypatch)
     try:
         long_one = asyncio.create_task(
             generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=40))
@@ -133,7 +152,7 @@ async def test_the_slot_of_a_sequence_with_nan_logits_is_zeroed_for_its_next_occ
         with pytest.raises(BatchFailed, match="not finite"):
             await generate(engine, BROKEN_PROMPT, SamplingParams(max_new_tokens=12))
         assert not long_one.done(), "the premise: the long one still runs beside the next"
-        short = await generate(engine, short_prompt, SamplingParams(max_new_tokens=6))
+        short = await generate(engine, SHORT_PROMPT, SamplingParams(max_new_tokens=6))
         long_done = await long_one
     finally:
         await engine.close()
@@ -151,15 +170,10 @@ async def test_a_sequence_cancelled_in_the_step_its_logits_broke_still_has_its_s
     the step's result, read after, skipped the dropped sequence before seeing its NaN. The
     slot went back to the free list with NaN keys and values, and its next occupant,
     decoding beside a longer sequence, failed with "not finite"."""
-    _, model = reference
-    short_prompt = [1, 44, 45]
-    long_tokens = expected_greedy(model, BESIDE_PROMPT, 40).token_ids
-    short_tokens = expected_greedy(model, short_prompt, 6).token_ids
-    assert len(long_tokens) == 40 and len(short_tokens) == 6, "the premise: no EOS in these"
+    long_tokens, short_tokens = slot_premise(reference[1])
     engine = await started(settings_for(tiny_causal_lm, warmup=False, generate_slots=2))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
-    logits, cache = host.runner.logits, host.runner.cache
     loop = asyncio.get_running_loop()
     broken_request = Submit(
         engine.next_request_id(),
@@ -168,28 +182,13 @@ async def test_a_sequence_cancelled_in_the_step_its_logits_broke_still_has_its_s
         GeneratePayload(BROKEN_PROMPT, SamplingParams(max_new_tokens=12), stream=True),
     )
     cancelled = asyncio.Event()
-    broken: dict[str, int] = {}  # the broken sequence's slot, once it prefilled
 
     def cancel_broken() -> None:  # the loop thread: as a front end's Cancel arrives
         engine.core.cancel(engine.origin, broken_request.request_id)
         cancelled.set()
 
-    def overflowing(rows: Sequence[StepRow]) -> torch.Tensor:
-        computed = logits(rows).clone()
-        for index, row in enumerate(rows):
-            if list(row.token_ids) == BROKEN_PROMPT:
-                broken["slot"] = row.slot
-            elif row.slot == broken.get("slot") and "poisoned" not in broken:
-                computed[index] = float("nan")
-                for layer in cache.layers:
-                    layer.keys[row.slot].fill_(float("nan"))  # type: ignore[index]
-                    layer.values[row.slot].fill_(float("nan"))  # type: ignore[index]
-                broken["poisoned"] = 1
-                # Queued on the loop before this step's result is: the cancel is read first.
-                loop.call_soon_threadsafe(cancel_broken)
-        return computed
-
-    monkeypatch.setattr(host.runner, "logits", overflowing)
+    # Queued on the loop from within the poisoned step, before its result is: read first.
+    poison_the_broken_slot(host, monkeypatch, lambda: loop.call_soon_threadsafe(cancel_broken))
     try:
         long_one = asyncio.create_task(
             generate(engine, BESIDE_PROMPT, SamplingParams(max_new_tokens=40))
@@ -199,7 +198,7 @@ async def test_a_sequence_cancelled_in_the_step_its_logits_broke_still_has_its_s
         broken_one.cancel()  # its engine answers no more: the client is gone
         await asyncio.gather(broken_one, return_exceptions=True)
         assert not long_one.done(), "the premise: the long one still runs beside the next"
-        short = await generate(engine, short_prompt, SamplingParams(max_new_tokens=6))
+        short = await generate(engine, SHORT_PROMPT, SamplingParams(max_new_tokens=6))
         long_done = await long_one
     finally:
         await engine.close()

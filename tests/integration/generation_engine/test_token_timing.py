@@ -12,17 +12,15 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedModel
 
-from app.engine.core import EngineCore
 from app.engine.generation_host import GenerationHost
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
-from app.metrics import Metrics
 from app.models.causal_lm import StepRow
 from tests.support.generation_engine import (
     SLOT_TOKENS,
     collect,
     expected_greedy,
-    settings_for,
+    started_on_clock,
     tiny_model_that_also_ends_at,
 )
 from tests.support.manual_clock import ManualClock
@@ -38,12 +36,7 @@ async def engine_on_forward_clock(
     """An engine (no warm-up) whose clock moves one second with each forward of the model,
     and nowhere else; its step-time estimate held at that second."""
     clock = ManualClock(START)
-    core = EngineCore(settings_for(source, warmup=False), Metrics(), clock=clock)
-    engine = InProcessEngine(core)
-    await engine.start()
-    await engine.wait_ready()
-    host = core.hosts["tiny"]
-    assert isinstance(host, GenerationHost)
+    engine, host = await started_on_clock(source, clock)
     model_step = host.runner.step
 
     def one_second_a_forward(rows: Sequence[StepRow]) -> list[int]:

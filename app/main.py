@@ -221,7 +221,12 @@ def create_app(
     # Innermost: inside the HTTP metrics and every middleware below.
     app.add_middleware(
         DirectRoute,
-        endpoints={"/infer": embed.infer, "/v1/embeddings": embed.embeddings},
+        endpoints={
+            "/infer": embed.infer,
+            "/v1/embeddings": embed.embeddings,
+            "/v1/completions": generate.completions,
+            "/v1/chat/completions": generate.chat_completions,
+        },
         exception_handlers=app.exception_handlers,
     )
     Instrumentator(

@@ -1,10 +1,11 @@
-"""The hot POST routes (`/infer`, `/v1/embeddings`) without FastAPI's per-request routing
-machinery.
+"""The hot POST routes (`/infer`, `/v1/embeddings`, `/v1/completions`,
+`/v1/chat/completions`) without FastAPI's per-request routing machinery.
 
 Before an endpoint runs, FastAPI takes each request through its router (the routes matched
 in turn, through the included routers), an exit stack, its body-limit and telemetry
 middleware and dependency solving: ~110 us of a front end's ~360 us per admitted `/infer`
-(measured with the null engine, docs/BENCHMARKS.md, "The direct /infer route").
+(measured with the null engine, docs/BENCHMARKS.md, "The direct /infer route"); ~150 us of
+a non-streamed completion's ~930 us (the tiny causal LM, docs/BENCHMARKS.md, session 17).
 `DirectRoute`, the innermost middleware (inside the HTTP metrics, so requests are counted as
 before), hands a POST to one of its paths straight to the endpoint function that path's
 FastAPI route runs, which reads its own body (`api/common.py::json_body`), and answers any

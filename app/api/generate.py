@@ -164,9 +164,9 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
     )
 
 
-# The OpenAI routes read their own body (`common.body_as`), as /infer and /v1/embeddings do:
-# UTF-8 only, where FastAPI's parsing also took UTF-16 and UTF-32. The document names their
-# schema as FastAPI did (the component: api/openapi.py).
+# The OpenAI routes read their own body (`common.body_as`), as /infer and /v1/embeddings do
+# (so `api/direct.py` serves them too): UTF-8 only, where FastAPI's parsing also took UTF-16
+# and UTF-32. The document names their schema as FastAPI did (the component: api/openapi.py).
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,

@@ -156,7 +156,7 @@ class EngineCore:
             loader=self._loader,
             tracer=self._tracer(),
         )
-        self.hosts = await load_hosts(context, self._cuda_alloc_conf)
+        self.hosts = await load_hosts(context, self._cuda_alloc_conf, self.health)
         for name, host in self.hosts.items():
             self._warmup_total += host.warmup_total
             self.metrics.warmup_shapes.labels(name).set(host.warmup_total)

@@ -1,15 +1,19 @@
 """Pure run-time health: an engine whose batches keep failing is unhealthy.
 
 Start-up failures are reported separately; this watches the batches afterwards (a device
-lost, a driver fault, a model that throws on every input). After `threshold` consecutive
-failed batches the engine reports unhealthy, /healthz answers 503 and Kubernetes restarts
-the pod; a single successful batch clears it.
+lost, a driver fault, a model that throws on every input). Failures are counted per model:
+after `threshold` consecutive failed batches of one model the engine reports unhealthy,
+naming that model, /healthz answers 503 and Kubernetes restarts the pod; a successful batch
+of that model clears its count, and only its own. A single count for the whole engine let
+another model's successes (a generate model's steps, every few ms) reset it, so a model that
+failed every batch answered 500 for ever behind a healthy /healthz while others served.
 
 A batch that failed with a sticky CUDA error (a device-side assert, an illegal memory
-access, ...) is different: the process's CUDA context is unusable from then on, every later
-batch fails the same way and nothing clears it, so health is lost at once, for good, and
-`on_device_lost` is called (the engine process exits, so that its supervisor starts a fresh
-one: `engine/process.py`). Engine event loop thread only; torch-free.
+access, ...) is different: the process's CUDA context is unusable from then on, for every
+model, every later batch fails the same way and nothing clears it, so health is lost at
+once, for good, and `on_device_lost` is called (the engine process exits, so that its
+supervisor starts a fresh one: `engine/process.py`). Engine event loop thread only;
+torch-free.
 """
 
 from __future__ import annotations
@@ -20,27 +24,42 @@ from collections.abc import Callable
 # importable from here, where the engine's code looked for it.
 from app.failures import device_lost
 
+BatchRecorder = Callable[[BaseException | None], None]
+
 
 class BatchHealth:
     def __init__(self, threshold: int) -> None:
         self.threshold = threshold
-        self.consecutive_failures = 0
-        self.last_error: str | None = None
+        # Consecutive failed batches and the last one's exception class, by model (only
+        # models whose last batch failed); "" is a recorder that names no model.
+        self._failures: dict[str, tuple[int, str]] = {}
         self.lost_device = False
         # Called once, when a batch fails with a sticky device error (`device_lost`).
         self.on_device_lost: Callable[[], None] = lambda: None
 
-    def record(self, error: BaseException | None) -> None:
-        """Called once per finished batch, with its exception if it failed."""
+    def record(self, error: BaseException | None, model: str = "") -> None:
+        """Called once per finished batch of `model`, with its exception if it failed."""
         if error is None:
-            self.consecutive_failures = 0
-            self.last_error = None
+            self._failures.pop(model, None)
             return
-        self.consecutive_failures += 1
-        self.last_error = type(error).__name__
+        count, _ = self._failures.get(model, (0, ""))
+        self._failures[model] = (count + 1, type(error).__name__)
         if not self.lost_device and device_lost(error):
             self.lost_device = True
             self.on_device_lost()
+
+    def recorder(self, model: str) -> BatchRecorder:
+        """What `model`'s host calls once per batch (its `EngineContext.record_batch`)."""
+
+        def record(error: BaseException | None) -> None:
+            self.record(error, model)
+
+        return record
+
+    @property
+    def consecutive_failures(self) -> int:
+        """The most consecutive failed batches of any one model."""
+        return max((count for count, _ in self._failures.values()), default=0)
 
     @property
     def healthy(self) -> bool:
@@ -50,6 +69,11 @@ class BatchHealth:
     def problem(self) -> str | None:
         if self.lost_device:
             return "the device's CUDA context is unusable (a sticky CUDA error)"
-        if self.healthy:
-            return None
-        return f"{self.consecutive_failures} consecutive batches failed ({self.last_error})"
+        failing = [
+            f"{count} consecutive batches failed ({error})"
+            if not model
+            else f"model {model!r}: {count} consecutive batches failed ({error})"
+            for model, (count, error) in sorted(self._failures.items())
+            if count >= self.threshold
+        ]
+        return "; ".join(failing) or None

@@ -73,8 +73,9 @@ class RequestTracer(Protocol):
 class EngineContext:
     """What a host may use: the settings, the engine's device, dispatcher threads and the
     compute slots every host shares, metrics, the injected clock, the health recorder (call
-    once per batch with its exception, or None), a check to run on the compute thread
-    before each batch, the embedding loader (tests inject fakes), and the request tracer."""
+    once per batch with its exception, or None; a host's counts under its model's name:
+    `loading.load_hosts`), a check to run on the compute thread before each batch, the
+    embedding loader (tests inject fakes), and the request tracer."""
 
     settings: Settings
     device: torch.device

@@ -144,7 +144,8 @@ async def test_batches_that_keep_failing_turn_healthz_unhealthy_until_one_succee
             assert failed.status_code == 500
         unhealthy = await harness.client.get("/healthz")
         assert unhealthy.status_code == 503
-        assert unhealthy.json()["problem"] == "2 consecutive batches failed (RuntimeError)"
+        problem = unhealthy.json()["problem"]
+        assert problem == "model 'fake': 2 consecutive batches failed (RuntimeError)"
         harness.runner.failure = None
         assert (await harness.client.post("/infer", json={"inputs": "fine"})).status_code == 200
         assert (await harness.client.get("/healthz")).status_code == 200

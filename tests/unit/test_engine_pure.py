@@ -84,6 +84,34 @@ def test_health_turns_bad_after_consecutive_failures_and_one_success_clears_it()
     assert health.healthy and health.problem is None
 
 
+def test_one_models_failures_are_not_hidden_by_another_models_successes() -> None:
+    """The count was the engine's: model b's batches (a generate model's steps, every few
+    ms) reset it between a's failures, so a answered 500 for ever behind a 200 /healthz."""
+    health = BatchHealth(threshold=3)
+    failing, serving = health.recorder("a"), health.recorder("b")
+    for _ in range(2):
+        failing(RuntimeError("a's forward"))
+        serving(None)
+    assert health.healthy
+    failing(RuntimeError("a's forward"))
+    serving(None)
+    assert not health.healthy and not health.lost_device
+    assert health.problem == "model 'a': 3 consecutive batches failed (RuntimeError)"
+    serving(ValueError("b's turn"))  # b's own count starts at 1; a's problem alone is said
+    assert health.problem == "model 'a': 3 consecutive batches failed (RuntimeError)"
+    failing(None)  # a success of a's clears a's count only
+    assert health.healthy and health.problem is None
+    assert health.consecutive_failures == 1  # b's
+    for _ in range(2):
+        serving(ValueError("b's turn"))
+    for _ in range(3):
+        failing(RuntimeError("a's forward"))
+    assert health.problem == (
+        "model 'a': 3 consecutive batches failed (RuntimeError); "
+        "model 'b': 3 consecutive batches failed (ValueError)"
+    )
+
+
 def test_restart_backoff_doubles_up_to_its_cap() -> None:
     waits = []
     previous = None

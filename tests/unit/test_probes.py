@@ -44,8 +44,9 @@ def test_an_engine_restart_under_way_is_said_until_an_engine_is_ready() -> None:
 def test_alive_unless_start_up_failed_or_batches_keep_failing() -> None:
     assert liveness(engine(), None) is None
     assert liveness(None, None) is None  # restarting: readiness's business, not liveness's
-    broken = engine(healthy=False, problem="5 consecutive batches failed (RuntimeError)")
-    assert liveness(broken, None) == "5 consecutive batches failed (RuntimeError)"
+    said = "model 'minilm': 5 consecutive batches failed (RuntimeError)"
+    broken = engine(healthy=False, problem=said)
+    assert liveness(broken, None) == said
     assert liveness(engine("failed", problem="start-up failed: OSError"), None) is not None
     assert liveness(engine(), "front-end start-up failed: OSError") is not None
 

@@ -107,7 +107,7 @@ class Metrics:
         )
         self.queue_depth = Gauge(
             "steadyserve_queue_depth",
-            "Inputs waiting for a batch.",
+            "Inputs waiting for a batch, all models' (not prompts waiting for a KV slot).",
             registry=r,
             multiprocess_mode="livesum",
         )

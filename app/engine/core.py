@@ -262,12 +262,15 @@ class EngineCore:
         )
 
     def refresh_gauges(self) -> None:
-        """Engine-side gauges (queue depth and its high-water mark over the last
-        `HIGH_WATER_WINDOW_S`, each model's own); called periodically, or before a scrape
+        """Engine-side gauges: the inputs waiting for a batch, every model's together (the
+        queue `max_queue` caps; generate prompts waiting for a KV slot are each model's
+        `steadyserve_sequences{state="waiting"}`), their high-water mark over the last
+        `HIGH_WATER_WINDOW_S`, and each host's own; called periodically, or before a scrape
         in-process."""
         m = self.metrics
-        m.queue_depth.set(self.queued_inputs())
-        high, self._queue_high_water = self._queue_high_water, self.queued_inputs()
+        waiting = self.inputs_waiting_for_a_batch()
+        m.queue_depth.set(waiting)
+        high, self._queue_high_water = self._queue_high_water, waiting
         m.queue_depth_max.set(self._recent_queue_high.roll(self._clock(), high))
         if self.settings.spike_reports:
             self.telemetry.publish()
@@ -298,7 +301,7 @@ class EngineCore:
             )
             return
         task = self.hosts[request.model].submit(request, emit)
-        self._queue_high_water = max(self._queue_high_water, self.queued_inputs())
+        self._queue_high_water = max(self._queue_high_water, self.inputs_waiting_for_a_batch())
         if task is None:
             return
         key = (origin, request.request_id)

@@ -16,7 +16,7 @@ from pydantic_settings import SettingsError
 
 from app.checkconfig.baseline import Baseline
 from app.checkconfig.common import ENVOY_CONFIG_KEY, ENVOY_CONFIG_MAP_PREFIX, ConfigError, Manifest
-from app.checkconfig.envoy_config import envoy_route_problems, read_envoy
+from app.checkconfig.envoy_config import DISABLED, envoy_route_problems, envoy_value, read_envoy
 from app.checkconfig.invariants import (
     OverlayValues,
     check_envoy_invariants,
@@ -49,7 +49,11 @@ def _normalise(value: Any) -> Any:
 
 
 def _show(value: Any) -> str:
-    return "<absent>" if value is None else json.dumps(_normalise_for_display(value), default=str)
+    if value is None:
+        return "<absent>"
+    if value == DISABLED:
+        return "0s (disabled)"
+    return json.dumps(_normalise_for_display(value), default=str)
 
 
 def _normalise_for_display(value: Any) -> Any:
@@ -80,7 +84,9 @@ def _settings_values(settings: Settings, keys: Iterable[str]) -> dict[str, Any]:
 
 def check_envoy(baseline: Baseline, envoy_config: Any, where: str) -> list[str]:
     actual = read_envoy(envoy_config)
-    expected = {**baseline.envoy, "deprecated_cluster_max_requests_per_connection": None}
+    # A baseline's 0 for a timeout Envoy disables at zero means that: no timeout.
+    expected = {key: envoy_value(key, value) for key, value in baseline.envoy.items()}
+    expected["deprecated_cluster_max_requests_per_connection"] = None
     return compare(where, expected, actual) + envoy_route_problems(envoy_config)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,34 @@ def _seconds(value: Any) -> Any:
     """A protobuf JSON duration ("0.25s") as float seconds; anything else unchanged."""
     if isinstance(value, str) and (match := _DURATION.match(value)):
         return float(match.group(1))
+    return value
+
+
+# A timeout Envoy does not apply: these fields' zero ("0s") disables it, never a zero-length
+# timeout (route.proto RouteAction.timeout, "a value of 0 will disable the route's timeout",
+# and idle_timeout; HttpConnectionManager.stream_idle_timeout; HttpProtocolOptions.idle_timeout,
+# downstream and upstream). Infinite, so it is never under, and always over, a finite one.
+DISABLED = math.inf
+ZERO_DISABLES = frozenset(
+    {
+        "downstream_idle_timeout_s",
+        "downstream_stream_idle_timeout_s",
+        "route_timeout_s",
+        "completions_route_timeout_s",
+        "chat_route_timeout_s",
+        "route_idle_timeout_s",
+        "completions_route_idle_timeout_s",
+        "chat_route_idle_timeout_s",
+        "upstream_idle_timeout_s",
+    }
+)
+
+
+def envoy_value(key: str, value: Any) -> Any:
+    """An `envoy` value as Envoy applies it: DISABLED for a zero that disables the timeout
+    (`ZERO_DISABLES`); used on envoy.yaml's values and the baseline's alike."""
+    if key in ZERO_DISABLES and type(value) in (int, float) and value == 0:
+        return DISABLED
     return value
 
 
@@ -184,7 +213,7 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
 def read_envoy(config: Any) -> dict[str, Any]:
     """The baseline's `envoy` values as configured in an envoy.yaml (already parsed)."""
     parts = _envoy_parts(config)
-    values = {key: _seconds(read(parts)) for key, read in ENVOY_FIELDS.items()}
+    values = {key: envoy_value(key, _seconds(read(parts))) for key, read in ENVOY_FIELDS.items()}
     # The deprecated cluster-level field would override nothing and hide a missing real one.
     values["deprecated_cluster_max_requests_per_connection"] = parts.cluster.get(
         "max_requests_per_connection"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.checkconfig.common import ConfigError
+from app.checkconfig.envoy_config import DISABLED
 from app.checkconfig.quantities import cpu_count, parse_quantity
 from app.dispatcher import engine_thread_plan
 from app.drain import STOP_MARGIN_S
@@ -51,12 +52,15 @@ def check_overlay_invariants(overlay: OverlayValues) -> list[str]:
 
 def check_envoy_invariants(envoy: Mapping[str, Any]) -> list[str]:
     """Envoy's own relations (`envoy` as read_envoy reads it): each route's stream idle
-    timeout not under its route timeout."""
+    timeout not under its route timeout. A disabled idle timeout (DISABLED) is under none; a
+    disabled route timeout is reported with the server's settings (_check_server_against_envoy)."""
     differences = []
     listener_idle_s = envoy["downstream_stream_idle_timeout_s"]
     for route in _ROUTES:
         timeout_s, idle_s = envoy[f"{route}_timeout_s"], envoy[f"{route}_idle_timeout_s"]
         idle_s = listener_idle_s if idle_s is None else idle_s
+        if timeout_s == DISABLED:
+            continue
         if isinstance(timeout_s, float) and isinstance(idle_s, float) and idle_s < timeout_s:
             differences.append(
                 f"envoy.{route}_idle_timeout_s: {idle_s} (the stream idle timeout it gets) is "
@@ -74,7 +78,16 @@ def _check_server_against_envoy(overlay: OverlayValues) -> list[str]:
     max_timeout_s = settings.max_timeout_ms / 1000
     for route in _ROUTES:
         timeout_s = envoy[f"{route}_timeout_s"]
-        if isinstance(timeout_s, float) and timeout_s > max_timeout_s:
+        if timeout_s == DISABLED:
+            differences.append(
+                f"{where}.envoy.{route}_timeout_s: 0s disables Envoy's route timeout: Envoy "
+                "then sends no x-envoy-expected-rq-timeout-ms, so a request without its own "
+                f"timeout_ms gets the server's default_timeout_ms ({settings.default_timeout_ms:g})"
+                " and is answered 504 then (a long stream cut short), and Envoy waits on a "
+                "replica that stops answering forever; set a timeout, at most max_timeout_ms "
+                f"({settings.max_timeout_ms:g})"
+            )
+        elif isinstance(timeout_s, float) and timeout_s > max_timeout_s:
             differences.append(
                 f"{where}.envoy.{route}_timeout_s: {timeout_s} exceeds the server's "
                 f"max_timeout_ms ({settings.max_timeout_ms:g}): the server would cut Envoy's "
@@ -82,7 +95,14 @@ def _check_server_against_envoy(overlay: OverlayValues) -> list[str]:
             )
     keep_alive_s = settings.keep_alive_timeout_s
     upstream_idle_s = envoy["upstream_idle_timeout_s"]
-    if not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:
+    if upstream_idle_s == DISABLED:
+        differences.append(
+            f"{where}.envoy.upstream_idle_timeout_s: 0s disables it: Envoy never closes idle "
+            f"upstream connections, so the server's keep_alive_timeout_s ({keep_alive_s:g}) "
+            "closes them, and Envoy may send a request on one it is closing; set it below "
+            "the keep-alive"
+        )
+    elif not isinstance(upstream_idle_s, float) or upstream_idle_s >= keep_alive_s:
         differences.append(
             f"{where}.envoy.upstream_idle_timeout_s: {upstream_idle_s} must be below the "
             f"server's keep_alive_timeout_s ({keep_alive_s:g}), or the server closes "
@@ -103,8 +123,15 @@ def _check_shutdown(overlay: OverlayValues) -> list[str]:
     the server's stop after it."""
     where, drain_s, k8s = overlay.where, overlay.settings.drain_timeout_s, overlay.k8s
     differences = []
+    # A route without Envoy's timeout runs as long as the server lets a request: at most
+    # max_timeout_ms (a request's own timeout_ms, else default_timeout_ms, is capped there).
+    max_timeout_s = overlay.settings.max_timeout_ms / 1000
     longest_route_s = max(
-        (t for t in (overlay.envoy[f"{r}_timeout_s"] for r in _ROUTES) if isinstance(t, float)),
+        (
+            max_timeout_s if t == DISABLED else t
+            for t in (overlay.envoy[f"{r}_timeout_s"] for r in _ROUTES)
+            if isinstance(t, float)
+        ),
         default=0.0,
     )
     if drain_s < longest_route_s:

@@ -65,11 +65,11 @@ class Rejected(Exception):
     def retry_after_whole_s(self) -> int | None:
         """What the client is told to wait: HTTP's `Retry-After` is whole seconds, so
         `retry_after_s` rounded up, at least 1 (a wait that is not finite is unknown:
-        `_RETRY_AFTER_UNKNOWN_S`)."""
+        `RETRY_AFTER_UNKNOWN_S`)."""
         if self.retry_after_s is None:
             return None
         if not math.isfinite(self.retry_after_s):
-            return math.ceil(_RETRY_AFTER_UNKNOWN_S)
+            return math.ceil(RETRY_AFTER_UNKNOWN_S)
         return max(1, math.ceil(self.retry_after_s))
 
 
@@ -228,8 +228,9 @@ def delay_verdict(
     )
 
 
-# When nothing has drained yet there is no measured rate; this bounds the guess.
-_RETRY_AFTER_UNKNOWN_S = 1.0
+# A refusal's wait when nothing measured it yet (no rate of places freed, no step time):
+# every 429 still says when to retry.
+RETRY_AFTER_UNKNOWN_S = 1.0
 
 
 class Admission:
@@ -392,4 +393,4 @@ class Admission:
         longest = self.limits.max_timeout_s
         if held_for >= longest:  # held past any deadline (a slow reader of a long answer)
             return longest
-        return max(_RETRY_AFTER_UNKNOWN_S, min(held_for, longest - held_for))
+        return max(RETRY_AFTER_UNKNOWN_S, min(held_for, longest - held_for))

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from app.admission import Rejected, RejectReason
+from app.admission import RETRY_AFTER_UNKNOWN_S, Rejected, RejectReason
 from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
@@ -131,7 +131,8 @@ class GenerationHost:
                 RejectReason.QUEUE,
                 f"{waiting} sequences wait for a KV-cache slot "
                 f"(cap generate_max_waiting={self._max_waiting})",
-                self._slot_wait_seconds() or None,
+                # 0 until a step is measured (no warm-up): unknown, yet a 429 says when.
+                self._slot_wait_seconds() or RETRY_AFTER_UNKNOWN_S,
             )
         sampling = payload.sampling
         # Without a client-set limit it needs time for one token: `submit` fits the rest.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 from app.admission import Admission
 
@@ -27,9 +26,12 @@ FRONTEND_GRACEFUL_SHUTDOWN_S = 5
 
 
 class Drain:
-    def __init__(self, admission: Admission, clock: Callable[[], float]) -> None:
+    """Its timeout is measured on the event loop's clock, the one it waits on, not the
+    service's injectable one: it is real time (what the pod's grace period is sized for),
+    and a clock a test holds still would never let it pass."""
+
+    def __init__(self, admission: Admission) -> None:
         self._admission = admission
-        self._clock = clock
         self._idle = asyncio.Event()
         self._arrival = asyncio.Event()
 
@@ -53,12 +55,13 @@ class Drain:
     async def wait(self, timeout_s: float, quiet_s: float) -> bool:
         """True when every admitted request was answered and no new one arrived for
         `quiet_s`, all within `timeout_s`."""
-        give_up_at = self._clock() + timeout_s
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             # Nothing new is admitted while draining, but clients may still be arriving to
             # hear 503: wait until none has for `quiet_s`, within the drain timeout.
-            while (remaining := give_up_at - self._clock()) > 0:
+            while (remaining := give_up_at - loop.time()) > 0:
                 self._arrival.clear()
                 try:
                     await asyncio.wait_for(self._arrival.wait(), min(quiet_s, remaining))

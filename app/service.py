@@ -126,7 +126,7 @@ class Service:
         )
         self._startup_error: str | None = None
         self._started = False  # tokenizers loaded and the engine connected
-        self.drain = Drain(self.admission, clock)  # stop admitting, wait until answered
+        self.drain = Drain(self.admission)  # stop admitting, wait until answered
         # Requests let in that are at the engine (sent, not yet answered): the rest of those
         # in flight are still being read or tokenized, work the engine has not seen yet.
         self._at_engine = 0

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,10 +158,12 @@ class EngineClient(Protocol):
 class StreamingClient:
     """Per-request queues and their life cycle; subclasses provide the transport and the
     engine's status. `origin` is how the engine knows this front end (its socket
-    identity), the key of its `EngineStatus.taken_inputs`."""
+    identity), the key of its `EngineStatus.taken_inputs`; `clock` is the one its
+    requests' deadlines are on (the service's: time.monotonic but in tests)."""
 
-    def __init__(self, origin: bytes) -> None:
+    def __init__(self, origin: bytes, clock: Callable[[], float] = time.monotonic) -> None:
         self.origin = origin
+        self._clock = clock
         self._streams: dict[int, asyncio.Queue[Queued]] = {}
         self._ids = itertools.count(1)
         # Inputs sent to the engine whose status was current at the time (a new engine
@@ -226,7 +228,7 @@ class StreamingClient:
         abandoned = False  # given up on while the engine may still hold it: cancel it there
         # One timer per request (not one per read): cheap on the front end's hot path.
         # (Bounded: an event loop's timer takes no infinite delay.)
-        left_s = min(max(0.0, request.deadline - time.monotonic()), 86_400.0) + self.answer_grace_s
+        left_s = min(max(0.0, request.deadline - self._clock()), 86_400.0) + self.answer_grace_s
         silent = asyncio.get_running_loop().call_later(left_s, queue.put_nowait, _SILENT)
         try:
             self._send(request)

@@ -191,6 +191,11 @@ class EngineCore:
         await host.warm_up(shape_done)
 
     @property
+    def clock(self) -> Callable[[], float]:
+        """What deadlines and timings are read on: time.monotonic but in tests."""
+        return self._clock
+
+    @property
     def ready(self) -> bool:
         return self._ready
 

@@ -15,7 +15,7 @@ _ORIGIN = b"inprocess"
 
 class InProcessEngine(StreamingClient):
     def __init__(self, core: EngineCore) -> None:
-        super().__init__(origin=_ORIGIN)
+        super().__init__(origin=_ORIGIN, clock=core.clock)
         self.core = core
         self._startup: asyncio.Task[None] | None = None
 

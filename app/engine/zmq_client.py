@@ -256,9 +256,8 @@ class ZmqEngineClient(StreamingClient):
         """`on_status`: as `StatusSubscriber`'s (the owner of the engine's supervisor hears
         its readiness there)."""
         self._identity = frontend_identity(os.getpid(), id(self))
-        super().__init__(origin=self._identity)
+        super().__init__(origin=self._identity, clock=clock)
         self._addresses = addresses
-        self._clock = clock
         self._context = zmq.asyncio.Context()
         self._dealer = EngineDealer(
             zmq.Context.shadow(self._context.underlying),

@@ -5,6 +5,7 @@ recover). A transport that records what it sends: no socket, no engine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -16,8 +17,11 @@ from app.engine.client import (
     ENGINE_WENT_SILENT,
     EngineLoss,
     EngineNotConnected,
+    EngineUnavailable,
     StreamingClient,
 )
+from app.engine.core import EngineCore
+from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     Cancel,
     EmbedPayload,
@@ -33,7 +37,10 @@ from app.engine.protocol import (
     TokensOutput,
 )
 from app.failures import DeadlineExceeded
+from app.metrics import Metrics
+from app.settings import Settings
 from tests.support.engine_status import ready_status
+from tests.support.manual_clock import ManualClock
 
 
 class Recording(StreamingClient):
@@ -60,7 +67,7 @@ def tokens(request_id: int, *token_ids: int) -> Output:
     return Output(request_id, False, TokensOutput(list(token_ids), 2), queue_s=0.0, compute_s=0.0)
 
 
-async def read_all(client: Recording, request: Submit, seen: list[Output]) -> None:
+async def read_all(client: StreamingClient, request: Submit, seen: list[Output]) -> None:
     async for output in client.stream(request):
         seen.append(output)
 
@@ -147,3 +154,32 @@ async def test_a_submit_that_never_went_out_is_not_cancelled() -> None:
         await read_all(client, request, [])
     assert client.sent == []
     assert client.open_streams == 0
+
+
+class SilentInProcess(InProcessEngine):
+    """An in-process engine that never answers: only the client's silence timer ends a
+    stream."""
+
+    def _send(self, message: ToEngine) -> None:
+        pass
+
+
+async def test_the_silent_engine_timer_reads_the_clock_deadlines_are_on() -> None:
+    """Deadlines are on the engine core's clock (the service's); the timer read the real
+    one: with a clock 1000 s ahead, a request 50 ms from its deadline was given up on
+    after 1000 s (and one on a clock behind, at once)."""
+    clock = ManualClock(time.monotonic() + 1000)
+    client = SilentInProcess(EngineCore(Settings(engine="inprocess"), Metrics(), clock=clock))
+    client.answer_grace_s = 0.05
+    request = Submit(client.next_request_id(), "m", clock() + 0.05, EmbedPayload([[1]]))
+    with pytest.raises(EngineUnavailable, match="did not answer by the request's deadline"):
+        await asyncio.wait_for(read_all(client, request, []), 5)
+
+    clock.now = time.monotonic() - 1000  # behind: 60 s left on it
+    request = Submit(client.next_request_id(), "m", clock() + 60, EmbedPayload([[1]]))
+    reading = asyncio.create_task(read_all(client, request, []))
+    await asyncio.sleep(0.3)
+    assert not reading.done()
+    reading.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reading

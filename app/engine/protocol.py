@@ -9,15 +9,23 @@ adds a payload and an output type here, and its host in the engine and its route
 front end (docs/ARCHITECTURE.md §9 lists the steps); the transport, shedding and admission
 stay as they are.
 
-Deadlines are `time.monotonic()` seconds: on Linux that clock is system-wide, so front ends
-and the engine on one host agree on it. Torch-free: front ends import this module.
+Deadlines and status times are `PROTOCOL_CLOCK` (`time.monotonic()`) seconds: on Linux that
+clock is system-wide, so front ends and the engine on one host agree on it. Torch-free: front
+ends import this module.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from enum import Enum
 
 import msgspec
+
+# The clock of every time a message carries (a request's `deadline`, a status's
+# `published_at`): time.monotonic, system-wide on Linux, so the processes of one host agree.
+# A clock injected for tests times what one process does; never compare it with these.
+PROTOCOL_CLOCK: Callable[[], float] = time.monotonic
 
 
 class EmbedPayload(msgspec.Struct, frozen=True, tag="embed"):

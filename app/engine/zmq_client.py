@@ -33,6 +33,7 @@ from app.engine.client import (
     StreamingClient,
 )
 from app.engine.protocol import (
+    PROTOCOL_CLOCK,
     Cancel,
     EngineRestart,
     EngineStatus,
@@ -159,7 +160,8 @@ class StatusSubscriber:
         on_status: Callable[[EngineStatus], None] = lambda status: None,
     ) -> None:
         """`on_lost(why)` is called when the status goes stale or a new engine appears;
-        `on_status(status)` with each status heard (a dead engine's late ones left out)."""
+        `on_status(status)` with each status heard (a dead engine's late ones left out).
+        `clock` times staleness only: when a status was published is on PROTOCOL_CLOCK."""
         self._context = context
         self._address = address
         self._clock = clock
@@ -168,7 +170,8 @@ class StatusSubscriber:
         self._status: EngineStatus | None = None
         self._received_at = 0.0
         self._last_engine_id: str | None = None
-        # (engine id, when): an engine forgotten then, whose earlier statuses are not heard.
+        # (engine id, when on PROTOCOL_CLOCK): an engine forgotten then, whose statuses
+        # published earlier are not heard.
         self._forgotten: tuple[str, float] | None = None
         self._subscription = Subscription(
             context, address, "engine-status", decode_status, self.take, "an engine status"
@@ -194,11 +197,11 @@ class StatusSubscriber:
         the disconnect) is not heard: it would bring a dead engine back as ready."""
         self._status = None
         if self._last_engine_id is not None:
-            self._forgotten = (self._last_engine_id, self._clock())
+            self._forgotten = (self._last_engine_id, PROTOCOL_CLOCK())
 
     def take(self, status: EngineStatus) -> None:
-        """A status as published (its `published_at` is the engine's monotonic clock, the
-        same clock as this process's on one machine)."""
+        """A status as published (its `published_at` is on PROTOCOL_CLOCK, the engine
+        process's, read the same here on one machine)."""
         forgotten = self._forgotten
         if (
             forgotten is not None

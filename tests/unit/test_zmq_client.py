@@ -40,6 +40,7 @@ from app.engine.zmq_client import (
     ZmqEngineClient,
 )
 from tests.support.engine_status import ready_status
+from tests.support.manual_clock import ManualClock
 
 
 def status(engine_id: str, published_at: float) -> EngineStatus:
@@ -77,22 +78,28 @@ async def test_a_request_sent_while_no_engine_is_connected_is_refused_at_once(
         await client.close()
 
 
-def test_a_forgotten_engines_late_statuses_do_not_bring_it_back() -> None:
-    now = [100.0]
+@pytest.mark.parametrize("injected", [0.0, 1e9], ids=["clock behind", "clock ahead"])
+def test_a_forgotten_engines_late_statuses_do_not_bring_it_back(injected: float) -> None:
+    """A status's `published_at` is on the protocol's clock (time.monotonic, the engine
+    process's), whatever clock the subscriber was given (for staleness): `forget` stamped
+    the injected one, so on a clock behind a dead engine's late status brought it back,
+    and on one ahead an engine that recovered stayed forgotten."""
     lost: list[str] = []
-    subscriber = StatusSubscriber(None, "", clock=lambda: now[0], on_lost=lost.append)  # type: ignore[arg-type]
-    subscriber.take(status("a", 99.9))
-    now[0] = 100.1
+    clock = ManualClock(injected)
+    subscriber = StatusSubscriber(None, "", clock=clock, on_lost=lost.append)  # type: ignore[arg-type]
+    before = time.monotonic()
+    subscriber.take(status("a", before - 0.1))
     subscriber.forget()  # its connection closed
     # Published before it died, read after: the engine stays forgotten.
-    subscriber.take(status("a", 100.05))
+    subscriber.take(status("a", before - 0.05))
     assert subscriber.status() is None
     # Published after the forget: it is alive after all (a loop that was late).
-    subscriber.take(status("a", 100.2))
-    assert subscriber.status() == status("a", 100.2)
+    after = time.monotonic() + 0.1
+    subscriber.take(status("a", after))
+    assert subscriber.status() == status("a", after)
     # A replacement is heard, and reported as a new engine.
-    subscriber.take(status("b", 100.3))
-    assert subscriber.status() == status("b", 100.3) and lost == [NEW_ENGINE]
+    subscriber.take(status("b", after + 0.1))
+    assert subscriber.status() == status("b", after + 0.1) and lost == [NEW_ENGINE]
 
 
 def test_a_front_ends_identity_names_its_process() -> None:

@@ -53,8 +53,12 @@ class GenerateParameters(StrictModel):
         default=20, ge=1, le=INT64_MAX, description="Most tokens to generate."
     )
     do_sample: StrictBool = Field(default=False, description="Sample; greedy (argmax) when false.")
-    temperature: float = Field(default=1.0, gt=0, le=100, description="With do_sample.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus filter, with do_sample.")
+    temperature: float = Field(
+        default=1.0, ge=0, le=100, description="With do_sample (then above 0); else ignored."
+    )
+    top_p: float = Field(
+        default=1.0, ge=0, le=1, description="Nucleus filter, with do_sample (0: the top token)."
+    )
     top_k: int = Field(
         default=0, ge=0, le=INT64_MAX, description="Top-k filter (0: off), with do_sample."
     )
@@ -64,6 +68,15 @@ class GenerateParameters(StrictModel):
     stop: StopList = Field(
         default_factory=list, description="Stop strings: the text ends before one."
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _positive_when_sampling(cls, temperature: float, info: ValidationInfo) -> float:
+        # As transformers: a temperature of 0 is refused only where it would divide logits
+        # (greedy decoding ignores it, so clients sending 0 for "deterministic" are served).
+        if temperature == 0 and info.data.get("do_sample"):
+            raise ValueError("temperature must be above 0 when do_sample is true")
+        return temperature
 
 
 class GenerateInferRequest(StrictModel):
@@ -111,7 +124,7 @@ NULL_MEANS_DEFAULT = frozenset(
 class OpenAISampling(StrictModel):
     model: str | None = None
     temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_p: float = Field(default=1.0, ge=0, le=1)
     top_k: int = Field(
         default=0, ge=0, le=INT64_MAX, description="Not OpenAI's: top-k filter, 0 is off."
     )

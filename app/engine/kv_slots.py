@@ -54,8 +54,8 @@ def payload_problem(payload: GeneratePayload, max_sequence_tokens: int) -> str |
         return f"max_new_tokens must be at least 1 (got {sampling.max_new_tokens})"
     if sampling.do_sample and sampling.temperature <= 0:
         return f"temperature must be positive when sampling (got {sampling.temperature})"
-    if not 0 < sampling.top_p <= 1:
-        return f"top_p must be in (0, 1] (got {sampling.top_p})"
+    if not 0 <= sampling.top_p <= 1:
+        return f"top_p must be in [0, 1] (got {sampling.top_p})"
     if sampling.top_k < 0:
         return f"top_k must not be negative (got {sampling.top_k})"
     total = prompt + sampling.max_new_tokens

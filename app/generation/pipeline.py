@@ -316,6 +316,22 @@ def _encode_all(
     return [tokenizer.encode(text, add_special_tokens) for text in prompts]
 
 
+# An odd 64-bit constant (2**64 / the golden ratio): prompt i's seed is the request's plus i
+# times it, so nearby seeds' prompts do not share draws (seed 7's second prompt is not seed 8's
+# first) and no two prompts of a request do.
+_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def prompt_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's prompt `index`: the request's own for its first prompt, one
+    derived from it for the others, within int64 (the protocol's and torch's range). One
+    seed for every prompt made a list of equal prompts, the only way to ask for several
+    samples in one request (`n` is 1), come back as copies of one sample."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * _SEED_STRIDE + 2**63) % 2**64 - 2**63
+
+
 def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams:
     sampling = prepared.sampling
     return SamplingParams(
@@ -324,7 +340,7 @@ def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
-        seed=sampling.seed,
+        seed=prompt_seed(sampling.seed, index),
         fit_to_deadline=sampling.max_new_tokens is None,
     )
 

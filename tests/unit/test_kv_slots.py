@@ -42,7 +42,8 @@ def test_a_sequence_that_can_never_fit_names_the_limit() -> None:
         (payload(0, 4), "no tokens"),
         (payload(3, 0), "max_new_tokens"),
         (payload(3, 4, do_sample=True, temperature=0.0), "temperature"),
-        (payload(3, 4, top_p=0.0), "top_p"),
+        (payload(3, 4, top_p=-0.1), "top_p"),
+        (payload(3, 4, top_p=1.5), "top_p"),
         (payload(3, 4, top_k=-1), "top_k"),
     ],
 )
@@ -53,6 +54,10 @@ def test_invalid_sampling_is_named(bad: GeneratePayload, words: str) -> None:
 
 def test_greedy_ignores_temperature() -> None:
     assert payload_problem(payload(3, 4, temperature=0.0), 64) is None
+
+
+def test_top_p_of_0_keeps_the_top_token_as_transformers_does() -> None:
+    assert payload_problem(payload(3, 4, do_sample=True, top_p=0.0), 64) is None
 
 
 def test_no_wait_while_a_slot_is_free_for_the_newcomer() -> None:

@@ -27,6 +27,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert kept(SamplingParams(max_new_tokens=1, top_p=0.7)) == {1, 3}
     assert kept(SamplingParams(max_new_tokens=1, top_p=0.5)) == {1, 3}
     assert kept(SamplingParams(max_new_tokens=1, top_p=0.3)) == {1}  # at least the first
+    assert kept(SamplingParams(max_new_tokens=1, top_p=0.0)) == {1}  # greedy, as transformers
 
 
 def test_temperature_sharpens_or_flattens() -> None:

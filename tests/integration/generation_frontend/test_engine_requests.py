@@ -88,3 +88,50 @@ async def test_generations_are_never_reported_as_slow_requests(settings: Setting
     reports = application.state.recorder.recent()
     assert [report.path for report in reports] == ["/infer"]  # the 404 only
     assert reports[0].status == 404
+
+
+async def test_each_prompt_of_a_seeded_request_draws_with_a_seed_of_its_own(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """One seed for every prompt made equal prompts (the only way to ask several samples of
+    one request: `n` is 1) come back as copies; the first prompt keeps the request's seed,
+    and the same request gets the same seeds again."""
+    engine = engine_of(app)
+
+    async def seeds(path: str, body: dict[str, object], prompts: int) -> list[int | None]:
+        response = await client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        sent = [submit.payload for submit in engine.submitted[-prompts:]]
+        assert all(isinstance(payload, GeneratePayload) for payload in sent)
+        return [payload.sampling.seed for payload in sent if isinstance(payload, GeneratePayload)]
+
+    body = {"model": "tiny", "prompt": ["Hi"] * 3, "max_tokens": 2, "temperature": 1, "seed": 7}
+    first = await seeds("/v1/completions", body, 3)
+    assert first[0] == 7 and len(set(first)) == 3, first
+    assert await seeds("/v1/completions", body, 3) == first
+    inputs = {"model": "tiny", "inputs": ["Hi", "Hi"], "parameters": {"do_sample": True, "seed": 7}}
+    assert await seeds("/infer", inputs, 2) == first[:2]
+    # Extreme seeds stay within the protocol's int64.
+    body["seed"] = 2**63 - 1
+    assert all(-(2**63) <= seed < 2**63 for seed in await seeds("/v1/completions", body, 3) if seed)
+
+
+async def test_temperature_and_top_p_of_0_are_served_as_transformers_serves_them(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """`temperature` 0 is ignored by greedy decoding (refused only with `do_sample`, where it
+    would divide logits); `top_p` 0 keeps the top token. Both were refused."""
+    engine = engine_of(app)
+    greedy = {"inputs": "Hi", "model": "tiny", "parameters": {"temperature": 0, "top_p": 0}}
+    response = await client.post("/infer", json=greedy)
+    assert response.status_code == 200, response.text
+    response = await client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "top_p": 0}
+    )
+    assert response.status_code == 200, response.text
+    payload = engine.submitted[-1].payload
+    assert isinstance(payload, GeneratePayload) and payload.sampling.top_p == 0
+    sampled = {"inputs": "Hi", "model": "tiny", "parameters": {"do_sample": True, "temperature": 0}}
+    response = await client.post("/infer", json=sampled)
+    assert response.status_code == 422, response.text
+    assert "temperature must be above 0" in response.text

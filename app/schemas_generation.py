@@ -63,7 +63,12 @@ class GenerateParameters(StrictModel):
         default=0, ge=0, le=INT64_MAX, description="Top-k filter (0: off), with do_sample."
     )
     seed: int | None = Field(
-        default=None, ge=0, le=INT64_MAX, description="Makes sampling reproducible."
+        default=None,
+        ge=0,
+        le=INT64_MAX,
+        description="Makes sampling reproducible (the draws; a batched forward's "
+        "logits may differ in their last bits with the batch a sequence shares, on a GPU above "
+        "all).",
     )
     stop: StopList = Field(
         default_factory=list, description="Stop strings: the text ends before one."

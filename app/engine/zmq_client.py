@@ -102,8 +102,9 @@ M = TypeVar("M")  # a message a subscription decodes
 
 
 class Subscription(Generic[M]):
-    """Every message a PUB socket at `address` publishes, decoded (`decode`) and handed to
-    `take`, on a task of its own (`name`). A message that does not decode is logged
+    """The messages a PUB socket at `address` publishes, decoded (`decode`) and handed to
+    `take`, on a task of its own (`name`): the latest at each read, each message being the
+    whole current state (a status, a restart). A message that does not decode is logged
     (`what`) and skipped: its publisher sends the next soon. Event loop thread only."""
 
     def __init__(
@@ -127,7 +128,10 @@ class Subscription(Generic[M]):
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.SUBSCRIBE, b"")
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, 16)
+        # Only the latest: with a queue, a loop that stalled read what was published before
+        # the stall (the publisher drops what comes once the queue is full, the newest) and
+        # took it as fresh, restarting the staleness clock on an old word.
+        socket.setsockopt(zmq.CONFLATE, 1)
         socket.connect(self._address)
         self._task = asyncio.create_task(self._receive(socket), name=self._name)
 

@@ -7,8 +7,8 @@ bucket that sits in front (charged by tokens) is aiolimiter's, driven by `gate.p
 A request is admitted only while its predicted wait (the queued work ahead of it, measured
 per shape, divided among the compute threads, plus its own batch) fits both its deadline and
 the queue-delay budget (`delay_verdict`): the engine applies it to every request, front ends
-apply it to the engine's last published backlog before reading a body. `Retry-After` comes
-from the predicted excess or the measured completion rate, not from a constant.
+to each model's last published queue before reading a body (`model_queues.py`).
+`Retry-After` comes from the predicted excess or the measured completion rate.
 
 Only the event loop thread of its process calls an `Admission`.
 """

@@ -225,15 +225,21 @@ class Scheduler:
 
     def backlog_seconds(self, now: float) -> float:
         """The compute a new input waits behind, on one worker (the caller divides among
-        workers): what is left of the running batches (their estimated compute from when
-        they started, or as `runs_until` moved their end; at least 0) and everything
-        queued, run in full batches.
+        workers): `running_seconds` and `queued_seconds`.
 
         Counting the running batches is what keeps an admitted request's wait within the
         delay budget under overload: without them the budget let a request wait up to a
         whole batch longer than it said."""
-        running = sum(max(0.0, until - now) for until in self._running_until.values())
-        return running + sum(
+        return self.running_seconds(now) + self.queued_seconds()
+
+    def running_seconds(self, now: float) -> float:
+        """What is left of the running batches: their estimated compute from when they
+        started, or as `runs_until` moved their end; at least 0 each."""
+        return sum(max(0.0, until - now) for until in self._running_until.values())
+
+    def queued_seconds(self) -> float:
+        """Everything queued, run in full batches."""
+        return sum(
             len(queue) * self.seconds_per_input(length) for length, queue in self._queues.items()
         )
 

@@ -23,14 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar, TypeVarTuple
 
-from app.admission import (
-    Admission,
-    AdmissionLimits,
-    Entry,
-    Rejected,
-    RejectReason,
-    published_queue_verdict,
-)
+from app.admission import Admission, AdmissionLimits, Entry, Rejected, RejectReason
 from app.deadlines import resolve_deadline
 from app.drain import Drain
 from app.engine.client import EngineClient, EngineRefused, EngineUnavailable
@@ -40,6 +33,7 @@ from app.gate import AdmissionGate
 from app.generation.tokenizer import load_generation_tokenizer
 from app.heap import freeze_startup_heap
 from app.metrics import Metrics
+from app.model_queues import shed_verdict
 from app.model_specs import ModelSpec
 from app.models.tokenizer import TextTokenizer, load_tokenizer
 from app.probes import Readiness, liveness, readiness
@@ -192,15 +186,17 @@ class Service:
         return next(spec for spec in self.settings.models if spec.name == name)
 
     # --- shedding before the body is read ---------------------------------------------------
-    def shed(self, envoy_timeout_ms: float | None) -> Entry | Rejected:
+    def shed(self, envoy_timeout_ms: float | None, model: str | None = None) -> Entry | Rejected:
         """What can be refused from headers alone, at almost no cost: draining, no ready
-        engine, the engine's backlog over the delay budget, an empty token bucket, the
-        in-flight cap and the allowance for bodies being read (counted from here on, so
-        they bound the requests this front end holds wherever they wait). The rejection is
-        counted here; the caller answers it. An `Entry`: the request is in, and the caller
-        must call `body_arrived` once its body is read and `leave` once it is answered."""
+        engine, the predicted wait over the delay budget (of `model` when the path names
+        it, else of the least loaded model: `model_queues.shed_verdict`), an empty token
+        bucket, the in-flight cap and the allowance for bodies being read (counted from
+        here on, so they bound the requests this front end holds wherever they wait). The
+        rejection is counted here; the caller answers it. An `Entry`: the request is in,
+        and the caller must call `body_arrived` once its body is read and `leave` once it
+        is answered."""
         self.drain.arrived()
-        verdict = self._shed_reason(envoy_timeout_ms)
+        verdict = self._shed_reason(envoy_timeout_ms, model)
         if isinstance(verdict, Rejected):
             self.metrics.rejected.labels("", verdict.reason.value).inc()
         return verdict
@@ -231,7 +227,7 @@ class Service:
     def _not_ready() -> Rejected:
         return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
 
-    def _shed_reason(self, envoy_timeout_ms: float | None) -> Entry | Rejected:
+    def _shed_reason(self, envoy_timeout_ms: float | None, model: str | None) -> Entry | Rejected:
         """Its `Entry` once the request is let in (the caller must then call `leave`); else
         why not."""
         if self.admission.draining:
@@ -246,7 +242,7 @@ class Service:
         unsent = max(0, self.admission.held(now) - self._at_engine)
         sent = self.engine.inputs_in_transit(status) + unsent
         budget_s = self.settings.max_queue_delay_ms / 1000
-        verdict = published_queue_verdict(status, sent, deadline, now, budget_s)
+        verdict = shed_verdict(status, sent, deadline, now, budget_s, model)
         if verdict is not None:
             return verdict
         if not self.gate.has_capacity(self.settings.length_buckets[0]):

@@ -205,10 +205,9 @@ class Settings(BaseSettings):
     max_queue_delay_ms: float = Field(
         default=100.0,
         gt=0,
-        description="Admit a request only while its predicted wait (what is left of the "
-        "running batches and the full batches queued ahead of it, at the measured compute "
-        "rate, plus its own batch) fits this and its deadline; beyond, 429 with "
-        "Retry-After. Sized for a 150 ms p99 SLO.",
+        description="Admit a request only while its model's predicted wait (running batches' "
+        "rest, a next batch of each other busy model, its model's full batches queued ahead, "
+        "its own batch) fits this and its deadline; else 429, Retry-After. For a 150 ms p99.",
     )
     max_admission_wait_ms: float = Field(
         default=50.0,
@@ -234,8 +233,8 @@ class Settings(BaseSettings):
     max_queue: int = Field(
         default=4096,
         ge=1,
-        description="Backstop on inputs waiting for a batch in the engine; beyond it, 429 "
-        "(reason `queue`). The delay budget normally refuses long before.",
+        description="Backstop on each model's inputs waiting for a batch in the engine; "
+        "beyond it, 429 (reason `queue`). The delay budget normally refuses long before.",
     )
     max_inputs_per_request: int = Field(
         default=64, ge=1, description="Inputs in one request; beyond it, 413."

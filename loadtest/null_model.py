@@ -10,10 +10,13 @@ Imported by the engine process only (torch), through `loadtest.null_engine.null_
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from app.engine.core import EngineCore
 from app.metrics import Metrics
+from app.model_queues import ModelWork
 from app.model_specs import ModelSpec
 from app.settings import Settings
 from loadtest.null_engine import MAX_INPUT_TOKENS, WIDTH
@@ -50,5 +53,11 @@ class NullEngineCore(EngineCore):
         super().__init__(settings, metrics, load_null_runner)
         self._least_backlog_s = backlog_s
 
-    def backlog_seconds(self) -> float:
-        return max(self._least_backlog_s, super().backlog_seconds())
+    def model_works(self) -> dict[str, ModelWork]:
+        """Each model's work, with running batches of at least `backlog_s` on every compute
+        thread: what each model's wait, and the whole engine's backlog, count."""
+        least = self._least_backlog_s * self.slots.capacity
+        return {
+            name: replace(work, running_s=max(least, work.running_s))
+            for name, work in super().model_works().items()
+        }

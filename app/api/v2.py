@@ -161,11 +161,11 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
 @router.post("/v2/models/{name}/infer", include_in_schema=False)
 @router.post("/v2/models/{name}/versions/{version}/infer", include_in_schema=False)
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
-    """Shed from the headers alone (before the body is read), then parse, check and
-    compute."""
+    """Shed from the headers alone (before the body is read) by the named model's own
+    predicted wait, then parse, check and compute."""
     service = service_of(request)
     started = time.perf_counter()
-    entry = service.shed(envoy_timeout_ms(request))
+    entry = service.shed(envoy_timeout_ms(request), model=name)
     if isinstance(entry, Rejected):
         rejection = entry
         timer: PhaseTimer = request.state.server_timing

@@ -19,23 +19,19 @@ import time
 import uuid
 from collections.abc import Callable
 
+import msgspec
+
 from app.admission import Rejected, RejectReason
 from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher, engine_thread_plan
 from app.engine.health import BatchHealth
-from app.engine.host import (
-    BatchCost,
-    Emit,
-    EngineContext,
-    EngineLoad,
-    ModelHost,
-    RequestTracer,
-)
+from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost, RequestTracer
 from app.engine.loading import load_hosts
 from app.engine.protocol import (
     EngineStatus,
     Failure,
     FailureKind,
+    ModelInfo,
     Submit,
     identity_pid,
     payload_inputs,
@@ -44,6 +40,7 @@ from app.engine.reports import config_report
 from app.engine.tracing import NO_TRACES, ProbeTracer
 from app.heap import freeze_startup_heap
 from app.metrics import Metrics
+from app.model_queues import BatchCost, ModelWork, published_queue, wait_ahead
 from app.models.base import resolve_device
 from app.settings import Settings
 from app.startup import RunnerLoader, export_cuda_alloc_conf, load_runner
@@ -202,17 +199,22 @@ class EngineCore:
     # --- status -------------------------------------------------------------------------
     def backlog_seconds(self) -> float:
         """Running and queued work of every model, divided among the compute threads they
-        share."""
-        now = self._clock()
-        total = sum(host.backlog_seconds(now) for host in self.hosts.values())
+        share (the whole engine's: each model's admission counts less, `model_queues`)."""
+        total = sum(work.running_s + work.queued_s for work in self.model_works().values())
         return total / self.slots.capacity
+
+    def model_works(self) -> dict[str, ModelWork]:
+        """Each model's running, queued and next work now (`ModelHost.work`)."""
+        now = self._clock()
+        return {name: host.work(now) for name, host in self.hosts.items()}
 
     def queued_inputs(self) -> int:
         return sum(host.queued_inputs() for host in self.hosts.values())
 
     def inputs_waiting_for_a_batch(self) -> int:
-        """The queue `max_queue` caps and front ends count: not the generate prompts
-        waiting for a KV slot (hosts without a batch cost), whose own limit is the cache."""
+        """Every model's inputs waiting for a batch (`max_queue` caps each model's own): not
+        the generate prompts waiting for a KV slot (hosts without a batch cost), whose own
+        limit is the cache."""
         return sum(
             host.queued_inputs() for host in self.hosts.values() if host.batch_cost() is not None
         )
@@ -230,9 +232,9 @@ class EngineCore:
             state = "warming_up"
         else:
             state = "ready"
-        # Hosts whose requests add nothing to the shared backlog (generation) have no cost;
-        # a cost is 0 until warm-up has measured it. Front ends count the queue in the full
-        # batches of the cheapest model per input.
+        # Hosts whose requests queue no batch (generation) have no cost; a cost is 0 until
+        # warm-up has measured it. The whole engine's figures, in the full batches of the
+        # cheapest model per input; front ends shed by each model's own (`_model_infos`).
         batching = [
             (host, cost) for host in self.hosts.values() if (cost := host.batch_cost()) is not None
         ]
@@ -261,10 +263,21 @@ class EngineCore:
             batch_rows=cheapest.batch_rows,
             full_batch_s=cheapest.full_batch_s,
             taken_inputs=dict(self._taken_inputs),
-            models={name: host.info() for name, host in self.hosts.items()},
+            models=self._model_infos(),
             problem=self._startup_error or self.health.problem,
             oldest_compute_s=self.dispatcher.oldest_compute_s(),
         )
+
+    def _model_infos(self) -> dict[str, ModelInfo]:
+        """Each model's info with its own queue, which front ends shed its requests by."""
+        works, workers = self.model_works(), self.slots.capacity
+        infos = {}
+        for name, host in self.hosts.items():
+            cost = host.batch_cost()
+            queued = 0 if cost is None else host.queued_inputs()  # not prompts awaiting KV
+            queue = published_queue(wait_ahead(name, works, workers), queued, cost, workers)
+            infos[name] = msgspec.structs.replace(host.info(), queue=queue)
+        return infos
 
     def refresh_gauges(self) -> None:
         """Engine-side gauges: the inputs waiting for a batch, every model's together (the
@@ -321,9 +334,11 @@ class EngineCore:
         host = self.hosts.get(request.model)
         if host is None:
             return Rejected(RejectReason.NOT_READY, f"model {request.model!r} is not loaded")
+        # Its model's own load (`model_queues`): another model's flood is one batch ahead.
         load = EngineLoad(
-            queued_inputs=self.inputs_waiting_for_a_batch(),
-            backlog_s=self.backlog_seconds(),
+            model=request.model,
+            queued_inputs=host.queued_inputs(),
+            backlog_s=wait_ahead(request.model, self.model_works(), self.slots.capacity),
             now=self._clock(),
             max_queue=self.settings.max_queue,
             max_queue_delay_s=self.settings.max_queue_delay_ms / 1000,

@@ -46,6 +46,7 @@ from app.engine.protocol import (
     Output,
     Submit,
 )
+from app.model_queues import ModelWork, naming
 from app.model_specs import ModelSpec
 from app.models.causal_lm import CausalLMRunner, load_causal_lm
 from app.models.sampling import NO_TOKEN, new_generator
@@ -104,15 +105,13 @@ class GenerationHost:
         """Predicted seconds before a sequence queued now gets a KV-cache slot."""
         return self._batch.steps_until_a_slot() * self._step_s
 
-    def backlog_seconds(self, now: float) -> float:
-        """None of the engine's shared backlog: generation holds one compute slot at a time
-        and gives it back between steps, and its sequences wait for KV-cache slots, which no
-        other model's work needs; that wait is applied to generate requests in `admit`.
-        Counting it here would make front ends shed embedding requests for it."""
-        return 0.0
+    def work(self, now: float) -> ModelWork:
+        """Only its next dispatch while it has sequences (a compute slot is held a dispatch
+        at a time); their wait for KV-cache slots, which no other model needs, is `admit`'s."""
+        return ModelWork(0.0, 0.0, self._step_s * self._steps_per_dispatch if self._batch else 0.0)
 
     def batch_cost(self) -> None:
-        """None: a generate request adds nothing to the shared backlog (`backlog_seconds`)."""
+        """None: a generate request queues no batch (`work`)."""
         return None
 
     def queued_inputs(self) -> int:
@@ -129,7 +128,7 @@ class GenerationHost:
         if waiting >= self._max_waiting and self._batch.slots.free <= waiting:
             return Rejected(
                 RejectReason.QUEUE,
-                f"{waiting} sequences wait for a KV-cache slot "
+                f"model {self.name!r}: {waiting} sequences wait for a KV-cache slot "
                 f"(cap generate_max_waiting={self._max_waiting})",
                 # 0 until a step is measured (no warm-up): unknown, yet a 429 says when.
                 self._slot_wait_seconds() or RETRY_AFTER_UNKNOWN_S,
@@ -137,13 +136,14 @@ class GenerationHost:
         sampling = payload.sampling
         # Without a client-set limit it needs time for one token: `submit` fits the rest.
         planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
-        return start_verdict(
+        verdict = start_verdict(  # a KV-cache slot, then what goes first on compute slots
             wait_s=self._slot_wait_seconds() + load.backlog_s,
             generate_s=planned * self._step_s,
             deadline=request.deadline,
             now=load.now,
             max_queue_delay_s=load.max_queue_delay_s,
         )
+        return naming(self.name, verdict)
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
         payload = request.payload
@@ -183,8 +183,7 @@ class GenerationHost:
         return task
 
     async def _answer(self, sequence: GenerationSequence) -> None:
-        """Lives as long as the sequence; cancelling it (the client went away) drops the
-        sequence and frees its slot at once (its done-callback, `submit`)."""
+        """Lives as long as the sequence; cancelling it (client gone) drops it (`submit`)."""
         await asyncio.shield(sequence.done)
 
     def _drop(self, sequence: GenerationSequence) -> None:

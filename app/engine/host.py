@@ -24,6 +24,8 @@ from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
 from app.engine.protocol import BatchTrace, EngineTrace, FromEngine, ModelInfo, Submit
 from app.metrics import Metrics
+from app.model_queues import BatchCost as BatchCost
+from app.model_queues import ModelWork
 from app.model_specs import ModelSpec
 from app.settings import Settings
 from app.startup import RunnerLoader
@@ -34,30 +36,20 @@ ShapeDone = Callable[[int, int], None]  # (shapes warmed up so far, total) after
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """The whole engine's load when a request arrives, for a host's admission decision:
-    inputs queued across every model, predicted seconds before newly queued work starts
-    (shared compute divided among the threads), the time now, the settings' caps, and the
-    compute threads the backlog is divided among."""
+    """The load a request for `model` meets when it arrives, for its host's admission
+    decision: that model's own queued inputs (what `max_queue` caps, per model) and its
+    predicted seconds before newly queued work starts (`model_queues.wait_ahead`: every
+    running batch, one next batch of each other model with work ready, its own queue,
+    divided among the compute threads), the time now, the settings' caps, and the compute
+    threads that wait is divided among."""
 
+    model: str
     queued_inputs: int
     backlog_s: float
     now: float
     max_queue: int
     max_queue_delay_s: float
     workers: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class BatchCost:
-    """A model's measured cost in its smallest shape (zeros until warm-up measured it):
-    what one more queued input adds to `backlog_seconds`, a full batch's rows and compute
-    seconds (`admit` counts the queue in such batches), and the least a request's own
-    batch adds on top of the backlog (one input)."""
-
-    seconds_per_input: float
-    batch_rows: int
-    full_batch_s: float
-    least_own_compute_s: float
 
 
 class RequestTracer(Protocol):
@@ -111,14 +103,15 @@ class ModelHost(Protocol):
         """Begin serving (after warm-up)."""
         ...
 
-    def backlog_seconds(self, now: float) -> float:
-        """Predicted compute seconds of this model's running and queued work (not yet
-        divided among compute threads)."""
+    def work(self, now: float) -> ModelWork:
+        """This model's running and queued work and the batch it would run next, in compute
+        seconds (not yet divided among compute threads): what every model's admission
+        counts (`model_queues.wait_ahead`)."""
         ...
 
     def batch_cost(self) -> BatchCost | None:
         """What this model's requests cost the shared compute threads, for the engine's
-        status; None for a host whose requests add nothing to the shared backlog."""
+        status; None for a host whose requests queue no batches."""
         ...
 
     def queued_inputs(self) -> int: ...

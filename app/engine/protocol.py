@@ -257,10 +257,26 @@ class DebugReply(msgspec.Struct, frozen=True, tag="debug_reply"):
 FromEngine = Output | Failure | DebugReply
 
 
+class ModelQueue(msgspec.Struct, frozen=True):
+    """One model's own queue, the figures of `EngineStatus` for it alone (front ends shed a
+    request for it by them: `model_queues.shed_verdict`): `backlog_s` is its predicted
+    wait ahead of a new input (`model_queues.wait_ahead`: what is left of every running
+    batch, one next batch of each other model with work ready, its own queue), the rest its
+    own cost (all zero, `batch_rows` 1, for a model that queues nothing in batches)."""
+
+    backlog_s: float
+    seconds_per_input: float
+    queued_inputs: int
+    least_own_compute_s: float
+    batch_rows: int
+    full_batch_s: float
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     task: str
     output_width: int
     max_input_tokens: int
+    queue: ModelQueue | None = None  # set by the engine's status; None: an older engine's
 
 
 class EngineStatus(msgspec.Struct, frozen=True):
@@ -279,6 +295,9 @@ class EngineStatus(msgspec.Struct, frozen=True):
     `taken_inputs`: the inputs (`payload_inputs`) this engine has taken from each front
     end, by its socket identity, admitted or not: what a front end sent beyond that is on
     its way and not in `backlog_s` yet, so it adds that itself;
+    `models`: each model's task, widths and limits, and its own queue (`ModelQueue`): the
+    figures above for it alone, which front ends shed by (`model_queues.shed_verdict`);
+    those above are the whole engine's, used only without any model's queue;
     `oldest_compute_s`: how long the oldest compute job not yet finished (a batch, a
     generation step) has run, 0.0 when none runs: the supervisor kills a ready engine whose
     compute never returns (`stuck_compute_s`), which its loop's heartbeat alone hides.

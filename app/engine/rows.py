@@ -18,10 +18,11 @@ from app.admission import BatchQueue, Rejected, RejectReason, batch_delay, delay
 from app.batch_trace import ItemResult
 from app.batcher import Batcher
 from app.buffers import SlotPool
-from app.engine.host import BatchCost, Emit, EngineContext, EngineLoad, RequestTracer
+from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
 from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
+from app.model_queues import BatchCost, ModelWork, naming
 from app.scheduler import BatchShape, Scheduler
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,13 @@ OutT = TypeVar("OutT")
 def admit_rows(
     scheduler: Scheduler, load: EngineLoad, rows: int, longest: int, deadline: float
 ) -> Rejected | None:
-    """None to queue `rows` inputs (the longest `longest` tokens or elements long); else
-    why not: the queue cap, or a predicted wait (the engine's backlog counted in whole
-    batches of the request's bucket, plus its own batch: `batch_delay`) over the delay
-    budget or past its deadline. A request that fits no length bucket is let through,
-    whatever the queue: `submit` answers it 400 (refused 429 `queue` first, its client
-    retried what can never be served)."""
+    """None to queue `rows` inputs (the longest `longest` tokens or elements long) for
+    `load.model`; else why not, naming the model: its queue at the cap, or its predicted
+    wait (its own `load.backlog_s`, its queue counted in whole batches of the request's
+    bucket, plus its own batch: `batch_delay`) over the delay budget or past its deadline.
+    A request that fits no length bucket is let through, whatever the queue: `submit`
+    answers it 400 (refused 429 `queue` first, its client retried what can never be
+    served)."""
     policy = scheduler.policy
     bucket = policy.length_bucket_for(longest)
     if bucket is None:
@@ -45,7 +47,7 @@ def admit_rows(
     if load.queued_inputs + rows > load.max_queue:
         return Rejected(
             RejectReason.QUEUE,
-            f"{load.queued_inputs} inputs queued (cap {load.max_queue})",
+            f"model {load.model!r}: {load.queued_inputs} inputs queued (cap {load.max_queue})",
             load.backlog_s,
         )
     full_rows, full_batch_s = scheduler.full_batch(bucket)
@@ -62,7 +64,26 @@ def admit_rows(
         BatchShape(policy.padded_batch(bucket, last_batch_rows), bucket)
     )
     estimate = batch_delay(queue, rows, partial_s)
-    return delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s)
+    return naming(load.model, delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s))
+
+
+def next_batch_seconds(scheduler: Scheduler) -> float:
+    """The estimated compute of the batch `scheduler` would run next, 0 with nothing
+    queued: of its length buckets holding inputs, the costliest batch they would close
+    now (an upper bound on the one it takes: any may be the next ready)."""
+    policy = scheduler.policy
+    return max(
+        (
+            scheduler.estimated_compute(
+                BatchShape(
+                    policy.padded_batch(length, min(queued, policy.max_batch(length))), length
+                )
+            )
+            for length in policy.length_buckets
+            if (queued := scheduler.queued(length)) > 0
+        ),
+        default=0.0,
+    )
 
 
 def answering(
@@ -226,8 +247,13 @@ class BatchedHost:
     def start(self) -> None:
         self.batcher.start()
 
-    def backlog_seconds(self, now: float) -> float:
-        return self.batcher.scheduler.backlog_seconds(now)
+    def work(self, now: float) -> ModelWork:
+        scheduler = self.batcher.scheduler
+        return ModelWork(
+            running_s=scheduler.running_seconds(now),
+            queued_s=scheduler.queued_seconds(),
+            next_batch_s=next_batch_seconds(scheduler),
+        )
 
     def batch_cost(self) -> BatchCost:
         scheduler = self.batcher.scheduler

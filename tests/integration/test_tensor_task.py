@@ -184,7 +184,7 @@ async def test_tensor_rows_are_admitted_by_predicted_delay(client: httpx.AsyncCl
     features = TensorData("features", "FP32", [2, 8], bytes(64))
     request = Submit(9, "mlp", 1e12, TensorPayload([features]))
     load = EngineLoad(
-        queued_inputs=0, backlog_s=5.0, now=0.0, max_queue=4096, max_queue_delay_s=0.1
+        model="mlp", queued_inputs=0, backlog_s=5.0, now=0.0, max_queue=4096, max_queue_delay_s=0.1
     )
     verdict = host.admit(request, load)
     assert verdict is not None and verdict.reason is RejectReason.QUEUE

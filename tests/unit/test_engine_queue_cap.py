@@ -11,6 +11,7 @@ from app.engine.core import EngineCore
 from app.engine.host import BatchCost, Emit, EngineLoad
 from app.engine.protocol import EmbedPayload, FromEngine, ModelInfo, Submit
 from app.metrics import Metrics
+from app.model_queues import NO_WORK, ModelWork
 from app.settings import Settings
 
 
@@ -29,8 +30,8 @@ class StandInHost:
     def batch_cost(self) -> BatchCost | None:
         return self.cost
 
-    def backlog_seconds(self, now: float) -> float:
-        return 0.0
+    def work(self, now: float) -> ModelWork:
+        return NO_WORK
 
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
         self.loads.append(load)

@@ -15,6 +15,7 @@ from app.engine.host import BatchCost, EngineLoad
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import EmbedPayload, ModelInfo, Submit
 from app.metrics import Metrics
+from app.model_queues import NO_WORK, ModelWork
 from app.probes import liveness, probe_response, readiness
 from app.settings import Settings
 
@@ -30,8 +31,8 @@ class StandInHost:
     def batch_cost(self) -> BatchCost | None:
         return BatchCost(0.001, 32, 0.03, 0.001)
 
-    def backlog_seconds(self, now: float) -> float:
-        return 0.0
+    def work(self, now: float) -> ModelWork:
+        return NO_WORK
 
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
         return None

@@ -1,0 +1,129 @@
+"""Pure: each model's own predicted wait, what admission judges a request for it by, in
+the engine (`wait_ahead`) and in front ends (`shed_verdict`, from `ModelQueue`s published in
+the engine's status).
+
+A request for model M waits for what is left of the batches running now (on every compute
+slot: a slot frees when any batch ends), then for at most one next batch of each *other*
+model with work ready, since the compute slots are handed out first come, one place in
+line per model (`compute_slots.py`), and then for M's own queue. Other models' queues
+beyond their next batch are not ahead of it: judged on the whole engine's backlog, a flood
+on one model had every request for any other refused 429 `queue`, however idle that model
+was. With one model served this is the whole engine's backlog, as before.
+
+No asyncio, no torch, no clock: callers pass their figures, tests call these directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from app.admission import Rejected, RejectReason, published_queue_verdict
+from app.engine.protocol import EngineStatus, ModelQueue
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCost:
+    """A model's measured cost in its smallest shape (zeros until warm-up measured it):
+    what one more queued input adds to its queue's compute, a full batch's rows and compute
+    seconds (`admit` counts the queue in such batches), and the least a request's own
+    batch adds on top of the backlog (one input)."""
+
+    seconds_per_input: float
+    batch_rows: int
+    full_batch_s: float
+    least_own_compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWork:
+    """One model's work now, in compute seconds on one slot (not divided among slots):
+    what is left of its running batches, its queued inputs run in full batches, and the
+    batch (or generation dispatch) it would run next when it has work ready, else 0."""
+
+    running_s: float
+    queued_s: float
+    next_batch_s: float
+
+
+NO_WORK = ModelWork(0.0, 0.0, 0.0)
+
+
+def wait_ahead(model: str, works: Mapping[str, ModelWork], workers: int) -> float:
+    """Predicted seconds before an input queued now for `model` starts, its own queue
+    included (divided among the `workers` compute slots): every model's running batches,
+    one next batch of each other model with work ready, and `model`'s own queued inputs."""
+    running = sum(work.running_s for work in works.values())
+    others = sum(work.next_batch_s for name, work in works.items() if name != model)
+    own = works.get(model, NO_WORK).queued_s
+    return (running + own + others) / workers
+
+
+def published_queue(
+    wait_s: float, queued_inputs: int, cost: BatchCost | None, workers: int
+) -> ModelQueue:
+    """A model's `ModelQueue`: its wait ahead (`wait_ahead`), its queued inputs and its own
+    cost, the per-input rate divided among the `workers` (zeros for a cost not measured
+    yet, and for a model that queues nothing in batches: `cost` None)."""
+    measured = cost is not None and cost.seconds_per_input > 0
+    return ModelQueue(
+        backlog_s=wait_s,
+        seconds_per_input=cost.seconds_per_input / workers if cost and measured else 0.0,
+        queued_inputs=queued_inputs,
+        least_own_compute_s=max(0.0, cost.least_own_compute_s) if cost else 0.0,
+        batch_rows=cost.batch_rows if cost and measured else 1,
+        full_batch_s=cost.full_batch_s if cost and measured else 0.0,
+    )
+
+
+def naming(model: str, rejection: Rejected | None) -> Rejected | None:
+    """`rejection`, its message naming `model` (whose own wait it is)."""
+    if rejection is None:
+        return None
+    message = f"model {model!r}: {rejection.message}"
+    return Rejected(rejection.reason, message, rejection.retry_after_s)
+
+
+def shed_verdict(
+    status: EngineStatus,
+    sent: int,
+    deadline: float,
+    now: float,
+    budget_s: float,
+    model: str | None = None,
+) -> Rejected | None:
+    """A front end's verdict before a request's body is read, from each model's own
+    published queue plus the `sent` inputs the engine does not hold yet
+    (`admission.published_queue_verdict`). For `model` (named by the path: v2) its own
+    queue alone, the refusal naming it; for a request whose model is in its body, refused
+    only when every model would refuse it: then the least loaded one's refusal (429
+    `queue` with the soonest Retry-After before a 504 `deadline`). Whose `sent` inputs are
+    is not known before their bodies: they count against every model. An engine that
+    publishes no model's queue is judged on its whole backlog."""
+    infos = status.models
+    if model is not None and model in infos:
+        queue = infos[model].queue
+        if queue is not None:
+            verdict = published_queue_verdict(queue, sent, deadline, now, budget_s)
+            return naming(model, verdict)
+    queues = [info.queue for info in infos.values() if info.queue is not None]
+    if not queues:
+        return published_queue_verdict(status, sent, deadline, now, budget_s)
+    least: Rejected | None = None
+    for queue in queues:
+        verdict = published_queue_verdict(queue, sent, deadline, now, budget_s)
+        if verdict is None:
+            return None
+        if least is None or _sooner(verdict, least):
+            least = verdict
+    return least
+
+
+def _sooner(refusal: Rejected, than: Rejected) -> bool:
+    """Whether `refusal` tells a client it may retry sooner than `than`: a 429 `queue`
+    (retryable) before a 504 `deadline`, the shorter Retry-After among 429s."""
+    if refusal.reason is not RejectReason.QUEUE:
+        return False
+    if than.reason is not RejectReason.QUEUE:
+        return True
+    return (refusal.retry_after_s or 0.0) < (than.retry_after_s or 0.0)

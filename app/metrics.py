@@ -1,9 +1,7 @@
-"""Every Prometheus instrument of steadyserve, defined once (docs/ARCHITECTURE.md §5:
-the names are a contract).
-
-One `Metrics` per process (per app in tests, on its own registry, so several coexist).
-Values are recorded where the decision is made: admission and request outcomes in the front
-ends, queue, batches, pool and warm-up in the engine.
+"""Every Prometheus instrument of steadyserve, defined once (docs/ARCHITECTURE.md §5: the
+names are a contract). One `Metrics` per process (per app in tests, on its own registry, so
+several coexist). Values are recorded where the decision is made: admission, request
+outcomes and the HTTP edge in the front ends, queue, batches, pool and warm-up in the engine.
 
 With several processes (`steadyserve serve` in engine-process mode) prometheus_client's
 multiprocess mode is on: the supervisor sets `PROMETHEUS_MULTIPROC_DIR` before any child
@@ -99,6 +97,11 @@ class Metrics:
             "had not paid for answering them at once: api/refusal_budget.py).",
             registry=r,
         )
+        self.write_stalls = Counter(
+            "steadyserve_write_stalls",
+            "Connections aborted: their client read nothing more of its answer for 30 s.",
+            registry=r,
+        )
         self.inflight = Gauge(
             "steadyserve_inflight_requests",
             "Admitted (let in from the headers) and not yet answered (all front ends).",
@@ -165,7 +168,6 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-
         # --- generation (task `generate`, engine) ------------------------------------------
         self.time_to_first_token = Histogram(
             "steadyserve_time_to_first_token_seconds",
@@ -204,13 +206,11 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-
         self.engine_restarts = Counter(
             "steadyserve_engine_restarts",
             "Engine processes started to replace one that died (each counts itself).",
             registry=r,
         )
-
         # --- telemetry and slow-request reports (docs/SPIKES.md) -------------------------
         self.slow_requests = Counter(
             "steadyserve_slow_requests",

@@ -26,6 +26,7 @@ from types import MappingProxyType
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from app.api.write_stall import abort_unflushed
 from app.engine.protocol import EngineRestart, EngineStatus
 from app.schemas import error_object
 
@@ -244,8 +245,7 @@ class ProbeListener:
         ):
             pass  # not a well-formed probe, or the prober went away: nothing to answer
         finally:
-            if writer.transport.get_write_buffer_size():
-                writer.transport.abort()  # an answer its reader stopped reading: not flushed
+            abort_unflushed(writer.transport)  # an answer its reader stopped reading
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

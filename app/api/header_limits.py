@@ -30,6 +30,11 @@ answer, input dropped unparsed until the client closes or `linger_s` passes; beh
 earlier request whose answer is still to come (pipelined), it waits for that answer and
 the input is dropped meanwhile. Each is counted (`_count_head_refusal`).
 
+Its transport is a `StallLimitedTransport` (`api/write_stall.py`): a client that takes
+nothing more of its answer for `write_stall_s` (30 s), while the writes are paused or once
+the connection closes with bytes still buffered, has its connection aborted, counted
+(`_count_write_stall`).
+
 The cost on the way of a request whose headers arrive in one read is a few attribute
 stores: no timer, no allocation. Everything here runs on the event loop's thread.
 """
@@ -39,12 +44,14 @@ from __future__ import annotations
 import asyncio
 from functools import lru_cache
 from http import HTTPStatus
+from typing import cast
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from app.api.shedding import envelope_of, error_body
+from app.api.write_stall import WRITE_STALL_S, StallLimitedTransport
 
 # The shipped Envoy's `request_headers_timeout` (deploy/envoy/envoy.yaml).
 HEADER_TIMEOUT_S = 10.0
@@ -84,6 +91,7 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
     max_header_bytes = MAX_HEADER_BYTES
     max_header_reads = MAX_HEADER_READS
     linger_s = 5.0  # a refused connection's input is dropped for at most this long
+    write_stall_s = WRITE_STALL_S  # a client that takes no more of its answer: cut off
 
     # True from a request's first byte to the end of its message; `_in_headers`: to the end
     # of its headers.
@@ -105,16 +113,33 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
     _refusal_message = ""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's
-        super().connection_made(transport)
+        # Every use of the transport, uvicorn's included, goes through the stall limit.
+        self._stall = StallLimitedTransport(
+            transport, self.loop, self.write_stall_s, self._count_write_stall
+        )
+        super().connection_made(cast(asyncio.Transport, self._stall))
         # Idle, as after an answer: the first byte cancels it (uvicorn's `data_received`).
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._stall.lost()
         self._cancel_header_deadline()
         self._unset_keepalive_if_required()  # uvicorn leaves it after a reset
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._stall.writing_paused()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stall.writing_resumed()
+
+    def eof_received(self) -> None:
+        super().eof_received()  # None: the transport closes itself, its buffer emptied first
+        self._stall.closing()
 
     def data_received(self, data: bytes) -> None:
         if self._refused_head:
@@ -246,6 +271,10 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
 
     def _count_head_refusal(self, reason: str) -> None:
         """Count a 408/431 (`reason`); a subclass with metrics does."""
+
+    def _count_write_stall(self) -> None:
+        """Count a connection aborted for a client that stopped reading; a subclass with
+        metrics does."""
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -22,7 +22,8 @@ lost just while it lasted (the probes have a port of their own: `health_port`). 
 connection closed while the request's body is still arriving is closed gently (half-closed,
 the rest of the body discarded, then closed), or a client still sending would get a reset
 in place of the answer. It is a `HeaderLimitedProtocol` (`api/header_limits.py`): a header
-deadline, a size cap on the headers and an idle timeout from the connection's opening.
+deadline, a size cap on the headers, an idle timeout from the connection's opening, and a
+limit on how long a client may leave its answer unread (`api/write_stall.py`).
 
 Everything here runs on the event loop's thread.
 """
@@ -221,6 +222,9 @@ def shedding_protocol(
         def _count_head_refusal(self, reason: str) -> None:
             service.drain.arrived()  # a request arrived, as `Service.shed` counts them
             service.metrics.rejected.labels("", reason).inc()
+
+        def _count_write_stall(self) -> None:
+            service.metrics.write_stalls.inc()
 
         def _answered_before_its_end(self) -> bool:
             """Whether the request being parsed was answered (refused here, or by the app)

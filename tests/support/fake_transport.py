@@ -1,6 +1,6 @@
 """An asyncio transport without a socket, for driving uvicorn's HTTP protocol (and the
 shedding subclass, `app/api/shedding_protocol.py`) with bytes: it keeps what is written and whether
-reading is paused or the connection closed."""
+reading is paused or the connection closed (its writes are never buffered)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def get_write_buffer_size(self) -> int:
+        return 0  # written at once
 
     def can_write_eof(self) -> bool:
         return True

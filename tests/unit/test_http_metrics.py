@@ -90,3 +90,25 @@ def test_only_parameterless_routes_are_remembered() -> None:
     while not isinstance(middleware, LeanInstrumentator):
         middleware = middleware.app  # type: ignore[union-attr]
     assert set(middleware._static_handlers) == {"/static", "/healthz", "/fails"}
+
+
+def test_a_method_the_app_does_not_serve_is_counted_as_other() -> None:
+    """A client's method names no series of its own (a scanner's PROPFIND, MKCOL, ...): a
+    method no route serves is OTHER (HEAD too: FastAPI's GET routes answer it 405)."""
+    app, registry = _app(lean=True)
+    with TestClient(app) as client:
+        for method in ("PROPFIND", "MKCOL", "GET", "HEAD"):
+            client.request(method, "/static")
+    methods = {
+        sample.labels["method"]
+        for family in registry.collect()
+        for sample in family.samples
+        if "method" in sample.labels
+    }
+    assert methods == {"OTHER", "GET"}
+    assert (
+        registry.get_sample_value(
+            "http_requests_total", {"handler": "/static", "method": "OTHER", "status": "4xx"}
+        )
+        == 3
+    )

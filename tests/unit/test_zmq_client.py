@@ -27,7 +27,6 @@ from app.engine.protocol import (
     Output,
     Submit,
     decode_to_engine,
-    encode,
     encode_batch,
     frontend_identity,
     identity_pid,
@@ -156,62 +155,6 @@ async def test_an_unreadable_answer_fails_the_open_requests_and_later_ones_are_a
         assert len(outputs) == 1 and outputs[0].final
     finally:
         await client.close()
-        context.destroy(linger=0)
-
-
-async def test_an_unreadable_status_is_skipped(tmp_path: Path) -> None:
-    addresses = EngineAddresses.in_directory(tmp_path)
-    context = zmq.asyncio.Context()
-    publisher = context.socket(zmq.PUB)
-    publisher.bind(addresses.status)
-    subscriber = StatusSubscriber(context, addresses.status)
-    subscriber.start()
-    try:
-        for _ in range(1000):  # until the subscription has reached the publisher
-            await publisher.send(b"\xc1 not msgpack")
-            await publisher.send(encode(status("e", time.monotonic())))
-            if subscriber.status() is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert subscriber.status() is not None
-        task = subscriber._subscription._task
-        assert task is not None and not task.done()
-    finally:
-        await subscriber.close()
-        context.destroy(linger=0)
-
-
-async def test_after_a_stall_the_latest_status_is_read_not_what_queued_before_it(
-    tmp_path: Path,
-) -> None:
-    """Statuses published while the subscriber's loop does not read: the newest is the one
-    heard. With a queue (16 in the subscriber, 1,000 in the publisher) the publisher dropped
-    the newest once both were full, and the loop then read old statuses as fresh."""
-    addresses = EngineAddresses.in_directory(tmp_path)
-    context = zmq.asyncio.Context()
-    publisher = context.socket(zmq.PUB)
-    publisher.bind(addresses.status)
-    subscriber = StatusSubscriber(context, addresses.status)
-    subscriber.start()
-    try:
-        for _ in range(1000):  # until the subscription has reached the publisher
-            await publisher.send(encode(status("e", 0.0)))
-            if subscriber.status() is not None:
-                break
-            await asyncio.sleep(0.01)
-        assert subscriber.status() is not None
-        # The loop does not turn between these sends: the subscriber reads none of them.
-        sent = [publisher.send(encode(status("e", float(n)))) for n in range(1, 20_001)]
-        assert all(send.done() for send in sent)
-        for _ in range(500):
-            heard = subscriber.status()
-            if heard is not None and heard.published_at == 20_000.0:
-                break
-            await asyncio.sleep(0.01)
-        heard = subscriber.status()
-        assert heard is not None and heard.published_at == 20_000.0, heard
-    finally:
-        await subscriber.close()
         context.destroy(linger=0)
 
 

@@ -60,8 +60,13 @@ INFERENCE_PATHS = frozenset({"/infer", "/v1/embeddings"})
 # Generation routes are shed the same way; their time is the length the client asked for,
 # so no latency threshold makes them "slow".
 GENERATION_PATHS = frozenset(generate.GENERATION_ROUTES)
-# Shed from headers alone, before the body is read (`app/api/shedding.py`).
-SHED_PATHS = INFERENCE_PATHS | GENERATION_PATHS
+# Shed from headers alone, before the body is read (`app/api/shedding.py`), each by the
+# waits of the models of the task it reaches (None: any model's, /infer serving both tasks).
+SHED_PATHS: dict[str, str | None] = {
+    "/infer": None,
+    "/v1/embeddings": "embed",
+    **dict.fromkeys(GENERATION_PATHS, "generate"),
+}
 
 
 def is_inference_path(path: str) -> bool:

@@ -91,12 +91,14 @@ def shed_verdict(
     now: float,
     budget_s: float,
     model: str | None = None,
+    task: str | None = None,
 ) -> Rejected | None:
     """A front end's verdict before a request's body is read, from each model's own
     published queue plus the `sent` inputs the engine does not hold yet
     (`admission.published_queue_verdict`). For `model` (named by the path: v2) its own
     queue alone, the refusal naming it; for a request whose model is in its body, refused
-    only when every model would refuse it: then the least loaded one's refusal (429
+    only when every model of `task` (the path's: any when None, or when none is of it)
+    would refuse it: then the least loaded one's refusal (429
     `queue` with the soonest Retry-After before a 504 `deadline`). Whose `sent` inputs are
     is not known before their bodies: they count against every model. An engine that
     publishes no model's queue is judged on its whole backlog."""
@@ -106,7 +108,9 @@ def shed_verdict(
         if queue is not None:
             verdict = published_queue_verdict(queue, sent, deadline, now, budget_s)
             return naming(model, verdict)
-    queues = [info.queue for info in infos.values() if info.queue is not None]
+    published = [(info.task, info.queue) for info in infos.values() if info.queue is not None]
+    # /v1/embeddings reaches no generate model: their short waits must not let its flood in.
+    queues = [q for of, q in published if of == task] or [q for _, q in published]
     if not queues:
         return published_queue_verdict(status, sent, deadline, now, budget_s)
     least: Rejected | None = None

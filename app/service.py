@@ -186,17 +186,19 @@ class Service:
         return next(spec for spec in self.settings.models if spec.name == name)
 
     # --- shedding before the body is read ---------------------------------------------------
-    def shed(self, envoy_timeout_ms: float | None, model: str | None = None) -> Entry | Rejected:
+    def shed(
+        self, envoy_timeout_ms: float | None, model: str | None = None, task: str | None = None
+    ) -> Entry | Rejected:
         """What can be refused from headers alone, at almost no cost: draining, no ready
-        engine, the predicted wait over the delay budget (of `model` when the path names
-        it, else of the least loaded model: `model_queues.shed_verdict`), an empty token
-        bucket, the in-flight cap and the allowance for bodies being read (counted from
-        here on, so they bound the requests this front end holds wherever they wait). The
+        engine, the predicted wait over the delay budget (of `model` when the path names it,
+        else of the least loaded model of the path's `task`: `model_queues.shed_verdict`),
+        an empty token bucket, the in-flight cap and the allowance for bodies being read
+        (counted from here on, so they bound the requests this front end holds). The
         rejection is counted here; the caller answers it. An `Entry`: the request is in,
         and the caller must call `body_arrived` once its body is read and `leave` once it
         is answered."""
         self.drain.arrived()
-        verdict = self._shed_reason(envoy_timeout_ms, model)
+        verdict = self._shed_reason(envoy_timeout_ms, model, task)
         if isinstance(verdict, Rejected):
             self.metrics.rejected.labels("", verdict.reason.value).inc()
         return verdict
@@ -227,7 +229,9 @@ class Service:
     def _not_ready() -> Rejected:
         return Rejected(RejectReason.NOT_READY, "the engine is not ready", 1.0)
 
-    def _shed_reason(self, envoy_timeout_ms: float | None, model: str | None) -> Entry | Rejected:
+    def _shed_reason(
+        self, envoy_timeout_ms: float | None, model: str | None, task: str | None
+    ) -> Entry | Rejected:
         """Its `Entry` once the request is let in (the caller must then call `leave`); else
         why not."""
         if self.admission.draining:
@@ -242,7 +246,7 @@ class Service:
         unsent = max(0, self.admission.held(now) - self._at_engine)
         sent = self.engine.inputs_in_transit(status) + unsent
         budget_s = self.settings.max_queue_delay_ms / 1000
-        verdict = shed_verdict(status, sent, deadline, now, budget_s, model)
+        verdict = shed_verdict(status, sent, deadline, now, budget_s, model, task)
         if verdict is not None:
             return verdict
         if not self.gate.has_capacity(self.settings.length_buckets[0]):

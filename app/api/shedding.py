@@ -19,7 +19,7 @@ Everything here runs on the event loop's thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 from functools import lru_cache
 from http import HTTPStatus
 
@@ -116,10 +116,11 @@ def shed_timing(started: float) -> bytes:
 
 
 class SheddingMiddleware:
-    def __init__(self, app: ASGIApp, service: Service, paths: Collection[str]) -> None:
+    def __init__(self, app: ASGIApp, service: Service, paths: Mapping[str, str | None]) -> None:
+        """`paths`: those shed, each with the task of the models it reaches (None: any)."""
         self.app = app
         self.service = service
-        self.paths = frozenset(paths)
+        self.paths = dict(paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
@@ -128,7 +129,9 @@ class SheddingMiddleware:
         entry: Entry | None = scope.get(ENTRY)
         if entry is None:
             started = time.perf_counter()
-            verdict = self.service.shed(envoy_timeout_in(scope["headers"]))
+            verdict = self.service.shed(
+                envoy_timeout_in(scope["headers"]), task=self.paths[scope["path"]]
+            )
             if isinstance(verdict, Rejected):
                 # Closed while draining, and for a client waiting for 100 Continue (its body
                 # will not come: `expects_continue`), as the protocol closes them.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from functools import cache
 from typing import cast
 
@@ -74,7 +74,7 @@ def is_scrape(method: bytes, raw_path: bytes) -> bool:
 
 def shedding_protocol(
     service: Service,
-    paths: Collection[str],
+    paths: Mapping[str, str | None],
     read_pause_s: float,
     budget: RefusalBudget,
     trusted_proxies: Collection[str] = (),
@@ -114,7 +114,7 @@ def shedding_protocol(
     # constraints-lock.txt pins the version `make` installs, the one the tests passed with.
     if not hasattr(HttpToolsProtocol, "_start_asgi_task"):  # uvicorn < 0.45
         raise RuntimeError("uvicorn >= 0.45 is needed: its connection cap is answered here")
-    shed_paths = frozenset(path.encode() for path in paths)
+    shed_paths = {path.encode(): task for path, task in paths.items()}
     trusted = trusted_networks(trusted_proxies)
 
     @cache  # labelled once, at the first refusal: this runs for each request of a flood
@@ -325,7 +325,7 @@ def shedding_protocol(
             if path not in shed_paths:
                 return False
             started = time.perf_counter()
-            entry = service.shed(envoy_timeout_in(self.headers))
+            entry = service.shed(envoy_timeout_in(self.headers), task=shed_paths[path])
             if isinstance(entry, Entry):
                 self.scope[ENTRY] = entry  # type: ignore[literal-required]
                 budget.admitted()

@@ -52,7 +52,7 @@ class CappedService:
         self.metrics = Metrics()
         self.drain = Arrivals()
 
-    def shed(self, envoy_timeout_ms: float | None) -> Any:
+    def shed(self, envoy_timeout_ms: float | None, task: str | None = None) -> Any:
         raise AssertionError("a request past the connection cap is never admitted")
 
     def refused_at_the_cap(self) -> float:
@@ -74,7 +74,7 @@ def connect(
     """A new connection to a front end whose connection cap is CAP."""
     protocol_class = shedding_protocol(
         service,  # type: ignore[arg-type]
-        ["/infer"],
+        {"/infer": None},
         read_pause_s=1.0,
         budget=RefusalBudget(0),
         body_read_timeout_s=5.0,

@@ -78,7 +78,7 @@ async def serving(
 
     protocol = shedding_protocol(
         Admits(),  # type: ignore[arg-type]
-        [],
+        {},
         read_pause_s=1.0,
         budget=RefusalBudget(0),
         body_read_timeout_s=5.0,
@@ -299,7 +299,7 @@ def test_what_follows_headers_over_the_cap_in_the_same_read_is_dropped_unparsed(
     connection is left running."""
     protocol_class = shedding_protocol(
         Admits(),  # type: ignore[arg-type]
-        [],
+        {},
         read_pause_s=1.0,
         budget=RefusalBudget(0),
         body_read_timeout_s=3.0,  # the linger
@@ -337,7 +337,7 @@ def test_headers_sent_a_byte_at_a_time_are_refused_after_so_many_reads() -> None
     service = Admits()
     protocol_class = shedding_protocol(
         service,  # type: ignore[arg-type]
-        [],
+        {},
         read_pause_s=1.0,
         budget=RefusalBudget(0),
         body_read_timeout_s=3.0,

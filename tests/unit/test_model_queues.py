@@ -175,6 +175,22 @@ def test_a_request_of_an_unknown_model_is_refused_only_when_every_model_would_re
     assert shed_verdict(status_of(a=queue(0.5), b=queue(0.05)), 10, 30.0, 0.0, BUDGET_S)
 
 
+def test_a_path_is_judged_on_the_models_of_its_task_alone() -> None:
+    """/v1/embeddings reaches no generate model: an embedding flood is shed before its body
+    although the generate model's own wait is short; /infer (any task) is let in."""
+    models = {
+        "minilm": ModelInfo("embed", 4, 64, queue(0.5)),
+        "tiny": ModelInfo("generate", 0, 64, queue(0.0, per_input=0.0)),
+    }
+    status = ready_status("e", 1.0, backlog_s=0.5, seconds_per_input=0.01, models=models)
+    refused = shed_verdict(status, 0, 30.0, 0.0, BUDGET_S, task="embed")
+    assert refused is not None and refused.reason is RejectReason.QUEUE
+    assert shed_verdict(status, 0, 30.0, 0.0, BUDGET_S, task="generate") is None
+    assert shed_verdict(status, 0, 30.0, 0.0, BUDGET_S) is None
+    # A task no model has (answered 400 once the body is read): judged on every model.
+    assert shed_verdict(status, 0, 30.0, 0.0, BUDGET_S, task="tensor") is None
+
+
 def test_of_refusals_a_retryable_one_is_answered() -> None:
     # `slow` computes 200 ms alone, more than the 150 ms the deadline leaves (504); `busy`
     # only waits too long (429): the request may be for `busy`, which a retry may serve.

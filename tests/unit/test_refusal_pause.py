@@ -65,7 +65,7 @@ class RefusingService:
         self.admission = type("Admission", (), {"draining": False})()
         self.metrics = Metrics()
 
-    def shed(self, envoy_timeout_ms: float | None) -> Rejected:
+    def shed(self, envoy_timeout_ms: float | None, task: str | None = None) -> Rejected:
         return Rejected(RejectReason.INFLIGHT, "full", retry_after_s=1.0)
 
 
@@ -77,7 +77,7 @@ def refused_connection(peer: str, extra_headers: bytes, trusted: list[str]) -> F
     """One refused POST /infer from `peer`; the connection's transport afterwards."""
     protocol_class = shedding_protocol(
         RefusingService(),  # type: ignore[arg-type]
-        ["/infer"],
+        {"/infer": None},
         read_pause_s=1.0,
         budget=RefusalBudget(0),  # no refusal is paid for: each may pause its connection
         trusted_proxies=trusted,

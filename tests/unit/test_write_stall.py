@@ -62,7 +62,7 @@ async def serving(
     lost = asyncio.Event()
     base = shedding_protocol(
         service,  # type: ignore[arg-type]
-        [],
+        {},
         read_pause_s=1.0,
         budget=RefusalBudget(0),
         body_read_timeout_s=5.0,

@@ -28,6 +28,7 @@ from app.engine.health import BatchHealth
 from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost, RequestTracer
 from app.engine.loading import load_hosts
 from app.engine.protocol import (
+    PROTOCOL_CLOCK,
     EngineStatus,
     Failure,
     FailureKind,
@@ -258,7 +259,7 @@ class EngineCore:
             # Only what waits for a batch: generate prompts waiting for a KV slot are not
             # in the batches front ends count the queue in.
             queued_inputs=self.inputs_waiting_for_a_batch(),
-            published_at=self._clock(),
+            published_at=PROTOCOL_CLOCK(),  # what front ends compare it with, in tests too
             least_own_compute_s=min(own, default=0.0),
             batch_rows=cheapest.batch_rows,
             full_batch_s=cheapest.full_batch_s,
@@ -280,8 +281,8 @@ class EngineCore:
         return infos
 
     def refresh_gauges(self) -> None:
-        """Engine-side gauges: the inputs waiting for a batch, every model's together (the
-        queue `max_queue` caps; generate prompts waiting for a KV slot are each model's
+        """Engine-side gauges: the inputs waiting for a batch, every model's together
+        (`max_queue` caps each model's own; generate prompts waiting for a KV slot are each model's
         `steadyserve_sequences{state="waiting"}`), their high-water mark over the last
         `HIGH_WATER_WINDOW_S`, and each host's own; called periodically, or before a scrape
         in-process."""

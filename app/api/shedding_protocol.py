@@ -160,9 +160,10 @@ def shedding_protocol(
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's
             super().connection_made(transport)
             # The transport as the requests' cycles see it: where uvicorn closes it after an
-            # answer (`Connection: close`), it is closed gently.
+            # answer (`Connection: close`), it is closed gently. `self.transport`, the stall
+            # limit's (`HeaderLimitedProtocol`): it counts what the answers write.
             self._cycle_transport = cast(
-                asyncio.Transport, _ClosingGently(transport, self._close_gently)
+                asyncio.Transport, _ClosingGently(self.transport, self._close_gently)
             )
 
         def connection_lost(self, exc: Exception | None) -> None:

@@ -12,10 +12,16 @@ its socket and a place under `max_connections`. Forever, for a front end reached
 
 `StallLimitedTransport` is the transport the HTTP protocol (`api/header_limits.py`) uses.
 Once its writes pause, or it closes with bytes still buffered (by `close`, or by itself
-after the client's end of input), a look `limit_s` later finds what the client has yet to
-take (the buffer, and the socket's send queue behind it): less than at the last look (the
-client took some), it looks again one limit later; else the transport is aborted (the
-bytes already in the kernel's queue are the kernel's to send or drop) and counted. The
+after the client's end of input), a look `limit_s` later finds what the client has taken
+since the last: the bytes written to the transport (its `write` counts them) less those
+it has yet to take (the buffer, and the socket's send queue behind it). Some, it looks
+again one limit later; none, with bytes still untaken, and the transport is aborted (the
+bytes already in the kernel's queue are the kernel's to send or drop) and counted. What
+was taken, not a fall in what is left: the app writes on while the writes are paused (the
+buffer swings between the low and high water marks as it refills) and while the
+transport closes after the client's end of input (asyncio's and uvloop's take writes
+until the connection is lost: a client that half-closed after its request and reads its
+stream on), so what a steady reader has yet to take need not fall from look to look. The
 protocol's `connection_lost` then wakes uvicorn's `send` as a disconnect: the request's
 watcher (`api/cancellation.py`) cancels its work, its place is left, its connection freed.
 `WRITE_STALL_S` is the shipped Envoy's `stream_idle_timeout` (30 s, deploy/envoy): behind
@@ -33,7 +39,7 @@ import contextlib
 import fcntl
 import struct
 import termios
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 # The shipped Envoy's `stream_idle_timeout` (deploy/envoy/envoy.yaml).
@@ -62,10 +68,11 @@ def send_queue(transport: asyncio.BaseTransport) -> int:
 
 
 class StallLimitedTransport:
-    """`transport` as the protocol uses it, aborted (and `stalled` called) once its buffered
-    bytes make no progress for `limit_s`, while its writes are paused (`writing_paused`,
-    `writing_resumed`: the protocol's flow control) or once it closes with bytes left
-    (`close`, or `closing` where it closes itself). `lost`: its connection is gone."""
+    """`transport` as the protocol uses it, aborted (and `stalled` called) once its client
+    takes none of what was written for `limit_s`, while its writes are paused
+    (`writing_paused`, `writing_resumed`: the protocol's flow control) or once it closes
+    with bytes left (`close`, or `closing` where it closes itself). `lost`: its connection
+    is gone. Every write must go through it (`write`, `writelines`: counted)."""
 
     def __init__(
         self,
@@ -79,10 +86,10 @@ class StallLimitedTransport:
         self._limit_s = limit_s
         self._stalled = stalled
         self._look: asyncio.TimerHandle | None = None
-        self._left = 0  # what the client had yet to take at the last look
+        self._written = 0  # every byte written to the transport
+        self._taken = 0  # what the client had taken at the last look
         self._lost = False
-        # What every request calls goes straight to the transport.
-        self.write = transport.write
+        # What every request calls goes straight to the transport (`write` counts).
         self.is_closing = transport.is_closing
         self.get_extra_info = transport.get_extra_info
         self.pause_reading = transport.pause_reading
@@ -90,6 +97,15 @@ class StallLimitedTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._written += len(data)
+        self._transport.write(data)
+
+    def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> None:
+        data = list(data)
+        self._written += sum(map(len, data))
+        self._transport.writelines(data)
 
     def close(self) -> None:
         self._transport.close()
@@ -114,21 +130,22 @@ class StallLimitedTransport:
 
     def _watch(self) -> None:
         if self._look is None:
-            self._left = self._untaken()
+            self._taken = self._taken_now()
             self._look = self._loop.call_later(self._limit_s, self._looked)
 
-    def _untaken(self) -> int:
-        """What the client has yet to take: the buffer, and the socket's send queue behind
-        it (it drains into the queue only as the queue empties by half: a slow reader's
-        progress shows there first); 0 once the buffer is empty."""
-        buffered = self._transport.get_write_buffer_size()
-        return buffered + send_queue(self._transport) if buffered else 0
+    def _taken_now(self) -> int:
+        """What the client has taken of all that was written: all but what it has yet to
+        take, the buffer and the socket's send queue behind it (the buffer refills the
+        queue only once it has emptied by half: a slow reader's progress shows there
+        first). It only grows, however the app tops the buffer up."""
+        untaken = self._transport.get_write_buffer_size() + send_queue(self._transport)
+        return self._written - untaken
 
     def _looked(self) -> None:
         self._look = None
-        left = self._untaken()
-        if 0 < left < self._left:  # the client took some: one limit more
-            self._left = left
+        taken = self._taken_now()
+        if taken > self._taken:  # the client took some: one limit more
+            self._taken = taken
             self._look = self._loop.call_later(self._limit_s, self._looked)
         elif abort_unflushed(self._transport):
             self._stalled()

@@ -3,7 +3,7 @@
 stream it stopped reading ends (its producer is closed, as a disconnect closes it), a large
 answer left in the buffer of a connection closed after it (keep-alive timeout,
 `Connection: close`) is dropped with its connection, each counted; a reader that reads
-slowly but steadily keeps its connection. Real sockets on 127.0.0.1, the limit made short;
+slowly but steadily keeps its connection, one that half-closed after its request too. Real sockets on 127.0.0.1, the limit made short;
 each test waits for the server's events, at most `WAIT_S` (a failure, not a timing bound)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+import uvloop
 from uvicorn.server import ServerState
 
 from app.api.header_limits import HeaderLimitedProtocol
@@ -189,6 +190,70 @@ async def test_a_slow_but_steady_reader_gets_its_whole_answer(
     assert service.stalls() == 0
 
 
+@pytest.mark.parametrize(
+    "loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_half_closed_client_that_reads_on_keeps_its_stream(
+    monkeypatch: pytest.MonkeyPatch, loop_factory: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    """A client that ends its input after the request (a half-close: the transport closes
+    once its buffer is empty) but reads on while the stream goes on: the app keeps writing
+    to the closing transport, so what the client has yet to take does not fall (here it
+    grows: the app writes twice what the client reads); what it took since the last look
+    is its progress. Under both loops a front end may run (uvicorn's "auto": uvloop)."""
+    monkeypatch.setattr(HeaderLimitedProtocol, "write_stall_s", STALL_S, raising=False)
+    closing, looked = StallLimitedTransport.closing, StallLimitedTransport._looked
+
+    async def run() -> None:
+        eof, several_looks = asyncio.Event(), asyncio.Event()
+        looks = 0
+
+        def closes(self: StallLimitedTransport) -> None:
+            closing(self)
+            eof.set()
+
+        def looks_on(self: StallLimitedTransport) -> None:
+            nonlocal looks
+            looked(self)
+            looks += 1
+            if looks == 5:
+                several_looks.set()
+
+        monkeypatch.setattr(StallLimitedTransport, "closing", closes)
+        monkeypatch.setattr(StallLimitedTransport, "_looked", looks_on)
+        taken: asyncio.Queue[int] = asyncio.Queue()
+
+        async def frames() -> AsyncGenerator[bytes, None]:
+            yield b"data: " + b"x" * (1 << 20) + b"\n\n"  # buffered: the client reads none yet
+            while True:
+                yield b"x" * 2 * await taken.get()
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await EventStreamResponse(frames())(scope, receive, send)
+
+        service = Service()
+        loop = asyncio.get_running_loop()
+        # The writes never pause: only the close watches the transport.
+        serves = serving(app, service, high_water=1 << 30, send_buffer=32768)
+        async with serves as (port, lost), not_reading(port, get(), 16384) as client:
+            assert await asyncio.wait_for(loop.sock_recv(client, 16384), WAIT_S)
+            client.shutdown(socket.SHUT_WR)
+            await asyncio.wait_for(eof.wait(), WAIT_S)  # the server saw the end of input
+            with contextlib.suppress(ConnectionError):
+                while not several_looks.is_set():
+                    chunk = await asyncio.wait_for(loop.sock_recv(client, 16384), WAIT_S)
+                    if not chunk:
+                        break  # cut off
+                    taken.put_nowait(len(chunk))
+                    await asyncio.sleep(0.005)  # a slow reader: ~3 MB/s
+            assert several_looks.is_set()
+            assert not lost.is_set()
+            assert service.stalls() == 0
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(run())
+
+
 class Buffered:
     """A transport whose write buffer holds what the test says (and no socket)."""
 
@@ -211,7 +276,10 @@ class Buffered:
     def abort(self) -> None:
         self.aborted = self.closing = True
 
-    write = pause_reading = resume_reading = close
+    def write(self, data: bytes) -> None:
+        self.left += len(data)
+
+    pause_reading = resume_reading = close
 
 
 async def test_each_look_that_finds_progress_waits_one_limit_more() -> None:
@@ -230,6 +298,30 @@ async def test_each_look_that_finds_progress_waits_one_limit_more() -> None:
     await asyncio.wait_for(stalled.wait(), WAIT_S)
     assert transport.aborted
     assert found[:3] == [60, 20, 20]  # two looks found progress; the third found none
+
+
+async def test_what_the_client_took_is_its_progress_however_the_app_tops_the_buffer_up() -> None:
+    """Paused, the buffer swings between the low and high water marks as the app refills
+    it: a reader that takes some each limit may show as much buffered at a look as at the
+    last, or more."""
+    transport = Buffered()
+    stalled = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    stall = StallLimitedTransport(transport, loop, 0.01, stalled.set)  # type: ignore[arg-type]
+    stall.writing_paused()  # 100 bytes buffered
+    found: list[int] = []  # what each look found buffered
+
+    def looked() -> int:
+        if len(found) < 2:  # since the last look: the client took 50, the app wrote 60
+            transport.left -= 50
+            stall.write(b"x" * 60)
+        found.append(transport.left)
+        return transport.left
+
+    transport.get_write_buffer_size = looked  # type: ignore[method-assign]
+    await asyncio.wait_for(stalled.wait(), WAIT_S)
+    assert transport.aborted
+    assert found[:3] == [110, 120, 120]  # two looks found progress; the third found none
 
 
 def test_the_send_queue_holds_what_the_client_has_yet_to_take() -> None:

@@ -3,8 +3,9 @@
 stream it stopped reading ends (its producer is closed, as a disconnect closes it), a large
 answer left in the buffer of a connection closed after it (keep-alive timeout,
 `Connection: close`) is dropped with its connection, each counted; a reader that reads
-slowly but steadily keeps its connection, one that half-closed after its request too. Real sockets on 127.0.0.1, the limit made short;
-each test waits for the server's events, at most `WAIT_S` (a failure, not a timing bound)."""
+slowly but steadily keeps its connection, one that half-closed after its request too. Real
+sockets on 127.0.0.1, the limit made short; each test waits for the server's events, at
+most `WAIT_S` (a failure, not a timing bound)."""
 
 from __future__ import annotations
 

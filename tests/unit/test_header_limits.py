@@ -57,10 +57,13 @@ class Admits:
 
 @contextlib.asynccontextmanager
 async def serving(
-    header_timeout_s: float = 30.0, keep_alive_s: float = 30.0
+    header_timeout_s: float = 30.0,
+    keep_alive_s: float = 30.0,
+    timers: ManualTimers | None = None,
 ) -> AsyncIterator[tuple[int, asyncio.Event]]:
     """A front end's HTTP protocol on 127.0.0.1 (its port), in front of an app that answers
-    200 with the length of the body it read (`HELD` once the event is set)."""
+    200 with the length of the body it read (`HELD` once the event is set); its timers on
+    `timers`' clock where given, else on the event loop's."""
     release = asyncio.Event()
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -89,7 +92,7 @@ async def serving(
     config.load()
     state = ServerState()
     server = await asyncio.get_running_loop().create_server(
-        lambda: protocol(config=config, server_state=state, app_state={}),  # type: ignore[call-arg]
+        lambda: protocol(config=config, server_state=state, app_state={}, _loop=timers),  # type: ignore[call-arg]
         "127.0.0.1",
         0,
     )
@@ -215,19 +218,28 @@ async def test_headers_just_within_the_cap_are_served() -> None:
 async def test_a_keep_alive_client_making_several_requests_is_unaffected() -> None:
     """Idle between requests for longer than the header timeout (the keep-alive timeout
     applies there), headers split over several writes, bodies: every request is served on
-    the one connection, which stays open."""
+    the one connection, which stays open. The protocol's timers run on a clock the test
+    moves (real sockets, real reads): idle 5x the header timeout, then the rest of the
+    headers 0.95 of it after their first byte; a deadline left running from an earlier
+    request, or not restarted at each one's first byte, fires within those moves. On the
+    loop's clock a stall of the process (GC, a noisy CI machine) could make the deadline
+    and the client's second write due in one loop pass, the deadline first: a spurious
+    408."""
     body = b'{"inputs": "x"}'
     head = b"POST /infer HTTP/1.1\r\nhost: test\r\ncontent-length: %d\r\n" % len(body)
-    async with serving(header_timeout_s=0.3, keep_alive_s=30.0) as (port, _):
+    timers = ManualTimers(asyncio.get_running_loop())
+    async with serving(header_timeout_s=2.0, keep_alive_s=30.0, timers=timers) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         for _ in range(4):
-            await asyncio.sleep(0.4)  # idle past the header timeout
+            assert timers.advance(10.0) == []  # idle past the header timeout: nothing fires
             writer.write(head)
             await writer.drain()
-            await asyncio.sleep(0.1)  # the rest of the headers, within it
+            await timers.until_armed("_header_deadline_passed")  # the server has read it
+            assert timers.advance(1.9) == []  # the rest of the headers, within the timeout
             writer.write(b"x-more: 1\r\n\r\n" + body)
-            answer = await asyncio.wait_for(reader.readuntil(b'{"read":15}'), WAIT_S)
-            assert answer.startswith(b"HTTP/1.1 200 ")
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer
+            assert await asyncio.wait_for(reader.readuntil(b"}"), WAIT_S) == b'{"read":15}'
         assert not reader.at_eof()
         writer.close()
 
@@ -280,6 +292,55 @@ class Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+class ManualTimers:
+    """The running event loop, but the timers set through it (`call_later`) are due on a
+    clock that moves only when the test calls `advance`, which runs those that fall due,
+    in order. Everything else (sockets, tasks) is the real loop's."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.now = 0.0
+        self.timers: list[tuple[float, Timer, tuple[Any, ...]]] = []  # due at, timer, args
+        self._armed = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Any, *args: Any) -> Timer:
+        self.timers.append((self.now + delay, Timer(delay, callback), args))
+        self._armed.set()
+        return self.timers[-1][1]
+
+    def advance(self, seconds: float) -> list[str]:
+        """Move the clock on, running the timers that fall due; the names of their callbacks."""
+        self.now += seconds
+        ran = []
+        while due := [entry for entry in self.timers if entry[0] <= self.now]:
+            entry = min(due, key=lambda entry: entry[0])
+            self.timers.remove(entry)
+            _, timer, args = entry
+            if not timer.cancelled:
+                ran.append(timer.callback.__name__)
+                timer.callback(*args)
+        return ran
+
+    async def until_armed(self, callback_name: str) -> None:
+        """Wait (on the loop, within WAIT_S) until a timer running `callback_name` is pending."""
+
+        async def armed() -> None:
+            while not any(
+                timer.callback.__name__ == callback_name and not timer.cancelled
+                for _, timer, _ in self.timers
+            ):
+                self._armed.clear()
+                await self._armed.wait()
+
+        await asyncio.wait_for(armed(), WAIT_S)
 
 
 class RecordingLoop:

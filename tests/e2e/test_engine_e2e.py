@@ -4,6 +4,7 @@ is lost or answered twice. Real processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.api.errors import RETRY_ELSEWHERE_HEADER
 from loadtest.proctree import command_line, descendants
@@ -26,26 +28,42 @@ TIMEOUT_MS = 3000
 
 
 def readyz(server: ServerProcess, port: int | None = None) -> tuple[int, dict[str, object]]:
+    """/readyz's status and body; status 0 where no answer came (no front end listening,
+    a reset, the probe's timeout: the engine's reload starves the CPUs), which every
+    caller takes as not ready yet."""
     base_url = server.base_url if port is None else f"http://127.0.0.1:{port}"
     try:
-        with urllib.request.urlopen(f"{base_url}/readyz", timeout=2) as response:
-            return int(response.status), json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return int(error.code), json.loads(error.read())
+        try:
+            with urllib.request.urlopen(f"{base_url}/readyz", timeout=2) as response:
+                return int(response.status), json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return int(error.code), json.loads(error.read())
+    except (OSError, http.client.HTTPException) as error:  # URLError, timeouts, resets
+        return 0, {"unanswered": repr(error)}
 
 
 def serves(server: ServerProcess) -> bool:
     """Ready on the traffic port; false while no front end listens (one per 2 CPUs)."""
-    try:
-        return readyz(server)[0] == 200
-    except urllib.error.URLError:
-        return False
+    return readyz(server)[0] == 200
+
+
+def inflight(server: ServerProcess) -> float:
+    """`steadyserve_inflight_requests` from /metrics: requests admitted and not yet left."""
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "steadyserve_inflight_requests"
+    )
 
 
 def engine_pid(server: ServerProcess) -> int:
-    status, body = readyz(server)
-    assert status == 200, body
-    engine = body["engine"]
+    """The engine's pid, from the first /readyz answered 200 (within 30 s)."""
+    answers: list[tuple[int, dict[str, object]]] = []
+    wait_for(lambda: answers.append(readyz(server)) or answers[-1][0] == 200, 30, "/readyz 200")
+    engine = answers[-1][1]["engine"]
     assert isinstance(engine, dict)
     return int(engine["pid"])
 
@@ -138,6 +156,8 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
             answered_before = load.count(200)
             wait_for(lambda: load.count(200) >= answered_before + 40, 60, "answers again")
         second_engine = engine_pid(server)
+        # Every request left the server: none stays admitted on the dead engine's account.
+        wait_for(lambda: inflight(server) == 0, 30, "no request left in flight")
         engine_lost_counted = sum(
             n for (_, reason), n in server.rejections().items() if reason == "engine_lost"
         )
@@ -157,13 +177,14 @@ def test_an_engine_killed_under_load_is_replaced_and_no_request_is_lost(tmp_path
     # Nothing waited for an answer that never came: the front end's guard against a silent
     # engine would have answered it 503 `not_ready` and logged it (`engine/client.py`).
     assert "never answered" not in log
-    # No request waited past its deadline: each sent timeout_ms=TIMEOUT_MS, and answered,
-    # lost with the engine or refused while the new one warmed up, it had its answer by then.
-    # The 2 s margin is for the client's threads and connections on a shared machine: this
-    # is a correctness bound (nothing left waiting on a dead engine), not a speed one.
-    longest_wait_s = TIMEOUT_MS / 1000 + 2.0
-    late = [result for result in load.results if result[2] > longest_wait_s]
-    assert not late, (len(load.results), late)
+    # No request was left waiting on the dead engine, checked without a clock: one whose
+    # deadline (timeout_ms) passed before it was computed is answered 504 `deadline`, one
+    # the engine never answered by then is answered by the front end's guard and logged
+    # (above), one never answered at all is the client's ReadTimeout: none is among the
+    # allowed outcomes; and none stayed admitted (in flight) once the load stopped. (Each
+    # request's time on the client is no measure of it: a connection answered 503
+    # `not_ready` has its reads paused for up to refused_read_pause_s, and a shared
+    # machine stalls.)
     # Each 503 engine_lost is counted once among the rejections, as the dashboard shows them.
     assert engine_lost_counted == outcomes[(503, "engine_lost")], outcomes
     assert "restarting in" in log

@@ -39,6 +39,12 @@ pytestmark = pytest.mark.e2e
 # Envoy connects from 127.0.0.1 here: trusted as the deployment trusts the Envoy tier's pod
 # addresses, so its connections are never paused after a refusal (deploy/README.md).
 BEHIND_ENVOY = {"STEADY_TRUSTED_PROXIES": '["127.0.0.1"]'}
+# No replica sheds on its predicted delay (the default budget is 100 ms): on a busy machine
+# (CI) a replica's delay admission answers 429 under these tests' load, and Envoy's retries
+# of it land on another replica that may shed too (the 429 test's healthy one), or on one
+# that is leaving (the drain test's, 503): refusals under load, not what the tests are
+# about. The shedding those tests rely on is a token bucket's (SATURATED_ENV) and a drain's.
+NO_DELAY_SHEDDING = {**BEHIND_ENVOY, "STEADY_MAX_QUEUE_DELAY_MS": "60000"}
 INFER_BODY = json.dumps({"inputs": "steady tails through envoy"}).encode()
 # One replica answers 429 to nearly everything: a 16-token bucket (the largest request of its
 # one 16-token length bucket) refilled at 16 tokens/s, about one request a second, no
@@ -55,11 +61,12 @@ SATURATED_ENV = {
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ...]]:
-    """Two ready replicas with the test defaults, shared by the tests that stop neither."""
+    """Two ready replicas with the test defaults but no delay shedding (NO_DELAY_SHEDDING),
+    shared by the tests that stop neither."""
     logs = tmp_path_factory.mktemp("replicas")
     with (
-        running_server(logs, BEHIND_ENVOY) as first,
-        running_server(logs, BEHIND_ENVOY) as second,
+        running_server(logs, NO_DELAY_SHEDDING) as first,
+        running_server(logs, NO_DELAY_SHEDDING) as second,
     ):
         yield first, second
 
@@ -215,12 +222,6 @@ class LoadThroughEnvoy:
             with self._lock:
                 self.outcomes.append(outcome)
         connection.close()
-
-
-# The point is the drain, not shedding: on a busy machine (CI) the staying replica's delay
-# admission could answer a retried request 429, and Envoy's last retry then lands on the
-# replica that is leaving (503), which is a refusal under load rather than a lost request.
-NO_DELAY_SHEDDING = {**BEHIND_ENVOY, "STEADY_MAX_QUEUE_DELAY_MS": "60000"}
 
 
 def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> None:

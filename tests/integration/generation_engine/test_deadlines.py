@@ -5,12 +5,13 @@ and ends with `length`; the step time the fit divides by is measured warm."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from app.admission import Rejected, RejectReason
+from app.engine import generation_steps
 from app.engine.generation_host import GenerationHost
 from app.engine.protocol import (
     FinishReason,
@@ -124,25 +125,32 @@ async def test_the_step_time_estimate_comes_from_a_warm_step_of_every_slot(
     tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The first step of a shape pays its set-up: seeding the estimate (which admission and
-    the deadline fit divide by) from that cold step overstated it until traffic smoothed it."""
+    the deadline fit divide by) from that cold step overstated it until traffic smoothed it.
+    The steps' times are the test's: the clock they are measured on (`generation_steps`'
+    perf_counter) moves only as each step runs, by a time that names it (the nth step takes
+    n ms; the first all-slot one, cold, 300 ms)."""
     steps: list[int] = []
+    durations: list[float] = []
+    clock = ManualClock(1000.0)
     original = CausalLMRunner.step
 
-    def counted(self: CausalLMRunner, rows: list[StepRow]) -> list[int]:
+    def timed(self: CausalLMRunner, rows: list[StepRow]) -> list[int]:
         steps.append(len(rows))
-        if steps.count(SLOTS) == 1:  # the first all-slot step: cold, as a new shape's is
-            time.sleep(0.3)
+        cold = len(rows) == SLOTS and steps.count(SLOTS) == 1  # a new shape's first step
+        durations.append(0.3 if cold else len(steps) / 1000)
+        clock.now += durations[-1]
         return original(self, rows)
 
-    monkeypatch.setattr(CausalLMRunner, "step", counted)
+    monkeypatch.setattr(CausalLMRunner, "step", timed)
+    monkeypatch.setattr(generation_steps, "time", SimpleNamespace(perf_counter=clock))
     engine = await started(settings_for(tiny_causal_lm))
     try:
         # Decode at 1, 2, 4 and all 8 slots, then all 8 again: the estimate's step.
         assert steps[-5:] == [1, 2, 4, SLOTS, SLOTS]
         host = engine.core.hosts["tiny"]
         assert isinstance(host, GenerationHost)
-        # Seeded from the warm all-slot step (milliseconds), not the cold one (300+ ms).
-        assert host.debug_report()["step_ms"] < 150
+        # Seeded from the warm all-slot step (the last), not the cold one (300 ms).
+        assert host.debug_report()["step_ms"] == round(durations[-1] * 1000, 3), durations
     finally:
         await engine.close()
 

@@ -1,9 +1,10 @@
 """What a bench or a test needs to start a server on this machine and reach it: `REPO_ROOT`
 (the working directory servers start in, and where results go by default), a `free_port` to
-give it, `http_status` / `get_json`, plain blocking GETs for readiness polls and the
-server's JSON answers, `served_settings`, the settings a server given some environment
-reads, and `spawn_serve` / `start_serve`, which start `steadyserve serve` as a child
-process whose `ServeProcess` handle waits for it to be ready and stops it by PID.
+give it (never the same one twice), `http_status` / `get_json`, plain blocking GETs for
+readiness polls and the server's JSON answers, `served_settings`, the settings a server
+given some environment reads, and `spawn_serve` / `start_serve`, which start `steadyserve
+serve` as a child process whose `ServeProcess` handle waits for it to be ready and stops
+it by PID.
 
 One copy for the benches here and for tests/support/server.py (tests may import loadtest;
 loadtest never imports tests). Any thread may call these; a `ServeProcess` belongs to the
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -49,11 +51,24 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
+# Every port `free_port` handed out in this process: a server given one may bind it late, or
+# never (one whose start-up fails), and the kernel would offer it again meanwhile.
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the server binds it after)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (the server binds it after), and
+    that this process was never given before: two servers, or a server and an Envoy, started
+    in one test never share a port, even where the first has not bound its port (yet)."""
+    with _HANDED_OUT_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def get_json(url: str, timeout: float = 5.0) -> tuple[int | None, dict[str, Any]]:

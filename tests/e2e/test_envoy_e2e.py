@@ -266,7 +266,8 @@ def test_sigterm_to_a_replica_under_load_loses_no_request(tmp_path: Path) -> Non
 def replica_that_never_gets_ready(tmp_path: Path) -> Iterator[ServerProcess]:
     """A real steadyserve whose start-up fails (its model source does not exist): it stays
     up and never gets ready (its front end's start-up fails, so it never listens on the
-    traffic port, and is restarted with backoff)."""
+    traffic port, and is restarted with backoff). Its port is never bound, and never handed
+    out again (`free_port`): the Envoy started in front of it cannot be given it."""
     broken_model = [{"name": "broken", "source": str(tmp_path / "no-such-model")}]
     replica = start_server(tmp_path, {**BEHIND_ENVOY, "STEADY_MODELS": json.dumps(broken_model)})
     try:

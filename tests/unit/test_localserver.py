@@ -14,10 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from loadtest import overload_server
+from loadtest import localserver, overload_server
 from loadtest.localserver import REPO_ROOT, ServeProcess, free_port, start_serve
 from tests.support import server as test_server
 
@@ -62,6 +63,39 @@ def test_a_bench_and_a_test_start_the_server_alike_and_quote_the_log_of_an_early
     assert f"cwd: {REPO_ROOT}" in message
     assert "offline=1 threads=2" in message  # the caller's env over the defaults
     assert server.base_url == f"http://127.0.0.1:{port}"
+
+
+class KernelOffering:
+    """A stand-in for `socket.socket` whose bind to port 0 gets the ports given, in turn, as
+    the kernel may offer a port again that was handed out but is not bound (yet)."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports = iter(ports)
+
+    def __call__(self) -> KernelOffering:
+        return self
+
+    def __enter__(self) -> KernelOffering:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def bind(self, address: tuple[str, int]) -> None:
+        assert address == ("127.0.0.1", 0)
+        self._port = next(self._ports)
+
+    def getsockname(self) -> tuple[str, int]:
+        return "127.0.0.1", self._port
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose start-up fails never binds its port: the kernel offered it again, and
+    tests/e2e/test_envoy_e2e.py could give it to the Envoy in front of that replica."""
+    monkeypatch.setattr(localserver, "_HANDED_OUT", set(), raising=False)  # none given yet
+    kernel = KernelOffering([40001, 40001, 40002])
+    monkeypatch.setattr(localserver, "socket", SimpleNamespace(socket=kernel))
+    assert [free_port(), free_port()] == [40001, 40002]
 
 
 @pytest.fixture

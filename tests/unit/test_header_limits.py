@@ -24,6 +24,7 @@ from app.api.shedding_protocol import shedding_protocol
 from app.metrics import Metrics
 from tests.support.fake_transport import FakeTransport
 from tests.support.http_responses import Response, responses
+from tests.support.manual_timers import ManualTimers, Timer
 from tests.support.server import REPO_ROOT
 
 HELD = "/held"  # answered once the test sets `release`
@@ -284,63 +285,6 @@ def test_the_readme_names_the_header_refusals() -> None:
     readme = (REPO_ROOT / "README.md").read_text()
     assert "| 408 |" in readme and "`header_timeout`" in readme
     assert "| 431 |" in readme and "`headers_too_large`" in readme
-
-
-class Timer:
-    def __init__(self, delay: float, callback: Any) -> None:
-        self.delay, self.callback, self.cancelled = delay, callback, False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class ManualTimers:
-    """The running event loop, but the timers set through it (`call_later`) are due on a
-    clock that moves only when the test calls `advance`, which runs those that fall due,
-    in order. Everything else (sockets, tasks) is the real loop's."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.now = 0.0
-        self.timers: list[tuple[float, Timer, tuple[Any, ...]]] = []  # due at, timer, args
-        self._armed = asyncio.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loop, name)
-
-    def time(self) -> float:
-        return self.now
-
-    def call_later(self, delay: float, callback: Any, *args: Any) -> Timer:
-        self.timers.append((self.now + delay, Timer(delay, callback), args))
-        self._armed.set()
-        return self.timers[-1][1]
-
-    def advance(self, seconds: float) -> list[str]:
-        """Move the clock on, running the timers that fall due; the names of their callbacks."""
-        self.now += seconds
-        ran = []
-        while due := [entry for entry in self.timers if entry[0] <= self.now]:
-            entry = min(due, key=lambda entry: entry[0])
-            self.timers.remove(entry)
-            _, timer, args = entry
-            if not timer.cancelled:
-                ran.append(timer.callback.__name__)
-                timer.callback(*args)
-        return ran
-
-    async def until_armed(self, callback_name: str) -> None:
-        """Wait (on the loop, within WAIT_S) until a timer running `callback_name` is pending."""
-
-        async def armed() -> None:
-            while not any(
-                timer.callback.__name__ == callback_name and not timer.cancelled
-                for _, timer, _ in self.timers
-            ):
-                self._armed.clear()
-                await self._armed.wait()
-
-        await asyncio.wait_for(armed(), WAIT_S)
 
 
 class RecordingLoop:

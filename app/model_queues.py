@@ -3,12 +3,17 @@ the engine (`wait_ahead`) and in front ends (`shed_verdict`, from `ModelQueue`s 
 the engine's status).
 
 A request for model M waits for what is left of the batches running now (on every compute
-slot: a slot frees when any batch ends), then for at most one next batch of each *other*
-model with work ready, since the compute slots are handed out first come, one place in
-line per model (`compute_slots.py`), and then for M's own queue. Other models' queues
-beyond their next batch are not ahead of it: judged on the whole engine's backlog, a flood
-on one model had every request for any other refused 429 `queue`, however idle that model
-was. With one model served this is the whole engine's backlog, as before.
+slot: a slot frees when any batch ends), for M's own queue, and for the batches other
+models run meanwhile: the compute slots are handed out first come, one place in line per
+model, and a model that took a slot rejoins the line at its back (`compute_slots.py`), so
+every other model with work takes a turn before each of M's batches queued ahead of the
+input and before its own batch: k batches of M ahead, k + 1 batches of each other model,
+as many as it has (its next batch's compute each). Other models' queues beyond those turns
+are not ahead of it: judged on the whole engine's backlog, a flood on one model had every
+request for any other refused 429 `queue`, however idle that model was; counting one batch
+of each, whatever M's own queue, admitted requests whose real wait was a multiple of the
+budget when two models were flooded. With one model served this is the whole engine's
+backlog, as before.
 
 No asyncio, no torch, no clock: callers pass their figures, tests call these directly.
 """
@@ -39,11 +44,16 @@ class BatchCost:
 class ModelWork:
     """One model's work now, in compute seconds on one slot (not divided among slots):
     what is left of its running batches, its queued inputs run in full batches, and the
-    batch (or generation dispatch) it would run next when it has work ready, else 0."""
+    batch (or generation dispatch) it would run next when it has work ready, else 0; and
+    in turns on the compute slots: its batches (dispatches) an input queued for it now
+    waits behind (`batches_ahead`: each is a turn of every other model), and those its work
+    takes at most (`turns`: no other model's input waits for more of them)."""
 
     running_s: float
     queued_s: float
     next_batch_s: float
+    batches_ahead: int = 0
+    turns: int = 1
 
 
 NO_WORK = ModelWork(0.0, 0.0, 0.0)
@@ -52,11 +62,17 @@ NO_WORK = ModelWork(0.0, 0.0, 0.0)
 def wait_ahead(model: str, works: Mapping[str, ModelWork], workers: int) -> float:
     """Predicted seconds before an input queued now for `model` starts, its own queue
     included (divided among the `workers` compute slots): every model's running batches,
-    one next batch of each other model with work ready, and `model`'s own queued inputs."""
+    `model`'s own queued inputs, and of each other model with work ready a next batch for
+    each of `model`'s batches ahead and one more, as many as it has (at least one)."""
     running = sum(work.running_s for work in works.values())
-    others = sum(work.next_batch_s for name, work in works.items() if name != model)
-    own = works.get(model, NO_WORK).queued_s
-    return (running + own + others) / workers
+    work = works.get(model, NO_WORK)
+    rounds = work.batches_ahead + 1  # another model's turn before each of them, and its own
+    others = sum(
+        min(rounds, max(1, other.turns)) * other.next_batch_s
+        for name, other in works.items()
+        if name != model
+    )
+    return (running + work.queued_s + others) / workers
 
 
 def published_queue(

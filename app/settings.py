@@ -206,8 +206,8 @@ class Settings(BaseSettings):
         default=100.0,
         gt=0,
         description="Admit a request only while its model's predicted wait (running batches' "
-        "rest, a next batch of each other busy model, its model's full batches queued ahead, "
-        "its own batch) fits this and its deadline; else 429, Retry-After. For a 150 ms p99.",
+        "rest, its model's full batches queued ahead and its own, a batch of each other busy "
+        "model before each) fits this and its deadline; else 429, Retry-After. For a 150 ms p99.",
     )
     max_admission_wait_ms: float = Field(
         default=50.0,

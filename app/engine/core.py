@@ -335,7 +335,7 @@ class EngineCore:
         host = self.hosts.get(request.model)
         if host is None:
             return Rejected(RejectReason.NOT_READY, f"model {request.model!r} is not loaded")
-        # Its model's own load (`model_queues`): another model's flood is one batch ahead.
+        # Its model's own load (`model_queues`): another model's flood counts by its turns.
         load = EngineLoad(
             model=request.model,
             queued_inputs=host.queued_inputs(),

@@ -12,6 +12,7 @@ from collections import deque
 
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.kv_slots import SlotTable, steps_until_start
+from app.model_queues import ModelWork
 
 
 class SequenceTable:
@@ -65,3 +66,18 @@ class SequenceTable:
         running = (seq.remaining for seq in self.running.values())
         waiting = (seq.sampling.max_new_tokens for seq in self.waiting)
         return steps_until_start(running, self.slots.free, waiting)
+
+    def work(self, step_s: float, steps_per_dispatch: int) -> ModelWork:
+        """Its work on the compute slots: a dispatch of `steps_per_dispatch` steps a turn (a
+        slot is held a dispatch at a time) while it has sequences, for as many turns as they
+        take at most: until the longest running one ends, or the last waiting one does,
+        started once a slot frees for it (no later than one queued now would be). Their
+        wait for KV-cache slots, which no other model needs, is the host's `admit`'s."""
+        if not self:
+            return ModelWork(0.0, 0.0, 0.0, turns=0)
+        steps = max((seq.remaining for seq in self.running.values()), default=0)
+        if self.waiting:
+            longest = max(seq.remaining for seq in self.waiting)
+            steps = max(steps, self.steps_until_a_slot() + longest)
+        turns = -(-steps // steps_per_dispatch)
+        return ModelWork(0.0, 0.0, step_s * steps_per_dispatch, turns=turns)

@@ -106,9 +106,8 @@ class GenerationHost:
         return self._batch.steps_until_a_slot() * self._step_s
 
     def work(self, now: float) -> ModelWork:
-        """Only its next dispatch while it has sequences (a compute slot is held a dispatch
-        at a time); their wait for KV-cache slots, which no other model needs, is `admit`'s."""
-        return ModelWork(0.0, 0.0, self._step_s * self._steps_per_dispatch if self._batch else 0.0)
+        """Its sequences' turns on the compute slots (`SequenceTable.work`)."""
+        return self._batch.work(self._step_s, self._steps_per_dispatch)
 
     def batch_cost(self) -> None:
         """None: a generate request queues no batch (`work`)."""

@@ -39,8 +39,9 @@ class EngineLoad:
     """The load a request for `model` meets when it arrives, for its host's admission
     decision: that model's own queued inputs (what `max_queue` caps, per model) and its
     predicted seconds before newly queued work starts (`model_queues.wait_ahead`: every
-    running batch, one next batch of each other model with work ready, its own queue,
-    divided among the compute threads), the time now, the settings' caps, and the compute
+    running batch, its own queue, a batch of each other model with work before each of its
+    batches ahead and before its own, divided among the compute threads), the time now,
+    the settings' caps, and the compute
     threads that wait is divided among."""
 
     model: str

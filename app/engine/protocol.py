@@ -261,7 +261,8 @@ class ModelQueue(msgspec.Struct, frozen=True):
     """One model's own queue, the figures of `EngineStatus` for it alone (front ends shed a
     request for it by them: `model_queues.shed_verdict`): `backlog_s` is its predicted
     wait ahead of a new input (`model_queues.wait_ahead`: what is left of every running
-    batch, one next batch of each other model with work ready, its own queue), the rest its
+    batch, its own queue, a batch of each other model with work before each of its batches
+    ahead and before its own), the rest its
     own cost (all zero, `batch_rows` 1, for a model that queues nothing in batches)."""
 
     backlog_s: float

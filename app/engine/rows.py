@@ -86,6 +86,20 @@ def next_batch_seconds(scheduler: Scheduler) -> float:
     )
 
 
+def queued_batches(scheduler: Scheduler) -> tuple[int, int]:
+    """The batches its queued inputs run in, as the scheduler closes them (each length
+    bucket's queue in batches of its full rows, the last perhaps partial): those ahead of
+    an input queued now (all but a partial one, which it would join) and all of them."""
+    policy = scheduler.policy
+    batches, partial = 0, False
+    for length in policy.length_buckets:
+        if queued := scheduler.queued(length):
+            rows = policy.max_batch(length)
+            batches += -(-queued // rows)
+            partial = partial or queued % rows > 0
+    return batches - partial, batches
+
+
 def answering(
     task: asyncio.Task[None], futures: Sequence[asyncio.Future[Any]]
 ) -> asyncio.Task[None]:
@@ -249,10 +263,13 @@ class BatchedHost:
 
     def work(self, now: float) -> ModelWork:
         scheduler = self.batcher.scheduler
+        ahead, batches = queued_batches(scheduler)
         return ModelWork(
             running_s=scheduler.running_seconds(now),
             queued_s=scheduler.queued_seconds(),
             next_batch_s=next_batch_seconds(scheduler),
+            batches_ahead=ahead,
+            turns=batches,
         )
 
     def batch_cost(self) -> BatchCost:

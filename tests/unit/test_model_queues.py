@@ -32,7 +32,7 @@ from app.engine.protocol import (
 )
 from app.main import create_app
 from app.metrics import Metrics
-from app.model_queues import BatchCost, ModelWork, shed_verdict, wait_ahead
+from app.model_queues import NO_WORK, BatchCost, ModelWork, shed_verdict, wait_ahead
 from app.model_specs import ModelSpec, TensorSpec
 from app.settings import Settings
 from loadtest.null_engine import AlwaysReadyEngine
@@ -56,6 +56,24 @@ def test_a_model_waits_for_the_running_batches_and_one_batch_of_each_other_model
     assert wait_ahead("flooded", works, 2) == pytest.approx((0.040 + 2.0 + 0.020) / 2)
     # A model the engine does not serve: what runs and one batch of each.
     assert wait_ahead("other", works, 1) == pytest.approx(0.040 + 0.040 + 0.020)
+
+
+def test_another_model_takes_a_turn_before_each_of_a_models_batches_ahead() -> None:
+    """A model that took a compute slot rejoins the line at its back: before each of the
+    batches of `model` queued ahead of an input, and before that input's own, every other
+    model with work runs one, as many as it has."""
+    works = {
+        "a": ModelWork(0.0, queued_s=0.160, next_batch_s=0.040, batches_ahead=4, turns=4),
+        "b": ModelWork(0.010, queued_s=0.160, next_batch_s=0.080, batches_ahead=2, turns=2),
+        "tiny": ModelWork(0.0, 0.0, next_batch_s=0.005, turns=1000),  # decoding
+        "idle": NO_WORK,
+    }
+    # `b`: 3 turns of each other model; `a` has 4.
+    assert wait_ahead("b", works, 1) == pytest.approx(0.010 + 0.160 + 3 * 0.040 + 3 * 0.005)
+    # `a`: 5 turns of each other model; `b` has only 2.
+    assert wait_ahead("a", works, 2) == pytest.approx((0.010 + 0.160 + 2 * 0.080 + 5 * 0.005) / 2)
+    # Nothing queued ahead: one batch of each, as before.
+    assert wait_ahead("idle", works, 1) == pytest.approx(0.010 + 0.040 + 0.080 + 0.005)
 
 
 def test_with_one_model_its_wait_is_the_whole_engines_backlog() -> None:

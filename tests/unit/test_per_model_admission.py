@@ -3,7 +3,8 @@ queue to its delay budget, and another model, idle, still gets its requests in, 
 engine and before the body in front ends. It used to wait behind the whole engine's
 backlog: every request for it was refused 429 `queue` (before its body was read), though
 it waits at most for the running batches and one batch of the flooded model (the compute
-slots take one place in line per model, first come).
+slots take one place in line per model, first come; with both flooded, a batch of the other
+before each of its own batches ahead).
 
 A real `EngineCore` over the stand-in model (`tests/support/fake_model.py`) on a manual
 clock, warm-up off and compute estimates seeded by hand, batches held back by a minute's
@@ -13,6 +14,7 @@ from that engine's own status."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +24,7 @@ from app.admission import Entry, Rejected, RejectReason
 from app.engine.core import EngineCore
 from app.engine.protocol import EmbedPayload, EngineStatus, Failure, FromEngine, Submit
 from app.metrics import Metrics
+from app.model_queues import shed_verdict
 from app.model_specs import ModelSpec
 from app.service import Service
 from app.settings import Settings
@@ -47,10 +50,11 @@ SETTINGS = Settings(
 COSTS = {"a": {1: 0.010, 2: 0.020, 4: 0.040}, "b": {1: 0.030, 2: 0.050, 4: 0.080}}
 
 
-@pytest.fixture
-async def core() -> AsyncIterator[EngineCore]:
+@contextlib.asynccontextmanager
+async def measured_core(settings: Settings) -> AsyncIterator[EngineCore]:
+    """A started core, its compute estimates `COSTS`."""
     loader = GatedLoader()
-    core = EngineCore(SETTINGS, Metrics(), loader=loader, clock=ManualClock(100.0))
+    core = EngineCore(settings, Metrics(), loader=loader, clock=ManualClock(100.0))
     await core.start()
     assert core.ready
     for name, costs in COSTS.items():
@@ -66,6 +70,12 @@ async def core() -> AsyncIterator[EngineCore]:
         for origin, request_id in list(core._requests):
             core.cancel(origin, request_id)  # else `stop` waits out their minute
         await core.stop()
+
+
+@pytest.fixture
+async def core() -> AsyncIterator[EngineCore]:
+    async with measured_core(SETTINGS) as core:
+        yield core
 
 
 class Requests:
@@ -133,6 +143,39 @@ async def test_the_running_batches_are_ahead_of_every_model(core: EngineCore) ->
     [refused] = requests.send("b")
     assert isinstance(refused, Failure) and refused.reason == RejectReason.QUEUE.value
     assert refused.retry_after_s == pytest.approx(0.015)
+
+
+async def test_with_both_models_flooded_each_waits_for_the_others_turns() -> None:
+    """The compute slots take turns: the other model runs a batch before each of a model's
+    batches queued ahead of an input, and before its own (as many as it has). One batch of
+    the other model was counted, whatever the queue: a `b` input behind 2 batches of `b`
+    was predicted to wait 280 ms, and waited 360."""
+    settings = SETTINGS.model_copy(update={"max_queue_delay_ms": 60_000.0})  # all let in
+    async with measured_core(settings) as core:
+        requests = Requests(core)
+        for model, inputs in (("a", 16), ("b", 8)):  # 4 full batches of `a`, 2 of `b`
+            for _ in range(inputs):
+                assert requests.send(model) == []
+        status = core.status()
+        queues = {name: info.queue for name, info in status.models.items()}
+        # `a`'s 160 ms queued, and before each of its 4 batches and its own, a turn of `b`:
+        # `b` has 2 (80 ms each). It was 160 + 80.
+        assert queues["a"] is not None and queues["a"].backlog_s == pytest.approx(0.320)
+        # `b`'s 160 ms queued, and 3 of `a`'s 4 turns (40 ms each). It was 160 + 40.
+        assert queues["b"] is not None and queues["b"].backlog_s == pytest.approx(0.280)
+        # A `b` input 300 ms from its deadline: the 120 ms of `a` and 2 full batches of `b`
+        # ahead, then its own behind them, a full one (80 ms): 360 ms. It was let in (280).
+        now = core._clock()
+        request = Submit(next(requests.ids), "b", now + 0.3, EmbedPayload([[1, 5, 2]]))
+        answers: list[FromEngine] = []
+        core.submit(ORIGIN, request, answers.append)
+        [refused] = answers
+        assert isinstance(refused, Failure) and refused.reason == RejectReason.DEADLINE.value
+        assert "predicted wait 360 ms" in refused.message
+        # Front ends judge it alike before its body, from the published queue of `b`.
+        verdict = shed_verdict(status, 0, now + 0.3, now, 60.0, model="b")
+        assert isinstance(verdict, Rejected) and verdict.reason is RejectReason.DEADLINE
+        assert "predicted wait 360 ms" in verdict.message
 
 
 async def test_the_queue_cap_is_each_models_own() -> None:

@@ -1,0 +1,47 @@
+"""A generate model's work on the compute slots, as other models' admission counts it
+(`SequenceTable.work`, `model_queues.wait_ahead`): a dispatch a turn, for as many turns as
+its sequences take at most."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from app.engine.generation_batch import SequenceTable
+from app.engine.generation_sequences import GenerationSequence
+from app.engine.protocol import GeneratePayload, SamplingParams, Submit
+from app.model_queues import ModelWork, wait_ahead
+
+
+async def sequence(max_new_tokens: int) -> GenerationSequence:
+    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+    return GenerationSequence(
+        request=Submit(1, "tiny", 1e12, GeneratePayload([1, 5], sampling)),
+        prompt=[1, 5],
+        sampling=sampling,
+        streams=True,
+        emit=lambda message: None,
+        generator=torch.Generator(),
+        arrived=0.0,
+        done=asyncio.get_running_loop().create_future(),
+        arrival_trace=None,
+    )
+
+
+async def test_a_generate_model_takes_a_turn_while_its_sequences_have_tokens_to_make() -> None:
+    table = SequenceTable(2)
+    assert table.work(0.005, 4) == ModelWork(0.0, 0.0, 0.0, turns=0)
+    short, long = await sequence(3), await sequence(10)
+    table.waiting.extend([short, long])
+    table.join(max_batch_tokens=64, now=0.0)
+    # Running alone: until the longest ends, 10 steps, in dispatches of 4.
+    assert table.work(0.005, 4) == ModelWork(0.0, 0.0, 0.020, turns=3)
+    # A sequence waiting for a slot starts no later than one queued now would (8 steps:
+    # the short one's slot, then behind the waiting one's 5), and ends 5 steps on.
+    table.waiting.append(await sequence(5))
+    assert table.work(0.005, 1) == ModelWork(0.0, 0.0, 0.005, turns=13)
+    # An embedding model's input behind 20 batches of its own waits for 13 dispatches.
+    works = {"tiny": table.work(0.005, 1), "minilm": ModelWork(0.0, 0.8, 0.04, 20, 21)}
+    assert wait_ahead("minilm", works, 1) == pytest.approx(0.8 + 13 * 0.005)

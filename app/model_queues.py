@@ -12,8 +12,9 @@ as many as it has (its next batch's compute each). Other models' queues beyond t
 are not ahead of it: judged on the whole engine's backlog, a flood on one model had every
 request for any other refused 429 `queue`, however idle that model was; counting one batch
 of each, whatever M's own queue, admitted requests whose real wait was a multiple of the
-budget when two models were flooded. With one model served this is the whole engine's
-backlog, as before.
+budget when two models were flooded. A generate model's input also waits for a KV-cache
+slot (`own_wait_s`: its running sequences' steps, each dispatch a turn of the others). With
+one model served this is the whole engine's backlog, as before.
 
 No asyncio, no torch, no clock: callers pass their figures, tests call these directly.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from app.admission import Rejected, RejectReason, published_queue_verdict
+from app.admission import RETRY_AFTER_UNKNOWN_S, Rejected, RejectReason, published_queue_verdict
 from app.engine.protocol import EngineStatus, ModelQueue
 
 
@@ -47,13 +48,19 @@ class ModelWork:
     batch (or generation dispatch) it would run next when it has work ready, else 0; and
     in turns on the compute slots: its batches (dispatches) an input queued for it now
     waits behind (`batches_ahead`: each is a turn of every other model), and those its work
-    takes at most (`turns`: no other model's input waits for more of them)."""
+    takes at most (`turns`: no other model's input waits for more of them). A generate
+    model's input also waits for a KV-cache slot (`own_wait_s`, in its own steps: not
+    shared among the compute slots, nor part of the engine's backlog); and `at_cap` says
+    the engine refuses every new input for it (429 `queue`): `generate_max_waiting`
+    sequences wait for a KV-cache slot and none is free."""
 
     running_s: float
     queued_s: float
     next_batch_s: float
     batches_ahead: int = 0
     turns: int = 1
+    own_wait_s: float = 0.0
+    at_cap: bool = False
 
 
 NO_WORK = ModelWork(0.0, 0.0, 0.0)
@@ -63,7 +70,8 @@ def wait_ahead(model: str, works: Mapping[str, ModelWork], workers: int) -> floa
     """Predicted seconds before an input queued now for `model` starts, its own queue
     included (divided among the `workers` compute slots): every model's running batches,
     `model`'s own queued inputs, and of each other model with work ready a next batch for
-    each of `model`'s batches ahead and one more, as many as it has (at least one)."""
+    each of `model`'s batches ahead and one more, as many as it has (at least one); then
+    its own wait (`own_wait_s`: a KV-cache slot's, not divided)."""
     running = sum(work.running_s for work in works.values())
     work = works.get(model, NO_WORK)
     rounds = work.batches_ahead + 1  # another model's turn before each of them, and its own
@@ -72,15 +80,16 @@ def wait_ahead(model: str, works: Mapping[str, ModelWork], workers: int) -> floa
         for name, other in works.items()
         if name != model
     )
-    return (running + work.queued_s + others) / workers
+    return (running + work.queued_s + others) / workers + work.own_wait_s
 
 
 def published_queue(
-    wait_s: float, queued_inputs: int, cost: BatchCost | None, workers: int
+    wait_s: float, queued_inputs: int, cost: BatchCost | None, workers: int, at_cap: bool = False
 ) -> ModelQueue:
     """A model's `ModelQueue`: its wait ahead (`wait_ahead`), its queued inputs and its own
     cost, the per-input rate divided among the `workers` (zeros for a cost not measured
-    yet, and for a model that queues nothing in batches: `cost` None)."""
+    yet, and for a model that queues nothing in batches: `cost` None), and whether the
+    engine refuses every new input for it (`ModelWork.at_cap`)."""
     measured = cost is not None and cost.seconds_per_input > 0
     return ModelQueue(
         backlog_s=wait_s,
@@ -89,7 +98,20 @@ def published_queue(
         least_own_compute_s=max(0.0, cost.least_own_compute_s) if cost else 0.0,
         batch_rows=cost.batch_rows if cost and measured else 1,
         full_batch_s=cost.full_batch_s if cost and measured else 0.0,
+        at_cap=at_cap,
     )
+
+
+def queue_verdict(
+    queue: ModelQueue, sent: int, deadline: float, now: float, budget_s: float
+) -> Rejected | None:
+    """A front end's verdict on one model's published queue: refused as the engine refuses
+    every input for a model at its cap (429 `queue`, retry after its wait), else
+    `admission.published_queue_verdict`."""
+    if queue.at_cap:
+        message = "generate_max_waiting sequences wait for a KV-cache slot, none free"
+        return Rejected(RejectReason.QUEUE, message, queue.backlog_s or RETRY_AFTER_UNKNOWN_S)
+    return published_queue_verdict(queue, sent, deadline, now, budget_s)
 
 
 def naming(model: str, rejection: Rejected | None) -> Rejected | None:
@@ -122,8 +144,7 @@ def shed_verdict(
     if model is not None and model in infos:
         queue = infos[model].queue
         if queue is not None:
-            verdict = published_queue_verdict(queue, sent, deadline, now, budget_s)
-            return naming(model, verdict)
+            return naming(model, queue_verdict(queue, sent, deadline, now, budget_s))
     published = [(info.task, info.queue) for info in infos.values() if info.queue is not None]
     # /v1/embeddings reaches no generate model: their short waits must not let its flood in.
     queues = [q for of, q in published if of == task] or [q for _, q in published]
@@ -131,7 +152,7 @@ def shed_verdict(
         return published_queue_verdict(status, sent, deadline, now, budget_s)
     least: Rejected | None = None
     for queue in queues:
-        verdict = published_queue_verdict(queue, sent, deadline, now, budget_s)
+        verdict = queue_verdict(queue, sent, deadline, now, budget_s)
         if verdict is None:
             return None
         if least is None or _sooner(verdict, least):

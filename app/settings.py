@@ -308,7 +308,7 @@ class Settings(BaseSettings):
         default=64,
         ge=0,
         description="Sequences of one generate model waiting for a free slot; beyond it, 429 "
-        "(reason `queue`). The delay budget normally refuses first.",
+        "(reason `queue`), before the body too. The delay budget normally refuses first.",
     )
 
     # --- start-up and shutdown ---------------------------------------------------------

@@ -276,7 +276,8 @@ class EngineCore:
         for name, host in self.hosts.items():
             cost = host.batch_cost()
             queued = 0 if cost is None else host.queued_inputs()  # not prompts awaiting KV
-            queue = published_queue(wait_ahead(name, works, workers), queued, cost, workers)
+            wait_s, at_cap = wait_ahead(name, works, workers), works[name].at_cap
+            queue = published_queue(wait_s, queued, cost, workers, at_cap)
             infos[name] = msgspec.structs.replace(host.info(), queue=queue)
         return infos
 

@@ -67,17 +67,31 @@ class SequenceTable:
         waiting = (seq.sampling.max_new_tokens for seq in self.waiting)
         return steps_until_start(running, self.slots.free, waiting)
 
-    def work(self, step_s: float, steps_per_dispatch: int) -> ModelWork:
+    def at_cap(self, max_waiting: int) -> bool:
+        """Whether a new sequence is refused whatever its wait: `max_waiting` wait for a
+        slot already, and no slot is free for another."""
+        waiting = len(self.waiting)
+        return waiting >= max_waiting and self.slots.free <= waiting
+
+    def work(self, step_s: float, steps_per_dispatch: int, max_waiting: int) -> ModelWork:
         """Its work on the compute slots: a dispatch of `steps_per_dispatch` steps a turn (a
         slot is held a dispatch at a time) while it has sequences, for as many turns as they
         take at most: until the longest running one ends, or the last waiting one does,
-        started once a slot frees for it (no later than one queued now would be). Their
-        wait for KV-cache slots, which no other model needs, is the host's `admit`'s."""
+        started once a slot frees for it (no later than one queued now). A sequence queued
+        now waits for a slot (`own_wait_s`: steps of `step_s`, which no other model waits
+        for), every dispatch until then a turn of each other model (`batches_ahead`)."""
         if not self:
             return ModelWork(0.0, 0.0, 0.0, turns=0)
+        until_a_slot = self.steps_until_a_slot()
         steps = max((seq.remaining for seq in self.running.values()), default=0)
         if self.waiting:
-            longest = max(seq.remaining for seq in self.waiting)
-            steps = max(steps, self.steps_until_a_slot() + longest)
-        turns = -(-steps // steps_per_dispatch)
-        return ModelWork(0.0, 0.0, step_s * steps_per_dispatch, turns=turns)
+            steps = max(steps, until_a_slot + max(seq.remaining for seq in self.waiting))
+        return ModelWork(
+            running_s=0.0,
+            queued_s=0.0,
+            next_batch_s=step_s * steps_per_dispatch,
+            batches_ahead=-(-until_a_slot // steps_per_dispatch),
+            turns=-(-steps // steps_per_dispatch),
+            own_wait_s=until_a_slot * step_s,
+            at_cap=self.at_cap(max_waiting),
+        )

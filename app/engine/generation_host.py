@@ -107,7 +107,7 @@ class GenerationHost:
 
     def work(self, now: float) -> ModelWork:
         """Its sequences' turns on the compute slots (`SequenceTable.work`)."""
-        return self._batch.work(self._step_s, self._steps_per_dispatch)
+        return self._batch.work(self._step_s, self._steps_per_dispatch, self._max_waiting)
 
     def batch_cost(self) -> None:
         """None: a generate request queues no batch (`work`)."""
@@ -123,20 +123,19 @@ class GenerationHost:
             return None  # refused as a bad request by `submit`
         if payload_problem(payload, self.runner.max_sequence_tokens) is not None:
             return None  # likewise
-        waiting = len(self._batch.waiting)
-        if waiting >= self._max_waiting and self._batch.slots.free <= waiting:
+        if self._batch.at_cap(self._max_waiting):  # as its published queue says (`work`)
             return Rejected(
                 RejectReason.QUEUE,
-                f"model {self.name!r}: {waiting} sequences wait for a KV-cache slot "
-                f"(cap generate_max_waiting={self._max_waiting})",
+                f"model {self.name!r}: {len(self._batch.waiting)} sequences wait for a "
+                f"KV-cache slot (cap generate_max_waiting={self._max_waiting})",
                 # 0 until a step is measured (no warm-up): unknown, yet a 429 says when.
-                self._slot_wait_seconds() or RETRY_AFTER_UNKNOWN_S,
+                load.backlog_s or RETRY_AFTER_UNKNOWN_S,
             )
         sampling = payload.sampling
         # Without a client-set limit it needs time for one token: `submit` fits the rest.
         planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
-        verdict = start_verdict(  # a KV-cache slot, then what goes first on compute slots
-            wait_s=self._slot_wait_seconds() + load.backlog_s,
+        verdict = start_verdict(  # what goes first on compute slots, a KV-cache slot's wait
+            wait_s=load.backlog_s,  # included (`work`): as its published queue says
             generate_s=planned * self._step_s,
             deadline=request.deadline,
             now=load.now,

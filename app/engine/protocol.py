@@ -262,8 +262,10 @@ class ModelQueue(msgspec.Struct, frozen=True):
     request for it by them: `model_queues.shed_verdict`): `backlog_s` is its predicted
     wait ahead of a new input (`model_queues.wait_ahead`: what is left of every running
     batch, its own queue, a batch of each other model with work before each of its batches
-    ahead and before its own), the rest its
-    own cost (all zero, `batch_rows` 1, for a model that queues nothing in batches)."""
+    ahead and before its own; a generate model's, its wait for a KV-cache slot too), the
+    rest its own cost (all zero, `batch_rows` 1, for a model that queues nothing in
+    batches); `at_cap`: the engine refuses every new request for it (429 `queue`: a generate
+    model's `generate_max_waiting` sequences wait for a KV-cache slot, none free)."""
 
     backlog_s: float
     seconds_per_input: float
@@ -271,6 +273,7 @@ class ModelQueue(msgspec.Struct, frozen=True):
     least_own_compute_s: float
     batch_rows: int
     full_batch_s: float
+    at_cap: bool = False
 
 
 class ModelInfo(msgspec.Struct, frozen=True):

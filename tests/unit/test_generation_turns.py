@@ -32,16 +32,23 @@ async def sequence(max_new_tokens: int) -> GenerationSequence:
 
 async def test_a_generate_model_takes_a_turn_while_its_sequences_have_tokens_to_make() -> None:
     table = SequenceTable(2)
-    assert table.work(0.005, 4) == ModelWork(0.0, 0.0, 0.0, turns=0)
+    assert table.work(0.005, 4, 64) == ModelWork(0.0, 0.0, 0.0, turns=0)
     short, long = await sequence(3), await sequence(10)
     table.waiting.extend([short, long])
     table.join(max_batch_tokens=64, now=0.0)
-    # Running alone: until the longest ends, 10 steps, in dispatches of 4.
-    assert table.work(0.005, 4) == ModelWork(0.0, 0.0, 0.020, turns=3)
+    # Running alone: until the longest ends, 10 steps, in dispatches of 4. A sequence
+    # queued now waits 3 steps for the short one's slot: a dispatch.
+    running = ModelWork(0.0, 0.0, 0.020, batches_ahead=1, turns=3, own_wait_s=0.015)
+    assert table.work(0.005, 4, 64) == running
     # A sequence waiting for a slot starts no later than one queued now would (8 steps:
     # the short one's slot, then behind the waiting one's 5), and ends 5 steps on.
     table.waiting.append(await sequence(5))
-    assert table.work(0.005, 1) == ModelWork(0.0, 0.0, 0.005, turns=13)
+    waiting = ModelWork(0.0, 0.0, 0.005, batches_ahead=8, turns=13, own_wait_s=0.040)
+    assert table.work(0.005, 1, 64) == waiting
+    assert table.work(0.005, 1, 1).at_cap  # `generate_max_waiting` wait, no slot free
     # An embedding model's input behind 20 batches of its own waits for 13 dispatches.
-    works = {"tiny": table.work(0.005, 1), "minilm": ModelWork(0.0, 0.8, 0.04, 20, 21)}
+    works = {"tiny": waiting, "minilm": ModelWork(0.0, 0.8, 0.04, 20, 21)}
     assert wait_ahead("minilm", works, 1) == pytest.approx(0.8 + 13 * 0.005)
+    # A new sequence waits 8 steps for a slot, and a batch of `minilm` before each and
+    # before its own first.
+    assert wait_ahead("tiny", works, 1) == pytest.approx(9 * 0.04 + 8 * 0.005)

@@ -35,6 +35,7 @@ from app.engine.protocol import (
     FailureKind,
     FromEngine,
     FrontEndGone,
+    ModelInfo,
     Submit,
     ToEngine,
     decode_to_engine,
@@ -57,6 +58,14 @@ CoreFactory = Callable[[Settings, Metrics], "EngineCore"]
 
 # Engine-side gauges (queue depth, pool slots) are refreshed this often, not on every tick.
 GAUGE_INTERVAL_S = 0.25
+
+# A model's published wait (`ModelQueue.backlog_s`) is sent again only once it moved more
+# than the larger of these since it was last sent: a decoding generate model's next
+# dispatch, from its step time averaged over every step, is in every other model's wait,
+# and had a status sent at every tick (~200 a second) with nothing else changed. Front ends'
+# figure is off by at most that (2 ms of a 100 ms budget) until a status is sent.
+WAIT_TOLERANCE_S = 0.001
+WAIT_TOLERANCE_SHARE = 0.02
 
 # The exit status of an engine whose CUDA context a sticky error made unusable.
 DEVICE_LOST_EXIT = 3
@@ -196,9 +205,10 @@ class EngineServer:
             self._emitter(origin)(DebugReply(message.request_id, report))
 
     async def _publish(self) -> None:
-        """Every `STATUS_INTERVAL_S`, send the status if it changed (its time aside), or if
-        `STATUS_HEARTBEAT_S` passed since the last one sent: a decoding batch changes nothing
-        front ends read, and sending the same status 200 times a second took CPU from it."""
+        """Every `STATUS_INTERVAL_S`, send the status if it changed (`worth_publishing`:
+        its time aside, a model's wait within tolerance), or if `STATUS_HEARTBEAT_S` passed
+        since the last one sent: a decoding batch changes little front ends read, and
+        sending the same status 200 times a second took CPU from it."""
         loop = asyncio.get_running_loop()
         # A plain socket over the same one: a zmq.asyncio send makes a future per message,
         # which doubled the cost of each (24 us against 11 us, measured here).
@@ -217,17 +227,36 @@ class EngineServer:
 
 
 def worth_publishing(status: EngineStatus, last_sent: EngineStatus | None) -> bool:
-    """Whether to send `status`: it differs from the last one sent in more than its time
-    and the age of its oldest compute (which grows at every tick while a batch runs), or
-    that one is `STATUS_HEARTBEAT_S` old. Pure."""
+    """Whether to send `status`: it differs from the last one sent in more than its time,
+    the age of its oldest compute (which grows at every tick while a batch runs) and its
+    models' waits moved within tolerance (`WAIT_TOLERANCE_S`), or that one is
+    `STATUS_HEARTBEAT_S` old. Pure."""
     if last_sent is None or status.published_at - last_sent.published_at >= STATUS_HEARTBEAT_S:
         return True
     unchanged = msgspec.structs.replace(
         status,
         published_at=last_sent.published_at,
         oldest_compute_s=last_sent.oldest_compute_s,
+        models=_waits_as_sent(status.models, last_sent.models),
     )
     return unchanged != last_sent
+
+
+def _waits_as_sent(
+    models: dict[str, ModelInfo], sent: dict[str, ModelInfo]
+) -> dict[str, ModelInfo]:
+    """`models`, each queue's wait that moved within tolerance since `sent` as it was sent."""
+    settled = {}
+    for name, info in models.items():
+        queue, before = info.queue, sent.get(name)
+        was = before.queue if before is not None else None
+        if queue is not None and was is not None and queue.backlog_s != was.backlog_s:
+            tolerance = max(WAIT_TOLERANCE_S, WAIT_TOLERANCE_SHARE * was.backlog_s)
+            if abs(queue.backlog_s - was.backlog_s) <= tolerance:
+                queue = msgspec.structs.replace(queue, backlog_s=was.backlog_s)
+                info = msgspec.structs.replace(info, queue=queue)
+        settled[name] = info
+    return settled
 
 
 async def _serve(

@@ -72,15 +72,35 @@ def wait_ahead(model: str, works: Mapping[str, ModelWork], workers: int) -> floa
     `model`'s own queued inputs, and of each other model with work ready a next batch for
     each of `model`'s batches ahead and one more, as many as it has (at least one); then
     its own wait (`own_wait_s`: a KV-cache slot's, not divided)."""
-    running = sum(work.running_s for work in works.values())
-    work = works.get(model, NO_WORK)
-    rounds = work.batches_ahead + 1  # another model's turn before each of them, and its own
-    others = sum(
-        min(rounds, max(1, other.turns)) * other.next_batch_s
-        for name, other in works.items()
-        if name != model
-    )
-    return (running + work.queued_s + others) / workers + work.own_wait_s
+    return _Totals(works).wait_ahead(model, workers)
+
+
+def waits_ahead(works: Mapping[str, ModelWork], workers: int) -> dict[str, float]:
+    """`wait_ahead` of every model of `works`, what they share summed once."""
+    totals = _Totals(works)
+    return {model: totals.wait_ahead(model, workers) for model in works}
+
+
+class _Totals:
+    """Every model's running batches and next batches, summed once for `wait_ahead`."""
+
+    def __init__(self, works: Mapping[str, ModelWork]) -> None:
+        self.works = works
+        self.running = sum(work.running_s for work in works.values())
+        self.next_batches = sum(work.next_batch_s for work in works.values())
+
+    def wait_ahead(self, model: str, workers: int) -> float:
+        work = self.works.get(model, NO_WORK)
+        rounds = work.batches_ahead + 1  # another model's turn before each, and its own
+        if rounds == 1:  # one batch of each other model: the others' sum
+            others = self.next_batches - work.next_batch_s
+        else:
+            others = sum(
+                min(rounds, max(1, other.turns)) * other.next_batch_s
+                for name, other in self.works.items()
+                if name != model
+            )
+        return (self.running + work.queued_s + others) / workers + work.own_wait_s
 
 
 def published_queue(

@@ -41,7 +41,7 @@ from app.engine.reports import config_report
 from app.engine.tracing import NO_TRACES, ProbeTracer
 from app.heap import freeze_startup_heap
 from app.metrics import Metrics
-from app.model_queues import BatchCost, ModelWork, published_queue, wait_ahead
+from app.model_queues import BatchCost, ModelWork, published_queue, wait_ahead, waits_ahead
 from app.models.base import resolve_device
 from app.settings import Settings
 from app.startup import RunnerLoader, export_cuda_alloc_conf, load_runner
@@ -198,10 +198,12 @@ class EngineCore:
         return self._ready
 
     # --- status -------------------------------------------------------------------------
-    def backlog_seconds(self) -> float:
-        """Running and queued work of every model, divided among the compute threads they
-        share (the whole engine's: each model's admission counts less, `model_queues`)."""
-        total = sum(work.running_s + work.queued_s for work in self.model_works().values())
+    def backlog_seconds(self, works: dict[str, ModelWork] | None = None) -> float:
+        """Running and queued work of every model (`works`, as `model_works` says now),
+        divided among the compute threads they share (the whole engine's: each model's
+        admission counts less, `model_queues`)."""
+        works = self.model_works() if works is None else works
+        total = sum(work.running_s + work.queued_s for work in works.values())
         return total / self.slots.capacity
 
     def model_works(self) -> dict[str, ModelWork]:
@@ -216,9 +218,7 @@ class EngineCore:
         """Every model's inputs waiting for a batch (`max_queue` caps each model's own): not
         the generate prompts waiting for a KV slot (hosts without a batch cost), whose own
         limit is the cache."""
-        return sum(
-            host.queued_inputs() for host in self.hosts.values() if host.batch_cost() is not None
-        )
+        return sum(host.queued_inputs() for host in self.hosts.values() if host.queues_batches)
 
     def status(self) -> EngineStatus:
         """What front ends shed load and answer probes from. A lost device (a sticky CUDA
@@ -236,10 +236,9 @@ class EngineCore:
         # Hosts whose requests queue no batch (generation) have no cost; a cost is 0 until
         # warm-up has measured it. The whole engine's figures, in the full batches of the
         # cheapest model per input; front ends shed by each model's own (`_model_infos`).
-        batching = [
-            (host, cost) for host in self.hosts.values() if (cost := host.batch_cost()) is not None
-        ]
-        costs = [cost for _, cost in batching]
+        by_model = {name: host.batch_cost() for name, host in self.hosts.items()}
+        costs = [cost for cost in by_model.values() if cost is not None]
+        works = self.model_works()  # once: the whole engine's backlog and each model's wait
         cheapest = min(
             (cost for cost in costs if cost.seconds_per_input > 0),
             key=lambda cost: cost.seconds_per_input,
@@ -254,7 +253,7 @@ class EngineCore:
             warmup_done=self._warmup_done,
             warmup_total=self._warmup_total,
             healthy=healthy,
-            backlog_s=self.backlog_seconds(),
+            backlog_s=self.backlog_seconds(works),
             seconds_per_input=cheapest.seconds_per_input / self.slots.capacity,
             # Only what waits for a batch: generate prompts waiting for a KV slot are not
             # in the batches front ends count the queue in.
@@ -264,20 +263,23 @@ class EngineCore:
             batch_rows=cheapest.batch_rows,
             full_batch_s=cheapest.full_batch_s,
             taken_inputs=dict(self._taken_inputs),
-            models=self._model_infos(),
+            models=self._model_infos(works, by_model),
             problem=self._startup_error or self.health.problem,
             oldest_compute_s=self.dispatcher.oldest_compute_s(),
         )
 
-    def _model_infos(self) -> dict[str, ModelInfo]:
-        """Each model's info with its own queue, which front ends shed its requests by."""
-        works, workers = self.model_works(), self.slots.capacity
+    def _model_infos(
+        self, works: dict[str, ModelWork], costs: dict[str, BatchCost | None]
+    ) -> dict[str, ModelInfo]:
+        """Each model's info with its own queue, which front ends shed its requests by, from
+        its work and cost now."""
+        workers = self.slots.capacity
+        waits = waits_ahead(works, workers)
         infos = {}
         for name, host in self.hosts.items():
-            cost = host.batch_cost()
+            cost = costs[name]
             queued = 0 if cost is None else host.queued_inputs()  # not prompts awaiting KV
-            wait_s, at_cap = wait_ahead(name, works, workers), works[name].at_cap
-            queue = published_queue(wait_s, queued, cost, workers, at_cap)
+            queue = published_queue(waits[name], queued, cost, workers, works[name].at_cap)
             infos[name] = msgspec.structs.replace(host.info(), queue=queue)
         return infos
 

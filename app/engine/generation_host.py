@@ -109,8 +109,9 @@ class GenerationHost:
         """Its sequences' turns on the compute slots (`SequenceTable.work`)."""
         return self._batch.work(self._step_s, self._steps_per_dispatch, self._max_waiting)
 
+    queues_batches = False  # a generate request queues no batch (`work`): no `batch_cost`
+
     def batch_cost(self) -> None:
-        """None: a generate request queues no batch (`work`)."""
         return None
 
     def queued_inputs(self) -> int:

@@ -86,6 +86,9 @@ class ModelHost(Protocol):
     """One served model in the engine (event loop thread only)."""
 
     name: str
+    # Whether its requests queue rows into batches (`batch_cost` is not None): what
+    # `max_queue` caps and front ends count in batches (generate prompts wait for KV slots).
+    queues_batches: bool
 
     def info(self) -> ModelInfo:
         """What front ends learn of the model from the engine's status."""

@@ -67,39 +67,6 @@ def admit_rows(
     return naming(load.model, delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s))
 
 
-def next_batch_seconds(scheduler: Scheduler) -> float:
-    """The estimated compute of the batch `scheduler` would run next, 0 with nothing
-    queued: of its length buckets holding inputs, the costliest batch they would close
-    now (an upper bound on the one it takes: any may be the next ready)."""
-    policy = scheduler.policy
-    return max(
-        (
-            scheduler.estimated_compute(
-                BatchShape(
-                    policy.padded_batch(length, min(queued, policy.max_batch(length))), length
-                )
-            )
-            for length in policy.length_buckets
-            if (queued := scheduler.queued(length)) > 0
-        ),
-        default=0.0,
-    )
-
-
-def queued_batches(scheduler: Scheduler) -> tuple[int, int]:
-    """The batches its queued inputs run in, as the scheduler closes them (each length
-    bucket's queue in batches of its full rows, the last perhaps partial): those ahead of
-    an input queued now (all but a partial one, which it would join) and all of them."""
-    policy = scheduler.policy
-    batches, partial = 0, False
-    for length in policy.length_buckets:
-        if queued := scheduler.queued(length):
-            rows = policy.max_batch(length)
-            batches += -(-queued // rows)
-            partial = partial or queued % rows > 0
-    return batches - partial, batches
-
-
 def answering(
     task: asyncio.Task[None], futures: Sequence[asyncio.Future[Any]]
 ) -> asyncio.Task[None]:
@@ -261,16 +228,31 @@ class BatchedHost:
     def start(self) -> None:
         self.batcher.start()
 
+    # Its requests are rows queued into batches (`batch_cost` is not None).
+    queues_batches = True
+
     def work(self, now: float) -> ModelWork:
+        """In one pass over its length buckets: its queued inputs in full batches (as
+        `Scheduler.queued_seconds`), the batch it would run next (of the buckets holding
+        inputs, the costliest batch they would close now: any may be the next ready), and
+        the batches its queue runs in as the scheduler closes them (each bucket's queue in
+        batches of its full rows, the last perhaps partial): those ahead of an input queued
+        now (all but a partial one, which it would join) and all of them."""
         scheduler = self.batcher.scheduler
-        ahead, batches = queued_batches(scheduler)
-        return ModelWork(
-            running_s=scheduler.running_seconds(now),
-            queued_s=scheduler.queued_seconds(),
-            next_batch_s=next_batch_seconds(scheduler),
-            batches_ahead=ahead,
-            turns=batches,
-        )
+        policy = scheduler.policy
+        queued_s = next_batch_s = 0.0
+        batches, partial = 0, False
+        for length in policy.length_buckets:
+            if not (queued := scheduler.queued(length)):
+                continue
+            rows, full_batch_s = scheduler.full_batch(length)
+            queued_s += queued * (full_batch_s / rows)
+            shape = BatchShape(policy.padded_batch(length, min(queued, rows)), length)
+            next_batch_s = max(next_batch_s, scheduler.estimated_compute(shape))
+            batches += -(-queued // rows)
+            partial = partial or queued % rows > 0
+        running_s = scheduler.running_seconds(now)
+        return ModelWork(running_s, queued_s, next_batch_s, batches - partial, batches)
 
     def batch_cost(self) -> BatchCost:
         scheduler = self.batcher.scheduler

@@ -27,6 +27,10 @@ class StandInHost:
     def queued_inputs(self) -> int:
         return self.waiting
 
+    @property
+    def queues_batches(self) -> bool:
+        return self.cost is not None
+
     def batch_cost(self) -> BatchCost | None:
         return self.cost
 

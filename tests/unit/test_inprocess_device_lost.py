@@ -22,6 +22,8 @@ from app.settings import Settings
 
 @dataclass
 class StandInHost:
+    queues_batches = True
+
     def info(self) -> ModelInfo:
         return ModelInfo("embed", 4, 64)
 

@@ -5,12 +5,18 @@ answer left in the buffer of a connection closed after it (keep-alive timeout,
 `Connection: close`) is dropped with its connection, each counted; a reader that reads
 slowly but steadily keeps its connection, one that half-closed after its request too. Real
 sockets on 127.0.0.1, the limit made short; each test waits for the server's events, at
-most `WAIT_S` (a failure, not a timing bound)."""
+most `WAIT_S` (a failure, not a timing bound). Where the client reads, the limit's looks
+run on a clock the test moves (`ManualTimers`), each only once the server has seen the
+client take more since the last: on the loop's clock a stall of the process just after a
+look could make the next one due before the client's next read (a task woken from a sleep
+runs a loop pass after the timers that fell due with it), and it would find nothing taken:
+a spurious abort."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -27,6 +33,7 @@ from app.api.shedding_protocol import shedding_protocol
 from app.api.sse import EventStreamResponse
 from app.api.write_stall import StallLimitedTransport, send_queue
 from app.metrics import Metrics
+from tests.support.manual_timers import ManualTimers
 
 WAIT_S = 10.0
 STALL_S = 0.2  # the write-stall limit, made short
@@ -56,12 +63,15 @@ async def serving(
     keep_alive_s: float = 30.0,
     high_water: int | None = None,
     send_buffer: int | None = None,
-) -> AsyncIterator[tuple[int, asyncio.Event]]:
-    """A front end's HTTP protocol in front of `app` on 127.0.0.1: its port, and an event
-    set once the server has lost the (one) connection. `high_water`: its transport's
-    buffer limit (so an answer stays buffered without pausing the writes); `send_buffer`:
-    its socket's (the kernel's share of an answer)."""
+    timers: ManualTimers | None = None,
+) -> AsyncIterator[tuple[int, asyncio.Event, list[StallLimitedTransport]]]:
+    """A front end's HTTP protocol in front of `app` on 127.0.0.1: its port, an event set
+    once the server has lost the (one) connection, and its connections' stall limits.
+    `high_water`: its transport's buffer limit (so an answer stays buffered without pausing
+    the writes); `send_buffer`: its socket's (the kernel's share of an answer); `timers`:
+    its timers (the stall limit's looks) on that clock, else on the event loop's."""
     lost = asyncio.Event()
+    stalls: list[StallLimitedTransport] = []
     base = shedding_protocol(
         service,  # type: ignore[arg-type]
         {},
@@ -78,6 +88,7 @@ async def serving(
                 sock = transport.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
             super().connection_made(transport)
+            stalls.append(self._stall)
 
         def connection_lost(self, exc: Exception | None) -> None:
             super().connection_lost(exc)
@@ -88,10 +99,12 @@ async def serving(
     config.load()
     state = ServerState()
     server = await asyncio.get_running_loop().create_server(
-        lambda: Watched(config=config, server_state=state, app_state={}), "127.0.0.1", 0
+        lambda: Watched(config=config, server_state=state, app_state={}, _loop=timers),
+        "127.0.0.1",
+        0,
     )
     try:
-        yield server.sockets[0].getsockname()[1], lost
+        yield server.sockets[0].getsockname()[1], lost, stalls
     finally:
         server.close()
         for connection in list(state.connections):
@@ -115,6 +128,59 @@ async def not_reading(
         yield client
     finally:
         client.close()
+
+
+def took(stall: StallLimitedTransport) -> int:
+    """What the client has taken of all the server wrote, measured by the test as a look
+    measures it: all written, less what is buffered and in the socket's send queue."""
+    transport = stall._transport
+    return stall._written - transport.get_write_buffer_size() - send_queue(transport)
+
+
+def readable(client: socket.socket) -> bool:
+    return bool(select.select([client], [], [], 0)[0])
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (on the loop) until `condition` holds, within `WAIT_S` (a failure, not a timing
+    bound): what the kernel does with the client's reads has no event to wait on."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "not within WAIT_S"
+        await asyncio.sleep(0.001)
+
+
+async def read_on(
+    client: socket.socket,
+    stall: StallLimitedTransport,
+    lost: asyncio.Event,
+    timers: ManualTimers,
+    looks: int | None = None,
+    each_read: Callable[[int], None] = lambda size: None,
+) -> tuple[bytes, int]:
+    """Read what the server sends, 16 KiB a read (`each_read` told its size); each time the
+    server has seen the client take more since the last look (its reads acknowledged), move
+    the clock one limit on: the look that falls due finds that. Until the end of the
+    answer (or the connection is cut off), or `looks` looks: what was read, the looks run.
+    Called with the look armed: what the client took then is no more than now."""
+    loop = asyncio.get_running_loop()
+    received, since, ran = bytearray(), took(stall), 0
+    while looks is None or ran < looks:
+        try:
+            chunk = await asyncio.wait_for(loop.sock_recv(client, 16384), WAIT_S)
+        except ConnectionError:
+            chunk = b""
+        if not chunk:
+            break
+        received += chunk
+        each_read(len(chunk))
+        # Lost first: the closed socket is no longer the server's to measure.
+        await until(lambda since=since: lost.is_set() or took(stall) > since or readable(client))
+        if not lost.is_set() and took(stall) > since:
+            assert timers.advance(STALL_S) == ["_looked"]  # found progress: armed again
+            ran += 1
+            since = took(stall)
+    return bytes(received), ran
 
 
 def get(headers: str = "") -> bytes:
@@ -147,7 +213,7 @@ async def test_a_stream_whose_client_stopped_reading_is_ended(
         await EventStreamResponse(frames())(scope, receive, send)
 
     service = Service()
-    async with serving(app, service) as (port, lost), not_reading(port, get()):
+    async with serving(app, service) as (port, lost, _), not_reading(port, get()):
         await asyncio.wait_for(producer_closed.wait(), WAIT_S)
         await asyncio.wait_for(lost.wait(), WAIT_S)
     assert service.stalls() == 1
@@ -162,7 +228,7 @@ async def test_an_answer_left_unread_at_close_is_dropped_with_its_connection(
     # Buffered without pausing the writes: only the close leaves it there.
     serves = serving(large_answer(LARGE), service, keep_alive_s=0.05, high_water=2 * LARGE)
     request = get("connection: close\r\n" if closed_by == "Connection: close" else "")
-    async with serves as (port, lost), not_reading(port, request):
+    async with serves as (port, lost, _), not_reading(port, request):
         await asyncio.wait_for(lost.wait(), WAIT_S)
     assert service.stalls() == 1
 
@@ -171,23 +237,25 @@ async def test_a_slow_but_steady_reader_gets_its_whole_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Closed with most of it buffered (little in the kernel's socket buffers), it takes the
-    # reader (at most 16 KiB each 10 ms) several limits to read, each read well within one.
-    monkeypatch.setattr(HeaderLimitedProtocol, "write_stall_s", 0.3, raising=False)
+    # reader (at most 16 KiB a read) several limits to read, some taken in each.
+    monkeypatch.setattr(HeaderLimitedProtocol, "write_stall_s", STALL_S, raising=False)
     service = Service()
     size = 1 << 20
-    loop = asyncio.get_running_loop()
-    answers = serving(large_answer(size), service, high_water=2 * size, send_buffer=32768)
+    timers = ManualTimers(asyncio.get_running_loop())
+    answers = serving(
+        large_answer(size), service, high_water=2 * size, send_buffer=32768, timers=timers
+    )
     async with (
-        answers as (port, _),
+        answers as (port, lost, stalls),
         not_reading(port, get("connection: close\r\n"), receive_buffer=16384) as client,
     ):
-        received = bytearray()
-        while chunk := await asyncio.wait_for(loop.sock_recv(client, 16384), WAIT_S):
-            received += chunk
-            await asyncio.sleep(0.01)
+        await timers.until_armed("_looked")  # all written, the close waits for the client
+        [stall] = stalls
+        received, looks = await read_on(client, stall, lost, timers)
     assert received.startswith(b"HTTP/1.1 200")
     assert received.endswith(b"x" * 1000)
     assert len(received) - received.index(b"\r\n\r\n") - 4 == size
+    assert looks >= 3  # the kernel's buffers hold a tenth of it
     assert service.stalls() == 0
 
 
@@ -201,27 +269,19 @@ def test_a_half_closed_client_that_reads_on_keeps_its_stream(
     once its buffer is empty) but reads on while the stream goes on: the app keeps writing
     to the closing transport, so what the client has yet to take does not fall (here it
     grows: the app writes twice what the client reads); what it took since the last look
-    is its progress. Under both loops a front end may run (uvicorn's "auto": uvloop)."""
+    is its progress. Once it stops reading, it is cut off. Under both loops a front end may
+    run (uvicorn's "auto": uvloop)."""
     monkeypatch.setattr(HeaderLimitedProtocol, "write_stall_s", STALL_S, raising=False)
-    closing, looked = StallLimitedTransport.closing, StallLimitedTransport._looked
+    closing = StallLimitedTransport.closing
 
     async def run() -> None:
-        eof, several_looks = asyncio.Event(), asyncio.Event()
-        looks = 0
+        eof = asyncio.Event()
 
         def closes(self: StallLimitedTransport) -> None:
             closing(self)
             eof.set()
 
-        def looks_on(self: StallLimitedTransport) -> None:
-            nonlocal looks
-            looked(self)
-            looks += 1
-            if looks == 5:
-                several_looks.set()
-
         monkeypatch.setattr(StallLimitedTransport, "closing", closes)
-        monkeypatch.setattr(StallLimitedTransport, "_looked", looks_on)
         taken: asyncio.Queue[int] = asyncio.Queue()
 
         async def frames() -> AsyncGenerator[bytes, None]:
@@ -234,22 +294,27 @@ def test_a_half_closed_client_that_reads_on_keeps_its_stream(
 
         service = Service()
         loop = asyncio.get_running_loop()
+        timers = ManualTimers(loop)
         # The writes never pause: only the close watches the transport.
-        serves = serving(app, service, high_water=1 << 30, send_buffer=32768)
-        async with serves as (port, lost), not_reading(port, get(), 16384) as client:
+        serves = serving(app, service, high_water=1 << 30, send_buffer=32768, timers=timers)
+        async with serves as (port, lost, stalls), not_reading(port, get(), 16384) as client:
             assert await asyncio.wait_for(loop.sock_recv(client, 16384), WAIT_S)
             client.shutdown(socket.SHUT_WR)
             await asyncio.wait_for(eof.wait(), WAIT_S)  # the server saw the end of input
-            with contextlib.suppress(ConnectionError):
-                while not several_looks.is_set():
-                    chunk = await asyncio.wait_for(loop.sock_recv(client, 16384), WAIT_S)
-                    if not chunk:
-                        break  # cut off
-                    taken.put_nowait(len(chunk))
-                    await asyncio.sleep(0.005)  # a slow reader: ~3 MB/s
-            assert several_looks.is_set()
+            await timers.until_armed("_looked")  # and watches its close
+            [stall] = stalls
+            _, looks = await read_on(client, stall, lost, timers, 5, taken.put_nowait)
+            assert looks == 5  # each found progress
             assert not lost.is_set()
             assert service.stalls() == 0
+            # It reads no more: a look finds nothing more taken (after any the kernel had
+            # yet to deliver into its receive buffer) and cuts it off.
+            for _ in range(100):
+                assert timers.advance(STALL_S) == ["_looked"]
+                if service.stalls():
+                    break
+            await asyncio.wait_for(lost.wait(), WAIT_S)
+            assert service.stalls() == 1
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(run())
@@ -286,8 +351,8 @@ class Buffered:
 async def test_each_look_that_finds_progress_waits_one_limit_more() -> None:
     transport = Buffered()
     stalled = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    stall = StallLimitedTransport(transport, loop, 0.01, stalled.set)  # type: ignore[arg-type]
+    timers = ManualTimers(asyncio.get_running_loop())
+    stall = StallLimitedTransport(transport, timers, 1.0, stalled.set)  # type: ignore[arg-type]
     stall.writing_paused()  # 100 bytes buffered
     found: list[int] = []  # what each look found: taken twice, then nothing more
 
@@ -296,8 +361,13 @@ async def test_each_look_that_finds_progress_waits_one_limit_more() -> None:
         return found[-1]
 
     transport.get_write_buffer_size = looked  # type: ignore[method-assign]
-    await asyncio.wait_for(stalled.wait(), WAIT_S)
+    for _ in range(2):  # each found progress: one limit more
+        assert timers.advance(0.75) == []
+        assert timers.advance(0.25) == ["_looked"]
+        assert not transport.aborted
+    assert timers.advance(1.0) == ["_looked"]
     assert transport.aborted
+    assert stalled.is_set()
     assert found[:3] == [60, 20, 20]  # two looks found progress; the third found none
 
 
@@ -307,8 +377,8 @@ async def test_what_the_client_took_is_its_progress_however_the_app_tops_the_buf
     last, or more."""
     transport = Buffered()
     stalled = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    stall = StallLimitedTransport(transport, loop, 0.01, stalled.set)  # type: ignore[arg-type]
+    timers = ManualTimers(asyncio.get_running_loop())
+    stall = StallLimitedTransport(transport, timers, 1.0, stalled.set)  # type: ignore[arg-type]
     stall.writing_paused()  # 100 bytes buffered
     found: list[int] = []  # what each look found buffered
 
@@ -320,8 +390,12 @@ async def test_what_the_client_took_is_its_progress_however_the_app_tops_the_buf
         return transport.left
 
     transport.get_write_buffer_size = looked  # type: ignore[method-assign]
-    await asyncio.wait_for(stalled.wait(), WAIT_S)
+    for _ in range(2):  # each found progress: one limit more
+        assert timers.advance(1.0) == ["_looked"]
+        assert not transport.aborted
+    assert timers.advance(1.0) == ["_looked"]
     assert transport.aborted
+    assert stalled.is_set()
     assert found[:3] == [110, 120, 120]  # two looks found progress; the third found none
 
 

@@ -16,6 +16,16 @@ budget when two models were flooded. A generate model's input also waits for a K
 slot (`own_wait_s`: its running sequences' steps, each dispatch a turn of the others). With
 one model served this is the whole engine's backlog, as before.
 
+Which of M's batches are ahead depends on the input's length bucket: in its own bucket it
+joins a partial batch, but a partial batch in another bucket runs first (the scheduler takes
+ready buckets oldest first), and a request of more rows than a batch waits for the others'
+turns between its own batches. The engine, which knows the bucket, counts a turn before each
+batch queued in M's other buckets and each of its own bucket's up to the one its last input
+runs in (`rounds`: `rows.admit_rows`). The published queue, which front ends judge before
+the body (the bucket unknown), counts all of M's batches but one partial batch an input may
+join (`ModelWork.batches_ahead`): the least of those over the buckets, so a front end never
+refuses what the engine would admit.
+
 No asyncio, no torch, no clock: callers pass their figures, tests call these directly.
 """
 
@@ -47,7 +57,8 @@ class ModelWork:
     what is left of its running batches, its queued inputs run in full batches, and the
     batch (or generation dispatch) it would run next when it has work ready, else 0; and
     in turns on the compute slots: its batches (dispatches) an input queued for it now
-    waits behind (`batches_ahead`: each is a turn of every other model), and those its work
+    waits behind (`batches_ahead`: each is a turn of every other model; in whichever
+    length bucket the input queues, the least: see above), and those its work
     takes at most (`turns`: no other model's input waits for more of them). A generate
     model's input also waits for a KV-cache slot (`own_wait_s`, in its own steps: not
     shared among the compute slots, nor part of the engine's backlog); and `at_cap` says
@@ -66,13 +77,16 @@ class ModelWork:
 NO_WORK = ModelWork(0.0, 0.0, 0.0)
 
 
-def wait_ahead(model: str, works: Mapping[str, ModelWork], workers: int) -> float:
+def wait_ahead(
+    model: str, works: Mapping[str, ModelWork], workers: int, rounds: int | None = None
+) -> float:
     """Predicted seconds before an input queued now for `model` starts, its own queue
     included (divided among the `workers` compute slots): every model's running batches,
     `model`'s own queued inputs, and of each other model with work ready a next batch for
-    each of `model`'s batches ahead and one more, as many as it has (at least one); then
-    its own wait (`own_wait_s`: a KV-cache slot's, not divided)."""
-    return _Totals(works).wait_ahead(model, workers)
+    each of `rounds` (`model`'s batches up to and including the input's own: by default
+    its batches ahead and one more), as many as it has (at least one); then its own wait
+    (`own_wait_s`: a KV-cache slot's, not divided)."""
+    return _Totals(works).wait_ahead(model, workers, rounds)
 
 
 def waits_ahead(works: Mapping[str, ModelWork], workers: int) -> dict[str, float]:
@@ -89,9 +103,10 @@ class _Totals:
         self.running = sum(work.running_s for work in works.values())
         self.next_batches = sum(work.next_batch_s for work in works.values())
 
-    def wait_ahead(self, model: str, workers: int) -> float:
+    def wait_ahead(self, model: str, workers: int, rounds: int | None = None) -> float:
         work = self.works.get(model, NO_WORK)
-        rounds = work.batches_ahead + 1  # another model's turn before each, and its own
+        if rounds is None:  # another model's turn before each batch ahead, and its own
+            rounds = work.batches_ahead + 1
         if rounds == 1:  # one batch of each other model: the others' sum
             others = self.next_batches - work.next_batch_s
         else:

@@ -339,14 +339,16 @@ class EngineCore:
         if host is None:
             return Rejected(RejectReason.NOT_READY, f"model {request.model!r} is not loaded")
         # Its model's own load (`model_queues`): another model's flood counts by its turns.
+        works = self.model_works()
         load = EngineLoad(
             model=request.model,
             queued_inputs=host.queued_inputs(),
-            backlog_s=wait_ahead(request.model, self.model_works(), self.slots.capacity),
+            backlog_s=wait_ahead(request.model, works, self.slots.capacity),
             now=self._clock(),
             max_queue=self.settings.max_queue,
             max_queue_delay_s=self.settings.max_queue_delay_ms / 1000,
             workers=self.slots.capacity,
+            works=works,
         )
         return host.admit(request, load)
 

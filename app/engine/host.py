@@ -13,7 +13,7 @@ dispatcher's threads (`EngineContext.dispatcher`), inside the shared `ComputeSlo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,7 +42,10 @@ class EngineLoad:
     running batch, its own queue, a batch of each other model with work before each of its
     batches ahead and before its own, divided among the compute threads), the time now,
     the settings' caps, and the compute
-    threads that wait is divided among."""
+    threads that wait is divided among; and every model's work it was computed from
+    (`works`), for a host that knows which of its batches the request waits behind (a
+    batched host, from its length bucket: `rows.admit_rows`), else None (`backlog_s`
+    alone)."""
 
     model: str
     queued_inputs: int
@@ -51,6 +54,7 @@ class EngineLoad:
     max_queue: int
     max_queue_delay_s: float
     workers: int = 1
+    works: Mapping[str, ModelWork] | None = None
 
 
 class RequestTracer(Protocol):

@@ -22,7 +22,7 @@ from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
 from app.failures import BatchFailed, DeadlineExceeded, InputFailed
 from app.metrics import Metrics
-from app.model_queues import BatchCost, ModelWork, naming
+from app.model_queues import NO_WORK, BatchCost, ModelWork, naming, wait_ahead
 from app.scheduler import BatchShape, Scheduler
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,9 @@ def admit_rows(
 ) -> Rejected | None:
     """None to queue `rows` inputs (the longest `longest` tokens or elements long) for
     `load.model`; else why not, naming the model: its queue at the cap, or its predicted
-    wait (its own `load.backlog_s`, its queue counted in whole batches of the request's
-    bucket, plus its own batch: `batch_delay`) over the delay budget or past its deadline.
+    wait (its own backlog, the other models' turns counted where the request queues:
+    `bucket_wait`; its queue counted in whole batches of the request's bucket, plus its
+    own batch: `batch_delay`) over the delay budget or past its deadline.
     A request that fits no length bucket is let through, whatever the queue: `submit`
     answers it 400 (refused 429 `queue` first, its client retried what can never be
     served)."""
@@ -51,20 +52,43 @@ def admit_rows(
             load.backlog_s,
         )
     full_rows, full_batch_s = scheduler.full_batch(bucket)
+    queued = scheduler.queued(bucket)
+    last_batch = (queued + rows - 1) // full_rows  # its bucket's that its last input runs in
     queue = BatchQueue(
-        backlog_s=load.backlog_s,
-        queued=scheduler.queued(bucket),
+        backlog_s=bucket_wait(scheduler, load, bucket, last_batch),
+        queued=queued,
         seconds_per_input=full_batch_s / full_rows / load.workers,
         batch_rows=full_rows,
         full_batch_s=full_batch_s,
     )
     # The rows of the batch its last input runs in, as queued so far.
-    last_batch_rows = (queue.queued + rows - 1) % full_rows + 1
+    last_batch_rows = (queued + rows - 1) % full_rows + 1
     partial_s = scheduler.estimated_compute(
         BatchShape(policy.padded_batch(bucket, last_batch_rows), bucket)
     )
     estimate = batch_delay(queue, rows, partial_s)
     return naming(load.model, delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s))
+
+
+def bucket_wait(scheduler: Scheduler, load: EngineLoad, bucket: int, last_batch: int) -> float:
+    """`load.backlog_s` with a turn of every other model counted before each batch of
+    `load.model` queued in its other length buckets and each of `bucket`'s up to its
+    `last_batch` (`model_queues.wait_ahead`'s `rounds`). `backlog_s` alone counts all of
+    the model's batches but a partial one an input may join (the least over the buckets,
+    what front ends judge before the body): one short for an input in another bucket than
+    that partial batch, which runs first (the scheduler takes ready buckets oldest first),
+    and for one whose rows fill several batches, each a turn of the others. `backlog_s`
+    alone too when `load` holds no works."""
+    if load.works is None:
+        return load.backlog_s
+    rounds = last_batch + 1
+    policy = scheduler.policy
+    for length in policy.length_buckets:
+        if length != bucket and (queued := scheduler.queued(length)):
+            rounds += -(-queued // policy.max_batch(length))
+    if rounds == load.works.get(load.model, NO_WORK).batches_ahead + 1:
+        return load.backlog_s  # what it was computed with
+    return wait_ahead(load.model, load.works, load.workers, rounds)
 
 
 def answering(
@@ -237,7 +261,9 @@ class BatchedHost:
         inputs, the costliest batch they would close now: any may be the next ready), and
         the batches its queue runs in as the scheduler closes them (each bucket's queue in
         batches of its full rows, the last perhaps partial): those ahead of an input queued
-        now (all but a partial one, which it would join) and all of them."""
+        now (all but a partial one, which it would join: the least over the buckets it may
+        queue in, which front ends do not know before the body; the engine counts its own
+        bucket's, `bucket_wait`) and all of them."""
         scheduler = self.batcher.scheduler
         policy = scheduler.policy
         queued_s = next_batch_s = 0.0

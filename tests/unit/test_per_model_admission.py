@@ -178,6 +178,48 @@ async def test_with_both_models_flooded_each_waits_for_the_others_turns() -> Non
         assert "predicted wait 360 ms" in verdict.message
 
 
+async def test_an_input_waits_for_the_others_turns_before_its_buckets_batches() -> None:
+    """Which of a model's batches an input waits behind depends on its length bucket: it
+    joins a partial batch of its own bucket, but one in another bucket runs first (ready
+    buckets run oldest first), and the other model takes a turn before that one too; a
+    request of more rows than a batch waits for a turn between its own batches. A partial
+    batch in any bucket was taken to be the input's: one turn of the flooded `b` was
+    counted, 100 ms predicted for an input that waits 180."""
+    settings = SETTINGS.model_copy(update={"max_queue_delay_ms": 60_000.0})  # all let in
+    async with measured_core(settings) as core:
+        requests = Requests(core)
+        for _ in range(12):  # 3 full batches of `b` (80 ms each)
+            assert requests.send("b") == []
+        assert requests.send("a") == []  # 3 tokens: a partial batch in the 16-token bucket
+        now = core._clock()
+
+        def send(deadline_s: float, *inputs: list[int]) -> list[FromEngine]:
+            request = Submit(next(requests.ids), "a", now + deadline_s, EmbedPayload([*inputs]))
+            answers: list[FromEngine] = []
+            core.submit(ORIGIN, request, answers.append)
+            return answers
+
+        # 20 tokens (the 32-token bucket): `a`'s queued input (10 ms), a turn of `b` before
+        # its batch and one before its own, then its own batch of 1 (10 ms): 180 ms.
+        [refused] = send(0.150, [1] * 20)
+        assert isinstance(refused, Failure) and refused.reason == RejectReason.DEADLINE.value
+        assert "predicted wait 180 ms" in refused.message
+        # 5 inputs of 20 tokens: that, and a turn before its second batch (a full one of 4,
+        # then its last, 40 ms each): 10 + 3 * 80 + 80 = 330 ms. It was 10 + 80 + 80.
+        [refused] = send(0.300, *[[1] * 20] * 5)
+        assert isinstance(refused, Failure) and refused.reason == RejectReason.DEADLINE.value
+        assert "predicted wait 330 ms" in refused.message
+        # Front ends do not know the bucket before the body: `a`'s published wait is the
+        # least over its buckets, an input joining its partial batch's (10 + 80 ms), so a
+        # front end lets in what the engine admits: 3 tokens join it, after a turn of `b`
+        # (80 ms) a batch of 2 (20 ms), 100 ms.
+        status = core.status()
+        queue = status.models["a"].queue
+        assert queue is not None and queue.backlog_s == pytest.approx(0.090)
+        assert shed_verdict(status, 0, now + 0.115, now, 60.0, model="a") is None
+        assert send(0.115, [1, 5, 2]) == []
+
+
 async def test_the_queue_cap_is_each_models_own() -> None:
     """`max_queue` caps each model's inputs waiting for a batch: a model at its cap does
     not have another model's requests refused."""

@@ -20,6 +20,20 @@ class SequenceTable:
         self.slots = SlotTable(slots)
         self.waiting: deque[GenerationSequence] = deque()
         self.running: dict[int, GenerationSequence] = {}  # by slot
+        # `_forecast`'s steps, simulated once per change (`changed`): every admission of
+        # any model and every status (each 5 ms) read them, a heap over the running
+        # sequences and a push and pop for each of up to `generate_max_waiting` waiting.
+        self._steps: tuple[int, int] | None = None
+
+    def changed(self) -> None:
+        """Its sequences moved: one queued, joined or left, or a step's tokens were
+        taken (the host calls this at each step's end); `_forecast` simulates again."""
+        self._steps = None
+
+    def queue(self, sequence: GenerationSequence) -> None:
+        """A new sequence waits for a slot, after those waiting already."""
+        self.waiting.append(sequence)
+        self.changed()
 
     def __bool__(self) -> bool:
         return bool(self.waiting or self.running)
@@ -33,6 +47,7 @@ class SequenceTable:
 
     def remove(self, sequence: GenerationSequence) -> bool:
         """Forget the sequence wherever it is; True when it gave a slot back."""
+        self.changed()
         if sequence.slot is None:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(sequence)
@@ -59,13 +74,28 @@ class SequenceTable:
             self.running[candidate.slot] = candidate
             joiners.append(candidate)
             longest = longer
+        if joiners:
+            self.changed()
         return joiners
 
     def steps_until_a_slot(self) -> int:
         """Predicted steps before a sequence queued now gets a slot."""
-        running = (seq.remaining for seq in self.running.values())
-        waiting = (seq.sampling.max_new_tokens for seq in self.waiting)
-        return steps_until_start(running, self.slots.free, waiting)
+        return self._forecast()[0]
+
+    def _forecast(self) -> tuple[int, int]:
+        """Steps before a sequence queued now gets a slot (`steps_until_start`), and before
+        every sequence could end: the longest running one's remaining tokens, or the last
+        waiting one's, started once a slot frees (no later than one queued now). Simulated
+        once after each change (`changed`)."""
+        if self._steps is None:
+            running = [seq.remaining for seq in self.running.values()]
+            waiting = [seq.sampling.max_new_tokens for seq in self.waiting]
+            until_a_slot = steps_until_start(running, self.slots.free, waiting)
+            steps = max(running, default=0)
+            if waiting:
+                steps = max(steps, until_a_slot + max(waiting))
+            self._steps = (until_a_slot, steps)
+        return self._steps
 
     def at_cap(self, max_waiting: int) -> bool:
         """Whether a new sequence is refused whatever its wait: `max_waiting` wait for a
@@ -82,10 +112,7 @@ class SequenceTable:
         for), every dispatch until then a turn of each other model (`batches_ahead`)."""
         if not self:
             return ModelWork(0.0, 0.0, 0.0, turns=0)
-        until_a_slot = self.steps_until_a_slot()
-        steps = max((seq.remaining for seq in self.running.values()), default=0)
-        if self.waiting:
-            steps = max(steps, until_a_slot + max(seq.remaining for seq in self.waiting))
+        until_a_slot, steps = self._forecast()
         return ModelWork(
             running_s=0.0,
             queued_s=0.0,

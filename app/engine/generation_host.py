@@ -169,7 +169,7 @@ class GenerationHost:
             done=asyncio.get_running_loop().create_future(),
             arrival_trace=self._context.tracer.arrive(len(self._batch.waiting)),
         )
-        self._batch.waiting.append(sequence)
+        self._batch.queue(sequence)
         if self._batch.slots.free > 0:
             self._steps.interrupt()  # it can join at the next step
         else:
@@ -325,6 +325,7 @@ class GenerationHost:
                 self._fail_non_finite(sequence)
             elif sequence.streams:
                 outbox.append((sequence, sequence.output(fresh, None, now, self._context.tracer)))
+        self._batch.changed()  # their tokens left: their slots' waits are simulated again
 
     def _fail_non_finite(self, sequence: GenerationSequence) -> None:
         """Its logits had no finite maximum (its model overflows its dtype): fail it (500),

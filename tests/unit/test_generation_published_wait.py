@@ -56,9 +56,9 @@ async def saturated(engine: InProcessEngine, step_s: float) -> GenerationHost:
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     table = host._batch
-    table.waiting.append(sequence(200))
+    table.queue(sequence(200))
     table.join(max_batch_tokens=64, now=0.0)
-    table.waiting.append(sequence(50))
+    table.queue(sequence(50))
     host._step_s = step_s
     return host
 

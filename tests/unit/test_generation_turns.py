@@ -34,7 +34,8 @@ async def test_a_generate_model_takes_a_turn_while_its_sequences_have_tokens_to_
     table = SequenceTable(2)
     assert table.work(0.005, 4, 64) == ModelWork(0.0, 0.0, 0.0, turns=0)
     short, long = await sequence(3), await sequence(10)
-    table.waiting.extend([short, long])
+    table.queue(short)
+    table.queue(long)
     table.join(max_batch_tokens=64, now=0.0)
     # Running alone: until the longest ends, 10 steps, in dispatches of 4. A sequence
     # queued now waits 3 steps for the short one's slot: a dispatch.
@@ -42,7 +43,7 @@ async def test_a_generate_model_takes_a_turn_while_its_sequences_have_tokens_to_
     assert table.work(0.005, 4, 64) == running
     # A sequence waiting for a slot starts no later than one queued now would (8 steps:
     # the short one's slot, then behind the waiting one's 5), and ends 5 steps on.
-    table.waiting.append(await sequence(5))
+    table.queue(await sequence(5))
     waiting = ModelWork(0.0, 0.0, 0.005, batches_ahead=8, turns=13, own_wait_s=0.040)
     assert table.work(0.005, 1, 64) == waiting
     assert table.work(0.005, 1, 1).at_cap  # `generate_max_waiting` wait, no slot free

@@ -47,8 +47,7 @@ from app.engine.protocol import (
     Submit,
 )
 from app.model_queues import ModelWork, naming
-from app.model_specs import ModelSpec
-from app.models.causal_lm import CausalLMRunner, load_causal_lm
+from app.models.causal_lm import CausalLMRunner
 from app.models.sampling import NO_TOKEN, new_generator
 
 log = logging.getLogger(__name__)
@@ -72,6 +71,8 @@ class GenerationHost:
         # sends them (those sequences are done).
         self._outbox: list[tuple[GenerationSequence, Output]] = []
         self._step_s = 0.0  # smoothed seconds per step while busy
+        # The request `admit` let in last and the wait it predicted for it, for `submit`.
+        self._admitted: tuple[Submit, float] | None = None
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
         self._steps = StepRunner(runner, context, self._wakeup)
@@ -142,6 +143,8 @@ class GenerationHost:
             now=load.now,
             max_queue_delay_s=load.max_queue_delay_s,
         )
+        if verdict is None:
+            self._admitted = (request, load.backlog_s)
         return naming(self.name, verdict)
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
@@ -155,9 +158,11 @@ class GenerationHost:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
         time_left = request.deadline - self._context.clock()
-        sampling = fitted_sampling(
-            payload.sampling, time_left, self._slot_wait_seconds(), self._step_s
-        )
+        # Planned against the wait it was admitted on, the other models' turns included
+        # (a KV-cache slot's alone let a flood elsewhere run it to its deadline, cut short).
+        admitted, self._admitted = self._admitted, None
+        wait_s = admitted[1] if admitted and admitted[0] is request else self._slot_wait_seconds()
+        sampling = fitted_sampling(payload.sampling, time_left, wait_s, self._step_s)
         sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),
@@ -387,14 +392,3 @@ class GenerationHost:
         self._wakeup.set()
         if self._loop_task is not None:
             await self._loop_task
-
-
-async def load_generation_host(spec: ModelSpec, context: EngineContext) -> GenerationHost:
-    """Load the causal LM and preallocate its KV cache (on a compute thread: it touches the
-    device), sized from the settings alone."""
-    slots, tokens = context.settings.generate_slots, context.settings.generate_slot_tokens
-    runner = await context.dispatcher.run_compute(
-        load_causal_lm, spec, context.device, slots, tokens
-    )
-    context.metrics.pool_bytes.labels(spec.name).set(runner.cache.bytes_allocated)
-    return GenerationHost(runner, context)

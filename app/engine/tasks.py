@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.engine.embedding_host import load_embedding_host
-from app.engine.generation_host import load_generation_host
+from app.engine.generation_loading import load_generation_host
 from app.engine.host import HostFactory
 from app.engine.tensor_host import load_tensor_host
 

@@ -2,7 +2,9 @@
 simulation over its running sequences and a push and pop for each waiting one) is
 simulated once after each change of its sequences, not each time it is read: every
 admission of any model reads every model's work (`EngineCore._admit`), the status does
-every 5 ms, and a generate request's submit again. It was simulated on each.
+every 5 ms, and a generate request's submit again. It was simulated on each. And a
+sequence whose client set no limit is planned against the wait it was admitted on, the
+other models' turns included, not a slot's alone.
 
 An in-process engine over the tiny causal LM, warm-up off, beside a stand-in embedding
 model; its sequence table is filled by hand (nothing awaits meanwhile, so its step loop
@@ -67,7 +69,7 @@ class StandInEmbedder:
 async def engine(tiny_causal_lm: Path) -> AsyncIterator[InProcessEngine]:
     """The tiny model (1 KV-cache slot, a step measured at 10 ms) beside `minilm`, idle;
     on a manual clock."""
-    settings = settings_for(tiny_causal_lm, warmup=False, generate_slots=1)
+    settings = settings_for(tiny_causal_lm, warmup=False, generate_slots=1, dispatcher_threads=1)
     engine = InProcessEngine(EngineCore(settings, Metrics(), clock=ManualClock(100.0)))
     await engine.start()
     await engine.wait_ready()
@@ -187,3 +189,22 @@ async def test_after_every_change_the_slot_wait_is_simulated_again(
     assert read() == 27
     host._drop(first)  # a running one removed (cancelled): its slot is free
     assert read() == 0
+
+
+async def test_a_sequence_without_a_limit_is_planned_against_its_admitted_wait(
+    engine: InProcessEngine,
+) -> None:
+    """With `minilm` flooded, a chat request without `max_tokens` waits for what runs of
+    it and its next batch (600 ms) before its first step, although a KV-cache slot is
+    free: planned against the slot's wait alone (none), it was given 94 steps of 10 ms of
+    its 1.05 s, ran past its deadline and ended there, cut short."""
+    core = engine.core
+    host = generation_host(engine)
+    flood = ModelWork(running_s=0.5, queued_s=5.0, next_batch_s=0.1, batches_ahead=50, turns=51)
+    core.hosts["minilm"].current = flood  # type: ignore[attr-defined]
+    sampling = SamplingParams(max_new_tokens=200, fit_to_deadline=True)
+    deadline = core.clock() + 1.05
+    core.submit(b"fe", Submit(1, "tiny", deadline, GeneratePayload([1, 7], sampling)), ignore)
+    [sequence] = host._batch.waiting
+    # 90 % of the 450 ms left after its wait, in steps of 10 ms.
+    assert sequence.sampling.max_new_tokens == 40

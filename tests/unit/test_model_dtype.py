@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from app.engine import generation_host
+from app.engine import generation_loading
 from app.metrics import Metrics
 from app.model_specs import ModelSpec
 from app.models import base, causal_lm
@@ -128,7 +128,7 @@ async def test_the_causal_lm_loader_reads_the_checkpoints_dtype(
 ) -> None:
     directory = write_config(tmp_path, {"model_type": "llama", "torch_dtype": declared})
     monkeypatch.setattr(causal_lm, "CausalLMRunner", Recorded)
-    monkeypatch.setattr(generation_host, "GenerationHost", lambda runner, context: runner)
+    monkeypatch.setattr(generation_loading, "GenerationHost", lambda runner, context: runner)
     Recorded.dtypes = []
 
     async def run_compute(function: Any, *args: object) -> object:
@@ -141,5 +141,5 @@ async def test_the_causal_lm_loader_reads_the_checkpoints_dtype(
         metrics=Metrics(),
     )
     spec = ModelSpec(name="m", task="generate", source=str(directory))
-    await generation_host.load_generation_host(spec, context)
+    await generation_loading.load_generation_host(spec, context)
     assert Recorded.dtypes == [expected]

@@ -102,9 +102,8 @@ class Settings(BaseSettings):
         "(`refusals_at_once_per_admission`), the front end reads that connection's next "
         "request no sooner than Retry-After or this, whichever is shorter (0: at once; "
         "a trusted proxy's connections, which carry other clients' requests, are never "
-        "paused: `trusted_proxies`). A "
-        "client that honours Retry-After never notices; one that resends at once can no "
-        "longer make refusals crowd out admitted work.",
+        "paused: `trusted_proxies`). A client that honours Retry-After never notices; one "
+        "that resends at once can no longer make refusals crowd out admitted work.",
     )
     refusals_at_once_per_admission: float = Field(
         default=5.0,
@@ -308,7 +307,8 @@ class Settings(BaseSettings):
         default=64,
         ge=0,
         description="Sequences of one generate model waiting for a free slot; beyond it, 429 "
-        "(reason `queue`), before the body too. The delay budget normally refuses first.",
+        "(reason `queue`); before the body too when every model the path may reach is at "
+        "its cap or over its budget. The delay budget normally refuses first.",
     )
 
     # --- start-up and shutdown ---------------------------------------------------------

@@ -9,15 +9,12 @@ hand (nothing awaits meanwhile, so its step loop does not run)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-import torch
 
 from app.admission import Rejected, RejectReason
 from app.engine.generation_host import GenerationHost
-from app.engine.generation_sequences import GenerationSequence
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     PROTOCOL_CLOCK,
@@ -30,24 +27,10 @@ from app.engine.protocol import (
 from app.main import SHED_PATHS
 from app.model_queues import shed_verdict
 from tests.support.generation_engine import settings_for, started
+from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 BUDGET_S = 0.100
 COMPLETIONS = SHED_PATHS["/v1/completions"]
-
-
-def sequence(max_new_tokens: int) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
-    return GenerationSequence(
-        request=Submit(1, "tiny", 1e12, GeneratePayload([1, 5], sampling)),
-        prompt=[1, 5],
-        sampling=sampling,
-        streams=True,
-        emit=lambda message: None,
-        generator=torch.Generator(),
-        arrived=0.0,
-        done=asyncio.get_running_loop().create_future(),
-        arrival_trace=None,
-    )
 
 
 async def saturated(engine: InProcessEngine, step_s: float) -> GenerationHost:

@@ -2,46 +2,27 @@
 
 from __future__ import annotations
 
-import asyncio
-
-import torch
-
-from app.engine.generation_sequences import GenerationSequence
-from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
+from app.engine.protocol import FinishReason
+from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 EOS = frozenset({2})
 
 
-async def sequence(max_new_tokens: int) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
-    return GenerationSequence(
-        request=Submit(1, "m", 1e12, GeneratePayload([1, 5], sampling)),
-        prompt=[1, 5],
-        sampling=sampling,
-        streams=True,
-        emit=lambda message: None,
-        generator=torch.Generator(),
-        arrived=0.0,
-        done=asyncio.get_running_loop().create_future(),
-        arrival_trace=None,
-    )
-
-
 async def test_tokens_are_kept_up_to_eos_which_is_not() -> None:
-    seq = await sequence(10)
+    seq = sequence(10)
     assert seq.take([7, 8], EOS) == ([7, 8], None)
     assert seq.take([9, 2, 11], EOS) == ([9], FinishReason.EOS)
     assert seq.generated == [7, 8, 9]
 
 
 async def test_a_run_past_the_length_is_cut_at_it() -> None:
-    seq = await sequence(3)
+    seq = sequence(3)
     assert seq.take([7, 8, 9, 10], EOS) == ([7, 8, 9], FinishReason.LENGTH)
     assert seq.remaining == 0
 
 
 async def test_time_per_output_token_needs_two_tokens() -> None:
-    seq = await sequence(10)
+    seq = sequence(10)
     seq.first_token_at = seq.last_token_at = 1.0
     seq.take([7], EOS)
     assert seq.time_per_output_token() is None

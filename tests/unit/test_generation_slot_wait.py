@@ -12,20 +12,17 @@ does not run)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from app.admission import Rejected, RejectReason
 from app.engine import generation_batch
 from app.engine.core import EngineCore
 from app.engine.generation_host import GenerationHost
-from app.engine.generation_sequences import GenerationSequence
 from app.engine.host import EngineLoad
 from app.engine.inprocess import InProcessEngine
 from app.engine.kv_slots import steps_until_start
@@ -40,6 +37,7 @@ from app.metrics import Metrics
 from app.model_queues import ModelWork
 from tests.support.generation_engine import settings_for
 from tests.support.manual_clock import ManualClock
+from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 
 @dataclass
@@ -91,21 +89,6 @@ def generation_host(engine: InProcessEngine) -> GenerationHost:
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     return host
-
-
-def sequence(max_new_tokens: int) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
-    return GenerationSequence(
-        request=Submit(1, "tiny", 1e12, GeneratePayload([1, 5], sampling)),
-        prompt=[1, 5],
-        sampling=sampling,
-        streams=True,
-        emit=lambda message: None,
-        generator=torch.Generator(),
-        arrived=0.0,
-        done=asyncio.get_running_loop().create_future(),
-        arrival_trace=None,
-    )
 
 
 class Simulations:

@@ -4,36 +4,17 @@ its sequences take at most."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-import torch
 
 from app.engine.generation_batch import SequenceTable
-from app.engine.generation_sequences import GenerationSequence
-from app.engine.protocol import GeneratePayload, SamplingParams, Submit
 from app.model_queues import ModelWork, wait_ahead
-
-
-async def sequence(max_new_tokens: int) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
-    return GenerationSequence(
-        request=Submit(1, "tiny", 1e12, GeneratePayload([1, 5], sampling)),
-        prompt=[1, 5],
-        sampling=sampling,
-        streams=True,
-        emit=lambda message: None,
-        generator=torch.Generator(),
-        arrived=0.0,
-        done=asyncio.get_running_loop().create_future(),
-        arrival_trace=None,
-    )
+from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 
 async def test_a_generate_model_takes_a_turn_while_its_sequences_have_tokens_to_make() -> None:
     table = SequenceTable(2)
     assert table.work(0.005, 4, 64) == ModelWork(0.0, 0.0, 0.0, turns=0)
-    short, long = await sequence(3), await sequence(10)
+    short, long = sequence(3), sequence(10)
     table.queue(short)
     table.queue(long)
     table.join(max_batch_tokens=64, now=0.0)
@@ -43,7 +24,7 @@ async def test_a_generate_model_takes_a_turn_while_its_sequences_have_tokens_to_
     assert table.work(0.005, 4, 64) == running
     # A sequence waiting for a slot starts no later than one queued now would (8 steps:
     # the short one's slot, then behind the waiting one's 5), and ends 5 steps on.
-    table.queue(await sequence(5))
+    table.queue(sequence(5))
     waiting = ModelWork(0.0, 0.0, 0.005, batches_ahead=8, turns=13, own_wait_s=0.040)
     assert table.work(0.005, 1, 64) == waiting
     assert table.work(0.005, 1, 1).at_cap  # `generate_max_waiting` wait, no slot free

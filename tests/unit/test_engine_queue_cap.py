@@ -4,54 +4,18 @@ is which count the engine admits against)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from app.admission import Rejected
 from app.engine.core import EngineCore
-from app.engine.host import BatchCost, Emit, EngineLoad
-from app.engine.protocol import EmbedPayload, FromEngine, ModelInfo, Submit
+from app.engine.host import BatchCost
+from app.engine.protocol import EmbedPayload, FromEngine, Submit
 from app.metrics import Metrics
-from app.model_queues import NO_WORK, ModelWork
 from app.settings import Settings
-
-
-@dataclass
-class StandInHost:
-    waiting: int
-    cost: BatchCost | None
-    loads: list[EngineLoad] = field(default_factory=list)
-
-    def info(self) -> ModelInfo:
-        return ModelInfo("embed", 4, 64)
-
-    def queued_inputs(self) -> int:
-        return self.waiting
-
-    @property
-    def queues_batches(self) -> bool:
-        return self.cost is not None
-
-    def batch_cost(self) -> BatchCost | None:
-        return self.cost
-
-    def work(self, now: float) -> ModelWork:
-        return NO_WORK
-
-    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
-        self.loads.append(load)
-        return None
-
-    def submit(self, request: Submit, emit: Emit) -> None:
-        self.waiting += 1  # queued: answered later
-
-    def refresh_gauges(self) -> None:
-        pass
+from tests.support.stand_in_host import StandInHost
 
 
 def test_generate_prompts_waiting_for_a_slot_do_not_fill_the_batch_queue() -> None:
     core = EngineCore(Settings(), Metrics())
-    embedder = StandInHost(waiting=3, cost=BatchCost(0.001, 32, 0.03, 0.001))
-    generator = StandInHost(waiting=60, cost=None)  # generation: no batch cost
+    embedder = StandInHost(queued=3, cost=BatchCost(0.001, 32, 0.03, 0.001))
+    generator = StandInHost(queued=60, cost=None)  # generation: no batch cost
     core.hosts = {"minilm": embedder, "tiny": generator}  # type: ignore[dict-item]
     core._ready = True
     request = Submit(1, "minilm", 1e9, EmbedPayload([[1, 2]]))
@@ -66,14 +30,14 @@ def test_the_queue_depth_gauges_count_only_inputs_waiting_for_a_batch() -> None:
     so the gauge read past STEADY_MAX_QUEUE while the queue it caps was short."""
     metrics = Metrics()
     core = EngineCore(Settings(spike_reports=False), metrics)
-    embedder = StandInHost(waiting=3, cost=BatchCost(0.001, 32, 0.03, 0.001))
-    generator = StandInHost(waiting=60, cost=None)  # generation: no batch cost
+    embedder = StandInHost(queued=3, cost=BatchCost(0.001, 32, 0.03, 0.001))
+    generator = StandInHost(queued=60, cost=None)  # generation: no batch cost
     core.hosts = {"minilm": embedder, "tiny": generator}  # type: ignore[dict-item]
     core._ready = True
     answers: list[FromEngine] = []
     core.submit(b"front-end", Submit(1, "tiny", 1e9, EmbedPayload([[1, 2]])), answers.append)
     core.submit(b"front-end", Submit(2, "minilm", 1e9, EmbedPayload([[1, 2]])), answers.append)
-    assert answers == [] and (generator.waiting, embedder.waiting) == (61, 4)  # both queued
+    assert answers == [] and (generator.queued, embedder.queued) == (61, 4)  # both queued
     core.refresh_gauges()
     depth = metrics.registry.get_sample_value
     assert depth("steadyserve_queue_depth") == 4  # was 65

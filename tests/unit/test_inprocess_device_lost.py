@@ -5,39 +5,16 @@ Stand-in hosts; torch's own error class, built on the CPU."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from app.admission import Rejected, RejectReason
+from app.admission import RejectReason
 from app.engine.core import EngineCore
-from app.engine.host import BatchCost, EngineLoad
 from app.engine.inprocess import InProcessEngine
-from app.engine.protocol import EmbedPayload, ModelInfo, Submit
+from app.engine.protocol import EmbedPayload, Submit
 from app.metrics import Metrics
-from app.model_queues import NO_WORK, ModelWork
 from app.probes import liveness, probe_response, readiness
 from app.settings import Settings
-
-
-@dataclass
-class StandInHost:
-    queues_batches = True
-
-    def info(self) -> ModelInfo:
-        return ModelInfo("embed", 4, 64)
-
-    def queued_inputs(self) -> int:
-        return 0
-
-    def batch_cost(self) -> BatchCost | None:
-        return BatchCost(0.001, 32, 0.03, 0.001)
-
-    def work(self, now: float) -> ModelWork:
-        return NO_WORK
-
-    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
-        return None
+from tests.support.stand_in_host import StandInHost
 
 
 def test_a_lost_device_fails_readiness_and_liveness_in_process() -> None:

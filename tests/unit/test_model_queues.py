@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -16,7 +15,6 @@ import pytest
 
 from app.admission import Rejected, RejectReason, published_queue_verdict
 from app.engine.core import EngineCore
-from app.engine.host import EngineLoad
 from app.engine.protocol import (
     EmbedPayload,
     EngineStatus,
@@ -40,6 +38,7 @@ from tests.support.asgi import serving
 from tests.support.engine_status import ready_status
 from tests.support.fake_model import GatedLoader
 from tests.support.manual_clock import ManualClock
+from tests.support.stand_in_host import StandInHost
 
 BUDGET_S = 0.100
 
@@ -237,33 +236,7 @@ def test_an_engine_that_publishes_no_models_queue_is_judged_on_its_whole_backlog
 
 
 # --- the engine: each model's load, generation's included ---------------------------
-@dataclass
-class StandInHost:
-    task: str
-    current: ModelWork
-    cost: BatchCost | None
-    queued: int = 0
-    loads: list[EngineLoad] = field(default_factory=list)
-
-    def info(self) -> ModelInfo:
-        return ModelInfo(self.task, 4, 64)
-
-    def queued_inputs(self) -> int:
-        return self.queued
-
-    @property
-    def queues_batches(self) -> bool:
-        return self.cost is not None
-
-    def batch_cost(self) -> BatchCost | None:
-        return self.cost
-
-    def work(self, now: float) -> ModelWork:
-        return self.current
-
-    def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
-        self.loads.append(load)
-        return Rejected(RejectReason.QUEUE, "stand-in")  # nothing is queued
+REFUSED = Rejected(RejectReason.QUEUE, "stand-in")  # nothing is queued
 
 
 def ignore(answer: object) -> None:
@@ -273,8 +246,8 @@ def ignore(answer: object) -> None:
 def test_generation_waits_for_one_batch_of_a_flooded_model_not_its_queue() -> None:
     core = EngineCore(Settings(dispatcher_threads=2, torch_threads=1), Metrics())
     flood = ModelWork(running_s=0.010, queued_s=1.0, next_batch_s=0.040)
-    embedder = StandInHost("embed", flood, BatchCost(0.010, 4, 0.040, 0.010), queued=100)
-    generator = StandInHost("generate", ModelWork(0.0, 0.0, 0.005), None, queued=3)
+    embedder = StandInHost("embed", flood, BatchCost(0.010, 4, 0.040, 0.010), 100, REFUSED)
+    generator = StandInHost("generate", ModelWork(0.0, 0.0, 0.005), None, 3, REFUSED)
     core.hosts = {"minilm": embedder, "tiny": generator}  # type: ignore[dict-item]
     core._ready = True
     sampling = SamplingParams(max_new_tokens=4)

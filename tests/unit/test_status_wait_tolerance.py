@@ -7,7 +7,6 @@ is sent again once it moved more than `WAIT_TOLERANCE_S` (or `WAIT_TOLERANCE_SHA
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -15,34 +14,12 @@ import pytest
 from app.engine.core import EngineCore
 from app.engine.generation_host import STEP_TIME_SMOOTHING
 from app.engine.process import WAIT_TOLERANCE_S, worth_publishing
-from app.engine.protocol import EngineStatus, ModelInfo
+from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import STATUS_HEARTBEAT_S, STATUS_INTERVAL_S
 from app.metrics import Metrics
 from app.model_queues import BatchCost, ModelWork
 from app.settings import Settings
-
-
-@dataclass
-class StandInHost:
-    task: str
-    current: ModelWork
-    cost: BatchCost | None
-
-    def info(self) -> ModelInfo:
-        return ModelInfo(self.task, 4, 64)
-
-    def queued_inputs(self) -> int:
-        return 0
-
-    @property
-    def queues_batches(self) -> bool:
-        return self.cost is not None
-
-    def batch_cost(self) -> BatchCost | None:
-        return self.cost
-
-    def work(self, now: float) -> ModelWork:
-        return self.current
+from tests.support.stand_in_host import StandInHost
 
 
 def decoding_beside_idle_embedders() -> tuple[EngineCore, StandInHost]:

@@ -26,6 +26,7 @@ from app.settings import Settings
 from app.telemetry.probe import FakeProbe
 from tests.support.asgi import serving
 from tests.support.fake_model import GatedLoader, GatedRunner
+from tests.support.scheduling import hold_the_worker
 
 TOKEN = "spike-test-token"
 BASE: dict[str, object] = {
@@ -68,11 +69,7 @@ class Server:
 
     async def hold_the_worker(self) -> asyncio.Task[httpx.Response]:
         """Start a request whose batch blocks in the model until `runner.gate` is set."""
-        self.runner.gate.clear()
-        task = asyncio.create_task(self.client.post("/infer", json={"inputs": "hold"}))
-        started = await asyncio.to_thread(self.runner.started.acquire, True, 30)
-        assert started, "the held request's batch never reached the model"
-        return task
+        return await hold_the_worker(self.runner, self.client)
 
     async def while_in_the_model(self, spike: Any, texts: str = "one two") -> httpx.Response:
         """Send a request; while its batch is in the model (held at the gate), run

@@ -32,6 +32,18 @@ BASE = {
 }
 
 
+async def hold_the_worker(
+    runner: GatedRunner, client: httpx.AsyncClient
+) -> asyncio.Task[httpx.Response]:
+    """Start a request whose batch blocks in the model until `runner.gate` is set; return
+    once that batch is in the model."""
+    runner.gate.clear()
+    task = asyncio.create_task(client.post("/infer", json={"inputs": "hold"}))
+    started = await asyncio.to_thread(runner.started.acquire, True, 30)
+    assert started, "the held request's batch never reached the model"
+    return task
+
+
 @dataclass
 class Harness:
     client: httpx.AsyncClient
@@ -51,11 +63,7 @@ class Harness:
 
     async def hold_the_worker(self) -> asyncio.Task[httpx.Response]:
         """Start a request whose batch blocks in the model until `release()`."""
-        self.runner.gate.clear()
-        task = asyncio.create_task(self.client.post("/infer", json={"inputs": "hold"}))
-        started = await asyncio.to_thread(self.runner.started.acquire, True, 30)
-        assert started, "the held request's batch never reached the model"
-        return task
+        return await hold_the_worker(self.runner, self.client)
 
     def release(self) -> None:
         self.runner.gate.set()

@@ -96,25 +96,21 @@ def waits_ahead(works: Mapping[str, ModelWork], workers: int) -> dict[str, float
 
 
 class _Totals:
-    """Every model's running batches and next batches, summed once for `wait_ahead`."""
+    """Every model's work, its running batches summed once, for `wait_ahead`."""
 
     def __init__(self, works: Mapping[str, ModelWork]) -> None:
         self.works = works
         self.running = sum(work.running_s for work in works.values())
-        self.next_batches = sum(work.next_batch_s for work in works.values())
 
     def wait_ahead(self, model: str, workers: int, rounds: int | None = None) -> float:
         work = self.works.get(model, NO_WORK)
         if rounds is None:  # another model's turn before each batch ahead, and its own
             rounds = work.batches_ahead + 1
-        if rounds == 1:  # one batch of each other model: the others' sum
-            others = self.next_batches - work.next_batch_s
-        else:
-            others = sum(
-                min(rounds, max(1, other.turns)) * other.next_batch_s
-                for name, other in self.works.items()
-                if name != model
-            )
+        others = sum(
+            min(rounds, max(1, other.turns)) * other.next_batch_s
+            for name, other in self.works.items()
+            if name != model
+        )
         return (self.running + work.queued_s + others) / workers + work.own_wait_s
 
 

@@ -41,11 +41,10 @@ class EngineLoad:
     predicted seconds before newly queued work starts (`model_queues.wait_ahead`: every
     running batch, its own queue, a batch of each other model with work before each of its
     batches ahead and before its own, divided among the compute threads), the time now,
-    the settings' caps, and the compute
-    threads that wait is divided among; and every model's work it was computed from
-    (`works`), for a host that knows which of its batches the request waits behind (a
-    batched host, from its length bucket: `rows.admit_rows`), else None (`backlog_s`
-    alone)."""
+    the settings' caps, and the compute threads that wait is divided among; and every
+    model's work it was computed from (`works`: the engine always passes it), so that a
+    batched host counts the turns its request's own length bucket waits for
+    (`rows.bucket_wait`); None (a load built by hand) judges on `backlog_s` alone."""
 
     model: str
     queued_inputs: int

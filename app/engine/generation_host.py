@@ -32,11 +32,11 @@ import asyncio
 import logging
 
 from app.admission import RETRY_AFTER_UNKNOWN_S, Rejected, RejectReason
+from app.engine import kv_slots
 from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
-from app.engine.kv_slots import fitted_sampling, payload_problem, start_verdict
 from app.engine.protocol import (
     Failure,
     FailureKind,
@@ -71,8 +71,8 @@ class GenerationHost:
         # sends them (those sequences are done).
         self._outbox: list[tuple[GenerationSequence, Output]] = []
         self._step_s = 0.0  # smoothed seconds per step while busy
-        # The request `admit` let in last and the wait it predicted for it, for `submit`.
-        self._admitted: tuple[Submit, float] | None = None
+        # What `admit` let in last, its wait and its steps' price, for `submit` (next).
+        self._admitted: tuple[Submit, float, kv_slots.StepPrice] | None = None
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
         self._steps = StepRunner(runner, context, self._wakeup)
@@ -123,7 +123,7 @@ class GenerationHost:
         payload = request.payload
         if not isinstance(payload, GeneratePayload):
             return None  # refused as a bad request by `submit`
-        if payload_problem(payload, self.runner.max_sequence_tokens) is not None:
+        if kv_slots.payload_problem(payload, self.runner.max_sequence_tokens) is not None:
             return None  # likewise
         if self._batch.at_cap(self._max_waiting):  # as its published queue says (`work`)
             return Rejected(
@@ -136,15 +136,17 @@ class GenerationHost:
         sampling = payload.sampling
         # Without a client-set limit it needs time for one token: `submit` fits the rest.
         planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
-        verdict = start_verdict(  # what goes first on compute slots, a KV-cache slot's wait
-            wait_s=load.backlog_s,  # included (`work`): as its published queue says
-            generate_s=planned * self._step_s,
+        spd, step_s = self._steps_per_dispatch, self._step_s
+        price = kv_slots.step_price(self.name, load.works, load.workers, step_s, spd)
+        verdict = kv_slots.start_verdict(
+            wait_s=load.backlog_s,  # compute slots' turns, a KV-cache slot's: as published
+            generate_s=price.seconds(planned),  # the other models' turns between its steps
             deadline=request.deadline,
             now=load.now,
             max_queue_delay_s=load.max_queue_delay_s,
         )
         if verdict is None:
-            self._admitted = (request, load.backlog_s)
+            self._admitted = (request, load.backlog_s, price)
         return naming(self.name, verdict)
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
@@ -153,7 +155,7 @@ class GenerationHost:
             message = f"model {self.name!r} generates text; it was sent {payload_kind(request)}"
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
             return None
-        problem = payload_problem(payload, self.runner.max_sequence_tokens)
+        problem = kv_slots.payload_problem(payload, self.runner.max_sequence_tokens)
         if problem is not None:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
@@ -161,8 +163,11 @@ class GenerationHost:
         # Planned against the wait it was admitted on, the other models' turns included
         # (a KV-cache slot's alone let a flood elsewhere run it to its deadline, cut short).
         admitted, self._admitted = self._admitted, None
-        wait_s = admitted[1] if admitted and admitted[0] is request else self._slot_wait_seconds()
-        sampling = fitted_sampling(payload.sampling, time_left, wait_s, self._step_s)
+        if admitted is not None and admitted[0] is request:
+            _, wait_s, price = admitted
+        else:
+            wait_s, price = self._slot_wait_seconds(), kv_slots.StepPrice(self._step_s)
+        sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price)
         sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),

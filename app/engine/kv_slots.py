@@ -8,12 +8,14 @@ own numbers, and unit tests call them directly.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import msgspec
 
 from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
 from app.engine.protocol import GeneratePayload, SamplingParams
+from app.model_queues import ModelWork
 
 
 class SlotTable:
@@ -97,23 +99,78 @@ def steps_until_start(
 DEADLINE_FIT_SHARE = 0.9
 
 
-def tokens_within(time_left_s: float, wait_s: float, step_s: float, room: int) -> int:
-    """New tokens (at most `room`) a sequence starting after `wait_s` can generate at
-    `step_s` a step within `DEADLINE_FIT_SHARE` of `time_left_s`; `room` while no step
-    time is known yet."""
-    if step_s <= 0:
-        return room
-    return max(0, min(room, int((time_left_s - wait_s) * DEADLINE_FIT_SHARE / step_s)))
+@dataclass(frozen=True, slots=True)
+class StepPrice:
+    """What a sequence's steps cost in time once it runs: `step_s` of its own compute each,
+    and, for each dispatch of `steps_per_dispatch` steps, a turn of every other model with
+    work (`turn_s`: their next batches, divided among the compute slots, as `model_queues`
+    counts them), those turns `turns_s` in all at most (the other models' work beyond what
+    the sequence's wait already counted)."""
+
+    step_s: float
+    turn_s: float = 0.0
+    turns_s: float = 0.0
+    steps_per_dispatch: int = 1
+
+    def seconds(self, tokens: int) -> float:
+        """The time `tokens` steps take."""
+        turns = min(-(-tokens // self.steps_per_dispatch) * self.turn_s, self.turns_s)
+        return tokens * self.step_s + turns
+
+    def tokens_within(self, seconds: float, room: int) -> int:
+        """The most steps (at most `room`) that take no more than `seconds`; `room` while no
+        step time is known yet."""
+        if self.step_s <= 0 or seconds <= 0:
+            return room if self.step_s <= 0 else 0
+        # While the others' turns last each dispatch pays one; past them, steps alone.
+        per_step = self.step_s + self.turn_s / self.steps_per_dispatch
+        tokens = int(seconds / per_step)
+        if tokens * (per_step - self.step_s) > self.turns_s:
+            tokens = int((seconds - self.turns_s) / self.step_s)
+        while tokens > 0 and self.seconds(tokens) > seconds:  # whole dispatches: round down
+            tokens -= 1
+        return max(0, min(room, tokens))
+
+
+def step_price(
+    model: str,
+    works: Mapping[str, ModelWork] | None,
+    workers: int,
+    step_s: float,
+    steps_per_dispatch: int,
+) -> StepPrice:
+    """`model`'s steps priced with the other models' turns between its dispatches, from
+    every model's work as admission saw it (`works`; None: steps alone): each other model
+    with work takes a turn before each dispatch, for its turns left after those the wait
+    counted (`model_queues.wait_ahead`: before each of `model`'s dispatches ahead, and
+    one more)."""
+    if not works:
+        return StepPrice(step_s, steps_per_dispatch=steps_per_dispatch)
+    own = works.get(model)
+    counted = own.batches_ahead + 1 if own is not None else 1
+    others = [w for name, w in works.items() if name != model and w.turns > 0]
+    return StepPrice(
+        step_s,
+        turn_s=sum(w.next_batch_s for w in others) / workers,
+        turns_s=sum(max(0, w.turns - counted) * w.next_batch_s for w in others) / workers,
+        steps_per_dispatch=steps_per_dispatch,
+    )
+
+
+def tokens_within(time_left_s: float, wait_s: float, price: StepPrice, room: int) -> int:
+    """New tokens (at most `room`) a sequence starting after `wait_s` can generate within
+    `DEADLINE_FIT_SHARE` of `time_left_s`, its steps priced at `price`."""
+    return price.tokens_within((time_left_s - wait_s) * DEADLINE_FIT_SHARE, room)
 
 
 def fitted_sampling(
-    sampling: SamplingParams, time_left_s: float, wait_s: float, step_s: float
+    sampling: SamplingParams, time_left_s: float, wait_s: float, price: StepPrice
 ) -> SamplingParams:
     """`sampling`, its `max_new_tokens` lowered to what the deadline leaves time for when the
     client set no limit (`fit_to_deadline`; at least one token)."""
     if not sampling.fit_to_deadline:
         return sampling
-    fitted = tokens_within(time_left_s, wait_s, step_s, sampling.max_new_tokens)
+    fitted = tokens_within(time_left_s, wait_s, price, sampling.max_new_tokens)
     return msgspec.structs.replace(sampling, max_new_tokens=max(1, fitted))
 
 

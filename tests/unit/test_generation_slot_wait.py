@@ -28,6 +28,7 @@ from app.engine.inprocess import InProcessEngine
 from app.engine.kv_slots import steps_until_start
 from app.engine.protocol import (
     EmbedPayload,
+    Failure,
     GeneratePayload,
     ModelInfo,
     SamplingParams,
@@ -179,8 +180,10 @@ async def test_a_sequence_without_a_limit_is_planned_against_its_admitted_wait(
 ) -> None:
     """With `minilm` flooded, a chat request without `max_tokens` waits for what runs of
     it and its next batch (600 ms) before its first step, although a KV-cache slot is
-    free: planned against the slot's wait alone (none), it was given 94 steps of 10 ms of
-    its 1.05 s, ran past its deadline and ended there, cut short."""
+    free, and each of its steps then waits a `minilm` batch (100 ms) too. Planned against
+    the slot's wait alone (none) and its steps' compute alone, it was given 94 steps of
+    10 ms of its 1.05 s; against its admitted wait alone, 40: either ran to its deadline
+    and ended there, cut short."""
     core = engine.core
     host = generation_host(engine)
     flood = ModelWork(running_s=0.5, queued_s=5.0, next_batch_s=0.1, batches_ahead=50, turns=51)
@@ -189,5 +192,21 @@ async def test_a_sequence_without_a_limit_is_planned_against_its_admitted_wait(
     deadline = core.clock() + 1.05
     core.submit(b"fe", Submit(1, "tiny", deadline, GeneratePayload([1, 7], sampling)), ignore)
     [sequence] = host._batch.waiting
-    # 90 % of the 450 ms left after its wait, in steps of 10 ms.
-    assert sequence.sampling.max_new_tokens == 40
+    # 90 % of the 450 ms left after its wait, in steps of 10 ms and a 100 ms turn each.
+    assert sequence.sampling.max_new_tokens == 3
+
+
+async def test_a_limit_the_deadline_cannot_hold_beside_a_flood_is_refused_at_once(
+    engine: InProcessEngine,
+) -> None:
+    """40 tokens of 10 ms fit the 450 ms its deadline leaves after the wait, but not with a
+    100 ms `minilm` batch before each: refused 504 at admission, where it was admitted on
+    its compute alone and failed partway, at its deadline."""
+    core = engine.core
+    flood = ModelWork(running_s=0.5, queued_s=5.0, next_batch_s=0.1, batches_ahead=50, turns=51)
+    core.hosts["minilm"].current = flood  # type: ignore[attr-defined]
+    answers: list[object] = []
+    payload = GeneratePayload([1, 7], SamplingParams(max_new_tokens=40))
+    core.submit(b"fe", Submit(1, "tiny", core.clock() + 1.05, payload), answers.append)
+    [refusal] = answers
+    assert isinstance(refusal, Failure) and refusal.reason == RejectReason.DEADLINE.value

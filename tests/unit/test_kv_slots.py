@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from app.admission import RejectReason
-from app.engine.kv_slots import SlotTable, payload_problem, start_verdict, steps_until_start
+from app.engine.kv_slots import (
+    SlotTable,
+    StepPrice,
+    payload_problem,
+    start_verdict,
+    step_price,
+    steps_until_start,
+)
 from app.engine.protocol import GeneratePayload, SamplingParams
+from app.model_queues import ModelWork
 
 
 def test_slot_table_hands_out_lowest_free_slot_and_takes_back_only_held_ones() -> None:
@@ -88,3 +96,31 @@ def test_the_deadline_must_hold_the_wait_and_the_generation() -> None:
     refused = start_verdict(0.0, 2.0, deadline=1.0, now=0.0, max_queue_delay_s=0.1)
     assert refused is not None and refused.reason is RejectReason.DEADLINE
     assert start_verdict(0.0, 0.5, deadline=1.0, now=0.0, max_queue_delay_s=0.1) is None
+
+
+def test_steps_are_priced_with_the_other_models_turns_between_them() -> None:
+    """Each dispatch pays a turn of the other models while they have turns left; past
+    them, steps alone; whole dispatches."""
+    assert StepPrice(0.01).tokens_within(0.405, 200) == 40
+    assert StepPrice(0.01, turn_s=0.1, turns_s=5.0).tokens_within(0.405, 200) == 3
+    # One turn left: it is paid once, then steps alone (0.3 + 0.1 <= 0.405).
+    assert StepPrice(0.01, turn_s=0.1, turns_s=0.1).tokens_within(0.405, 200) == 30
+    # Four steps a dispatch: a turn for each started four (10 steps: 3 turns, 0.4 s).
+    four = StepPrice(0.01, turn_s=0.1, turns_s=5.0, steps_per_dispatch=4)
+    assert four.tokens_within(0.405, 200) == 10
+    assert four.seconds(10) == pytest.approx(0.4)
+    assert StepPrice(0.0).tokens_within(1.0, 7) == 7  # no step time yet: the room
+    assert StepPrice(0.01).tokens_within(-1.0, 7) == 0
+
+
+def test_a_price_counts_the_turns_left_after_those_the_wait_counted() -> None:
+    works = {
+        "tiny": ModelWork(0.0, 0.0, 0.01, batches_ahead=1, turns=3),
+        "minilm": ModelWork(0.0, 1.0, 0.1, turns=5),
+        "idle": ModelWork(0.0, 0.0, 0.0, turns=0),
+    }
+    price = step_price("tiny", works, 2, 0.01, 1)
+    # The wait counted 2 of minilm's 5 turns: 3 left, each 0.1 s over 2 compute slots.
+    assert (price.step_s, price.turn_s, price.steps_per_dispatch) == (0.01, 0.05, 1)
+    assert price.turns_s == pytest.approx(0.15)
+    assert step_price("tiny", None, 2, 0.01, 1) == StepPrice(0.01)

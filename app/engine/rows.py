@@ -55,7 +55,7 @@ def admit_rows(
     queued = scheduler.queued(bucket)
     last_batch = (queued + rows - 1) // full_rows  # its bucket's that its last input runs in
     queue = BatchQueue(
-        backlog_s=bucket_wait(scheduler, load, bucket, last_batch),
+        backlog_s=bucket_wait(load, -(-queued // full_rows), last_batch),
         queued=queued,
         seconds_per_input=full_batch_s / full_rows / load.workers,
         batch_rows=full_rows,
@@ -70,23 +70,21 @@ def admit_rows(
     return naming(load.model, delay_verdict(estimate, deadline, load.now, load.max_queue_delay_s))
 
 
-def bucket_wait(scheduler: Scheduler, load: EngineLoad, bucket: int, last_batch: int) -> float:
+def bucket_wait(load: EngineLoad, bucket_batches: int, last_batch: int) -> float:
     """`load.backlog_s` with a turn of every other model counted before each batch of
-    `load.model` queued in its other length buckets and each of `bucket`'s up to its
-    `last_batch` (`model_queues.wait_ahead`'s `rounds`). `backlog_s` alone counts all of
-    the model's batches but a partial one an input may join (the least over the buckets,
-    what front ends judge before the body): one short for an input in another bucket than
-    that partial batch, which runs first (the scheduler takes ready buckets oldest first),
-    and for one whose rows fill several batches, each a turn of the others. `backlog_s`
-    alone too when `load` holds no works."""
+    `load.model` queued in its other length buckets and each of its own bucket's up to
+    its `last_batch` (`model_queues.wait_ahead`'s `rounds`), its own bucket holding
+    `bucket_batches` (the others': all the model's batches, `ModelWork.turns`, but
+    those). `backlog_s` alone counts all of the model's batches but a partial one an
+    input may join (the least over the buckets, what front ends judge before the body):
+    one short for an input in another bucket than that partial batch, which runs first
+    (the scheduler takes ready buckets oldest first), and for one whose rows fill several
+    batches, each a turn of the others. `backlog_s` alone too when `load` holds no works."""
     if load.works is None:
         return load.backlog_s
-    rounds = last_batch + 1
-    policy = scheduler.policy
-    for length in policy.length_buckets:
-        if length != bucket and (queued := scheduler.queued(length)):
-            rounds += -(-queued // policy.max_batch(length))
-    if rounds == load.works.get(load.model, NO_WORK).batches_ahead + 1:
+    own = load.works.get(load.model, NO_WORK)
+    rounds = own.turns - bucket_batches + last_batch + 1
+    if rounds == own.batches_ahead + 1:
         return load.backlog_s  # what it was computed with
     return wait_ahead(load.model, load.works, load.workers, rounds)
 

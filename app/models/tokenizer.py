@@ -131,7 +131,12 @@ class FastTokenizer:
         """Token ids per text; raises `InputTooLong` unless `truncate`, which cuts the text
         and keeps the closing special tokens. Thread-safe."""
         limit = self.max_input_tokens
-        ids = [encoding.ids for encoding in self._backend.encode_batch(list(texts))]
+        # One text (nearly every request) skips the batch call's thread-pool dispatch
+        # (~10 us of ~40); the batch call without offsets, which nothing here reads.
+        if len(texts) == 1:
+            ids = [self._backend.encode(texts[0]).ids]
+        else:
+            ids = [encoding.ids for encoding in self._backend.encode_batch_fast(list(texts))]
         for index, sequence in enumerate(ids):
             if len(sequence) <= limit:
                 continue

@@ -27,6 +27,9 @@ def test_limits_and_ids_match_transformers() -> None:
     assert ours.pad_token_id == reference.pad_token_id
     texts = ["Hello world", "The quick brown fox jumps over the lazy dog", "p99 <= 150 ms"]
     assert ours.tokenize(texts, truncate=False) == reference(texts)["input_ids"]
+    # One text takes its own call (no batch): the same ids.
+    one_at_a_time = [ours.tokenize([text], truncate=False)[0] for text in texts]
+    assert one_at_a_time == reference(texts)["input_ids"]
 
 
 def test_tokenizing_is_safe_across_threads_with_mixed_truncation() -> None:

@@ -61,6 +61,7 @@ from loadtest.generation_phases import (
     pooled,
     transformers_serve,
 )
+from loadtest.httpclient import ConnectionPool, Target
 from loadtest.localserver import REPO_ROOT, free_port
 from loadtest.overload_server import start_server
 from loadtest.proctree import cpu_seconds, stop_process
@@ -113,18 +114,31 @@ def over_http(directory: Path, texts: list[str], options: argparse.Namespace) ->
     models = [{"name": MODEL_NAME, "task": "generate", "source": str(directory)}]
     env = {"STEADY_MODELS": json.dumps(models)}
     server = start_server(free_port(), env, options.out / "generation-steadyserve.log")
-    new, rounds = options.new_tokens, options.rounds
     try:
         server.wait_ready(300)
-        url = f"{server.base_url}/v1/completions"
-        asyncio.run(http_stream_wave(url, MODEL_NAME, texts[:2], 4, "warm-up"))
         engine, front_ends = server.engine_pid(), server.frontend_pids()
         processes = {"front end": front_ends, "engine": [engine] if engine else []}
+        url = f"{server.base_url}/v1/completions"
+        return asyncio.run(_steadyserve_waves(url, texts, options, processes))
+    finally:
+        stop_process(server.process, timeout_s=60)
+
+
+async def _steadyserve_waves(
+    url: str, texts: list[str], options: argparse.Namespace, processes: dict[str, list[int]]
+) -> dict[str, Phase]:
+    """The waves of `over_http`, on one pool of keep-alive connections, with the CPU each
+    process role spent per token in the measured waves."""
+    new, rounds = options.new_tokens, options.rounds
+    pool = ConnectionPool(Target.parse(url))
+    try:
+        await http_stream_wave(pool, MODEL_NAME, texts[:2], 4, "warm-up")
+        await pool.fill(len(texts))
         before = {role: sum(map(cpu_seconds, pids)) for role, pids in processes.items()}
         name = f"steadyserve over HTTP, {len(texts)} at once"
-        whole = [asyncio.run(http_wave(url, MODEL_NAME, texts, new, name)) for _ in range(rounds)]
+        whole = [await http_wave(pool, MODEL_NAME, texts, new, name) for _ in range(rounds)]
         streamed = [
-            asyncio.run(http_stream_wave(url, MODEL_NAME, texts, new, name)) for _ in range(rounds)
+            await http_stream_wave(pool, MODEL_NAME, texts, new, name) for _ in range(rounds)
         ]
         tokens = sum(p.tokens for p in whole + streamed)
         cpu_us = {
@@ -133,9 +147,9 @@ def over_http(directory: Path, texts: list[str], options: argparse.Namespace) ->
         }
         crowd = [texts[i % len(texts)] for i in range(options.overload * len(texts))]
         name = f"HTTP, {options.overload}x overload ({len(crowd)} at once, streamed)"
-        overload = asyncio.run(http_stream_wave(url, MODEL_NAME, crowd, new, name))
+        overload = await http_stream_wave(pool, MODEL_NAME, crowd, new, name)
     finally:
-        stop_process(server.process, timeout_s=60)
+        pool.close()
     return {"steadyserve": _joined(whole, streamed, cpu_us), "overload": overload}
 
 
@@ -163,11 +177,20 @@ def served_by_transformers(
     new, rounds = options.new_tokens, options.rounds
     log = options.out / "generation-transformers-serve.log"
     with transformers_serve(directory, device, dtype, available_cpus(), log) as base:
-        url = f"{base}/v1/completions"
+        pool = ConnectionPool(Target.parse(f"{base}/v1/completions"))
         name = "transformers serve --continuous-batching (HTTP)"
-        asyncio.run(http_wave(url, model, texts[:2], 4, "warm-up"))
-        whole = [asyncio.run(http_wave(url, model, texts, new, name)) for _ in range(rounds)]
-        streamed = [asyncio.run(http_stream_wave(url, model, texts, new, name)) for _ in range(3)]
+
+        async def waves() -> tuple[list[Phase], list[Phase]]:
+            try:
+                await http_wave(pool, model, texts[:2], 4, "warm-up")
+                await pool.fill(len(texts))
+                whole = [await http_wave(pool, model, texts, new, name) for _ in range(rounds)]
+                streamed = [await http_stream_wave(pool, model, texts, new, name) for _ in range(3)]
+            finally:
+                pool.close()
+            return whole, streamed
+
+        whole, streamed = asyncio.run(waves())
     return _joined(whole, streamed, {})
 
 

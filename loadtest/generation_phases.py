@@ -14,11 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from transformers import PreTrainedModel
 from app.admission import Rejected
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.engine.zmq_client import ZmqEngineClient
-from loadtest.httpclient import Target
+from loadtest.httpclient import ConnectionPool
 from loadtest.localserver import free_port
 from loadtest.proctree import stop_process
 from loadtest.stats import nearest_rank
@@ -239,41 +238,29 @@ async def engine_wave(
 
 
 # --- OpenAI completions over HTTP ----------------------------------------------------
-# A minimal HTTP/1.1 client (one connection per request, pre-encoded request bytes, chunked
-# bodies read as they arrive): the client shares the machine's cores with the server it
-# measures, and with hundreds of streams at once httpx's own cost delayed reading so much
-# that an overloaded wave's chunks were read in one go.
-async def _post(target: Target, body: dict[str, Any], on_data: Callable[[bytes], None]) -> int:
-    """POST `body`; `on_data` gets each piece of the response body as it arrives; returns
-    the status."""
-    payload = target.post_bytes(orjson.dumps(body), {"Connection": "close"})
-    reader, writer = await asyncio.open_connection(target.host, target.port)
-    try:
-        writer.write(payload)
-        head = (await reader.readuntil(b"\r\n\r\n")).lower()
-        status = int(head[9:12])
-        if b"transfer-encoding: chunked" in head:
-            while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
-                on_data((await reader.readexactly(size + 2))[:-2])
-            await reader.readuntil(b"\r\n")
-        else:
-            length = re.search(rb"content-length: *(\d+)", head)
-            on_data(await reader.readexactly(int(length.group(1)) if length else 0))
-    finally:
-        writer.close()
-    return status
+# On loadtest/httpclient.py's keep-alive connections, pooled as the openai client pools
+# them and as Envoy pools its upstream ones (in deployment no request opens a connection to
+# a front end): the client shares the machine's cores with the server it measures, and with
+# hundreds of streams at once httpx's own cost delayed reading so much that an overloaded
+# wave's chunks were read in one go.
+HTTP_TIMEOUT_S = 300.0
 
 
-async def _whole(target: Target, body: dict[str, Any]) -> tuple[int, int]:
+def _payload(pool: ConnectionPool, body: dict[str, Any]) -> bytes:
+    return pool.target.post_bytes(orjson.dumps(body))
+
+
+async def _whole(pool: ConnectionPool, body: dict[str, Any]) -> tuple[int, int]:
     """(status, completion tokens) of one non-streamed completion."""
-    pieces: list[bytes] = []
-    status = await _post(target, body, pieces.append)
-    if status != 200:
-        return status, 0
-    return 200, int(orjson.loads(b"".join(pieces))["usage"]["completion_tokens"])
+    response = await pool.request(_payload(pool, body), HTTP_TIMEOUT_S)
+    if response.status != 200:
+        return response.status, 0
+    return 200, int(orjson.loads(response.body)["usage"]["completion_tokens"])
 
 
-async def _streamed(target: Target, body: dict[str, Any]) -> tuple[int, list[float], int | None]:
+async def _streamed(
+    pool: ConnectionPool, body: dict[str, Any]
+) -> tuple[int, list[float], int | None]:
     """(status, arrival times of the chunks that carry text, completion tokens from the
     usage chunk when the server sends one)."""
     sent = time.perf_counter()
@@ -295,18 +282,19 @@ async def _streamed(target: Target, body: dict[str, Any]) -> tuple[int, list[flo
                 if choice.get("text") or (choice.get("delta") or {}).get("content"):
                     arrivals.append(now)
 
-    status = await _post(target, body, on_data)
-    if status != 200:
-        return status, [], None
+    response = await pool.request(_payload(pool, body), HTTP_TIMEOUT_S, on_data)
+    if response.status != 200:
+        return response.status, [], None
     return 200, arrivals, usage[-1] if usage else None
 
 
-async def http_wave(url: str, model: str, prompts: list[str], new: int, name: str) -> Phase:
+async def http_wave(
+    pool: ConnectionPool, model: str, prompts: list[str], new: int, name: str
+) -> Phase:
     """Every prompt at once as a non-streamed completion: tokens/s."""
-    target = Target.parse(url)
     body = {"model": model, "max_tokens": new, "temperature": 0}
     started = time.perf_counter()
-    results = await asyncio.gather(*(_whole(target, {**body, "prompt": p}) for p in prompts))
+    results = await asyncio.gather(*(_whole(pool, {**body, "prompt": p}) for p in prompts))
     seconds = _since(started)
     ok = [tokens for status, tokens in results if status == 200]
     refused = sum(1 for status, _ in results if status == 429)
@@ -314,13 +302,14 @@ async def http_wave(url: str, model: str, prompts: list[str], new: int, name: st
     return Phase(name, len(ok), sum(ok), seconds, refused=refused, errors=errors)
 
 
-async def http_stream_wave(url: str, model: str, prompts: list[str], new: int, name: str) -> Phase:
+async def http_stream_wave(
+    pool: ConnectionPool, model: str, prompts: list[str], new: int, name: str
+) -> Phase:
     """Every prompt at once as a streamed completion: TTFT and TPOT of each answered one."""
     body = {"model": model, "max_tokens": new, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
-    target = Target.parse(url)
     started = time.perf_counter()
-    results = await asyncio.gather(*(_streamed(target, {**body, "prompt": p}) for p in prompts))
+    results = await asyncio.gather(*(_streamed(pool, {**body, "prompt": p}) for p in prompts))
     seconds = _since(started)
     answered = [(arrivals, tokens) for status, arrivals, tokens in results if status == 200]
     ttft = tuple(arrivals[0] * 1000 for arrivals, _ in answered if arrivals)

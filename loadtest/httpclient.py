@@ -16,7 +16,7 @@ import email.utils
 import math
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 from urllib.parse import urlsplit
@@ -121,6 +121,7 @@ class _ResponseReader(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._waiter: asyncio.Future[Response] | None = None
+        self._on_chunk: Callable[[bytes], None] | None = None
         self._reset_response()
 
     def _reset_response(self) -> None:
@@ -158,9 +159,12 @@ class _ResponseReader(asyncio.Protocol):
             self._waiter = None
 
     # -- request side ----------------------------------------------------------------------
-    def send(self, payload: bytes) -> asyncio.Future[Response]:
+    def send(
+        self, payload: bytes, on_chunk: Callable[[bytes], None] | None = None
+    ) -> asyncio.Future[Response]:
         assert self.transport is not None
         self._waiter = self._loop.create_future()
+        self._on_chunk = on_chunk
         self._reset_response()
         self.transport.write(payload)
         return self._waiter
@@ -241,6 +245,8 @@ class _ResponseReader(asyncio.Protocol):
             chunk_end = line_end + 2 + size + 2
             if len(buffer) < chunk_end:
                 return -1
+            if self._on_chunk is not None:
+                self._on_chunk(bytes(buffer[line_end + 2 : line_end + 2 + size]))
             position = self._chunk_position = chunk_end
 
     def _finish(self, end: int) -> None:
@@ -251,6 +257,9 @@ class _ResponseReader(asyncio.Protocol):
             body = bytes(self._buffer[self._head_length : end])
             if self._chunked:
                 body = _join_chunks(body)
+        if self._on_chunk is not None and not self._chunked and end > self._head_length:
+            self._on_chunk(bytes(self._buffer[self._head_length : end]))
+        self._on_chunk = None
         response = Response(self._status, self._retry_after, end - self._head_length, body)
         del self._buffer[:end]
         if self._close_after:
@@ -304,13 +313,20 @@ class HttpConnection:
     def usable(self) -> bool:
         return not self._reader.closed
 
-    async def request(self, payload: bytes, timeout_s: float) -> Response:
-        """Send ``payload`` and wait for the whole response; on a timeout the connection is
-        aborted, because a late response would otherwise be read as the next one's."""
+    async def request(
+        self,
+        payload: bytes,
+        timeout_s: float,
+        on_chunk: Callable[[bytes], None] | None = None,
+    ) -> Response:
+        """Send ``payload`` and wait for the whole response; `on_chunk` is handed each piece
+        of its body as it arrives (a chunk's payload; a body framed by its length, whole). On
+        a timeout the connection is aborted, because a late response would otherwise be read
+        as the next one's."""
         reader = self._reader
         if reader.closed:
             raise RequestError(RequestError.CLOSED, "connection already closed")
-        waiter = reader.send(payload)
+        waiter = reader.send(payload, on_chunk)
         timeout = RequestError(RequestError.TIMEOUT, f"no response in {timeout_s}s")
         timer = self._loop.call_later(timeout_s, reader.fail, timeout)
         try:
@@ -323,3 +339,50 @@ class HttpConnection:
 
     def close(self) -> None:
         self._reader.abort()
+
+
+class ConnectionPool:
+    """Idle keep-alive connections to one target, as a client library keeps them (httpx,
+    the openai client) and Envoy keeps its upstream ones: a request takes an idle one (a new
+    one when none is), and gives it back once its response was read whole, unless the
+    server closed it. One event loop: make, use and close a pool within one `asyncio.run`."""
+
+    def __init__(self, target: Target, keep_body: bool = True) -> None:
+        self.target = target
+        self._keep_body = keep_body
+        self._idle: list[HttpConnection] = []
+
+    async def _take(self) -> HttpConnection:
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.usable:  # else the server closed it while it sat idle
+                return connection
+        return await HttpConnection.open(self.target, keep_body=self._keep_body)
+
+    async def fill(self, count: int) -> None:
+        """Open connections until `count` are idle (so a wave's requests find theirs open)."""
+        self._idle = [connection for connection in self._idle if connection.usable]
+        while len(self._idle) < count:
+            self._idle.append(await HttpConnection.open(self.target, keep_body=self._keep_body))
+
+    async def request(
+        self,
+        payload: bytes,
+        timeout_s: float,
+        on_chunk: Callable[[bytes], None] | None = None,
+    ) -> Response:
+        """`HttpConnection.request` on a connection of the pool's."""
+        connection = await self._take()
+        try:
+            response = await connection.request(payload, timeout_s, on_chunk)
+        except BaseException:
+            connection.close()
+            raise
+        if connection.usable:
+            self._idle.append(connection)
+        return response
+
+    def close(self) -> None:
+        for connection in self._idle:
+            connection.close()
+        self._idle.clear()

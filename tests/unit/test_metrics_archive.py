@@ -4,7 +4,9 @@ a scrape never runs while a fold does."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -150,3 +152,93 @@ def test_a_fold_replaces_and_deletes_under_the_lock(
     monkeypatch.setattr(metrics_archive.os, "remove", checked_remove)
     compact_dead_process(str(directory), 101)
     assert locked and all(locked)
+
+
+def test_the_archive_is_allocated_before_it_is_written_and_never_grown(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prometheus_client's writer grows a new file sparsely (truncate) and writes it through
+    mmap: on a full disk a write to a page with no block behind it is SIGBUS, which killed
+    the supervisor. The archive's bytes are allocated first, enough for every value (here
+    over the library's first 64 KiB), so the library never grows it."""
+    many = {counter({"reason": f"r{index:05d}"}): float(index) for index in range(3000)}
+    write(directory / "counter_105.db", many)
+    allocate = os.posix_fallocate
+    reserved: list[int] = []
+
+    def recorded(fd: int, offset: int, length: int) -> None:
+        reserved.append(offset + length)
+        allocate(fd, offset, length)
+
+    monkeypatch.setattr(metrics_archive.os, "posix_fallocate", recorded)
+    compact_dead_process(str(directory), 105)
+    archive = (directory / "counter_archive.db").stat()
+    assert reserved and reserved[-1] == archive.st_size > 1 << 16
+    assert archive.st_blocks * 512 >= archive.st_size  # not sparse
+    after = samples(directory)
+    assert after[("steadyserve_demo_total", (("reason", "r02999"),))] == 2999.0
+    assert after[("steadyserve_demo_total", (("reason", "rate"),))] == 111.0
+
+
+def no_space(fd: int, offset: int, length: int) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_fails_the_fold_with_an_os_error_and_loses_nothing(
+    directory: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system this test cannot fill: ENOSPC from the allocation. The archive and the
+    dead process's files stay as they were (its counters still counted), no half-written
+    file is left, and its gauges are dropped all the same."""
+    compact_dead_process(str(directory), 103)  # an archive to keep
+    before = samples(directory)
+    archived = (directory / "counter_archive.db").read_bytes()
+    monkeypatch.setattr(metrics_archive.os, "posix_fallocate", no_space)
+    with pytest.raises(OSError, match="No space left"):
+        compact_dead_process(str(directory), 101)
+    assert (directory / "counter_archive.db").read_bytes() == archived
+    assert (directory / "counter_101.db").exists()
+    assert not list(directory.glob("*.tmp"))
+    assert not (directory / "gauge_livesum_101.db").exists()
+    after = samples(directory)
+    assert after.pop(("steadyserve_busy", ())) == 10.0  # 101's gauge gone, 102's left
+    assert after == {k: v for k, v in before.items() if k[0] != "steadyserve_busy"}
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "full"),
+        RuntimeError("Read beyond file size detected, file is corrupted."),
+    ],
+)
+def test_a_failed_fold_drops_the_dead_process_gauges_all_the_same(
+    directory: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """Its in-flight and queue-depth gauges stayed on /metrics after the fold failed."""
+
+    def fails(directory: str, metric_type: str, dead: str) -> None:
+        raise failure
+
+    monkeypatch.setattr(metrics_archive, "_fold", fails)
+    with pytest.raises(type(failure)):
+        compact_dead_process(str(directory), 101)
+    assert not (directory / "gauge_livesum_101.db").exists()
+    assert samples(directory)[("steadyserve_busy", ())] == 110.0
+
+
+async def test_a_failed_fold_is_logged_with_its_traceback_and_never_raised(
+    directory: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only an OSError was caught: the library's 'file is corrupted' RuntimeError ended the
+    supervisor's task that awaited the fold."""
+
+    def corrupted(directory: str, pid: int) -> None:
+        raise RuntimeError("Read beyond file size detected, file is corrupted.")
+
+    monkeypatch.setattr(metrics_archive, "compact_dead_process", corrupted)
+    with caplog.at_level(logging.ERROR, logger="app.metrics_archive"):
+        await metrics_archive.forget_dead_process(101)
+    [record] = caplog.records
+    assert record.getMessage() == "could not fold the metrics of dead process 101"
+    assert record.exc_info is not None and "corrupted" in str(record.exc_info[1])

@@ -1,10 +1,12 @@
 """The entry point of one front-end process of `steadyserve serve`'s tree: its signals, its
 socket on the shared port and the word it sends its supervisor (`app/processes.py`) once its
-start-up succeeded. Runs in the front-end process, before and around uvicorn.
+start-up succeeded, then its heartbeats (`StartPipe`, on its event loop). Runs in the
+front-end process, before and around uvicorn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -13,6 +15,7 @@ from multiprocessing.connection import Connection
 
 from app.engine.orphans import die_with_parent
 from app.engine.zmq_client import EngineAddresses
+from app.frontend_heartbeats import HEARTBEAT_INTERVAL_S
 from app.settings import Settings
 from app.shared_port import shared_port_socket
 
@@ -31,6 +34,8 @@ DRAIN_OR_STOP = signal.SIGUSR1
 
 # What a front end writes on its start pipe once its start-up succeeded.
 STARTED = b"started"
+# What its event loop writes there every `HEARTBEAT_INTERVAL_S` after that (`StartPipe`).
+HEARTBEAT = b"beat"
 
 
 def drained(exitcode: int | None) -> bool:
@@ -38,6 +43,43 @@ def drained(exitcode: int | None) -> bool:
     signal itself when it came before the front end's start-up had installed its handler
     (a stop right after a front end was started or restarted; it had served nothing)."""
     return exitcode in (0, -DRAIN_OR_STOP)
+
+
+class StartPipe:
+    """A front end's end of its start pipe (`started`, the write end), in the front-end
+    process, on its event loop: `STARTED` once its start-up succeeded, then a `HEARTBEAT`
+    every `interval_s` from a task on that loop, so a loop that blocks (a C extension
+    spinning, a deadlock) stops saying it and the supervisor kills the front end
+    (`app/frontend_heartbeats.py`); closed with nothing said when its start-up failed."""
+
+    def __init__(self, started: Connection, interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        self._pipe = started
+        self._interval_s = interval_s
+        self._beats: asyncio.Task[None] | None = None  # held: the loop holds tasks weakly
+
+    def on_started(self, ok: bool) -> None:
+        """`create_app`'s `on_started`: called on the front end's event loop once its
+        start-up succeeded (`ok`) or failed. The pipe stays open for the heartbeats until
+        the process exits."""
+        if not ok:  # uvicorn's start-up fails, and run_uvicorn returns 1
+            self._pipe.close()
+            return
+        self._pipe.send_bytes(STARTED)
+        self._beats = asyncio.get_running_loop().create_task(self._beat(), name="heartbeat")
+
+    async def _beat(self) -> None:
+        """Never blocks the loop: each beat is one write of a few bytes, which a pipe takes
+        whole or not at all; a full pipe (the supervisor's own loop held up) drops it, a
+        broken one (the supervisor gone: this process dies with it) ends the task."""
+        os.set_blocking(self._pipe.fileno(), False)
+        while True:
+            await asyncio.sleep(self._interval_s)
+            try:
+                self._pipe.send_bytes(HEARTBEAT)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return
 
 
 def run_frontend_process(
@@ -49,10 +91,11 @@ def run_frontend_process(
     created: int,
 ) -> None:
     """Entry point of one front-end process. Writes `STARTED` on `started` (the write end of
-    its start pipe) once its start-up succeeded: the supervisor counts it as serving from
-    then on; a start-up that fails ends the process (exit status 1), which the supervisor
-    restarts with backoff. `created`: when the process tree started (the served models'
-    `created` on /v1/models, the same in every front end)."""
+    its start pipe) once its start-up succeeded, then a `HEARTBEAT` from its event loop every
+    `HEARTBEAT_INTERVAL_S`: the supervisor counts it as serving while it hears them, and
+    kills it once they stop; a start-up that fails ends the process (exit status 1), which
+    the supervisor restarts with backoff (`StartPipe`). `created`: when the process tree
+    started (the served models' `created` on /v1/models, the same in every front end)."""
     die_with_parent(parent_pid)
     # Until uvicorn installs its handlers: a drain asked for during start-up is a clean
     # exit, and the group's SIGTERM/SIGINT are the parent's to handle.
@@ -68,16 +111,11 @@ def run_frontend_process(
     os.nice(settings.frontend_nice)
     sock = shared_port_socket(settings.host, settings.port)
 
-    def on_started(ok: bool) -> None:
-        if ok:  # else uvicorn's start-up fails, and run_uvicorn returns 1
-            started.send_bytes(STARTED)
-        started.close()
-
     app = create_app(
         settings,
         engine_addresses=addresses,
         frontend_processes=processes,
-        on_started=on_started,
+        on_started=StartPipe(started).on_started,
         created=created,
     )
     sys.exit(run_uvicorn(app, settings, sockets=[sock], in_process_tree=True))

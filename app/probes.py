@@ -86,7 +86,7 @@ def readiness(
         if restart is not None and state != "ready":
             problem = "; ".join(filter(None, (problem, restart_problem(restart))))
     if state == "ready" and not can_serve:
-        state, problem = "frontend_unavailable", "no front end is running"
+        state, problem = "frontend_unavailable", "no front end is serving"
     return Readiness(
         ready=state == "ready",
         status=state,

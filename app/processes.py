@@ -10,7 +10,8 @@ The parent sets prometheus_client's multiprocess directory before any child star
 process's metrics appear on /metrics of any front end and of the probe port. On SIGTERM or
 SIGINT it asks the front ends to drain (each answers what it admitted, then exits), then
 stops the engine; a second signal stops everything at once. Front ends that die are restarted
-too. Runs on the parent's event loop thread (each front end starts in `app/frontend_process.py`).
+too, and so are those whose event loop went silent (killed: `app/frontend_heartbeats.py`).
+Runs on the parent's event loop thread (each front end starts in `app/frontend_process.py`).
 """
 
 from __future__ import annotations
@@ -41,19 +42,15 @@ from app.engine.zmq_client import (
     StatusSubscriber,
     send_now,
 )
-from app.frontend_process import (
-    DRAIN_OR_STOP,
-    STARTED,
-    configure_logging,
-    drained,
-    run_frontend_process,
-)
+from app.frontend_heartbeats import FrontendHeartbeats
+from app.frontend_process import HEARTBEAT, STARTED, configure_logging, run_frontend_process
 from app.metrics import scrape_processes
 from app.metrics_archive import MULTIPROCESS_DIR_ENV, forget_dead_process
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.run_dir import run_directory
 from app.settings import Settings
 from app.shared_port import PortUnavailable, reserve_shared_port
+from app.stopping import drain_frontends, drained_all, kill_now
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)
@@ -63,8 +60,9 @@ log = logging.getLogger(__name__)
 # pod should be restarted: an engine that crash-loops (a model that cannot load, a device
 # that fails) would otherwise leave it NotReady forever, live in Kubernetes' eyes.
 RESTARTS_BEFORE_UNHEALTHY = 5
-# How often the supervisor looks whether its engine is stuck (`ProcessTree._check_engine`).
-ENGINE_CHECK_INTERVAL_S = 1.0
+# How often the supervisor looks whether its engine is stuck (`ProcessTree._check_engine`)
+# or a front end hung (`ProcessTree._check_frontends`).
+CHECK_INTERVAL_S = 1.0
 
 
 class ProcessTree:
@@ -78,7 +76,8 @@ class ProcessTree:
         make_core: CoreFactory | None = None,
     ) -> None:
         """`clock` times how long each child has served (its restart backoff resets after
-        `STABLE_AFTER_S` of it); `make_core`: see `run_engine_process`."""
+        `STABLE_AFTER_S` of it) and each front end's silence; `make_core`: see
+        `run_engine_process`."""
         self.settings = settings
         self.run_dir = run_dir
         self.addresses = EngineAddresses.in_directory(run_dir)
@@ -90,8 +89,9 @@ class ProcessTree:
             settings, self.addresses, on_exit=self._engine_exited, clock=clock, make_core=make_core
         )
         self.frontends: list[BaseProcess] = []
-        # When the supervisor heard each front end's start-up succeed; None: not (yet).
-        self._frontends_serving_since: list[float | None] = []
+        # What the supervisor heard on each front end's start pipe (its start-up, heartbeats).
+        self._heartbeats = FrontendHeartbeats(clock)
+        self.hung_frontends = 0  # front ends killed for their silence (the log counts them)
         self._metric_folds: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._forced = False
@@ -114,11 +114,12 @@ class ProcessTree:
 
     def _answer_probe(self, path: str) -> tuple[int, bytes]:
         """The verdicts a front end would give, from the supervisor's view: the engine's
-        published status, whether any front end is running, whether it is stopping."""
+        published status, whether any front end serves (alive, started, heartbeating: one
+        whose loop hung takes connections it never answers), whether it is stopping."""
         engine = self._running_engine_status()
         can_serve = any(
-            process.is_alive() and since is not None
-            for process, since in zip(self.frontends, self._frontends_serving_since, strict=True)
+            process.is_alive() and self._heartbeats.heartbeating(index)
+            for index, process in enumerate(self.frontends)
         )
         ready = readiness(engine, None, self._stopping, can_serve, self.engine.restart)
         pod_problem = self._crash_loop() or self.engine.unkillable()
@@ -137,7 +138,7 @@ class ProcessTree:
     def _check_engine(self) -> None:
         """Kill the engine if it is alive but stuck (`EngineSupervisor.overdue`, or silent
         `STALE_AFTER_S` since its last status); the supervisor restarts it with backoff.
-        Every `ENGINE_CHECK_INTERVAL_S` (`_watch_engine`), not only when a probe asks:
+        Every `CHECK_INTERVAL_S` (`_watch_children`), not only when a probe asks:
         without `STEADY_HEALTH_PORT` nothing asked, and a hung engine was never replaced."""
         if self._stopping:
             return
@@ -145,19 +146,38 @@ class ProcessTree:
         if why is not None:
             self.engine.kill(why)
 
+    def _check_frontends(self) -> None:
+        """SIGKILL each front end alive but silent (`FrontendHeartbeats.overdue`: its loop
+        is hung); `_keep_frontend` sees it die and restarts it with backoff. Every
+        `CHECK_INTERVAL_S` (`_watch_children`); not while stopping (the drain has its own
+        deadline). Each is this supervisor's own child, killed by its pid."""
+        if self._stopping:
+            return
+        for index, process in enumerate(self.frontends):
+            why = self._heartbeats.overdue(index)
+            if why is None or not process.is_alive():
+                continue
+            self._heartbeats.give_up(index)
+            self.hung_frontends += 1
+            log.error(
+                "front end %d %s: killing it (hung #%d)", process.pid, why, self.hung_frontends
+            )
+            process.kill()
+
     def _start_watchers(self) -> list[asyncio.Task[None]]:
         """What keeps the tree whole while it serves: a task per front end (restarted when it
-        dies) and the engine's stuck check (`_watch_engine`). Cancelled at the stop."""
+        dies) and the stuck checks (`_watch_children`). Cancelled at the stop."""
         watchers = [
             asyncio.create_task(self._keep_frontend(index)) for index in range(self.frontend_count)
         ]
-        watchers.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
+        watchers.append(asyncio.create_task(self._watch_children(), name="children-watch"))
         return watchers
 
-    async def _watch_engine(self) -> None:
+    async def _watch_children(self) -> None:
         while not self._stopping:
-            await asyncio.sleep(ENGINE_CHECK_INTERVAL_S)
+            await asyncio.sleep(CHECK_INTERVAL_S)
             self._check_engine()
+            self._check_frontends()
 
     def _crash_loop(self) -> str | None:
         """Why the pod should be restarted, if its engine keeps dying without being ready."""
@@ -187,7 +207,7 @@ class ProcessTree:
 
     def _spawn_frontend(self, index: int) -> None:
         # A pipe, not a shared flag: its end turns readable the moment the front end says it
-        # started (or dies), so the supervisor times its serving on its own clock.
+        # started, beats, or dies, so the supervisor times them on its own clock.
         heard, started = self._context.Pipe(duplex=False)
         frontend = (self.settings, self.addresses, self.frontend_count, started, os.getpid())
         process = self._context.Process(
@@ -202,36 +222,38 @@ class ProcessTree:
             started.close()  # the child's copy is the only one left: its death is EOF
         if index == len(self.frontends):
             self.frontends.append(process)
-            self._frontends_serving_since.append(None)
         else:
-            self.frontends[index], self._frontends_serving_since[index] = process, None
+            self.frontends[index] = process
+        self._heartbeats.spawned(index)
         asyncio.get_running_loop().add_reader(
             heard.fileno(), self._heard_frontend, index, process, heard
         )
 
     def _heard_frontend(self, index: int, process: BaseProcess, heard: Connection) -> None:
-        """The start pipe of front end `index` turned readable: `STARTED`, or its death before
-        start-up succeeded (EOF). Read once, then closed."""
-        asyncio.get_running_loop().remove_reader(heard.fileno())
+        """The start pipe of front end `index` turned readable: `STARTED`, a `HEARTBEAT`,
+        or EOF (its death), after which it is closed. A message is one write of a few
+        bytes, whole once readable: reading it never blocks the loop."""
         try:
             said = heard.recv_bytes()
         except (EOFError, OSError):
-            said = b""
-        finally:
+            asyncio.get_running_loop().remove_reader(heard.fileno())
             heard.close()
+            return
         if said == STARTED:
             self._frontend_started(index, process)
+        elif said == HEARTBEAT and self.frontends[index] is process:
+            self._heartbeats.beat(index)
 
     def _frontend_started(self, index: int, process: BaseProcess) -> None:
         """Front end `index` (`process`) said its start-up succeeded: it serves from now."""
         if self.frontends[index] is process:  # not a replaced one's late word
-            self._frontends_serving_since[index] = self._clock()
+            self._heartbeats.started(index)
 
     def _served_stable(self, index: int) -> bool:
         """Whether front end `index` (just dead) had served for `STABLE_AFTER_S`: counted
         from its start-up's success, so one that crash-loops in a long start-up keeps
         backing off."""
-        since = self._frontends_serving_since[index]
+        since = self._heartbeats.serving_since(index)
         return since is not None and self._clock() - since >= STABLE_AFTER_S
 
     async def run(self) -> int:
@@ -250,15 +272,9 @@ class ProcessTree:
         try:
             return await self._serve()
         except BaseException:
-            self._kill_children()
+            kill_now([*self.frontends, self.engine.process], reap=True)
             self._zmq.destroy(linger=0)
             raise
-
-    def _kill_children(self) -> None:
-        for process in [*self.frontends, self.engine.process]:
-            if process is not None and process.is_alive():
-                process.kill()
-                process.join(5)
 
     async def _serve(self) -> int:
         loop = asyncio.get_running_loop()
@@ -297,16 +313,14 @@ class ProcessTree:
         liveness before start-up succeeds, so such a pod is stopped, not found unhealthy:
         its exit must say it failed); being stopped at once on a second signal is what the
         operator asked for."""
-        clean = all(drained(p.exitcode) for p in self.frontends) and self._crash_loop() is None
+        clean = drained_all(self.frontends) and self._crash_loop() is None
         return 0 if self._forced or clean else 1
 
     def _on_signal(self, sig: int) -> None:
         if self._stopping:
             log.warning("second %s: stopping at once", signal.Signals(sig).name)
             self._forced = True
-            for process in [*self.frontends, self.engine.process]:
-                if process is not None and process.is_alive():
-                    process.kill()
+            kill_now([*self.frontends, self.engine.process], reap=False)
             return
         self._stopping = True
         self.engine.stop_restarting()
@@ -318,20 +332,8 @@ class ProcessTree:
         one budget, which the pod's grace period covers (deploy/k8s: preStop + drain +
         margin); waits of their own for each (70 s for the front ends, 10 for the engine)
         added up past it, and the kubelet's SIGKILL left the run directory behind."""
-        await self._drain_frontends(stop_by - ENGINE_STOP_S)
+        await drain_frontends(self.frontends, stop_by - ENGINE_STOP_S)
         await self.engine.stop(timeout_s=max(1.0, stop_by - time.monotonic()))
-
-    async def _drain_frontends(self, give_up_at: float) -> None:
-        for process in self.frontends:
-            if process.is_alive() and process.pid is not None:
-                os.kill(process.pid, DRAIN_OR_STOP)
-        # One deadline for all of them, not a fresh one per front end (k hung front ends
-        # took k times as long).
-        for process in self.frontends:
-            await asyncio.to_thread(process.join, max(0.0, give_up_at - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                await asyncio.to_thread(process.join, 5)
 
     async def _keep_frontend(self, index: int) -> None:
         """Restart a front end that dies (with backoff), until the server stops."""

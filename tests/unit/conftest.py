@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,6 @@ from tests.support.process_tree import StandIn
 async def tree(tmp_path: Path) -> AsyncIterator[ProcessTree]:
     tree = ProcessTree(Settings(), tmp_path)
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
-    tree._frontends_serving_since = [time.monotonic()]  # its start-up succeeded
+    tree._heartbeats.started(0)  # its start-up succeeded (now, on the tree's real clock)
     yield tree
     tree._zmq.destroy(linger=0)

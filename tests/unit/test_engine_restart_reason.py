@@ -70,7 +70,7 @@ async def tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator
     )
     tree = ProcessTree(settings, tmp_path, clock=ManualClock(1000.0))
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
-    tree._frontends_serving_since = [1000.0]
+    tree._heartbeats.started(0)
     engines = iter([Engine(501), Engine(502), Engine(503)])
 
     def spawn() -> Engine:

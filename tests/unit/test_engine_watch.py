@@ -39,7 +39,7 @@ async def tree(tmp_path: Path, clock: ManualClock) -> AsyncIterator[ProcessTree]
     )
     tree = ProcessTree(settings, tmp_path, clock=clock)
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
-    tree._frontends_serving_since = [clock()]
+    tree._heartbeats.started(0)
     yield tree
     tree._zmq.destroy(linger=0)
 
@@ -180,9 +180,9 @@ async def test_the_check_runs_on_the_supervisors_own_timer(
         if len(checks) == 3:
             tree._stopping = True
 
-    monkeypatch.setattr("app.processes.ENGINE_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr("app.processes.CHECK_INTERVAL_S", 0.0)
     monkeypatch.setattr(tree, "_check_engine", check)
-    await asyncio.wait_for(tree._watch_engine(), 10)
+    await asyncio.wait_for(tree._watch_children(), 10)
     assert len(checks) == 3
 
 
@@ -237,7 +237,7 @@ async def test_the_served_tree_watches_its_engine_from_the_start(
     async def keeps_nothing(index: int) -> None:
         await asyncio.Event().wait()
 
-    monkeypatch.setattr("app.processes.ENGINE_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr("app.processes.CHECK_INTERVAL_S", 0.0)
     monkeypatch.setattr(tree, "_keep_frontend", keeps_nothing)
     engine = StandIn(666)
     spawned(tree, clock, engine)

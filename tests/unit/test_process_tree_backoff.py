@@ -113,7 +113,8 @@ def dying_frontends(
         if len(spawned) == 3:
             tree._stopping = True
         spawned.append(StandIn(400 + len(spawned)))
-        tree.frontends[index], tree._frontends_serving_since[index] = spawned[-1], None  # type: ignore[call-overload]
+        tree.frontends[index] = spawned[-1]  # type: ignore[call-overload]
+        tree._heartbeats.spawned(index)
 
     async def runs_70_s(process: StandIn) -> None:
         if tree._stopping:
@@ -163,7 +164,6 @@ async def test_the_front_end_restart_backoff_resets_after_a_minute_serving_not_r
     settings = Settings(engine_restart_backoff_s=(0.001, 0.004))
     tree = ProcessTree(settings, tmp_path, clock=lambda: clock[0])
     tree.frontends = [StandIn(10)]  # type: ignore[list-item]
-    tree._frontends_serving_since = [None]
     backoffs = dying_frontends(tree, monkeypatch, clock, serving_after_s)
     try:
         await asyncio.wait_for(tree._keep_frontend(0), timeout=10)
@@ -197,7 +197,8 @@ async def test_a_front_end_serves_from_when_its_start_pipe_says_so(
 ) -> None:
     """The supervisor hears a front end's start-up succeed on its event loop, at once, and
     times its serving on its own clock from then; one whose start-up failed (its pipe closed
-    with nothing said) never serves, and its pipe is closed."""
+    with nothing said) never serves. Either way the supervisor closes its end at the EOF
+    (the front end's exit), not before: the pipe carries the heartbeats after `STARTED`."""
     clock = [1000.0]
     tree = ProcessTree(Settings(), tmp_path, clock=lambda: clock[0])
 
@@ -213,7 +214,8 @@ async def test_a_front_end_serves_from_when_its_start_pipe_says_so(
     def heard_frontend(index: int, process: StandIn, pipe: Connection) -> None:
         pipes.append(pipe)
         really_heard(index, process, pipe)  # type: ignore[arg-type]
-        heard.set()
+        if pipe.closed:  # the EOF heard
+            heard.set()
 
     monkeypatch.setattr(tree, "_context", SpawnStandIn(act))
     monkeypatch.setattr(tree, "_heard_frontend", heard_frontend)
@@ -222,5 +224,6 @@ async def test_a_front_end_serves_from_when_its_start_pipe_says_so(
         await asyncio.wait_for(heard.wait(), timeout=10)
     finally:
         tree._zmq.destroy(linger=0)
-    assert tree._frontends_serving_since == [1000.0 if succeeds else None]
-    assert pipes[0].closed
+    assert tree._heartbeats.serving_since(0) == (1000.0 if succeeds else None)
+    assert tree._heartbeats.heartbeating(0) is succeeds
+    assert len(pipes) == (2 if succeeds else 1)  # `STARTED`, then the EOF

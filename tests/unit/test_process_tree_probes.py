@@ -16,6 +16,7 @@ from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
 from app.frontend_process import drained
 from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree
 from app.settings import Settings
+from app.stopping import drain_frontends
 from tests.support.process_tree import StandIn, hear, ready_status
 
 
@@ -33,7 +34,7 @@ async def test_ready_needs_the_running_engines_own_status(tree: ProcessTree) -> 
 async def test_a_front_end_still_starting_cannot_serve(tree: ProcessTree) -> None:
     tree.engine.process = StandIn(111)  # type: ignore[assignment]
     hear(tree, ready_status(111))
-    tree._frontends_serving_since[0] = None
+    tree._heartbeats.spawned(0)  # a new process, still starting
     status, body = tree._answer_probe("/readyz")
     assert status == 503 and b"frontend" in body
 
@@ -179,9 +180,9 @@ async def test_hung_front_ends_share_one_drain_deadline(
             clock[0] += timeout or 0.0  # it never exits: the whole wait passes
 
     tree.frontends = [Hung(11), Hung(12)]  # type: ignore[list-item]
-    monkeypatch.setattr("app.processes.time.monotonic", lambda: clock[0])
-    monkeypatch.setattr("app.processes.os.kill", lambda pid, sig: None)
-    await tree._drain_frontends(clock[0] + 70)
+    monkeypatch.setattr("app.stopping.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("app.stopping.os.kill", lambda pid, sig: None)
+    await drain_frontends(tree.frontends, clock[0] + 70)
     assert waits == [70, 5, 0.0, 5]  # each killed after its join; the second waits no more
 
 

@@ -1,0 +1,81 @@
+"""Whether each front end of `steadyserve serve`'s tree still has a live event loop: what the
+supervisor heard from it on its start pipe. Pure, on an injected clock.
+
+A front end's event loop writes `HEARTBEAT` on its start pipe every `HEARTBEAT_INTERVAL_S`
+once its start-up succeeded (`app/frontend_process.py::StartPipe`); a loop that blocks (a C
+extension spinning, a deadlock) stops writing it, while the process lives and its socket
+stays in the port's SO_REUSEPORT group: the kernel kept handing it its share of the new
+connections, which sat in its backlog until their clients gave up, while the probe port said
+ready. The supervisor (`app/processes.py`, its event loop thread) tells `FrontendHeartbeats`
+what it hears, asks it which front ends are heartbeating (its `/readyz`) and kills one
+silent for `SILENT_AFTER_S` (`overdue`), which is then restarted as any that died.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# How often a front end's event loop says it lives, once its start-up succeeded.
+HEARTBEAT_INTERVAL_S = 0.5
+# A front end that has said nothing for this long since its last heartbeat (or its start-up's
+# success) has a hung event loop: it is killed and restarted. Six heartbeats: far past any
+# stall of a front end's loop that works (a GC pause; its work on the loop is short by
+# design, docs/ARCHITECTURE.md §3; niced below the engine it is slowed, not starved), and
+# under the kubelet's probe periods (readiness 5 s, liveness 10 s: deploy/k8s). The
+# supervisor looks every second (`processes.CHECK_INTERVAL_S`), so a hung front end is
+# killed 3 to 4 s after its last beat, its backlog's connections reset rather than left to
+# their clients' timeouts, and a pod whose front ends all hung reads unready by the next probe.
+SILENT_AFTER_S = 3.0
+
+
+class FrontendHeartbeats:
+    """Since when each front end serves and when it last said it lives, by its index in the
+    tree. The supervisor's event loop thread only; every time is on `clock`."""
+
+    def __init__(self, clock: Callable[[], float], silent_after_s: float = SILENT_AFTER_S) -> None:
+        self._clock = clock
+        self.silent_after_s = silent_after_s
+        # When the supervisor heard each front end's start-up succeed; absent: not (yet).
+        self._serving_since: dict[int, float] = {}
+        # When it last heard from each front end that serves; absent: not serving, or
+        # given up on (killed as hung: its late heartbeats are not heard).
+        self._heard_at: dict[int, float] = {}
+
+    def spawned(self, index: int) -> None:
+        """A new process is front end `index`: it serves once its start-up says so."""
+        self._serving_since.pop(index, None)
+        self._heard_at.pop(index, None)
+
+    def started(self, index: int) -> None:
+        """Front end `index` said its start-up succeeded: it serves from now."""
+        self._serving_since[index] = self._heard_at[index] = self._clock()
+
+    def beat(self, index: int) -> None:
+        """Front end `index` sent a heartbeat (ignored unless it serves and is not given up)."""
+        if index in self._heard_at:
+            self._heard_at[index] = self._clock()
+
+    def give_up(self, index: int) -> None:
+        """Front end `index` is being killed: no longer heartbeating, and never `overdue`
+        again; since when it served still counts (its restart's backoff)."""
+        self._heard_at.pop(index, None)
+
+    def serving_since(self, index: int) -> float | None:
+        return self._serving_since.get(index)
+
+    def heartbeating(self, index: int) -> bool:
+        """Whether front end `index` serves and was heard from within `silent_after_s`."""
+        heard_at = self._heard_at.get(index)
+        return heard_at is not None and self._clock() - heard_at <= self.silent_after_s
+
+    def overdue(self, index: int) -> str | None:
+        """Why front end `index` should be killed as hung (for the log); None while it
+        should not: not yet serving (its start-up may take long, and it takes no connection
+        until done), given up on, or heard from within `silent_after_s`."""
+        heard_at = self._heard_at.get(index)
+        if heard_at is None:
+            return None
+        silent_s = self._clock() - heard_at
+        if silent_s <= self.silent_after_s:
+            return None
+        return f"has sent no heartbeat for {silent_s:.1f} s (its event loop is hung)"

@@ -8,6 +8,7 @@ service's tokenizer pool).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -104,14 +105,56 @@ async def _tokenize(
     truncate: bool,
     timer: PhaseTimer,
 ) -> list[list[int]]:
-    """Each text's token ids; a text over `MAX_CHARS_PER_TOKEN` characters per allowed token
-    is refused (`InputTooLong`) or, with `truncate`, cut before it costs a tokenizer pass."""
+    """Each text's token ids; without `truncate`, a text over `MAX_CHARS_PER_TOKEN`
+    characters per allowed token is refused (`InputTooLong`) before it costs a tokenizer
+    pass; with it, each text keeps its first tokens (`truncated_token_ids`)."""
     max_chars = tokenizer.max_input_tokens * MAX_CHARS_PER_TOKEN
-    for index, text in enumerate(texts):
-        if len(text) > max_chars and not truncate:
-            raise InputTooLong(index, len(text), max_chars, "characters")
+    chars = sum(len(text) for text in texts)
     if truncate:
-        texts = [text[:max_chars] for text in texts]
-    return await service.run_tokenizer(
-        sum(len(t) for t in texts), timer, tokenizer.tokenize, texts, truncate
-    )
+        return await service.run_tokenizer(
+            chars, timer, truncated_token_ids, tokenizer, texts, max_chars
+        )
+    for index, text in enumerate(texts):
+        if len(text) > max_chars:
+            raise InputTooLong(index, len(text), max_chars, "characters")
+    return await service.run_tokenizer(chars, timer, tokenizer.tokenize, texts, False)
+
+
+# The end of a word: a character other than whitespace, then a space. Every tokenizer splits
+# words at a space (BERT's whitespace split, byte-level BPE's pattern, which puts a space
+# before the word it starts, SentencePiece's `▁`), so a text cut there tokenizes into the
+# first tokens of the whole text; cut within a word or a run of whitespace, it may not.
+_WORD_END = re.compile(r"(?s:.*)\S(?= )")
+
+
+def _word_end(text: str, at_most: int) -> int:
+    """The length of `text`'s longest prefix of at most `at_most` characters that ends a
+    word; 0 where none does. One match from the start (it backtracks from `at_most`)."""
+    found = _WORD_END.match(text, 0, at_most + 1)
+    return found.end() if found else 0
+
+
+def truncated_token_ids(
+    tokenizer: TextTokenizer, texts: Sequence[str], max_chars: int
+) -> list[list[int]]:
+    """Each text's first `max_input_tokens` tokens (closing special tokens kept), the ones
+    tokenizing the whole text and cutting its tokens gives, reading no more of a long text
+    than that takes: a text over `max_chars` characters is cut where a word ends at most
+    `max_chars` in, and when its part holds fewer tokens than the limit (runs of whitespace,
+    words a tokenizer reads as one unknown token: over `MAX_CHARS_PER_TOKEN` characters a
+    token) a part 4 times as long is read, up to the whole text. So a text costs a pass over
+    at most `max_chars` characters unless its tokens are that sparse, then passes over under
+    7/3 of its length (the request's body bounds it). Thread-safe, as `tokenize` is."""
+    limit = tokenizer.max_input_tokens
+    cuts = [len(text) if len(text) <= max_chars else _word_end(text, max_chars) for text in texts]
+    ids = tokenizer.tokenize([text[:cut] for text, cut in zip(texts, cuts, strict=True)], True)
+    for index, text in enumerate(texts):
+        reach = max_chars
+        # Fewer tokens than the limit from a part: the rest of the text may hold more.
+        while len(ids[index]) < limit and cuts[index] < len(text):
+            reach *= 4
+            cut = len(text) if reach >= len(text) else _word_end(text, reach)
+            if cut > cuts[index]:
+                cuts[index] = cut
+                ids[index] = tokenizer.tokenize([text[:cut]], True)[0]
+    return ids

@@ -3,15 +3,19 @@ against transformers' own tokenizer, and kept free of torch."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
+from app.embedding_service import _tokenize
 from app.model_specs import BUNDLED_DEFAULT_SOURCE
 from app.models.source import resolve_source
 from app.models.tokenizer import FastTokenizer, InputTooLong, load_tokenizer
+from app.timing import PhaseTimer
 
 LONG_TEXT = " ".join(["tail latency"] * 300)
 
@@ -88,3 +92,36 @@ def test_a_front_end_app_never_imports_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
     )
     assert result.stdout.strip() == "[]"
+
+
+class _Inline:
+    """A service's `run_tokenizer`, run at once."""
+
+    async def run_tokenizer(
+        self, chars: int, timer: PhaseTimer, work: Callable[..., object], *args: object
+    ) -> object:
+        return work(*args)
+
+
+def _embedding_inputs(tokenizer: FastTokenizer, texts: list[str]) -> object:
+    """The token ids the embedding pipeline sends for `texts` with `truncate`."""
+    return asyncio.run(_tokenize(_Inline(), tokenizer, texts, True, PhaseTimer()))  # type: ignore[arg-type]
+
+
+def test_truncating_a_long_text_keeps_the_first_tokens_transformers_keeps() -> None:
+    """MiniLM's cap is 256 x 32 = 8,192 characters: the pipeline cut a text there before
+    tokenizing, so 20,000 spaces then "hello" (3 tokens) was embedded as [CLS] [SEP], and a
+    text cut within a word ended in that word's first pieces."""
+    tokenizer = _tokenizer()
+    reference = AutoTokenizer.from_pretrained(resolve_source(BUNDLED_DEFAULT_SOURCE))
+    limit = tokenizer.max_input_tokens
+    texts = [
+        " " * 20_000 + "hello",
+        "\n" * 9_000 + LONG_TEXT,
+        " " * 8_185 + "unbelievably " * 40,  # the cut fell within a word
+        LONG_TEXT * 10,  # dense: the first 8,192 characters hold the tokens kept
+        "x" * 300 + " " + LONG_TEXT,  # a word over 100 characters: one [UNK]
+    ]
+    expected = reference(texts, truncation=True, max_length=limit)["input_ids"]
+    assert _embedding_inputs(tokenizer, texts) == expected
+    assert expected[0] == reference("hello")["input_ids"]

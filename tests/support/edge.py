@@ -87,12 +87,18 @@ class AnsweringEngine(AlwaysReadyEngine):
 
 @contextlib.asynccontextmanager
 async def front_end(
-    tmp_path: Path, answer: Answer | None = None, created: int | None = None
+    tmp_path: Path,
+    answer: Answer | None = None,
+    created: int | None = None,
+    embedder: TextTokenizer | None = None,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI, AnsweringEngine]]:
+    """`embedder`: the embedding model's tokenizer (`WordTokenizer` unless given)."""
     generation = word_level_tokenizer(tmp_path)
 
     def tokenizers(spec: ModelSpec, largest: int) -> TextTokenizer:
-        return generation if spec.task == "generate" else WordTokenizer()
+        if spec.task == "generate":
+            return generation
+        return embedder or WordTokenizer()
 
     def refused(submit: Submit) -> FromEngine:
         return Failure(submit.request_id, FailureKind.FAILED, "not expected in this test")

@@ -14,6 +14,10 @@ _UNBUCKETED = 1 << 30
 
 
 class GenerationTokenizer(FastTokenizer):
+    # Prompts as transformers 5 encodes them, by tokenizer.json alone: tokenizer_config.json's
+    # add_eos_token would put an EOS after each prompt, which generation must never see.
+    bos_eos_from_config = False
+
     def __init__(self, directory: Path, max_input_tokens: int) -> None:
         super().__init__(directory, max_input_tokens)
         self.chat_template = load_chat_template(directory)  # None: the model has none

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 
 from app.models.source import local_directory
 
@@ -93,9 +93,73 @@ def input_token_limit(directory: Path, largest_length_bucket: int, configured: i
     return min(limits)
 
 
+# tokenizer_config.json's flags for the special tokens around a text, and the token each adds.
+_SPECIAL_FLAGS = (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token"))
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken's dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _specials_around(backend: Tokenizer) -> tuple[list[int], list[int]]:
+    """The special tokens the post-processor puts before and after a text (probed on "a")."""
+    text_only = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a").ids
+    for start in range(len(full) - len(text_only) + 1):
+        if full[start : start + len(text_only)] == text_only:
+            return list(full[:start]), list(full[start + len(text_only) :])
+    return [], []
+
+
+def honour_bos_eos_flags(backend: Tokenizer, config: dict[str, Any], name: str) -> None:
+    """Where tokenizer_config.json sets `add_bos_token` or `add_eos_token` and tokenizer.json's
+    post-processor disagrees (intfloat/e5-mistral-7b-instruct: `add_eos_token` true, a
+    post-processor adding `<s>` alone), install the post-processor transformers 4's
+    LlamaTokenizerFast built from the flags (`update_post_processor`, which transformers 5
+    still runs when the flags are passed to `from_pretrained`): a last-token-pooling model
+    pools the EOS it was trained on. A flag left out keeps what the post-processor does."""
+    if not any(isinstance(config.get(flag), bool) for flag, _ in _SPECIAL_FLAGS):
+        return
+    leading, trailing = _specials_around(backend)
+    adds: list[bool] = []
+    wanted: list[tuple[str, int] | None] = []
+    for (flag, key), around in zip(_SPECIAL_FLAGS, (leading[:1], trailing[-1:]), strict=True):
+        token = _token_text(config.get(key))
+        token_id = backend.token_to_id(token) if token is not None else None
+        adds.append(token_id is not None and around == [token_id])
+        flag_value = config.get(flag)
+        want = flag_value if isinstance(flag_value, bool) else adds[-1]
+        if want and token is not None and token_id is not None:
+            wanted.append((token, token_id))
+        else:
+            wanted.append(None)  # transformers too adds no token it lacks
+    if adds == [token is not None for token in wanted]:
+        return
+    bos, eos = wanted
+    single = f"{bos[0] + ':0 ' if bos else ''}$A:0{' ' + eos[0] + ':0' if eos else ''}"
+    pair = f"{single}{' ' + bos[0] + ':1' if bos else ''} $B:1{' ' + eos[0] + ':1' if eos else ''}"
+    specials = [token for token in wanted if token is not None]
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=specials
+    )
+    log.warning(
+        "%s: tokenizer_config.json's add_bos_token/add_eos_token disagree with tokenizer.json's "
+        "post-processor; each text is encoded as %s (as transformers 4 encoded it)",
+        name, single,
+    )  # fmt: skip
+
+
 class FastTokenizer:
     """A `tokenizer.json` (every fast Hugging Face tokenizer has one), padding and
     truncation off: inputs are padded by the engine and cut here."""
+
+    # An embedding model pools what its texts were trained with: tokenizer_config.json's
+    # add_bos_token and add_eos_token apply (`honour_bos_eos_flags`). A generate model's
+    # prompts are encoded as transformers 5 encodes them, from tokenizer.json alone.
+    bos_eos_from_config = True
 
     def __init__(self, directory: Path, max_input_tokens: int) -> None:
         path = directory / "tokenizer.json"
@@ -106,6 +170,9 @@ class FastTokenizer:
         # while encoding, so changing them per call would race between threads.
         self._backend.no_truncation()
         self._backend.no_padding()
+        if self.bos_eos_from_config:
+            config = _json(directory / "tokenizer_config.json")
+            honour_bos_eos_flags(self._backend, config, str(directory))
         self.max_input_tokens = max_input_tokens
         self.pad_token_id = self._pad_id(directory)
         self._special_suffix = self._trailing_special_tokens()

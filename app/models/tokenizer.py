@@ -93,6 +93,14 @@ def input_token_limit(directory: Path, largest_length_bucket: int, configured: i
     return min(limits)
 
 
+# The `tokenizer_class` values (less "Fast") whose transformers 4 fast tokenizer rebuilt its
+# post-processor from tokenizer_config.json's add_bos_token/add_eos_token.
+FLAG_HONOURING_CLASSES = frozenset(
+    {
+        "LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer", "CohereTokenizer",
+        "GPTNeoXTokenizer",
+    }
+)  # fmt: skip
 # tokenizer_config.json's flags for the special tokens around a text, and the token each adds.
 _SPECIAL_FLAGS = (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token"))
 
@@ -120,7 +128,13 @@ def honour_bos_eos_flags(backend: Tokenizer, config: dict[str, Any], name: str) 
     post-processor adding `<s>` alone), install the post-processor transformers 4's
     LlamaTokenizerFast built from the flags (`update_post_processor`, which transformers 5
     still runs when the flags are passed to `from_pretrained`): a last-token-pooling model
-    pools the EOS it was trained on. A flag left out keeps what the post-processor does."""
+    pools the EOS it was trained on. A flag left out keeps what the post-processor does.
+    Only for the tokenizer classes whose transformers 4 fast tokenizer honoured the flags
+    (`FLAG_HONOURING_CLASSES`): any other class ignored them, and its models were trained on
+    what its tokenizer.json adds."""
+    tokenizer_class = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+    if tokenizer_class not in FLAG_HONOURING_CLASSES:
+        return
     if not any(isinstance(config.get(flag), bool) for flag, _ in _SPECIAL_FLAGS):
         return
     leading, trailing = _specials_around(backend)

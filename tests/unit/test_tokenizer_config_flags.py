@@ -108,3 +108,17 @@ def test_a_generate_models_prompts_stay_as_transformers_5_encodes_them(tmp_path:
     for text in TEXTS:
         assert ours.encode(text) == plain(text)["input_ids"]
         assert ours.encode(text)[-1] != plain.convert_tokens_to_ids(EOS)
+
+
+def test_a_class_whose_tokenizer_ignored_the_flags_keeps_its_post_processor(
+    tmp_path: Path,
+) -> None:
+    """transformers 4 honoured add_bos_token/add_eos_token in Llama-like fast tokenizers
+    only; a model of any other class was trained on what its tokenizer.json adds."""
+    directory = llama_style(tmp_path, {"add_bos_token": True, "add_eos_token": True})
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config))
+    plain = AutoTokenizer.from_pretrained(directory)  # tokenizer.json alone
+    assert FastTokenizer(directory, 64).tokenize(TEXTS, truncate=False) == plain(TEXTS)["input_ids"]

@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 from app.batch_trace import ComputedBatch, ItemResult, batch_trace
 from app.batch_triage import RowFailed, triage
-from app.failures import BatchFailed, DeadlineExceeded, InputFailed
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, InputFailed, device_lost
 from app.scheduler import Batch, BatchShape, Scheduler, WorkItem
 
 T = TypeVar("T")
@@ -44,8 +44,9 @@ class FailedBatchRerun(Generic[RowT, OutT]):
     """Answers the rows of failed batches from their runs alone. `run(shape, rows)`
     computes rows on a compute thread (raising what the model raised); `known_good_rows`
     gives rows the model computes (the warm-up's), None before warm-up; `fail(pending,
-    error)` fails one input and withdraws its request's queued inputs (`Batcher._fail`).
-    Event loop thread only."""
+    error)` fails one input and withdraws its request's queued inputs (`Batcher._fail`);
+    `lost_device_before(error)`: whether the device was lost by another batch's failure
+    than `error` (`BatchHealth.lost_device_before`). Event loop thread only."""
 
     def __init__(
         self,
@@ -53,11 +54,13 @@ class FailedBatchRerun(Generic[RowT, OutT]):
         run: Callable[[BatchShape, Sequence[RowT]], Awaitable[ComputedBatch[OutT]]],
         clock: Callable[[], float],
         fail: Callable[[Pending[RowT, OutT], BaseException], None],
+        lost_device_before: Callable[[BaseException], bool] = lambda error: False,
     ) -> None:
         self.scheduler = scheduler
         self._run = run
         self._clock = clock
         self._fail = fail
+        self._lost_device_before = lost_device_before
         self.known_good_rows: Callable[[BatchShape], Sequence[RowT]] | None = None
 
     async def answer(
@@ -74,7 +77,9 @@ class FailedBatchRerun(Generic[RowT, OutT]):
         inputs alone were at fault: a failed batch where nothing computed never clears
         health's count. Out of memory and a lost device are the server's, for the batch and
         for a row alone (`batch_triage.server_fault`: a transient one would otherwise read
-        as the input's fault), and so is a fault of the triage itself. A row of its input's
+        as the input's fault), and so is a fault of the triage itself; the rows of a batch
+        whose failure lost the device fail `DeviceLost` (before health hears of the loss,
+        which exits the engine once they are answered). A row of its input's
         fault is failed as soon as triage is sure of it (`on_input_fault`), so its
         request's other rows are not run alone for nobody (`_still_waiting`).
         A row answered waited in the queue until the failed batch `started`; all its time
@@ -126,11 +131,15 @@ class FailedBatchRerun(Generic[RowT, OutT]):
             if isinstance(fault, Exception):
                 return fault
             raise
+        # A lost device: the rows' answer says whether this batch's failure lost it.
+        first: bool | None = None
+        if (lost := verdict.server_error) is not None and device_lost(lost):
+            first = not self._lost_device_before(lost)
         for pending, alone in zip(waiting, verdict.alone, strict=True):
             if alone is None:
                 continue  # answered already, or nobody waits for it
             if isinstance(alone, RowFailed):
-                self._fail_row(pending, alone)  # a no-op for one failed already
+                self._fail_row(pending, alone, first)  # a no-op for one failed already
                 continue
             own_s = alone.timings.compute_s
             since_started = self._clock() - started
@@ -147,10 +156,18 @@ class FailedBatchRerun(Generic[RowT, OutT]):
             )
         return verdict.server_error
 
-    def _fail_row(self, pending: Pending[RowT, OutT], failed: RowFailed) -> None:
+    def _fail_row(
+        self, pending: Pending[RowT, OutT], failed: RowFailed, lost_first: bool | None = None
+    ) -> None:
         """Fail a row of a failed batch as triage found it: 500 when the server's, else 400
-        (`InputFailed`); a no-op for a row already answered. Event loop thread only."""
-        failure = (BatchFailed if failed.servers else InputFailed)(repr(failed.error))
+        (`InputFailed`); a no-op for a row already answered. `lost_first`, when the batch
+        failed of a lost device: whether its failure is the one that lost it (`DeviceLost`).
+        Event loop thread only."""
+        failure: Exception
+        if lost_first is not None and failed.servers:
+            failure = DeviceLost(first=lost_first)
+        else:
+            failure = (BatchFailed if failed.servers else InputFailed)(repr(failed.error))
         failure.__cause__ = failed.error  # its traceback, for whoever answers it
         self._fail(pending, failure)
 

@@ -66,8 +66,11 @@ class Batcher(Generic[RowT, OutT]):
         clock: Callable[[], float],
         on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
         before_batch: Callable[[], None] = lambda: None,
+        lost_device_before: Callable[[BaseException], bool] = lambda error: False,
     ) -> None:
-        """`before_batch` runs on the compute thread before each batch (a probe's check)."""
+        """`before_batch` runs on the compute thread before each batch (a probe's check);
+        `lost_device_before(error)`: whether the device was lost by another failure than
+        `error` (`BatchHealth.lost_device_before`: a failed batch's answer)."""
         self.name = name
         self._execute_rows = execute
         self._length_of = length_of
@@ -88,6 +91,7 @@ class Batcher(Generic[RowT, OutT]):
             lambda shape, rows: dispatcher.run_compute(self._run_batch, shape, rows),
             clock,
             self._fail,
+            lost_device_before,
         )
         self._pending: dict[int, Pending[RowT, OutT]] = {}
         self._ids = itertools.count()

@@ -20,6 +20,33 @@ class BatchFailed(Exception):
     """The batch holding the input failed on the server's side (answered 500)."""
 
 
+# The reason of a FAILED `Failure` whose batch lost the engine its device, and the error
+# type a front end answers it with (500); the message of each `DeviceLost`.
+DEVICE_LOST = "device_lost"
+DEVICE_LOST_MESSAGE = (
+    "the request's batch failed with a sticky CUDA error, which left the GPU unusable; the "
+    "engine restarts. An input of that batch may be what caused it (an index past an "
+    "embedding table, say): do not resend it unchanged"
+)
+LOST_BESIDE_MESSAGE = (
+    "the engine lost its GPU to a sticky CUDA error in another batch while the request was "
+    "in it; retry"
+)
+
+
+class DeviceLost(BatchFailed):
+    """The batch holding the input failed of a lost device (`device_lost`): the engine exits
+    for a fresh one (`engine/process.py`). `first`: that batch is the one whose failure lost
+    the device, answered 500 `device_lost` (not retried as is: an input of it may be what
+    caused it, and would take the fresh engine down too); else a batch that failed of the
+    device another batch lost, answered as the requests the exit leaves are (503
+    `engine_lost`, retry)."""
+
+    def __init__(self, message: str | None = None, *, first: bool = True) -> None:
+        super().__init__(message or (DEVICE_LOST_MESSAGE if first else LOST_BESIDE_MESSAGE))
+        self.first = first
+
+
 class InputFailed(Exception):
     """The model failed on this input alone while it computes others (answered 400): the
     input is at fault, not the server. Its `__cause__` is what the model raised: for the

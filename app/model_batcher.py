@@ -34,6 +34,7 @@ class ModelBatcher(Batcher[list[int], npt.NDArray[np.float32]]):
         clock: Callable[[], float],
         on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
         before_batch: Callable[[], None] = lambda: None,
+        lost_device_before: Callable[[BaseException], bool] = lambda error: False,
     ) -> None:
         self.runner = runner
         self.pool = pool
@@ -48,6 +49,7 @@ class ModelBatcher(Batcher[list[int], npt.NDArray[np.float32]]):
             clock,
             on_batch_done,
             before_batch,
+            lost_device_before,
         )
 
     def _run_tokens(self, shape: BatchShape, token_ids: Sequence[list[int]]) -> BatchOutput:

@@ -21,7 +21,7 @@ from app.api.cancellation import ClientDisconnected
 from app.api.responses import error_response, in_envelope_of, speaks_openai
 from app.embedding_service import NonFiniteOutput
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
-from app.failures import DeadlineExceeded
+from app.failures import DeadlineExceeded, DeviceLost
 from app.generation.chat import ChatTemplateError
 from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
 from app.models.tokenizer import InputTooLong
@@ -220,6 +220,12 @@ async def _non_finite(request: Request, error: Exception) -> Response:
     return error_response(500, "non_finite_output", str(error))
 
 
+async def _device_lost(request: Request, error: Exception) -> Response:
+    # Its batch lost the engine its device, and may hold the input that did: no `Retry-After`
+    # (the engine's other requests are answered 503 `engine_lost`, retry).
+    return error_response(500, "device_lost", str(error))
+
+
 # The error type of an HTTP exception (Starlette's routing, a body that cannot be read), by
 # status; any other status is `HTTP_ERROR` (a body that is not valid UTF-8, 400).
 HTTP_ERROR_TYPES = {
@@ -267,5 +273,6 @@ _HANDLERS: dict[type[Exception], Handler] = {
     EngineUnavailable: _engine_unavailable,
     ClientDisconnected: _client_gone,
     NonFiniteOutput: _non_finite,
+    DeviceLost: _device_lost,
     StarletteHTTPException: _http_error,
 }

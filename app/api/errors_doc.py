@@ -26,7 +26,9 @@ _ERROR_WHEN = {
     "over STEADY_MAX_QUEUE_DELAY_MS (`queue`), often before the body is read; a front end "
     "holding STEADY_MAX_CONNECTIONS connections (`connections`: this connection is closed). "
     "`Retry-After` says when to retry.",
-    500: "A fault of the server's own (`internal_error`, `non_finite_output`).",
+    500: "A fault of the server's own (`internal_error`, `non_finite_output`), or a sticky "
+    "CUDA error in the request's batch, which restarts the engine (`device_lost`: an input of "
+    "the batch may have caused it; do not resend it unchanged).",
     503: "Warming up or start-up failed (`not_ready`), the engine exited or stopped answering "
     "with the request in it (`engine_lost`, retry), or draining (`draining`).",
     504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "

@@ -26,7 +26,7 @@ from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_c
 from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
 from app.engine.client import EngineRefused, EngineUnavailable
-from app.failures import DeadlineExceeded
+from app.failures import DEVICE_LOST, DeadlineExceeded, DeviceLost
 from app.generation.pipeline import (
     GenerationEvent,
     PreparedGeneration,
@@ -264,6 +264,8 @@ async def _frames(
                 batch = await anext(rest, None)
     except (Rejected, DeadlineExceeded, EngineRefused, EngineUnavailable) as error:
         frames.append(event(error_chunk(*_status_and_reason(error), str(error))))
+    except DeviceLost as error:  # as api/errors.py answers it before the stream began
+        frames.append(event(error_chunk(500, DEVICE_LOST, str(error))))
     except Exception:
         log.exception("generation failed mid-stream")
         frames.append(event(error_chunk(500, "internal_error", "internal server error")))

@@ -45,7 +45,7 @@ from app.api.v2_render import Answer, AnswerRenderer, JsonTensor
 from app.embedding_service import NonFiniteOutput, embed_texts
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.engine.protocol import TensorOutput
-from app.failures import BatchFailed, DeadlineExceeded
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost
 from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
 from app.service import Service, WrongTask
@@ -225,6 +225,8 @@ async def _infer(
         return v2_error(str(error), 400)
     except EngineUnavailable as error:
         return v2_error(str(error), 503, engine_unavailable_headers(error))
+    except DeviceLost as error:  # not to be resent unchanged: its batch lost the device
+        return v2_error(str(error), 500)
     except BatchFailed:
         # The server's fault, logged by the engine with its exception; that text (a torch
         # error's repr) is not for the client, as on every other route's 500.

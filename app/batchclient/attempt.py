@@ -68,3 +68,13 @@ def failures_of(
         Failure(item.id, attempt.status, error, attempts, retryable=retryable, reason=reason)
         for item in request.items
     ]
+
+
+def error_type_of(attempt: Attempt) -> str | None:
+    """The error a non-2xx answer names (its ``error.code``, else ``error.type``: steadyserve
+    sends both, equal but on the OpenAI routes), None for a 2xx or no response."""
+    if attempt.status is None or 200 <= attempt.status < 300:
+        return None
+    error = error_of(attempt)
+    kind = error.get("code") or error.get("type")
+    return kind if isinstance(kind, str) else None

@@ -25,11 +25,11 @@ from typing import Any
 
 from aiolimiter import AsyncLimiter
 
-from app.batchclient.attempt import Attempt, error_of, failures_of, results_of
+from app.batchclient.attempt import Attempt, error_of, error_type_of, failures_of, results_of
 from app.batchclient.items import Failure, Item, Packer, Request, Result
 from app.batchclient.options import ClientOptions
 from app.batchclient.pacing import AimdController
-from app.batchclient.retry import DEADLINE_STATUS, Verdict, classify_status
+from app.batchclient.retry import DEADLINE_STATUS, Verdict, classify_answer, classify_status
 from app.batchclient.stats import BatchStats, Counters
 from app.batchclient.transport import ConnectionPool, RequestError
 from app.batchclient.window import Window
@@ -227,7 +227,7 @@ class BatchClient:
             if attempt.status == DEADLINE_STATUS:
                 deadline_answers += 1
             outcome = (
-                classify_status(attempt.status)
+                classify_answer(attempt.status, error_type_of(attempt))
                 if attempt.status is not None
                 else classify_status(599)  # no response: a transient fault, backoff
             )

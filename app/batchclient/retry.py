@@ -78,3 +78,20 @@ class RetryPolicy:
         ceiling = min(self.max_backoff_s, self.base_backoff_s * 2.0 ** max(0, attempt - 1))
         # "Equal jitter": at least half the exponential step, so backoff still grows.
         return ceiling * (0.5 + 0.5 * rng.random())
+
+
+# Errors a server answers for a request that must not be resent unchanged, whatever its
+# status: steadyserve's 500 `device_lost` (the request's batch failed with a sticky CUDA error
+# and its engine restarts: an input of that batch may be the cause, and each resend of it
+# would take a fresh engine down again). A line answered one fails (in the errors file, not
+# retryable); a pack answered one is resent one line per request, so each of its lines is
+# sent once more, alone: the line at fault fails, the others are answered.
+NOT_RESENT_ERRORS = frozenset({"device_lost"})
+
+
+def classify_answer(status: int, error_type: str | None) -> Outcome:
+    """``classify_status``, but an error of ``NOT_RESENT_ERRORS`` (``error_type``: the
+    answer's ``error.code``, else its ``error.type``) fails at once."""
+    if error_type in NOT_RESENT_ERRORS and not 200 <= status < 300:
+        return Outcome(Verdict.FAIL, congestion=False)
+    return classify_status(status)

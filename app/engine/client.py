@@ -32,7 +32,7 @@ from app.engine.protocol import (
     ToEngine,
     payload_inputs,
 )
-from app.failures import BatchFailed, DeadlineExceeded
+from app.failures import DEVICE_LOST, BatchFailed, DeadlineExceeded, DeviceLost
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ def failure_error(failure: Failure) -> Exception:
         return DeadlineExceeded(failure.message)
     if failure.kind is FailureKind.BAD_REQUEST:
         return EngineRefused(failure.message, failure.input_index)
+    if failure.reason == DEVICE_LOST:  # its batch lost the engine its device: 500, not retried
+        return DeviceLost(failure.message)
     return BatchFailed(failure.message)
 
 

@@ -150,6 +150,7 @@ class EngineCore:
             metrics=self.metrics,
             clock=self._clock,
             record_batch=self.health.record,
+            lost_device_before=self.health.lost_device_before,
             before_batch=self.cuda_context.check_thread,
             loader=self._loader,
             tracer=self._tracer(),

@@ -149,5 +149,6 @@ async def load_embedding_host(spec: ModelSpec, context: EngineContext) -> Embedd
         context.clock,
         context.record_batch,
         before_batch=context.before_batch,
+        lost_device_before=context.lost_device_before,
     )
     return EmbeddingHost(batcher, context)

@@ -37,6 +37,7 @@ from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
+from app.engine.lost_device import step_failure
 from app.engine.protocol import (
     Failure,
     FailureKind,
@@ -256,9 +257,9 @@ class GenerationHost:
                 result = await step
             except Exception as error:
                 log.exception("%s: generation step failed", self.name)
-                for sequence in sequences:
-                    if self._batch.is_running(sequence):
-                        self._fail(sequence, FailureKind.FAILED, f"generation step failed: {error}")
+                for sequence in filter(self._batch.is_running, sequences):
+                    self._drop(sequence)  # a lost device's answer, or 500: `lost_device.py`
+                    sequence.emit(step_failure(sequence.request, error, self._context))
                 continue
             self._record_step(result)
             self._advance(sequences, result.tokens)

@@ -11,9 +11,9 @@ failed every batch answered 500 for ever behind a healthy /healthz while others 
 A batch that failed with a sticky CUDA error (a device-side assert, an illegal memory
 access, ...) is different: the process's CUDA context is unusable from then on, for every
 model, every later batch fails the same way and nothing clears it, so health is lost at
-once, for good, and `on_device_lost` is called (the engine process exits, so that its
-supervisor starts a fresh one: `engine/process.py`). Engine event loop thread only;
-torch-free.
+once, for good, and `on_device_lost` is called (the engine process exits once that batch's
+requests are answered, so that its supervisor starts a fresh one: `engine/process.py`).
+Engine event loop thread only; torch-free.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class BatchHealth:
         # models whose last batch failed); "" is a recorder that names no model.
         self._failures: dict[str, tuple[int, str]] = {}
         self.lost_device = False
+        self._lost_by: BaseException | None = None  # the failure that lost it
         # Called once, when a batch fails with a sticky device error (`device_lost`).
         self.on_device_lost: Callable[[], None] = lambda: None
 
@@ -46,7 +47,15 @@ class BatchHealth:
         self._failures[model] = (count + 1, type(error).__name__)
         if not self.lost_device and device_lost(error):
             self.lost_device = True
+            self._lost_by = error
             self.on_device_lost()
+
+    def lost_device_before(self, error: BaseException) -> bool:
+        """Whether the device was lost by a failure other than `error`: `error` is then a
+        batch's that failed of it beside the one that lost it, whose requests are answered
+        as the exit leaves the rest (503 `engine_lost`), not 500 `device_lost` (that batch's
+        own, whose input may be the cause). Asked before or after `error` is recorded."""
+        return self._lost_by is not None and self._lost_by is not error
 
     def recorder(self, model: str) -> BatchRecorder:
         """What `model`'s host calls once per batch (its `EngineContext.record_batch`)."""

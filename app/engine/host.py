@@ -70,8 +70,10 @@ class EngineContext:
     """What a host may use: the settings, the engine's device, dispatcher threads and the
     compute slots every host shares, metrics, the injected clock, the health recorder (call
     once per batch with its exception, or None; a host's counts under its model's name:
-    `loading.load_hosts`), a check to run on the compute thread before each batch, the
-    embedding loader (tests inject fakes), and the request tracer."""
+    `loading.load_hosts`), whether the device was lost by another failure than a given
+    one (`BatchHealth.lost_device_before`: a failed batch's answer), a check to run on the
+    compute thread before each batch, the embedding loader (tests inject fakes), and the
+    request tracer."""
 
     settings: Settings
     device: torch.device
@@ -80,6 +82,7 @@ class EngineContext:
     metrics: Metrics
     clock: Callable[[], float]
     record_batch: Callable[[BaseException | None], None]
+    lost_device_before: Callable[[BaseException], bool]
     before_batch: Callable[[], None]
     loader: RunnerLoader
     tracer: RequestTracer

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -69,35 +70,78 @@ WAIT_TOLERANCE_SHARE = 0.02
 
 # The exit status of an engine whose CUDA context a sticky error made unusable.
 DEVICE_LOST_EXIT = 3
+# After a batch lost the device, the engine serves on this long before it exits: the failed
+# batch's requests are answered within a few loop turns (their rows failed before health
+# heard of the loss; a generation step's once its loop reads the failure).
+DEVICE_LOST_ANSWER_S = 0.05
+# Then how long the exit waits for what was sent to leave the sockets (ZeroMQ's linger).
+DEVICE_LOST_LINGER_S = 1.0
 
 
 def exit_when_device_lost(
-    health: BatchHealth, exit_process: Callable[[int], object] = os._exit
+    health: BatchHealth,
+    exit_process: Callable[[int], object] = os._exit,
+    before_exit: Callable[[], object] = lambda: None,
+    answer_s: float = DEVICE_LOST_ANSWER_S,
 ) -> None:
-    """Have the engine process exit at once when a batch fails with a sticky CUDA error
+    """Have the engine process exit when a batch fails with a sticky CUDA error
     (`health.device_lost`), so that its supervisor starts a fresh engine with a fresh CUDA
     context. Otherwise it ran on with a dead one: every batch failed (500, after a triage
     run that failed too) while `/readyz` still said ready, until enough failures turned
-    `/healthz` 503 and Kubernetes restarted the whole pod. Exiting, what was in flight is
-    answered a retryable 503 by its front end; nothing is left to finish on that device."""
+    `/healthz` 503 and Kubernetes restarted the whole pod. Not at once, in the call that
+    recorded the failure: that cut the failed batch's own answers (500 `device_lost`: not to
+    be resent unchanged), and its requests were answered the retryable 503 `engine_lost` of
+    every request the exit leaves, so a client resent the input that took the engine down
+    to each fresh one. The exit comes `answer_s` later, on the event loop, after
+    `before_exit` (the server sends what is pending and closes its sockets, waiting up to
+    `DEVICE_LOST_LINGER_S` for it to leave); should the loop not run it, a watchdog thread
+    exits `answer_s` plus that linger and a second later. Exits once."""
+    exited = threading.Lock()
 
-    def exit_now() -> None:
+    def exit_once() -> None:
+        if exited.acquire(blocking=False):
+            exit_process(DEVICE_LOST_EXIT)
+
+    def exit_after_sends() -> None:
+        try:
+            before_exit()
+        except Exception:
+            log.exception("engine: sending the last answers before the exit failed")
+        exit_once()
+
+    def exit_soon() -> None:
         log.critical(
             "engine: a batch failed with a sticky CUDA error; the CUDA context is unusable: "
-            "exiting (%d) for the supervisor to start a fresh engine",
+            "exiting (%d) in %.0f ms, once that batch's requests are answered, for the "
+            "supervisor to start a fresh engine",
             DEVICE_LOST_EXIT,
+            answer_s * 1000,
         )
-        exit_process(DEVICE_LOST_EXIT)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on an event loop (none answers anything): at once
+            exit_after_sends()
+            return
+        watchdog = threading.Timer(answer_s + DEVICE_LOST_LINGER_S + 1.0, exit_once)
+        watchdog.daemon = True
+        watchdog.start()
+        loop.call_later(answer_s, exit_after_sends)
 
-    health.on_device_lost = exit_now
+    health.on_device_lost = exit_soon
 
 
 class EngineServer:
     """Carries protocol messages between the sockets and the core. Event loop thread only."""
 
-    def __init__(self, core: EngineCore, addresses: EngineAddresses) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        addresses: EngineAddresses,
+        exit_process: Callable[[int], object] = os._exit,
+    ) -> None:
+        """`exit_process`: how the process exits when its device is lost (tests inject it)."""
         self.core = core
-        exit_when_device_lost(core.health)
+        exit_when_device_lost(core.health, exit_process, before_exit=self._send_and_close)
         self._context = zmq.asyncio.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)
@@ -128,6 +172,13 @@ class EngineServer:
         pending, self._pending = self._pending, {}
         for origin, messages in pending.items():
             self._router.send_multipart([origin, encode_batch(messages)], zmq.NOBLOCK)
+
+    def _send_and_close(self) -> None:
+        """Before the engine exits for a lost device: send what is pending, then close the
+        sockets, waiting up to `DEVICE_LOST_LINGER_S` for the sends to reach the front ends
+        (the exit that follows would drop what ZeroMQ's I/O thread still holds)."""
+        self._flush()
+        self._context.destroy(linger=int(DEVICE_LOST_LINGER_S * 1000))
 
     async def serve(self, stop: asyncio.Event) -> None:
         startup = asyncio.create_task(self.core.start(), name="engine-startup")

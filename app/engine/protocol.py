@@ -244,7 +244,9 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     request_id: int
     kind: FailureKind
     message: str  # answered to the client: never the model's own exception text
-    reason: str | None = None  # for REJECTED: a `RejectReason` value
+    # For REJECTED: a `RejectReason` value; for FAILED: `device_lost` when the batch lost the
+    # engine its device (`failures.DeviceLost`), else None.
+    reason: str | None = None
     retry_after_s: float | None = None
     input_index: int | None = None  # for BAD_REQUEST: the input the model failed on
 

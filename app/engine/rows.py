@@ -19,8 +19,9 @@ from app.batch_trace import ItemResult
 from app.batcher import Batcher
 from app.buffers import SlotPool
 from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
+from app.engine.lost_device import device_lost_failure
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
-from app.failures import BatchFailed, DeadlineExceeded, InputFailed
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, InputFailed
 from app.metrics import Metrics
 from app.model_queues import NO_WORK, BatchCost, ModelWork, naming, wait_ahead
 from app.scheduler import BatchShape, Scheduler
@@ -126,6 +127,9 @@ async def gather_rows(
         return None
     except InputFailed as error:
         emit(input_failure(request, futures, error))
+        return None
+    except DeviceLost as error:  # before the engine exits: `lost_device.py`
+        emit(device_lost_failure(request.request_id, error))
         return None
     except BatchFailed as error:
         emit(Failure(request.request_id, FailureKind.FAILED, str(error)))

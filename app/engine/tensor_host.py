@@ -227,5 +227,6 @@ async def load_tensor_host(spec: ModelSpec, context: EngineContext) -> TensorHos
         context.clock,
         context.record_batch,
         before_batch=context.before_batch,
+        lost_device_before=context.lost_device_before,
     )
     return TensorHost(model, pool, batcher, context)

@@ -46,6 +46,7 @@ def inline_batcher(
     slots: ComputeSlots,
     policy: BatchPolicy,
     on_batch_done: Callable[[BaseException | None], None] = lambda error: None,
+    lost_device_before: Callable[[BaseException], bool] = lambda error: False,
 ) -> Batcher[int, int]:
     """A batcher of int rows (a row is its own length) over `InlineDispatcher`, its clock
     standing at 0."""
@@ -59,4 +60,5 @@ def inline_batcher(
         metrics=Metrics(),
         clock=lambda: 0.0,
         on_batch_done=on_batch_done,
+        lost_device_before=lost_device_before,
     )

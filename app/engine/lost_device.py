@@ -1,0 +1,42 @@
+"""The engine's answer to a request whose batch (or generation step) failed of a lost device
+(a sticky CUDA error: `failures.device_lost`), sent before the engine exits for a fresh one
+(`engine/process.py::exit_when_device_lost`). Engine event loop thread only; torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from app.admission import RejectReason
+from app.engine.client import RETRY_AFTER_ENGINE_LOST_S
+from app.engine.protocol import Failure, FailureKind, Submit
+from app.failures import DEVICE_LOST, DeviceLost, device_lost
+
+if TYPE_CHECKING:
+    from app.engine.host import EngineContext  # torch: for types only
+
+
+def device_lost_failure(request_id: int, error: DeviceLost) -> Failure:
+    """500 `device_lost` (not to be resent unchanged) for a request of the batch whose
+    failure lost the device (`error.first`); for one of a batch that failed of it beside
+    that one, the retryable 503 `engine_lost` its front end answers every request the exit
+    leaves unanswered."""
+    if error.first:
+        return Failure(request_id, FailureKind.FAILED, str(error), reason=DEVICE_LOST)
+    return Failure(
+        request_id,
+        FailureKind.REJECTED,
+        str(error),
+        reason=RejectReason.ENGINE_LOST.value,
+        retry_after_s=RETRY_AFTER_ENGINE_LOST_S,
+    )
+
+
+def step_failure(request: Submit, error: Exception, context: EngineContext) -> Failure:
+    """The answer to a sequence of a generation step that raised `error`: a lost device's
+    (`device_lost_failure`; the step that lost it unless `context.lost_device_before(error)`
+    says another failure did), else 500 (`FAILED`)."""
+    if device_lost(error):
+        lost = DeviceLost(first=not context.lost_device_before(error))
+        return device_lost_failure(request.request_id, lost)
+    return Failure(request.request_id, FailureKind.FAILED, f"generation step failed: {error}")

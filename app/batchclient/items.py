@@ -153,9 +153,19 @@ class Request:
         return results
 
 
+def _seeded(item: Item) -> bool:
+    parameters = item.body.get("parameters")
+    return isinstance(parameters, Mapping) and parameters.get("seed") is not None
+
+
 def _pack_key(item: Item) -> bytes | None:
-    """Items with equal keys may share a request: same model, parameters, deadline."""
-    if item.texts is None:
+    """Items with equal keys may share a request: same model, parameters, deadline. None
+    (sent alone) for an item whose inputs are not texts, or whose parameters hold a `seed`:
+    the server gives a request's input i > 0 a seed derived from the request's and i
+    (`generation/pipeline.py::prompt_seed`), so packed, a seeded line's sample would depend
+    on where it landed in its pack, and change when a refused pack is resent one line at a
+    time or a resumed run packs it otherwise."""
+    if item.texts is None or _seeded(item):
         return None
     rest = {k: v for k, v in item.body.items() if k != "inputs"}
     return orjson.dumps(rest, option=orjson.OPT_SORT_KEYS)

@@ -54,6 +54,24 @@ def test_packer_groups_compatible_items_up_to_the_input_limit() -> None:
     assert requests[0].counts == (1, 2, 1)
 
 
+def test_a_seeded_line_is_never_packed() -> None:
+    """The server seeds a request's input i > 0 from the request's seed and i: packed, a
+    seeded line's sample depended on its place in the pack (and changed when the pack was
+    resent a line at a time, or a resumed run packed it otherwise)."""
+    packer = Packer(8)
+    seeded = {"do_sample": True, "seed": 7}
+    items = [
+        Item(1, {"inputs": "a", "parameters": seeded}),
+        Item(2, {"inputs": "b", "parameters": seeded}),
+        Item(3, {"inputs": ["c", "d"], "parameters": seeded}),  # its own list: as sent
+        Item(4, {"inputs": "e", "parameters": {"seed": None}}),  # no seed: packed
+        Item(5, {"inputs": "f", "parameters": {"seed": None}}),
+    ]
+    requests = [request for item in items for request in packer.add(item)] + packer.flush()
+    assert [[i.id for i in r.items] for r in requests] == [[1], [2], [3], [4, 5]]
+    assert orjson.loads(requests[2].body) == {"inputs": ["c", "d"], "parameters": seeded}
+
+
 def test_unpacking_gives_each_item_its_own_outputs() -> None:
     request = Request.packed([Item("a", {"inputs": ["x", "y"]}), Item("b", {"inputs": "z"})])
     answer = {"model": "m", "outputs": [[1.0], [2.0], [3.0]], "usage": {"inputs": 3}}

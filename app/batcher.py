@@ -3,7 +3,7 @@ closed batches to the dispatcher (the request path: docs/ARCHITECTURE.md §4).
 
 Everything here runs on the engine's event loop thread; the batch itself runs on a
 dispatcher compute thread (the executor the batcher was given: `execute.run_batch` for a
-token model, `tensor_batch.execute_tensor_batch` for a `tensor` model). Every model's
+token model, `tensor_batch.run_tensor_batch` for a `tensor` model). Every model's
 batcher draws on one shared `ComputeSlots`, so together they never start more batches than
 the dispatcher has threads.
 Each input's future is resolved exactly once (by its batch, by the scheduler dropping it,

@@ -1,6 +1,7 @@
 """The blocking body of one batch: acquire a slot, copy in, run, copy out, release, timed
-(`run_in_slot`, for every slot pool: token ids here, tensors in `tensor_batch.py`); and a
-token-input batch's own steps, split in halves when the device runs out of memory.
+(`run_in_slot`, for every slot pool: token ids here, tensors in `tensor_batch.py`); a batch
+split in halves where an allocation failed (`split_on_allocation_failure`, for both); and a
+token-input batch's own steps.
 
 Runs on a dispatcher compute thread only. On CUDA the copies are non-blocking on the
 thread's own stream (to and from pinned host buffers) and the thread waits for its stream
@@ -19,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.batch_triage import allocation_failed
 from app.buffers import BufferPool, BufferSlot, SlotPool, SlotT
 from app.models.base import ModelRunner
 from app.scheduler import BatchShape
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 
 ResultT = TypeVar("ResultT")
+RowT = TypeVar("RowT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,14 @@ class BatchOutput:
         row: npt.NDArray[np.float32] = self.rows[index]
         return row
 
+    @staticmethod
+    def joined(first: BatchOutput, second: BatchOutput) -> BatchOutput:
+        """The output of `first`'s rows then `second`'s, run one after the other."""
+        return BatchOutput(
+            np.concatenate([first.rows, second.rows]),
+            SlotTimings.total((first.timings, second.timings)),
+        )
+
 
 def _run_on_slot(runner: ModelRunner, slot: BufferSlot, stream: torch.cuda.Stream | None) -> None:
     # The slot's device decides the path (a stream handed to a CPU slot is ignored; a CUDA
@@ -141,6 +152,41 @@ def execute_batch(
     return BatchOutput(rows, timings)
 
 
+def split_on_allocation_failure(
+    name: str,
+    device: torch.device,
+    shape: BatchShape,
+    rows: Sequence[RowT],
+    execute: Callable[[BatchShape, Sequence[RowT]], ResultT],
+    shape_for_rows: Callable[[int], BatchShape],
+    join: Callable[[ResultT, ResultT], ResultT],
+) -> ResultT:
+    """`execute(shape, rows)`, but where an allocation failed (`allocation_failed`: torch's
+    `OutOfMemoryError`, and its words for one in a plain `RuntimeError`: "CUDA error: out of
+    memory", CUBLAS_STATUS_ALLOC_FAILED, the CPU allocator's "can't allocate memory", also
+    wrapped by a model library) the rows are split in halves, each run the same way in the
+    shape `shape_for_rows` gives, and their outputs joined (`join`), instead of failing
+    every request in the batch: only a row alone that cannot be allocated raises."""
+    try:
+        return execute(shape, rows)
+    except Exception as error:
+        if len(rows) == 1 or not allocation_failed(error):
+            raise
+        log.warning(
+            "%s: out of memory at %s (%s); splitting the batch", name, shape, type(error).__name__
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    half = len(rows) // 2
+    first, second = [
+        split_on_allocation_failure(
+            name, device, shape_for_rows(len(part)), part, execute, shape_for_rows, join
+        )
+        for part in (rows[:half], rows[half:])
+    ]
+    return join(first, second)
+
+
 def run_batch(
     pool: BufferPool,
     runner: ModelRunner,
@@ -149,23 +195,16 @@ def run_batch(
     stream: torch.cuda.Stream | None,
     shape_for_rows: Callable[[int], BatchShape],
 ) -> BatchOutput:
-    """`execute_batch`, but out of device memory the batch is split in halves (each in the
-    shape `shape_for_rows` gives) instead of failing every request in it."""
-    try:
-        return execute_batch(pool, runner, shape, token_ids, stream)
-    except torch.OutOfMemoryError:
-        if len(token_ids) == 1:
-            raise
-        log.warning("%s: out of memory at %s; splitting the batch", runner.name, shape)
-        if runner.device.type == "cuda":
-            torch.cuda.empty_cache()
-    half = len(token_ids) // 2
-    parts = [
-        run_batch(pool, runner, shape_for_rows(len(rows)), rows, stream, shape_for_rows)
-        for rows in (token_ids[:half], token_ids[half:])
-    ]
-    return BatchOutput(
-        np.concatenate([p.rows for p in parts]), SlotTimings.total(p.timings for p in parts)
+    """`execute_batch`, split in halves where an allocation failed (each half in the shape
+    `shape_for_rows` gives: `split_on_allocation_failure`)."""
+    return split_on_allocation_failure(
+        runner.name,
+        runner.device,
+        shape,
+        token_ids,
+        lambda shape, rows: execute_batch(pool, runner, shape, rows, stream),
+        shape_for_rows,
+        BatchOutput.joined,
     )
 
 

@@ -6,12 +6,13 @@ datatype: host staging (pinned on CUDA) viewed by numpy, and a device copy on CU
 precision there where the spec says FP16/BF16). Dynamic dimensions are padded with zeros up
 to the batch's length bucket; rows beyond the batch's inputs are all zeros.
 
-`execute_tensor_batch` runs on dispatcher compute threads only.
+`execute_tensor_batch` (and `run_tensor_batch`, which splits a batch in halves where an
+allocation failed, as the embedding task's does) runs on dispatcher compute threads only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy.typing as npt
 import torch
 
 from app.buffers import SlotPool
-from app.execute import SlotTimings, run_in_slot
+from app.execute import SlotTimings, run_in_slot, split_on_allocation_failure
 from app.model_specs import TensorSpec
 from app.models.tensor import TORCH_DTYPES, TensorModel
 from app.scheduler import BatchShape
@@ -133,6 +134,13 @@ class TensorBatchOutput:
     def row(self, index: int) -> tuple[Array, ...]:
         return self.rows[index]
 
+    @staticmethod
+    def joined(first: TensorBatchOutput, second: TensorBatchOutput) -> TensorBatchOutput:
+        """The output of `first`'s rows then `second`'s, run one after the other."""
+        return TensorBatchOutput(
+            first.rows + second.rows, SlotTimings.total((first.timings, second.timings))
+        )
+
 
 def _run_on_slot(model: TensorModel, slot: TensorSlot, stream: torch.cuda.Stream | None) -> None:
     def run() -> None:
@@ -195,6 +203,27 @@ def execute_tensor_batch(
         copy_out,
     )
     return TensorBatchOutput(answers, timings)
+
+
+def run_tensor_batch(
+    pool: TensorPool,
+    model: TensorModel,
+    shape: BatchShape,
+    rows: Sequence[TensorRow],
+    stream: torch.cuda.Stream | None,
+    shape_for_rows: Callable[[int], BatchShape],
+) -> TensorBatchOutput:
+    """`execute_tensor_batch`, split in halves where an allocation failed (each half in the
+    shape `shape_for_rows` gives: `execute.split_on_allocation_failure`)."""
+    return split_on_allocation_failure(
+        model.name,
+        model.device,
+        shape,
+        rows,
+        lambda shape, rows: execute_tensor_batch(pool, model, shape, rows, stream),
+        shape_for_rows,
+        TensorBatchOutput.joined,
+    )
 
 
 def warmup_rows(model: TensorModel, shape: BatchShape) -> list[TensorRow]:

@@ -49,7 +49,7 @@ from app.tensor_batch import (
     TensorBatchOutput,
     TensorPool,
     TensorRow,
-    execute_tensor_batch,
+    run_tensor_batch,
     tensor_pool,
     warmup_rows,
 )
@@ -213,8 +213,15 @@ async def load_tensor_host(spec: ModelSpec, context: EngineContext) -> TensorHos
     record_pool(spec.name, pool, context, "tensor slots for")
 
     def execute(shape: BatchShape, rows: Sequence[TensorRow]) -> TensorBatchOutput:
-        """Compute threads only."""
-        return execute_tensor_batch(pool, model, shape, rows, dispatcher.stream())
+        """Compute threads only: split in halves where an allocation failed."""
+        return run_tensor_batch(
+            pool,
+            model,
+            shape,
+            rows,
+            dispatcher.stream(),
+            lambda count: BatchShape(policy.padded_batch(shape.length, count), shape.length),
+        )
 
     batcher: TensorBatcher = Batcher(
         spec.name,

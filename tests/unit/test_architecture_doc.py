@@ -90,10 +90,10 @@ def test_the_compute_threads_row_names_every_batch_executor() -> None:
     """§3 said every batch runs through `execute.run_batch`: a `tensor` model's runs
     through `tensor_batch.py`'s executor."""
     from app.execute import run_batch
-    from app.tensor_batch import execute_tensor_batch
+    from app.tensor_batch import run_tensor_batch
 
     [row] = [line for line in _section(3).splitlines() if line.startswith("| engine: compute")]
-    for executor in (run_batch, execute_tensor_batch):
+    for executor in (run_batch, run_tensor_batch):
         assert f"`{executor.__module__.removeprefix('app.')}.{executor.__name__}`" in row
 
 

@@ -1,6 +1,7 @@
 """A failed batch's rows answered from their runs alone (`batch_triage` decides whose
-fault each failure is), on the failed batch's compute slot, and the record of one queued
-input that it and the batcher share (`Pending`).
+fault each failure is), on the failed batch's compute slot, and what it and the batcher
+share: the record of one queued input (`Pending`), and the rows of a computed batch that
+cannot be answered (`RowsFailed`).
 
 Event loop thread only; the runs themselves go to a compute thread through `run`.
 """
@@ -35,6 +36,17 @@ class Pending(Generic[RowT, OutT]):
     request_futures: tuple[asyncio.Future[ItemResult[OutT]], ...]  # in the same order
 
 
+@dataclass(frozen=True, slots=True)
+class RowsFailed:
+    """The rows of a batch that computed whose outputs cannot be answered (an embedding
+    holding a NaN or an infinity: `ModelBatcher.rows_failed`): each fails with `error`, a
+    fault of the server's (500), and the batch counts toward the engine's ill health, as one
+    that raised; the batch's other rows are answered."""
+
+    rows: frozenset[int]
+    error: Exception
+
+
 def set_result_if_not_done(future: asyncio.Future[T], value: T) -> None:
     if not future.done():
         future.set_result(value)
@@ -46,7 +58,9 @@ class FailedBatchRerun(Generic[RowT, OutT]):
     gives rows the model computes (the warm-up's), None before warm-up; `fail(pending,
     error)` fails one input and withdraws its request's queued inputs (`Batcher._fail`);
     `lost_device_before(error)`: whether the device was lost by another batch's failure
-    than `error` (`BatchHealth.lost_device_before`). Event loop thread only."""
+    than `error` (`BatchHealth.lost_device_before`); `rows_failed(output)` says which
+    rows of a run that computed cannot be answered (`Batcher.rows_failed`). Event loop
+    thread only."""
 
     def __init__(
         self,
@@ -55,12 +69,14 @@ class FailedBatchRerun(Generic[RowT, OutT]):
         clock: Callable[[], float],
         fail: Callable[[Pending[RowT, OutT], BaseException], None],
         lost_device_before: Callable[[BaseException], bool] = lambda error: False,
+        rows_failed: Callable[[ComputedBatch[OutT]], RowsFailed | None] = lambda output: None,
     ) -> None:
         self.scheduler = scheduler
         self._run = run
         self._clock = clock
         self._fail = fail
         self._lost_device_before = lost_device_before
+        self._rows_failed = rows_failed
         self.known_good_rows: Callable[[BatchShape], Sequence[RowT]] | None = None
 
     async def answer(
@@ -77,9 +93,10 @@ class FailedBatchRerun(Generic[RowT, OutT]):
         inputs alone were at fault: a failed batch where nothing computed never clears
         health's count. Out of memory and a lost device are the server's, for the batch and
         for a row alone (`batch_triage.server_fault`: a transient one would otherwise read
-        as the input's fault), and so is a fault of the triage itself; the rows of a batch
-        whose failure lost the device fail `DeviceLost` (before health hears of the loss,
-        which exits the engine once they are answered). A row of its input's
+        as the input's fault), and so is a fault of the triage itself, and a row whose run
+        alone computed an output that cannot be answered (`rows_failed`); the rows of a
+        batch whose failure lost the device fail `DeviceLost` (before health hears of the
+        loss, which exits the engine once they are answered). A row of its input's
         fault is failed as soon as triage is sure of it (`on_input_fault`), so its
         request's other rows are not run alone for nobody (`_still_waiting`).
         A row answered waited in the queue until the failed batch `started`; all its time
@@ -135,11 +152,16 @@ class FailedBatchRerun(Generic[RowT, OutT]):
         first: bool | None = None
         if (lost := verdict.server_error) is not None and device_lost(lost):
             first = not self._lost_device_before(lost)
+        server_error = verdict.server_error
         for pending, alone in zip(waiting, verdict.alone, strict=True):
             if alone is None:
                 continue  # answered already, or nobody waits for it
             if isinstance(alone, RowFailed):
                 self._fail_row(pending, alone, first)  # a no-op for one failed already
+                continue
+            if (unanswerable := self._rows_failed(alone)) is not None:
+                self._fail(pending, unanswerable.error)
+                server_error = server_error or unanswerable.error
                 continue
             own_s = alone.timings.compute_s
             since_started = self._clock() - started
@@ -154,7 +176,7 @@ class FailedBatchRerun(Generic[RowT, OutT]):
                     ),
                 ),
             )
-        return verdict.server_error
+        return server_error
 
     def _fail_row(
         self, pending: Pending[RowT, OutT], failed: RowFailed, lost_first: bool | None = None

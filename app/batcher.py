@@ -11,8 +11,10 @@ or by its request's answer cancelling it); resolving an already-done future is a
 batch that fails leaves no input waiting: its rows run again alone (`batch_rerun.py`,
 `batch_triage.py`), the rows that compute alone are answered, a row that fails alone fails
 as its input's fault once the server was seen computing (until then, the server's), and
-when the server fails whatever it runs, every input fails as the server's. An input that
-fails withdraws its request's still-queued inputs at once (`_fail`).
+when the server fails whatever it runs, every input fails as the server's. A batch that
+computes may still hold rows that cannot be answered (`rows_failed`: an embedding's NaN):
+those fail as the server's, the rest are answered, and the batch counts toward ill health.
+An input that fails withdraws its request's still-queued inputs at once (`_fail`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Generic, TypeVar
 
 from prometheus_client import Histogram
 
-from app.batch_rerun import FailedBatchRerun, Pending, set_result_if_not_done
+from app.batch_rerun import FailedBatchRerun, Pending, RowsFailed, set_result_if_not_done
 from app.batch_trace import ComputedBatch, ItemResult, batch_trace, record_batch_metrics
 from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher
@@ -92,6 +94,7 @@ class Batcher(Generic[RowT, OutT]):
             clock,
             self._fail,
             lost_device_before,
+            self.rows_failed,
         )
         self._pending: dict[int, Pending[RowT, OutT]] = {}
         self._ids = itertools.count()
@@ -161,6 +164,11 @@ class Batcher(Generic[RowT, OutT]):
             del self._pending[item.item_id]
         if queued:
             self._wakeup.set()  # the loop may stand in line for a batch no longer there
+
+    def rows_failed(self, output: ComputedBatch[OutT]) -> RowsFailed | None:
+        """The rows of a batch (or a row run alone) that computed but cannot be answered,
+        or None: all can. A subclass checks its outputs (`ModelBatcher`: NaN, infinity)."""
+        return None
 
     # --- the batch loop ---------------------------------------------------------------
     def start(self) -> None:
@@ -276,7 +284,7 @@ class Batcher(Generic[RowT, OutT]):
         computed = await self._compute(batch, pendings, started)
         if computed is None:
             return  # it failed: its rows were answered from their runs alone
-        output, expected_s, first_seen = computed
+        output, expected_s, first_seen, unanswerable = computed
         try:
             self._launch_ready_batch()
         except Exception:  # a bug in what the batch loop also runs: its own safety net
@@ -286,6 +294,9 @@ class Batcher(Generic[RowT, OutT]):
             record_batch_metrics(self._metrics, self.name, batch, output)
             trace = batch_trace(batch, output, expected_s, first_seen)
             for row, pending in enumerate(pendings):
+                if unanswerable is not None and row in unanswerable.rows:
+                    self._fail(pending, unanswerable.error)
+                    continue
                 set_result_if_not_done(
                     pending.future,
                     ItemResult(
@@ -302,11 +313,12 @@ class Batcher(Generic[RowT, OutT]):
 
     async def _compute(
         self, batch: Batch, pendings: list[Pending[RowT, OutT]], started: float
-    ) -> tuple[ComputedBatch[OutT], float, bool] | None:
+    ) -> tuple[ComputedBatch[OutT], float, bool, RowsFailed | None] | None:
         """Run `batch` on its compute slot, record its compute time for the scheduler's
         estimates, then give the slot back; returns the batch's output, its estimated
-        compute and whether its shape was new, or None when it failed (its rows answered
-        from their runs alone, on the same slot)."""
+        compute, whether its shape was new and its rows that cannot be answered (then the
+        batch counts as failed), or None when it failed (its rows answered from their runs
+        alone, on the same slot)."""
         failure: BaseException | None = None
         try:
             self._observe_queue_wait([p.item for p in pendings], started)
@@ -319,7 +331,10 @@ class Batcher(Generic[RowT, OutT]):
             )
             # Before the slot goes to the next batch, which is planned on these estimates.
             self.scheduler.record_compute(batch.shape, output.timings.compute_s)
-            return output, expected_s, first_seen
+            unanswerable = self.rows_failed(output)
+            if unanswerable is not None:
+                failure = unanswerable.error
+            return output, expected_s, first_seen, unanswerable
         except Exception as error:
             log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)
             failure = await self._rerun.answer(batch, pendings, error, started)

@@ -8,6 +8,7 @@ service's tokenizer pool).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,17 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from app.engine.protocol import EmbedOutput, EmbedPayload, OutputPayload
+from app.failures import NonFiniteOutput
 from app.models.tokenizer import InputTooLong, TextTokenizer
 from app.service import MAX_CHARS_PER_TOKEN, Service
 from app.timing import PhaseTimer
 
-
-class NonFiniteOutput(Exception):
-    """The model gave a NaN or infinite value: a fault of the server's (answered 500), never
-    rendered, since JSON has no NaN (orjson would write `null`)."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(f"{model} produced a non-finite value (NaN or infinity)")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +87,14 @@ async def embed_texts(
 
 def _check_vectors(model: str, payload: OutputPayload) -> None:
     """Raises for an answer that is not finite vectors (both server faults, answered 500),
-    before the request is counted as served."""
+    before the request is counted as served. A guard only: the engine fails a row with a
+    NaN or an infinity itself (`ModelBatcher.rows_failed`: logged, and counted toward its
+    ill health), so one reaching here passed an engine that did not check."""
     if not isinstance(payload, EmbedOutput):
         raise TypeError(f"{model} answered an embedding with {type(payload)}")
     if not np.isfinite(_vectors(payload)).all():
-        raise NonFiniteOutput(model)
+        log.error("%s: the engine answered a non-finite vector (NaN or inf)", model)
+        raise NonFiniteOutput.of(model)
 
 
 async def _tokenize(

@@ -47,6 +47,20 @@ class DeviceLost(BatchFailed):
         self.first = first
 
 
+class NonFiniteOutput(Exception):
+    """The model computed a NaN or infinite value: a fault of the server's (answered 500
+    `non_finite_output`), never rendered, since JSON has no NaN (orjson would write `null`).
+    The engine fails an embedding's row with it (`ModelBatcher.rows_failed`) and sends its
+    text to the front end in a `FAILED` failure of reason `REASON`, which raises it again
+    there (`engine/client.py::failure_error`)."""
+
+    REASON = "non_finite_output"
+
+    @classmethod
+    def of(cls, model: str) -> NonFiniteOutput:
+        return cls(f"{model} produced a non-finite value (NaN or infinity)")
+
+
 class InputFailed(Exception):
     """The model failed on this input alone while it computes others (answered 400): the
     input is at fault, not the server. Its `__cause__` is what the model raised: for the

@@ -19,9 +19,8 @@ from starlette.responses import Response
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
 from app.api.responses import error_response, in_envelope_of, speaks_openai
-from app.embedding_service import NonFiniteOutput
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
-from app.failures import DeadlineExceeded, DeviceLost
+from app.failures import DeadlineExceeded, DeviceLost, NonFiniteOutput
 from app.generation.chat import ChatTemplateError
 from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
 from app.models.tokenizer import InputTooLong

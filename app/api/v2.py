@@ -42,10 +42,10 @@ from app.api.v2_codec import (
     split_bytes_elements,
 )
 from app.api.v2_render import Answer, AnswerRenderer, JsonTensor
-from app.embedding_service import NonFiniteOutput, embed_texts
+from app.embedding_service import embed_texts
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.engine.protocol import TensorOutput
-from app.failures import BatchFailed, DeadlineExceeded, DeviceLost
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, NonFiniteOutput
 from app.model_specs import ModelSpec
 from app.models.tokenizer import InputTooLong
 from app.service import Service, WrongTask

@@ -32,7 +32,13 @@ from app.engine.protocol import (
     ToEngine,
     payload_inputs,
 )
-from app.failures import DEVICE_LOST, BatchFailed, DeadlineExceeded, DeviceLost
+from app.failures import (
+    DEVICE_LOST,
+    BatchFailed,
+    DeadlineExceeded,
+    DeviceLost,
+    NonFiniteOutput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +107,8 @@ def failure_error(failure: Failure) -> Exception:
         return EngineRefused(failure.message, failure.input_index)
     if failure.reason == DEVICE_LOST:  # its batch lost the engine its device: 500, not retried
         return DeviceLost(failure.message)
+    if failure.reason == NonFiniteOutput.REASON:  # its text names the model, for the client
+        return NonFiniteOutput(failure.message)
     return BatchFailed(failure.message)
 
 

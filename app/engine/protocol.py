@@ -245,7 +245,7 @@ class Failure(msgspec.Struct, frozen=True, tag="failure"):
     kind: FailureKind
     message: str  # answered to the client: never the model's own exception text
     # For REJECTED: a `RejectReason` value; for FAILED: `device_lost` when the batch lost the
-    # engine its device (`failures.DeviceLost`), else None.
+    # engine its device (`failures.DeviceLost`), `NonFiniteOutput.REASON`, else None.
     reason: str | None = None
     retry_after_s: float | None = None
     input_index: int | None = None  # for BAD_REQUEST: the input the model failed on

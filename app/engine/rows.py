@@ -21,7 +21,7 @@ from app.buffers import SlotPool
 from app.engine.host import Emit, EngineContext, EngineLoad, RequestTracer
 from app.engine.lost_device import device_lost_failure
 from app.engine.protocol import Failure, FailureKind, Output, OutputPayload, Submit
-from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, InputFailed
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, InputFailed, NonFiniteOutput
 from app.metrics import Metrics
 from app.model_queues import NO_WORK, BatchCost, ModelWork, naming, wait_ahead
 from app.scheduler import BatchShape, Scheduler
@@ -113,8 +113,8 @@ async def gather_rows(
     metrics: Metrics,
 ) -> list[ItemResult[OutT]] | None:
     """Every row's result, in order; or None once the request was answered with its
-    failure (a deadline passed, an input the model fails on, a failed batch)
-    or cancelled by its front end
+    failure (a deadline passed, an input the model fails on, a failed batch, an output
+    with a NaN: `FAILED` of reason `NonFiniteOutput.REASON`) or cancelled by its front end
     (which expects no answer). Either way its rows still queued are dropped: nobody
     would read what they compute."""
     try:
@@ -133,6 +133,10 @@ async def gather_rows(
         return None
     except BatchFailed as error:
         emit(Failure(request.request_id, FailureKind.FAILED, str(error)))
+        return None
+    except NonFiniteOutput as error:
+        reason = NonFiniteOutput.REASON
+        emit(Failure(request.request_id, FailureKind.FAILED, str(error), reason=reason))
         return None
     finally:
         for future in futures:

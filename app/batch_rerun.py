@@ -40,8 +40,10 @@ class Pending(Generic[RowT, OutT]):
 class RowsFailed:
     """The rows of a batch that computed whose outputs cannot be answered (an embedding
     holding a NaN or an infinity: `ModelBatcher.rows_failed`): each fails with `error`, a
-    fault of the server's (500), and the batch counts toward the engine's ill health, as one
-    that raised; the batch's other rows are answered."""
+    fault of the server's (500); the batch's other rows are answered. The batch counts
+    toward the model's ill health, as one that raised, only when every row of it failed so:
+    a model computing NaN for every input is broken, one input that overflows is not, and a
+    client resending it must not turn /healthz unhealthy."""
 
     rows: frozenset[int]
     error: Exception
@@ -152,7 +154,10 @@ class FailedBatchRerun(Generic[RowT, OutT]):
         first: bool | None = None
         if (lost := verdict.server_error) is not None and device_lost(lost):
             first = not self._lost_device_before(lost)
-        server_error = verdict.server_error
+        # A row alone computing a NaN counts against health only if no row alone computed
+        # an answer: one client's input that overflows must not make the pod unhealthy.
+        non_finite: Exception | None = None
+        answered = False
         for pending, alone in zip(waiting, verdict.alone, strict=True):
             if alone is None:
                 continue  # answered already, or nobody waits for it
@@ -161,8 +166,9 @@ class FailedBatchRerun(Generic[RowT, OutT]):
                 continue
             if (unanswerable := self._rows_failed(alone)) is not None:
                 self._fail(pending, unanswerable.error)
-                server_error = server_error or unanswerable.error
+                non_finite = unanswerable.error
                 continue
+            answered = True
             own_s = alone.timings.compute_s
             since_started = self._clock() - started
             set_result_if_not_done(
@@ -176,7 +182,9 @@ class FailedBatchRerun(Generic[RowT, OutT]):
                     ),
                 ),
             )
-        return server_error
+        if verdict.server_error is None and not answered:
+            return non_finite
+        return verdict.server_error
 
     def _fail_row(
         self, pending: Pending[RowT, OutT], failed: RowFailed, lost_first: bool | None = None

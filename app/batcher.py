@@ -316,9 +316,9 @@ class Batcher(Generic[RowT, OutT]):
     ) -> tuple[ComputedBatch[OutT], float, bool, RowsFailed | None] | None:
         """Run `batch` on its compute slot, record its compute time for the scheduler's
         estimates, then give the slot back; returns the batch's output, its estimated
-        compute, whether its shape was new and its rows that cannot be answered (then the
-        batch counts as failed), or None when it failed (its rows answered from their runs
-        alone, on the same slot)."""
+        compute, whether its shape was new and its rows that cannot be answered (the batch
+        counts as failed when every row is one), or None when it failed (its rows answered
+        from their runs alone, on the same slot)."""
         failure: BaseException | None = None
         try:
             self._observe_queue_wait([p.item for p in pendings], started)
@@ -332,8 +332,8 @@ class Batcher(Generic[RowT, OutT]):
             # Before the slot goes to the next batch, which is planned on these estimates.
             self.scheduler.record_compute(batch.shape, output.timings.compute_s)
             unanswerable = self.rows_failed(output)
-            if unanswerable is not None:
-                failure = unanswerable.error
+            if unanswerable is not None and len(unanswerable.rows) >= len(pendings):
+                failure = unanswerable.error  # every row: the model, not an input (`RowsFailed`)
             return output, expected_s, first_seen, unanswerable
         except Exception as error:
             log.exception("batch %s of %s failed; running its rows alone", batch.shape, self.name)

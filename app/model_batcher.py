@@ -61,8 +61,9 @@ class ModelBatcher(Batcher[list[int], npt.NDArray[np.float32]]):
     def rows_failed(self, output: ComputedBatch[npt.NDArray[np.float32]]) -> RowsFailed | None:
         """The rows of a batch holding a NaN or an infinity (`BatchOutput.non_finite`, found
         on the compute thread), logged once a batch: each fails 500 `non_finite_output`
-        (JSON has no NaN) and the batch counts toward the model's ill health, as one that
-        raised: a model computing NaN for every input turns /healthz unhealthy."""
+        (JSON has no NaN); a batch of which every row does counts toward the model's ill
+        health, as one that raised: a model computing NaN for every input turns /healthz
+        unhealthy, one input that overflows does not (`RowsFailed`)."""
         assert isinstance(output, BatchOutput)  # what `_run_tokens` returns
         if not output.non_finite:
             return None

@@ -2,8 +2,8 @@
 
 Start-up failures are reported separately; this watches the batches afterwards (a device
 lost, a driver fault, a model that throws on every input, or computes NaN for it: a batch
-with an embedding's non-finite row counts as failed, `Batcher.rows_failed`). Failures are
-counted per model:
+whose every embedding row is non-finite counts as failed, `Batcher.rows_failed`). Failures
+are counted per model:
 after `threshold` consecutive failed batches of one model the engine reports unhealthy,
 naming that model, /healthz answers 503 and Kubernetes restarts the pod; a successful batch
 of that model clears its count, and only its own. A single count for the whole engine let

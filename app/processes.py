@@ -21,7 +21,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -266,7 +265,6 @@ class ProcessTree:
                 await self._probes.start()
             except OSError as error:
                 log.error("cannot serve the probes: %s", error)
-                sys.stderr.write(f"steadyserve: cannot serve the probes: {error}\n")
                 self._zmq.destroy(linger=0)
                 return 2
         try:
@@ -384,7 +382,6 @@ def serve_processes(settings: Settings, make_core: CoreFactory | None = None) ->
         reservation = reserve_shared_port(settings.host, settings.port)
     except PortUnavailable as problem:
         log.error("%s", problem)
-        sys.stderr.write(f"steadyserve: {problem}\n")
         return 2
     # The run directory is removed on the way out; one a killed supervisor left is removed
     # by the next to start.

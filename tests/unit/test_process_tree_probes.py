@@ -110,7 +110,10 @@ async def test_a_server_stopped_while_its_engine_crash_loops_exits_1(tree: Proce
 
 
 async def test_a_probe_port_in_use_stops_the_server_before_any_child_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Children ignore SIGTERM: started before the probe port failed, they kept the
     # supervisor's exit waiting on them forever.
@@ -124,6 +127,10 @@ async def test_a_probe_port_in_use_stops_the_server_before_any_child_starts(
         monkeypatch.setattr(tree, "_spawn_frontend", lambda index: started.append("front end"))
         assert await tree.run() == 2
     assert started == []
+    # Said once, in the log (which is stderr): it was also written to stderr, printed twice.
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if m.startswith("cannot serve the probes: ")]) == 1
+    assert capsys.readouterr().err == ""
 
 
 async def test_an_engine_that_cannot_be_spawned_is_tried_again_with_backoff(

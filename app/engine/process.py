@@ -76,6 +76,10 @@ DEVICE_LOST_EXIT = 3
 DEVICE_LOST_ANSWER_S = 0.05
 # Then how long the exit waits for what was sent to leave the sockets (ZeroMQ's linger).
 DEVICE_LOST_LINGER_S = 1.0
+# The exit status of an engine stopped because its request or status loop ended on its own
+# (`EngineServer._on_task_end`: a bug, logged with its traceback). It exited 0, read as a
+# clean exit by whoever looked.
+TASK_ENDED_EXIT = 4
 
 
 def exit_when_device_lost(
@@ -180,7 +184,9 @@ class EngineServer:
         self._flush()
         self._context.destroy(linger=int(DEVICE_LOST_LINGER_S * 1000))
 
-    async def serve(self, stop: asyncio.Event) -> None:
+    async def serve(self, stop: asyncio.Event) -> int:
+        """Serve until `stop` is set; the process's exit status: 0, or `TASK_ENDED_EXIT`
+        when a loop's end on its own set it."""
         startup = asyncio.create_task(self.core.start(), name="engine-startup")
         tasks = [
             asyncio.create_task(self._receive(), name="engine-requests"),
@@ -193,6 +199,7 @@ class EngineServer:
         try:
             await stop.wait()
         finally:
+            ended = any(task.done() for task in tasks)  # before any was cancelled here
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -201,13 +208,16 @@ class EngineServer:
             await asyncio.gather(startup, return_exceptions=True)
             await self.core.stop()
             self._context.destroy(linger=0)
+        return TASK_ENDED_EXIT if ended else 0
 
     @staticmethod
     def _on_task_end(task: asyncio.Task[None], stop: asyncio.Event) -> None:
         if task.cancelled() or stop.is_set():
             return
         log.critical(
-            "engine: %s ended (%r); stopping the engine", task.get_name(), task.exception()
+            "engine: %s ended; stopping the engine",
+            task.get_name(),
+            exc_info=task.exception(),
         )
         stop.set()
 
@@ -315,7 +325,7 @@ async def _serve(
     addresses: EngineAddresses,
     replacement: bool,
     make_core: CoreFactory | None,
-) -> None:
+) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Only the supervisor stops the engine (SIGUSR1), after the front ends drained: a
@@ -331,7 +341,7 @@ async def _serve(
         # so the total over processes is the number of restarts.
         metrics.engine_restarts.inc()
     core = EngineCore(settings, metrics) if make_core is None else make_core(settings, metrics)
-    await EngineServer(core, addresses).serve(stop)
+    return await EngineServer(core, addresses).serve(stop)
 
 
 def run_engine_process(
@@ -350,10 +360,13 @@ def run_engine_process(
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    status = 0
     with contextlib.suppress(KeyboardInterrupt):
         try:
             import uvloop
 
-            uvloop.run(_serve(settings, addresses, replacement, make_core))
+            status = uvloop.run(_serve(settings, addresses, replacement, make_core))
         except ImportError:
-            asyncio.run(_serve(settings, addresses, replacement, make_core))
+            status = asyncio.run(_serve(settings, addresses, replacement, make_core))
+    if status:
+        sys.exit(status)  # the supervisor names it (`supervisor.loss_reason`)

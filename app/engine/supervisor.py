@@ -25,7 +25,12 @@ from pathlib import Path
 
 import zmq
 
-from app.engine.process import DEVICE_LOST_EXIT, CoreFactory, run_engine_process
+from app.engine.process import (
+    DEVICE_LOST_EXIT,
+    TASK_ENDED_EXIT,
+    CoreFactory,
+    run_engine_process,
+)
 from app.engine.protocol import EngineRestart, EngineStatus, encode
 from app.engine.zmq_client import RESTART_HEARTBEAT_S, EngineAddresses
 from app.settings import Settings
@@ -83,6 +88,8 @@ def loss_reason(pid: int, exitcode: int | None, killed_because: str | None) -> s
         return f"engine {pid} exited by signal {name}"
     if exitcode == DEVICE_LOST_EXIT:
         return f"engine {pid} exited with code {exitcode} (a sticky CUDA error: device lost)"
+    if exitcode == TASK_ENDED_EXIT:
+        return f"engine {pid} exited with code {exitcode} (a loop of its own ended: see its log)"
     return f"engine {pid} exited with code {exitcode}"
 
 

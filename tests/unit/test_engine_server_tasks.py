@@ -5,6 +5,7 @@ while running; and it publishes a status only when it changed, or as a heartbeat
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import zmq.asyncio
 from app.engine.health import BatchHealth
 from app.engine.process import (
     DEVICE_LOST_EXIT,
+    TASK_ENDED_EXIT,
     EngineServer,
     exit_when_device_lost,
     worth_publishing,
@@ -41,6 +43,72 @@ async def test_a_loop_that_ends_on_its_own_stops_the_engine() -> None:
     await asyncio.gather(task, return_exceptions=True)
     await asyncio.sleep(0)  # done callbacks run on the loop's next turn
     assert stop.is_set()
+
+
+class StoppingCore:
+    """The engine server's core where nothing reaches it, started and stopped at once."""
+
+    def __init__(self) -> None:
+        self.health = BatchHealth(threshold=5)
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+async def test_a_loop_that_ends_on_its_own_is_logged_with_its_traceback_and_exits_non_zero(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its exception was logged as a `repr` alone (no stack) and the engine exited 0: the
+    supervisor said "engine N exited with code 0", a clean exit by its words."""
+    server = EngineServer(StoppingCore(), EngineAddresses.in_directory(tmp_path))  # type: ignore[arg-type]
+
+    async def broken() -> None:
+        raise ValueError("a bug in the loop")
+
+    server._publish = broken  # type: ignore[method-assign]
+    with caplog.at_level(logging.CRITICAL, logger="app.engine.process"):
+        status = await asyncio.wait_for(server.serve(asyncio.Event()), 10)
+    assert status == TASK_ENDED_EXIT != 0
+    [record] = [r for r in caplog.records if r.name == "app.engine.process"]
+    assert record.getMessage() == "engine: engine-status ended; stopping the engine"
+    assert record.exc_info is not None and isinstance(record.exc_info[1], ValueError)
+    from app.engine.supervisor import loss_reason
+
+    assert loss_reason(7, TASK_ENDED_EXIT, None) == (
+        "engine 7 exited with code 4 (a loop of its own ended: see its log)"
+    )
+
+
+def test_the_engine_process_exits_with_the_status_serving_ended_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.engine import process
+    from app.settings import Settings
+
+    async def ended(*args: object) -> int:
+        return TASK_ENDED_EXIT
+
+    monkeypatch.setattr(process, "die_with_parent", lambda pid: None)
+    monkeypatch.setattr(process, "_serve", ended)
+    addresses = EngineAddresses.in_directory(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        process.run_engine_process(Settings(), addresses, parent_pid=1)
+    assert exited.value.code == TASK_ENDED_EXIT
+
+
+async def test_an_engine_asked_to_stop_exits_0(tmp_path: Path) -> None:
+    server = EngineServer(StoppingCore(), EngineAddresses.in_directory(tmp_path))  # type: ignore[arg-type]
+
+    async def quiet() -> None:
+        await asyncio.Event().wait()
+
+    server._publish = quiet  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.05, stop.set)
+    assert await asyncio.wait_for(server.serve(stop), 10) == 0
 
 
 async def test_a_loop_cancelled_at_shutdown_is_not_a_failure() -> None:

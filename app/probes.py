@@ -1,7 +1,8 @@
 """Liveness and readiness verdicts, and the probe listener of the process tree.
 
 The verdicts are pure: a front end (`/healthz`, `/readyz` on the traffic port) and the
-supervisor (its own probe port) reach them from the same facts, so both answer alike.
+supervisor (its own probe port) reach them from the same facts, so both answer alike. Each
+process logs them once per change (`PROBE_VERDICTS`, as its probes are answered).
 
 `ProbeListener` serves those two paths on `STEADY_HEALTH_PORT` from the supervisor, a process
 that carries no traffic: however many connections flood the front ends, a kubelet's probe is
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api.write_stall import abort_unflushed
 from app.engine.protocol import EngineRestart, EngineStatus
+from app.log_limits import VerdictLog
 from app.schemas import error_object
 
 log = logging.getLogger(__name__)
@@ -136,8 +138,28 @@ PROBE_ROUTES: Mapping[str, ProbeAnswer] = MappingProxyType({HEALTHZ: _healthz, R
 PROBE_PORT_PATHS = frozenset({*PROBE_ROUTES, METRICS})
 
 
+class ProbeVerdicts:
+    """The verdicts a process's probes answered, logged once per change (`VerdictLog`):
+    a crash loop, an unkillable engine or failing batches, and why it is not ready."""
+
+    def __init__(self) -> None:
+        self._liveness = VerdictLog(log, "liveness", assumed="ok")
+        self._readiness = VerdictLog(log, "readiness")
+
+    def note(self, ready: Readiness, alive_problem: str | None) -> None:
+        self._liveness.note("ok" if alive_problem is None else "unhealthy", alive_problem)
+        self._readiness.note(ready.status, ready.problem)
+
+
+# This process's (the supervisor's, a front end's, the in-process server's): every answer
+# it gives goes through `probe_response`, on whichever port.
+PROBE_VERDICTS = ProbeVerdicts()
+
+
 def probe_response(path: str, ready: Readiness, alive_problem: str | None) -> tuple[int, bytes]:
-    """Status and JSON body of GET `path` (a key of `PROBE_ROUTES`); 404 otherwise."""
+    """Status and JSON body of GET `path` (a key of `PROBE_ROUTES`); 404 otherwise. The
+    verdicts are logged where they changed since the last answer (`PROBE_VERDICTS`)."""
+    PROBE_VERDICTS.note(ready, alive_problem)
     route = PROBE_ROUTES.get(path)
     if route is None:
         return 404, orjson.dumps(error_object("not_found", path))

@@ -15,16 +15,21 @@ access, ...) is different: the process's CUDA context is unusable from then on, 
 model, every later batch fails the same way and nothing clears it, so health is lost at
 once, for good, and `on_device_lost` is called (the engine process exits once that batch's
 requests are answered, so that its supervisor starts a fresh one: `engine/process.py`).
-Engine event loop thread only; torch-free.
+Each flip of health is logged, once (`VerdictLog`). Engine event loop thread only;
+torch-free.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 # Defined on the batcher's side (its triage asks too: imports point one way), and still
 # importable from here, where the engine's code looked for it.
 from app.failures import device_lost
+from app.log_limits import VerdictLog
+
+log = logging.getLogger(__name__)
 
 BatchRecorder = Callable[[BaseException | None], None]
 
@@ -39,18 +44,27 @@ class BatchHealth:
         self._lost_by: BaseException | None = None  # the failure that lost it
         # Called once, when a batch fails with a sticky device error (`device_lost`).
         self.on_device_lost: Callable[[], None] = lambda: None
+        self._verdict = VerdictLog(log, "engine health", assumed="healthy")
 
     def record(self, error: BaseException | None, model: str = "") -> None:
         """Called once per finished batch of `model`, with its exception if it failed."""
         if error is None:
-            self._failures.pop(model, None)
+            if self._failures.pop(model, None) is not None:
+                self._note()
             return
         count, _ = self._failures.get(model, (0, ""))
         self._failures[model] = (count + 1, type(error).__name__)
         if not self.lost_device and device_lost(error):
             self.lost_device = True
             self._lost_by = error
+            self._note()  # before the process exits on it
             self.on_device_lost()
+            return
+        self._note()
+
+    def _note(self) -> None:
+        healthy = self.healthy
+        self._verdict.note("healthy" if healthy else "unhealthy", None if healthy else self.problem)
 
     def lost_device_before(self, error: BaseException) -> bool:
         """Whether the device was lost by a failure other than `error`: `error` is then a

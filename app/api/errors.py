@@ -2,11 +2,14 @@
 
 Client mistakes are 4xx with the offending parameter named; capacity is 429 with
 `Retry-After`; not ready / draining is 503; a passed deadline is 504. Only a fault of the
-server itself becomes a 500 (answered by `ServerTimingMiddleware`).
+server itself becomes a 500: a failed batch's here, logged at most once per
+`BATCH_FAILED_LOG_INTERVAL_S` (the engine logged its traceback), any other fault by
+`ServerTimingMiddleware`, with its traceback.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -20,11 +23,14 @@ from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
 from app.api.responses import error_response, in_envelope_of, speaks_openai
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
-from app.failures import DeadlineExceeded, DeviceLost, NonFiniteOutput
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, NonFiniteOutput
 from app.generation.chat import ChatTemplateError
 from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
+from app.log_limits import Throttle
 from app.models.tokenizer import InputTooLong
 from app.service import UnknownModel, WrongTask
+
+log = logging.getLogger(__name__)
 
 REJECTION_STATUS = {
     RejectReason.RATE: 429,
@@ -61,7 +67,8 @@ def engine_unavailable_headers(error: EngineUnavailable) -> dict[str, str]:
     return {"Retry-After": "1"}
 
 
-# nginx's convention for "client closed request": the client never sees it, logs do.
+# nginx's convention for "client closed request": the client never sees it; the HTTP metrics
+# (a 4xx) and a slow request's report do (no log line: README's table of statuses).
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -215,6 +222,29 @@ async def _client_gone(request: Request, error: Exception) -> Response:
     return error_response(CLIENT_CLOSED_REQUEST, "client_closed_request", "client disconnected")
 
 
+# A failed batch fails each of its requests: one line per this many seconds says so (the
+# engine logged the batch's traceback, once), not a traceback per request.
+BATCH_FAILED_LOG_INTERVAL_S = 10.0
+_batch_failures = Throttle(BATCH_FAILED_LOG_INTERVAL_S)
+
+
+def log_batch_failed(request: str, error: BatchFailed) -> None:
+    """Say that `request` (its method and path, the path as `repr` shows it: decoded from
+    %-escapes, it may hold a line end) was answered 500 for its failed batch, at most once
+    per `BATCH_FAILED_LOG_INTERVAL_S`, with how many others were since the last line."""
+    if _batch_failures.allow():
+        held = _batch_failures.take_held()
+        more = f"; {held} more since the last such line" if held else ""
+        log.error("batch failed, 500 to %s: %s%s", request, error, more)
+
+
+async def _batch_failed(request: Request, error: Exception) -> Response:
+    assert isinstance(error, BatchFailed)
+    log_batch_failed(f"{request.method} {request.scope.get('path', '')!r}", error)
+    # As `ServerTimingMiddleware` answers any other fault of the server's own.
+    return error_response(500, "internal_error", "internal server error")
+
+
 async def _non_finite(request: Request, error: Exception) -> Response:
     return error_response(500, "non_finite_output", str(error))
 
@@ -271,6 +301,7 @@ _HANDLERS: dict[type[Exception], Handler] = {
     EngineRefused: _engine_refused,
     EngineUnavailable: _engine_unavailable,
     ClientDisconnected: _client_gone,
+    BatchFailed: _batch_failed,
     NonFiniteOutput: _non_finite,
     DeviceLost: _device_lost,
     StarletteHTTPException: _http_error,

@@ -20,13 +20,13 @@ from starlette.responses import Response
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
-from app.api.errors import REJECTION_STATUS, texts_as_sent
+from app.api.errors import REJECTION_STATUS, log_batch_failed, texts_as_sent
 from app.api.errors_doc import OPENAI_ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
 from app.engine.client import EngineRefused, EngineUnavailable
-from app.failures import DEVICE_LOST, DeadlineExceeded, DeviceLost
+from app.failures import DEVICE_LOST, BatchFailed, DeadlineExceeded, DeviceLost
 from app.generation.pipeline import (
     GenerationEvent,
     PreparedGeneration,
@@ -266,6 +266,9 @@ async def _frames(
         frames.append(event(error_chunk(*_status_and_reason(error), str(error))))
     except DeviceLost as error:  # as api/errors.py answers it before the stream began
         frames.append(event(error_chunk(500, DEVICE_LOST, str(error))))
+    except BatchFailed as error:  # the engine logged the batch's traceback, once
+        log_batch_failed(f"a stream of model {reply.model!r}", error)
+        frames.append(event(error_chunk(500, "internal_error", "internal server error")))
     except Exception:
         log.exception("generation failed mid-stream")
         frames.append(event(error_chunk(500, "internal_error", "internal server error")))

@@ -5,8 +5,9 @@ trace and the front end's probe changes over its lifetime (docs/SPIKES.md).
 It sits inside `ServerTimingMiddleware` (whose `PhaseTimer` the routes and the service fill
 in) and outside the routes; requests shed before the body are answered further out and are
 never slow. A request whose route raised an error no handler answers (a fault of the
-server's, such as `BatchFailed`: `ServerTimingMiddleware` answers it 500) is timed until the
-error and judged with status 500. Front-end event loop thread only.
+server's own, a bug: `ServerTimingMiddleware` answers it 500) is timed until the error and
+judged with status 500; a failed batch's 500 is answered by its handler, timed as any
+answer. Front-end event loop thread only.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class SlowRequestMiddleware:
         try:
             await self.app(scope, receive, timed_send)
         except Exception:
-            # No handler answered it (a batch that failed on the server's side, a bug):
+            # No handler answered it (a fault of the server's own, a bug):
             # `ServerTimingMiddleware`, further out, answers 500. Judged here all the same,
             # or the slow requests that end worst would be the ones never reported.
             if finished is None:

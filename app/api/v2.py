@@ -31,7 +31,12 @@ from app import __version__
 from app.admission import Entry, Rejected
 from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.api.common import BodyParsePhase, envoy_timeout_ms, expects_continue
-from app.api.errors import REJECTION_STATUS, engine_unavailable_headers, refusal_headers
+from app.api.errors import (
+    REJECTION_STATUS,
+    engine_unavailable_headers,
+    log_batch_failed,
+    refusal_headers,
+)
 from app.api.responses import service_of, v2_error
 from app.api.v2_codec import (
     InferInput,
@@ -227,9 +232,10 @@ async def _infer(
         return v2_error(str(error), 503, engine_unavailable_headers(error))
     except DeviceLost as error:  # not to be resent unchanged: its batch lost the device
         return v2_error(str(error), 500)
-    except BatchFailed:
+    except BatchFailed as error:
         # The server's fault, logged by the engine with its exception; that text (a torch
         # error's repr) is not for the client, as on every other route's 500.
+        log_batch_failed(f"POST {request.scope['path']!r}", error)
         return v2_error("internal server error: the batch failed", 500)
     except NonFiniteOutput as error:
         return v2_error(str(error), 500)

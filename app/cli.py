@@ -118,12 +118,15 @@ def _configure_logging(level: str) -> None:
 def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
     """How a front end runs uvicorn: refusals written by the HTTP protocol itself, before
     any ASGI machinery runs (`api/shedding_protocol.py`), connection limits and keep-alive from
-    `settings`."""
+    `settings`, uvicorn's lines in the process's log format, less the warnings any client
+    can cause (`api/uvicorn_warnings.py`, installed here)."""
     from app.api.refusal_budget import RefusalBudget  # the server's code: loaded to serve only
     from app.api.shedding_protocol import shedding_protocol
+    from app.api.uvicorn_warnings import quiet_client_warnings
 
     service: Service = app.state.service
     budget = RefusalBudget(settings.refusals_at_once_per_admission)
+    quiet_client_warnings()
     return uvicorn.Config(
         app,
         http=shedding_protocol(
@@ -136,6 +139,9 @@ def uvicorn_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         ),
         host=settings.host,
         port=settings.port,
+        # uvicorn's loggers propagate to the process's handler (its format: time, level,
+        # process role and pid), not to handlers of uvicorn's own; their level is still set.
+        log_config=None,
         log_level=settings.log_level.lower(),
         access_log=False,
         timeout_keep_alive=math.ceil(settings.keep_alive_timeout_s),

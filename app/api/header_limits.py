@@ -28,7 +28,9 @@ Either answer, in the envelope of the request's path (as far as it arrived) like
 prebuilt refusals (`api/shedding.py`), closes its connection gently: half-closed after the
 answer, input dropped unparsed until the client closes or `linger_s` passes; behind an
 earlier request whose answer is still to come (pipelined), it waits for that answer and
-the input is dropped meanwhile. Each is counted (`_count_head_refusal`).
+the input is dropped meanwhile. Each is counted (`_count_head_refusal`), and so is
+uvicorn's own 400 to bytes that do not parse as HTTP before a request's headers end
+(`invalid_http`: its warning is dropped from the log, `api/uvicorn_warnings.py`).
 
 Its transport is a `StallLimitedTransport` (`api/write_stall.py`): a client that takes
 nothing more of its answer for `write_stall_s` (30 s), while the writes are paused or once
@@ -62,6 +64,8 @@ MAX_HEADER_BYTES = 64 * 1024
 # 65,536 one-byte reads that fit the byte cap.
 MAX_HEADER_READS = 1024
 HEADER_TIMEOUT, HEADERS_TOO_LARGE = "header_timeout", "headers_too_large"
+# Bytes that do not parse as HTTP, before a request was handed on: uvicorn's 400.
+INVALID_HTTP = "invalid_http"
 
 
 @lru_cache(maxsize=16)
@@ -189,6 +193,12 @@ class HeaderLimitedProtocol(HttpToolsProtocol):
     def _on_headers(self) -> None:
         """The request's headers, within the limits, are parsed."""
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's answer to a parse error; within a body, the request was handed on.
+        if self._in_headers or not self._in_message:
+            self._count_head_refusal(INVALID_HTTP)
+        super().send_400_response(msg)
 
     def on_body(self, body: bytes) -> None:
         if not self._refused_head:

@@ -176,7 +176,8 @@ def shedding_protocol(
             return not self._closing and super()._should_upgrade()
 
         def _unsupported_upgrade_warning(self) -> None:
-            if not self._closing:  # dropped, not refused: no warning any client could repeat
+            # A client can repeat it at will: dropped from the log (`api/uvicorn_warnings.py`).
+            if not self._closing:  # dropped unserved behind a gentle close: nothing to warn of
                 super()._unsupported_upgrade_warning()
 
         def send_400_response(self, msg: str) -> None:
@@ -289,7 +290,7 @@ def shedding_protocol(
             # uvicorn decided on its connection cap itself (a request pipelined behind an
             # unanswered one, which `_refused_here` leaves to it, an upgrade, or a scrape):
             # the same refusal as written from the headers in place of its plain-text 503,
-            # and a scrape served.
+            # and a scrape served. (Its warning is dropped: `api/uvicorn_warnings.py`.)
             if app is service_unavailable:
                 scope = cycle.scope
                 # No root path is configured: the raw path is the URL's, as parsed there.

@@ -2,9 +2,9 @@
 
 `CausalLMRunner.step` computes one forward for a set of rows, each in its own cache slot at
 its own positions: a prompt (prefill) or the last chosen token (decode). Rows of different
-lengths are right-padded; padded positions write keys past the row's end, which no query of
-that row attends to before its own later write replaces them. Engine process only; `step`
-runs on compute threads, one at a time per runner (the cache is the runner's).
+lengths are right-padded; the padding's keys and values go to the cache's sink, never into a
+slot (`kv_cache.py`), so nothing a row reads depends on its padding. Engine process only;
+`step` runs on compute threads, one at a time per runner (the cache is the runner's).
 """
 
 from __future__ import annotations
@@ -243,15 +243,16 @@ class CausalLMRunner:
         cache's plan for it. Every per-row number comes from one Python list made into one
         tensor (one copy to the device): per-row or per-field tensors cost more than the
         forward of a small model."""
-        query = max(len(row.token_ids) for row in rows)
+        lengths = [len(row.token_ids) for row in rows]
+        query = max(lengths)
         limit = self.max_sequence_tokens - 1
         pad = self.pad_token_id
         longest_start = max(row.start for row in rows)
-        # Columns: the tokens right-padded to `query`, then start and slot.
+        # Columns: the tokens right-padded to `query`, then start, slot and length.
         table = torch.tensor(
             [
-                [*row.token_ids, *[pad] * (query - len(row.token_ids)), row.start, row.slot]
-                for row in rows
+                [*row.token_ids, *[pad] * (query - length), row.start, row.slot, length]
+                for row, length in zip(rows, lengths, strict=True)
             ],
             dtype=torch.int64,
         ).to(self.device)
@@ -265,7 +266,13 @@ class CausalLMRunner:
         slots = [row.slot for row in rows]
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
         row_slots = table[:, query + 1]
-        self.cache.plan_step(row_slots, positions, kv_length, slots[0] if consecutive else None)
+        # Padded rows: their padding writes to the cache's sink, not their slots.
+        written = (
+            self._key_positions[:query] < table[:, query + 2 :] if min(lengths) < query else None
+        )
+        self.cache.plan_step(
+            row_slots, positions, kv_length, slots[0] if consecutive else None, written
+        )
         return input_ids, positions, kv_length
 
     def logits(self, rows: Sequence[StepRow]) -> torch.Tensor:

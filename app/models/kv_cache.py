@@ -9,6 +9,13 @@ attends to positions it wrote itself (stale entries past them are masked).
 `SlotKVCache` plugs into a Hugging Face model as its `cache`; `plan_step` is called before
 each forward (the calling compute thread owns the cache for the forward's duration).
 
+A prefill's rows are right-padded to the longest: the padding's keys and values go to one
+sink row past every slot (`plan_step`'s `written`), never into a slot. Written there, they
+were read back, masked, by the row's own queries in the same forward, and by its later
+decode steps beside a longer sequence; a mask is added to a score, so a NaN or inf there (a
+model overflowing its dtype on a run of its pad token) stayed NaN, and a request whose own
+tokens were finite failed with non-finite logits.
+
 Per step, every layer writes keys and values and reads its rows back, so the work that does
 not depend on the layer (where each new key goes) is done once, in `plan_step`: each write is
 then one `index_copy_` into a flat view of the layer's tensor (half the time of an indexed
@@ -60,16 +67,20 @@ class SlotLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, owner: SlotKVCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(
+        self, owner: SlotKVCache, flat_keys: torch.Tensor, flat_values: torch.Tensor
+    ) -> None:
+        """`flat_keys`, `flat_values`: (slots x kv_heads x slot_tokens + 1, head_dim), the
+        target of `update`'s one-dimensional writes; the last row is the padding's sink."""
         super().__init__()  # type: ignore[no-untyped-call]
+        shape = owner.shape
+        size = (shape.slots, shape.kv_heads, shape.slot_tokens, shape.head_dim)
         self._owner = owner
-        self.keys = keys
-        self.values = values
+        self.keys = keys = flat_keys[:-1].view(size)
+        self.values = values = flat_values[:-1].view(size)
         self._slots = (keys, values)  # typed: the base class declares them optional
-        # (slots x kv_heads x slot_tokens, head_dim) views of the same storage: the target
-        # of `update`'s one-dimensional writes.
-        self._flat_keys = keys.view(-1, keys.shape[-1])
-        self._flat_values = values.view(-1, values.shape[-1])
+        self._flat_keys = flat_keys
+        self._flat_values = flat_values
         self.is_initialized = True
         self.device = keys.device
 
@@ -124,19 +135,21 @@ class SlotKVCache(Cache):
     """Every layer's slots, allocated here once (the engine's buffer pool for generation)."""
 
     def __init__(self, shape: CacheShape, dtype: torch.dtype, device: torch.device) -> None:
-        size = (shape.slots, shape.kv_heads, shape.slot_tokens, shape.head_dim)
+        self.shape = shape
+        # Every slot's positions, then one more: the sink of the padding's writes.
+        self.sink_row = shape.slots * shape.kv_heads * shape.slot_tokens
+        flat = (self.sink_row + 1, shape.head_dim)
         layers: list[SlotLayer] = [
             SlotLayer(
                 self,
-                torch.zeros(size, dtype=dtype, device=device),
-                torch.zeros(size, dtype=dtype, device=device),
+                torch.zeros(flat, dtype=dtype, device=device),
+                torch.zeros(flat, dtype=dtype, device=device),
             )
             for _ in range(shape.layers)
         ]
         super().__init__(layers=list[Any](layers))
         self._slot_layers = layers
-        self.shape = shape
-        self.bytes_allocated = shape.bytes(dtype)
+        self.bytes_allocated = shape.bytes(dtype)  # the sink rows aside (a few KiB)
         # Offset of each kv head's first position within a slot, in rows of the flat view.
         self._head_rows = (
             torch.arange(shape.kv_heads, device=device).view(1, -1, 1) * shape.slot_tokens
@@ -159,11 +172,17 @@ class SlotKVCache(Cache):
         positions: torch.Tensor,
         kv_length: int,
         first_slot: int | None = None,
+        written: torch.Tensor | None = None,
     ) -> None:
         """Set the next forward's plan: rows in slots `row_slots` (rows,) write their query
         tokens at `positions` (rows, query) and read keys 0 .. kv_length - 1; `first_slot`
-        when the rows are consecutive slots from it. The calling compute thread's."""
+        when the rows are consecutive slots from it; `written` (rows, query) bool, for
+        right-padded rows: False where a token is padding, whose keys and values go to the
+        sink row instead (one `where` per step, none per layer). The calling compute
+        thread's."""
         per_slot = self.shape.kv_heads * self.shape.slot_tokens
         head_starts = row_slots.view(-1, 1, 1) * per_slot + self._head_rows  # (rows, heads, 1)
         write_rows = head_starts + positions.unsqueeze(1)  # (rows, heads, query)
+        if written is not None:
+            write_rows = torch.where(written.unsqueeze(1), write_rows, self.sink_row)
         self.plan = StepPlan(row_slots, write_rows.reshape(-1), kv_length, first_slot)

@@ -81,3 +81,19 @@ def test_scattered_slots_read_only_the_positions_attended() -> None:
     assert torch.all(keys[0, :, 2] == 1.0) and torch.all(keys[1, :, 3] == 2.0)
     assert torch.all(values[0, :, 2] == 2.0) and torch.all(values[1, :, 3] == 3.0)
     assert torch.all(keys[0, :, :2] == 0) and torch.all(keys[1, :, :3] == 0)
+
+
+def test_a_padded_row_s_padding_writes_to_the_sink_not_its_slot() -> None:
+    """Right-padded rows (`written` False at their padding): the padding's keys and values
+    went into the row's slot past its end, where its own queries, and its later decode
+    steps beside a longer sequence, read them (masked, but a NaN there stayed NaN)."""
+    cache = SlotKVCache(SHAPE, torch.float32, torch.device("cpu"))
+    written = torch.tensor([[True, True, True], [True, False, False]])
+    cache.plan_step(torch.tensor([0, 1]), torch.tensor([[0, 1, 2], [0, 1, 2]]), 3, 0, written)
+    keys, values = cache.update(states(2, 3, 10.0), states(2, 3, 20.0), 0)
+    layer = cache.layers[0]
+    assert layer.keys is not None and layer.values is not None
+    assert torch.all(layer.keys[0, :, :3] == 10.0) and torch.all(layer.keys[1, :, 0] == 11.0)
+    assert torch.all(layer.keys[1, :, 1:] == 0) and torch.all(layer.values[1, :, 1:] == 0)
+    assert torch.all(keys[1, :, 1:3] == 0) and torch.all(values[1, :, 1:3] == 0)
+    assert layer.keys.shape == (4, 2, 8, 3)  # the slots alone: the sink lies past them

@@ -108,6 +108,7 @@ async def triage(
     *,
     still_waiting: Callable[[int], bool] = lambda index: True,
     on_input_fault: Callable[[int, RowFailed], None] = lambda index, failed: None,
+    alone_after_allocation_failure: bool = False,
 ) -> Triage[OutputT]:
     """`rows`: those of the failed batch still waiting for an answer (the rest were
     cancelled or expired while it ran). A `batch_error` of the server's (`server_fault`)
@@ -135,8 +136,14 @@ async def triage(
     computed alone (every row failed, or nobody waited for any) is a failure of the
     server's, `batch_error`: no evidence that the server computes
     anything, and a server whose slow failures outlast every row's deadline must still
-    turn unhealthy; it is never a success that clears health's count."""
-    if server_fault(batch_error):
+    turn unhealthy; it is never a success that clears health's count.
+
+    With `alone_after_allocation_failure` (a caller whose batch nothing split on out of
+    memory: a generation step), a `batch_error` that is an allocation failure
+    (`allocation_failed`) is no verdict: the known-good row and the rows alone run as
+    above, each needing less memory than the batch; a lost device still ends it unrun."""
+    retry_allocation = alone_after_allocation_failure and not device_lost(batch_error)
+    if server_fault(batch_error) and not retry_allocation:
         return _all_servers(rows, batch_error)
     if known_good is not None:
         try:

@@ -4,12 +4,12 @@ Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), jo
 running batch at the next step with its prompt (prefill), then gets one token per step until
 EOS or `max_new_tokens`; each dispatch streams the new tokens as an `Output`, the last one
 `final` with its `FinishReason` (a request that does not stream gets only that last one,
-with every token). A sequence that fails (its deadline passed, its step failed) gets the
-outputs it was already given, then one `Failure` instead of a final output. Sequences join
-and leave between dispatches; a dispatch is one prefill forward for the joiners and one
-batched decode forward for the rest, run on a dispatcher compute thread inside one of the
-compute slots every model shares, so embedding batches and generation steps interleave
-without oversubscribing the CPU/GPU.
+with every token). A sequence that fails (its deadline passed, its prompt or its step
+failed: `generation_triage.py`) gets the outputs it was already given, then one `Failure`
+instead of a final output. Sequences join and leave between dispatches; a dispatch is one
+prefill forward for the joiners and one batched decode forward for the rest, run on a
+dispatcher compute thread inside one of the compute slots every model shares, so embedding
+batches and generation steps interleave without oversubscribing the CPU/GPU.
 
 With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
 to that many decode steps in a row (`generation_steps.py`; `steps_for` stops at a sequence's
@@ -17,13 +17,11 @@ length), interrupted by an arrival that could take a free slot or a cancel, and 
 row's EOS while a sequence waits for a slot (also one that arrived during the run); a
 deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
 
-A cancelled (client gone) or expired sequence gives its slot back at once: the slot's stale
-keys are never read (`kv_cache.py`), so no clean-up step is needed (but after non-finite
-logits, whose slot is zeroed). The host does admission and the step loop (when sequences
-join, advance and end); which sequences wait and which hold which slot is
-`generation_batch.py`'s, running a step `generation_steps.py`'s, a sequence and its outputs
-`generation_sequences.py`'s. Event loop thread only; steps and warm-up run on dispatcher
-compute threads.
+A cancelled (client gone) or expired sequence gives its slot back at once: its stale keys
+are never read (`kv_cache.py`; a slot is zeroed only after non-finite logits). The host does
+admission and the step loop; waiting and slots are `generation_batch.py`'s, running a step
+`generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s. Event loop
+thread only; steps and warm-up run on dispatcher compute threads.
 """
 
 from __future__ import annotations
@@ -36,8 +34,8 @@ from app.engine import kv_slots
 from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
+from app.engine.generation_triage import StepTriage
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
-from app.engine.lost_device import step_failure
 from app.engine.protocol import (
     Failure,
     FailureKind,
@@ -77,6 +75,9 @@ class GenerationHost:
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
         self._steps = StepRunner(runner, context, self._wakeup)
+        self._triage = StepTriage(
+            self._steps, self._batch, self._emit_failure, self._advance, context
+        )
         self._loop_task: asyncio.Task[None] | None = None
         self._closing = False
         # Labelled once: these are touched for every token.
@@ -206,8 +207,11 @@ class GenerationHost:
         self._wakeup.set()
 
     def _fail(self, sequence: GenerationSequence, kind: FailureKind, message: str) -> None:
+        self._emit_failure(sequence, Failure(sequence.request.request_id, kind, message))
+
+    def _emit_failure(self, sequence: GenerationSequence, failure: Failure) -> None:
         self._drop(sequence)
-        sequence.emit(Failure(sequence.request.request_id, kind, message))
+        sequence.emit(failure)
 
     # --- the step loop ------------------------------------------------------------------
     async def _supervised_loop(self) -> None:
@@ -255,11 +259,9 @@ class GenerationHost:
                 continue
             try:
                 result = await step
-            except Exception as error:
-                log.exception("%s: generation step failed", self.name)
-                for sequence in filter(self._batch.is_running, sequences):
-                    self._drop(sequence)  # a lost device's answer, or 500: `lost_device.py`
-                    sequence.emit(step_failure(sequence.request, error, self._context))
+            except Exception as error:  # blamed narrowly, on its slot (`generation_triage.py`)
+                log.exception("%s: generation step failed; triaging it", self.name)
+                await self._triage.answer(sequences, error)
                 continue
             self._record_step(result)
             self._advance(sequences, result.tokens)
@@ -289,11 +291,8 @@ class GenerationHost:
             if not sequence.request.refusal_counted_by_sender:
                 metrics = self._context.metrics
                 metrics.rejected.labels(self.name, RejectReason.DEADLINE.value).inc()
-            self._fail(
-                sequence,
-                FailureKind.DEADLINE,
-                f"deadline passed after {len(sequence.generated)} generated tokens",
-            )
+            passed = f"deadline passed after {len(sequence.generated)} generated tokens"
+            self._fail(sequence, FailureKind.DEADLINE, passed)
 
     def _record_step(self, result: StepResult) -> None:
         seconds = result.step_s
@@ -352,11 +351,8 @@ class GenerationHost:
             generated,
             self.runner.dtype,
         )
-        self._fail(
-            sequence,
-            FailureKind.FAILED,
-            f"generation failed: the model's logits were not finite after {generated} tokens",
-        )
+        broke = f"generation failed: the model's logits were not finite after {generated} tokens"
+        self._fail(sequence, FailureKind.FAILED, broke)
 
     def _finish(
         self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float

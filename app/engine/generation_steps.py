@@ -10,8 +10,9 @@ steps). `interrupt` (any thread) ends a multi-step run after its current step;
 does.
 
 A dispatch holds one shared compute slot from its start to its end, so embedding batches and
-generation steps interleave without oversubscribing the CPU/GPU. `StepRunner` is used on
-the engine's event loop thread; `_compute` runs on a compute thread.
+generation steps interleave without oversubscribing the CPU/GPU; a failed one's triage
+(`generation_triage.py`) takes one again for its runs (`take_slot`, `rerun`, `release`).
+`StepRunner` is used on the engine's event loop thread; `_compute` runs on a compute thread.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class StepRunner:
         """`wakeup` is set whenever a shared compute slot is given back (the host's)."""
         self.runner = runner
         self._context = context
+        self.clock = context.clock  # the one requests' deadlines are on
         self._wakeup = wakeup
         # Charged on the compute thread as each serving dispatch ends, failed or not.
         self._busy = context.metrics.dispatcher_busy.labels(runner.name)
@@ -125,8 +127,10 @@ class StepRunner:
         thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
         fewer if every row chooses EOS (with `end_on_eos`, or once `sequence_waits` is called,
         any row: a sequence waits for the slot it frees) or `interrupt` is called; the slot is
-        given back when it ends. `metered` (all but warm-up): its compute time is charged to
-        the busy time, also when it fails."""
+        given back when it ends, and health hears how it ended. `metered` (all but warm-up):
+        its compute time is charged to the busy time, also when it fails; and health hears
+        nothing of a metered step that raises: its caller triages it (`take_slot`, `rerun`),
+        then tells health the verdict (`release`)."""
         if steps > 1 and any(row.start == 0 for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
@@ -148,10 +152,33 @@ class StepRunner:
                 raise
             finally:
                 slots.give()
-                if not isinstance(failure, asyncio.CancelledError):
+                triaged = metered and isinstance(failure, Exception)
+                if not (triaged or isinstance(failure, asyncio.CancelledError)):
                     self._context.record_batch(failure)
 
         return asyncio.create_task(step())
+
+    async def take_slot(self) -> None:
+        """Take a shared compute slot for a failed step's triage, in line as a step would
+        (its runs: `rerun`; its end: `release`)."""
+        slots = self._context.slots
+        while not slots.available(self):
+            slots.claim(self)
+            await self._wakeup.wait()
+            self._wakeup.clear()
+        slots.take(self)
+
+    async def rerun(self, rows: list[StepRow]) -> StepResult:
+        """One step of some of a failed step's rows again, on the slot `take_slot` took, its
+        compute charged to the busy time; health hears of it from `release`."""
+        return await self._context.dispatcher.run_compute(self._compute, rows, 1, True)
+
+    def release(self, failure: BaseException | None) -> None:
+        """A failed step's triage is over: its compute slot back, and health told once, of
+        what failed after the triage (None: it saw the server compute, and only prompts
+        failed)."""
+        self._context.slots.give()
+        self._context.record_batch(failure)
 
     def _compute(self, rows: Sequence[StepRow], steps: int, metered: bool) -> StepResult:
         """Compute thread: the dispatch (`_forwards`), its time charged to the busy time as

@@ -32,7 +32,7 @@ def device_lost_failure(request_id: int, error: DeviceLost) -> Failure:
     )
 
 
-def step_failure(request: Submit, error: Exception, context: EngineContext) -> Failure:
+def step_failure(request: Submit, error: BaseException, context: EngineContext) -> Failure:
     """The answer to a sequence of a generation step that raised `error`: a lost device's
     (`device_lost_failure`; the step that lost it unless `context.lost_device_before(error)`
     says another failure did), else 500 (`FAILED`)."""

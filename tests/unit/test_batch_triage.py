@@ -351,3 +351,31 @@ def test_torch_s_own_failed_allocation_is_the_server_s_fault() -> None:
         torch.empty(2**50, dtype=torch.uint8)
     assert type(raised.value) is not torch.OutOfMemoryError  # by its words alone
     assert server_fault(raised.value)
+
+
+async def test_a_caller_may_run_the_rows_of_a_batch_out_of_memory_alone() -> None:
+    """A generation step is split by nothing on out of memory: its rows alone each need
+    less (`alone_after_allocation_failure`), where the batch's allocation failure was a
+    verdict and failed every row unrun. A row out of memory alone is still the server's."""
+    runs: list[Sequence[int]] = []
+    oom = OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    verdict = await triage(
+        [1, 3, HEAVY],
+        oom,
+        counted_model(oom, runs),
+        known_good=[0],
+        alone_after_allocation_failure=True,
+    )
+    assert verdict.alone[:2] == [[2], [6]]
+    assert verdict.alone[2] == RowFailed(oom, servers=True) and verdict.server_error is oom
+    assert runs == [[0], [1], [3], [HEAVY]]
+
+
+async def test_a_lost_device_is_never_run_again_even_by_such_a_caller() -> None:
+    runs: list[Sequence[int]] = []
+    lost = RuntimeError("CUDA error: an illegal memory access was encountered")
+    verdict = await triage(
+        [1, 3], lost, counted_model(lost, runs), known_good=[0], alone_after_allocation_failure=True
+    )
+    assert runs == [] and verdict.server_error is lost
+    assert verdict.alone == [RowFailed(lost, servers=True)] * 2

@@ -1,0 +1,155 @@
+"""A failed generation step, blamed narrowly: which of its sequences failed it.
+
+A step runs the joiners' prefill and the other sequences' decode in one dispatch
+(`generation_steps.py`), so one prompt the model throws on, or an out-of-memory while
+prefilling one long prompt, failed every sequence of the step, and the step counted toward
+the engine's ill health. So a failed step is triaged (`batch_triage.triage`, the embedding
+path's): its decode rows run again without the joiners, as its known-good row (they
+computed the step before; their keys and values are intact, as a prefill writes the
+joiners' slots alone, and a decode step rewrites the positions it writes), then each
+joiner's prefill alone, shortest prompt first. A joiner that fails alone is its prompt's
+fault once the server was seen computing (400, its slot zeroed); the rest get their tokens
+as from the step. Out of memory is retried this way too (each run needs less than the
+step: `alone_after_allocation_failure`), a prompt that runs out alone failing as the
+server's (500), as do the longer ones after it; a lost device (`failures.device_lost`) is
+not retried: every sequence fails as `lost_device.step_failure` answers it (500
+`device_lost`). When even the decode rows fail, the server is
+failing: every sequence fails (500), none run again.
+
+The triage takes a compute slot in turn, as the next step would, and holds it for its runs
+(`StepRunner.take_slot`, `rerun`); health hears of the step once, after it
+(`StepRunner.release`): of what failed the server's way, or, when only prompts were at
+fault, of a success. A sequence past its deadline, cancelled or gone
+is not run again: the step loop expires it (504) or lets it join the next step. A sampled
+sequence's retried step draws from its generator again. Event loop thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from app.batch_triage import RowFailed, triage
+from app.engine.generation_batch import SequenceTable
+from app.engine.generation_sequences import GenerationSequence
+from app.engine.generation_steps import StepResult, StepRunner
+from app.engine.host import EngineContext
+from app.engine.lost_device import step_failure
+from app.engine.protocol import Failure, FailureKind
+
+log = logging.getLogger(__name__)
+
+Fail = Callable[[GenerationSequence, Failure], None]
+Advance = Callable[[list[GenerationSequence], list[list[int]]], None]
+
+
+class StepTriage:
+    """`fail(sequence, failure)` fails one sequence and frees its slot; `advance(sequences,
+    tokens)` gives sequences their tokens, as after a step (the host's); `context` tells a
+    lost device's answer (`lost_device.step_failure`)."""
+
+    def __init__(
+        self,
+        steps: StepRunner,
+        batch: SequenceTable,
+        fail: Fail,
+        advance: Advance,
+        context: EngineContext,
+    ) -> None:
+        self._steps = steps
+        self._context = context
+        self._batch = batch
+        self._clock = steps.clock
+        self._fail = fail
+        self._advance = advance
+        self._name = steps.runner.name
+
+    async def answer(self, sequences: list[GenerationSequence], error: Exception) -> None:
+        """Answer the sequences of a step that raised `error` from narrower runs, on a
+        compute slot taken in turn, then give the slot back, telling health the verdict. A
+        fault of the triage itself fails the sequences it left (500) and is what health
+        hears."""
+        await self._steps.take_slot()
+        failure: BaseException | None = error
+        try:
+            failure = await self._triage(sequences, error)
+        except Exception as fault:
+            log.exception("%s: triage of a failed generation step failed", self._name)
+            failure = fault
+            for sequence in sequences:
+                self._fail_servers(sequence, fault)
+        finally:
+            self._steps.release(failure)
+
+    def _waits(self, sequence: GenerationSequence) -> bool:
+        """Still worth a run: it holds its slot and its deadline has not passed."""
+        return self._batch.is_running(sequence) and sequence.request.deadline > self._clock()
+
+    async def _triage(
+        self, sequences: list[GenerationSequence], error: Exception
+    ) -> Exception | None:
+        decoders = [s for s in sequences if s.generated and self._waits(s)]
+        joiners = sorted(
+            (s for s in sequences if not s.generated and self._batch.is_running(s)),
+            key=lambda s: len(s.prompt),
+        )
+        for sequence in sequences:  # the failed prefill may have left anything in its slot,
+            if not sequence.generated:  # also one cancelled meanwhile: zeroed before reuse
+                self._clear(sequence)
+        tokens: dict[GenerationSequence, list[int]] = {}
+
+        async def run(group: Sequence[GenerationSequence]) -> StepResult:
+            result = await self._steps.rerun([sequence.row() for sequence in group])
+            tokens.update(zip(group, result.tokens, strict=True))
+            return result
+
+        verdict = await triage(
+            joiners,
+            error,
+            run,
+            decoders or None,
+            still_waiting=lambda index: self._waits(joiners[index]),
+            alone_after_allocation_failure=True,
+        )
+        computed = [s for s in sequences if s in tokens]
+        self._advance(computed, [tokens[s] for s in computed])
+        for joiner, alone in zip(joiners, verdict.alone, strict=True):
+            if isinstance(alone, RowFailed):
+                self._fail_joiner(joiner, alone)
+        for decoder in decoders:
+            if decoder not in tokens:  # its known-good run failed: the server's
+                self._fail_servers(decoder, verdict.server_error or error)
+        return verdict.server_error
+
+    def _clear(self, sequence: GenerationSequence) -> None:
+        if sequence.slot is not None:
+            self._steps.clear_slot(sequence.slot)
+
+    def _fail_servers(self, sequence: GenerationSequence, error: BaseException) -> None:
+        """500, or a lost device's answer (`lost_device.step_failure`: sent before health
+        hears of the loss, which exits the engine once it is answered)."""
+        if self._batch.is_running(sequence):
+            self._clear(sequence)
+            self._fail(sequence, step_failure(sequence.request, error, self._context))
+
+    def _fail_joiner(self, sequence: GenerationSequence, failed: RowFailed) -> None:
+        """Fail a joiner as triage found it: 500 when the server's, else 400 naming the class
+        of what the model raised (its text, which may hold anything, only in this log)."""
+        if failed.servers:
+            self._fail_servers(sequence, failed.error)
+            return
+        if not self._batch.is_running(sequence):
+            return
+        request_id = sequence.request.request_id
+        log.warning(
+            "%s: the model failed on the prompt of request %d alone",
+            self._name,
+            request_id,
+            exc_info=failed.error,
+        )
+        self._clear(sequence)
+        message = (
+            f"the model could not process the prompt ({type(failed.error).__name__}); "
+            f"the server logged why under request {request_id}"
+        )
+        self._fail(sequence, Failure(request_id, FailureKind.BAD_REQUEST, message))

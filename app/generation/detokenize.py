@@ -10,11 +10,18 @@ SentencePiece tokenizer (Llama 2, Mistral) drops the leading space of whatever a
 starts with, and the first generated word would lose the space that parts it from the
 prompt. The pieces concatenate to `decode(context + ids)` less `decode(context)`. One
 instance per sequence; any one thread.
+
+The window stays short: special tokens (which `decode` leaves out) never enter it, so a run
+of them (a model emitting padding) does not re-decode a growing window at every step; and
+tokens held back (a window ending in U+FFFD, or whose text did not grow) are released once
+more than `MAX_HELD_TOKENS` wait, up to their last `INCOMPLETE_TOKENS` (all an incomplete
+character can span), as a full decode shows them: a run of invalid bytes, or a model
+writing U+FFFD itself, is not held to the end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -22,27 +29,50 @@ Decode = Callable[[Sequence[int]], str]
 
 # Prompt tokens a sequence's text is decoded after.
 CONTEXT_TOKENS = 5
+# The most tokens an incomplete character spans (its first 3 bytes of 4, a byte each), and
+# the most tokens held back before those before them are released.
+INCOMPLETE_TOKENS = 3
+MAX_HELD_TOKENS = 8
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, decode: Decode, prompt_ids: Sequence[int] = (), special_ids: Collection[int] = ()
+    ) -> None:
+        """`special_ids`: the tokens `decode` leaves out (the text is the same without)."""
         self._decode = decode
-        self._ids: list[int] = list(prompt_ids[-CONTEXT_TOKENS:])
+        self._special = frozenset(special_ids)
+        self._ids: list[int] = self._text_ids(prompt_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0  # the window's start: text before it was released already
         self._read_offset = len(self._ids)  # tokens up to here are released as text
 
+    def _text_ids(self, token_ids: Sequence[int]) -> list[int]:
+        if not self._special:
+            return list(token_ids)
+        return [token for token in token_ids if token not in self._special]
+
     def add(self, token_ids: Sequence[int]) -> str:
         """The text the new tokens complete (possibly empty: held until it is stable)."""
-        self._ids.extend(token_ids)
+        self._ids.extend(self._text_ids(token_ids))
         if self._read_offset == len(self._ids):
             return ""
         released = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        if len(window) <= len(released) or window.endswith(REPLACEMENT_CHARACTER):
+        if len(window) > len(released) and not window.endswith(REPLACEMENT_CHARACTER):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return window[len(released) :]
+        if len(self._ids) - self._read_offset <= MAX_HELD_TOKENS:
+            return ""
+        # Held too long: release all but the last tokens, whose text a later one may still
+        # complete, once their text is where the window shows it (not cut mid-character).
+        split = len(self._ids) - INCOMPLETE_TOKENS
+        head = self._decode(self._ids[self._prefix_offset : split])
+        if len(head) < len(released) or not window.startswith(head):
             return ""
         self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return window[len(released) :]
+        self._read_offset = split
+        return head[len(released) :]
 
     def flush(self) -> str:
         """The text still held back, at the end of the sequence (an incomplete character

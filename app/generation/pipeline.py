@@ -232,7 +232,9 @@ class TextGeneration:
         )
         detokenizer: IncrementalDetokenizer | WholeText
         if reads_as_it_goes:
-            detokenizer = IncrementalDetokenizer(tokenizer.decode, prompt_ids)
+            detokenizer = IncrementalDetokenizer(
+                tokenizer.decode, prompt_ids, tokenizer.special_token_ids
+            )
         else:
             detokenizer = WholeText(tokenizer.decode, prompt_ids)
         generated = 0

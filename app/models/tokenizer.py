@@ -190,6 +190,15 @@ class FastTokenizer:
         self.max_input_tokens = max_input_tokens
         self.pad_token_id = self._pad_id(directory)
         self._special_suffix = self._trailing_special_tokens()
+        # The special added tokens (BOS, EOS, a chat template's turn markers) by their text:
+        # `decode` leaves them out, and `encode` turns their text into them wherever it is
+        # found (with or without `add_special_tokens`).
+        self.special_tokens: dict[str, int] = {
+            token.content: int(token_id)
+            for token_id, token in self._backend.get_added_tokens_decoder().items()
+            if token.special and token.content
+        }
+        self.special_token_ids = frozenset(self.special_tokens.values())
 
     def _pad_id(self, directory: Path) -> int:
         config = _json(directory / "tokenizer_config.json")

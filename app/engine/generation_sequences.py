@@ -41,12 +41,14 @@ class GenerationSequence:
         return self.sampling.max_new_tokens - len(self.generated)
 
     def take(self, chosen: list[int], eos: frozenset[int]) -> tuple[list[int], FinishReason | None]:
-        """Add the tokens a step (or a multi-step run) chose for it, up to EOS (not kept) or
-        its length; returns those kept and why it ended, if it did."""
+        """Add the tokens a step (or a multi-step run) chose for it, up to EOS or one of its
+        `stop_token_ids` (either ends it as EOS, not kept) or its length; returns those kept
+        and why it ended, if it did."""
         fresh: list[int] = []
         finish: FinishReason | None = None
+        stop_ids = self.sampling.stop_token_ids
         for token in chosen:
-            if token in eos:
+            if token in eos or token in stop_ids:
                 finish = FinishReason.EOS
                 break
             fresh.append(token)

@@ -214,10 +214,10 @@ class StepRunner:
 
     def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:
         """Up to `steps` decode steps, each feeding every row the token it just chose (the
-        same rows, positions and generator draws as single steps); a row that chose EOS
-        (or got `NO_TOKEN`: its logits broke down) stops, as does the run when `interrupt`
-        is called, or, while a sequence waits for a slot (`end_on_eos`, `sequence_waits`),
-        after the step in which any row chose EOS.
+        same rows, positions and generator draws as single steps); a row that chose EOS or
+        one of its `stop_token_ids` (or got `NO_TOKEN`: its logits broke down) stops, as
+        does the run when `interrupt` is called, or, while a sequence waits for a slot
+        (`end_on_eos`, `sequence_waits`), after the step in which any row chose EOS.
         Each row's tokens, by slot."""
         eos = self.runner.eos_token_ids
         active = sorted(rows, key=lambda row: row.slot)  # slot order: see `_compute`
@@ -228,7 +228,8 @@ class StepRunner:
             following: list[StepRow] = []
             for row, token in zip(active, self.runner.step(active), strict=True):
                 chosen[row.slot].append(token)
-                if token not in eos and token != NO_TOKEN:
+                ends = token in eos or token in row.sampling.stop_token_ids
+                if not ends and token != NO_TOKEN:
                     following.append(
                         StepRow(row.slot, (token,), row.start + 1, row.sampling, row.generator)
                     )

@@ -38,10 +38,12 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """How one sequence picks its next tokens. `do_sample` false: greedy (argmax), the rest
     ignored. `top_k` 0 and `top_p` 1.0 disable those filters. `seed` makes sampling
     reproducible per request. Stop *strings* are the front end's: it detokenizes the stream,
-    and cancels the request once one appears; the engine stops at EOS or `max_new_tokens`.
-    `fit_to_deadline`: the client set no limit, and `max_new_tokens` is the room its prompt
-    leaves; the engine lowers it to what the deadline leaves time for (the sequence then
-    ends with `length`), instead of refusing a request that might well stop at EOS soon."""
+    and cancels the request once one appears; the engine stops at EOS, at one of
+    `stop_token_ids` (a stop string naming a special token, which text never shows; ended
+    as at EOS) or at `max_new_tokens`. `fit_to_deadline`: the client set no limit, and
+    `max_new_tokens` is the room its prompt leaves; the engine lowers it to what the
+    deadline leaves time for (the sequence then ends with `length`), instead of refusing a
+    request that might well stop at EOS soon."""
 
     max_new_tokens: int
     do_sample: bool = False
@@ -50,6 +52,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     top_k: int = 0
     seed: int | None = None
     fit_to_deadline: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
@@ -156,7 +159,7 @@ class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):
 
 
 class FinishReason(Enum):
-    EOS = "eos"  # the model produced its end-of-sequence token (not included in token_ids)
+    EOS = "eos"  # EOS or one of `stop_token_ids` came (not included in token_ids)
     LENGTH = "length"  # max_new_tokens reached
 
 

@@ -223,11 +223,12 @@ class TextGeneration:
         # Tokens before the end are read only to stream text or to watch for a stop string;
         # otherwise the engine sends one output, at the end (one message, not one per step).
         reads_as_it_goes = incremental or stops is not None
+        sampling = _engine_sampling(prepared, index, tokenizer)
         request = Submit(
             self.service.engine.next_request_id(),
             prepared.model,
             prepared.deadline,
-            GeneratePayload(prompt_ids, _engine_sampling(prepared, index), stream=reads_as_it_goes),
+            GeneratePayload(prompt_ids, sampling, stream=reads_as_it_goes),
             refusal_counted_by_sender=_sent_as_several(prepared),
         )
         detokenizer: IncrementalDetokenizer | WholeText
@@ -334,7 +335,9 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
     return (seed + index * _SEED_STRIDE + 2**63) % 2**64 - 2**63
 
 
-def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams:
+def _engine_sampling(
+    prepared: PreparedGeneration, index: int, tokenizer: GenerationTokenizer
+) -> SamplingParams:
     sampling = prepared.sampling
     return SamplingParams(
         max_new_tokens=prepared.new_tokens[index],
@@ -344,6 +347,7 @@ def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams
         top_k=sampling.top_k,
         seed=prompt_seed(sampling.seed, index),
         fit_to_deadline=sampling.max_new_tokens is None,
+        stop_token_ids=tokenizer.stop_token_ids(sampling.stops),  # a special token's text
     )
 
 

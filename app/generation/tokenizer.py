@@ -3,6 +3,7 @@ model's chat template. Torch-free and transformers-free."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from app.generation.chat import load_chat_template
@@ -21,6 +22,14 @@ class GenerationTokenizer(FastTokenizer):
     def __init__(self, directory: Path, max_input_tokens: int) -> None:
         super().__init__(directory, max_input_tokens)
         self.chat_template = load_chat_template(directory)  # None: the model has none
+
+    def stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
+        """The ids of the special tokens whose text is one of the stop strings: `decode`
+        leaves special tokens out of the text, where such a stop string could never be
+        found; the engine ends a sequence at these ids as at EOS."""
+        return tuple(
+            dict.fromkeys(self.special_tokens[s] for s in stops if s in self.special_tokens)
+        )
 
 
 def load_generation_tokenizer(source: str, configured: int | None) -> GenerationTokenizer:

@@ -54,10 +54,14 @@ class WordTokenizer:
         return ids
 
 
-def word_level_tokenizer(directory: Path) -> GenerationTokenizer:
-    """A generate model's tokenizer from a word-level `tokenizer.json` (no chat template)."""
+def word_level_tokenizer(
+    directory: Path, special_tokens: Sequence[str] = ()
+) -> GenerationTokenizer:
+    """A generate model's tokenizer from a word-level `tokenizer.json` (no chat template),
+    with `special_tokens` (of `WORDS`) marked special."""
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(special_tokens))
     backend.save(str(directory / "tokenizer.json"))
     return GenerationTokenizer(directory, CONTEXT)
 
@@ -91,9 +95,10 @@ async def front_end(
     answer: Answer | None = None,
     created: int | None = None,
     embedder: TextTokenizer | None = None,
+    special_tokens: Sequence[str] = (),
 ) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI, AnsweringEngine]]:
     """`embedder`: the embedding model's tokenizer (`WordTokenizer` unless given)."""
-    generation = word_level_tokenizer(tmp_path)
+    generation = word_level_tokenizer(tmp_path, special_tokens)
 
     def tokenizers(spec: ModelSpec, largest: int) -> TextTokenizer:
         if spec.task == "generate":

@@ -12,8 +12,10 @@ from app.engine.generation_sequences import GenerationSequence
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit
 
 
-def stand_in_sequence(max_new_tokens: int, model: str = "tiny") -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens)
+def stand_in_sequence(
+    max_new_tokens: int, model: str = "tiny", stop_token_ids: tuple[int, ...] = ()
+) -> GenerationSequence:
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
     return GenerationSequence(
         request=Submit(1, model, 1e12, GeneratePayload([1, 5], sampling)),
         prompt=[1, 5],

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from app.engine.protocol import FinishReason
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from app.engine.generation_steps import StepRunner
+from app.engine.protocol import FinishReason, SamplingParams
+from app.models.causal_lm import StepRow
 from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 EOS = frozenset({2})
@@ -29,3 +36,41 @@ async def test_time_per_output_token_needs_two_tokens() -> None:
     seq.take([8, 9], EOS)
     seq.last_token_at = 2.0
     assert seq.time_per_output_token() == 0.5
+
+
+async def test_a_stop_token_ends_it_as_eos_does_and_is_not_kept() -> None:
+    """A stop string that is a special token's text reaches the engine as its id."""
+    seq = sequence(10, stop_token_ids=(9,))
+    assert seq.take([7, 9, 8], EOS) == ([7], FinishReason.EOS)
+    assert seq.generated == [7]
+    assert sequence(10).take([7, 9, 8], EOS) == ([7, 9, 8], None)  # another's stop
+
+
+def test_a_multi_step_run_ends_a_row_at_its_stop_token() -> None:
+    """As at EOS: the row chose its last token; the other rows run on."""
+    runner = _ScriptedRunner({0: [7, 9, 8, 8], 1: [5, 5, 5, 5]})
+    steps = StepRunner(runner, _context(), asyncio.Event())  # type: ignore[arg-type]
+    stops = SamplingParams(max_new_tokens=10, stop_token_ids=(9,))
+    rows = [
+        StepRow(0, (4,), 3, stops, torch.Generator()),
+        StepRow(1, (4,), 3, SamplingParams(max_new_tokens=10), torch.Generator()),
+    ]
+    assert steps._decode_run(rows, 4) == {0: [7, 9], 1: [5, 5, 5, 5]}
+
+
+class _ScriptedRunner:
+    """The runner a `StepRunner` drives: each slot's next token from its script."""
+
+    name = "tiny"
+    eos_token_ids = EOS
+
+    def __init__(self, scripts: dict[int, list[int]]) -> None:
+        self.scripts = scripts
+
+    def step(self, rows: list[StepRow]) -> list[int]:
+        return [self.scripts[row.slot].pop(0) for row in rows]
+
+
+def _context() -> SimpleNamespace:
+    busy = SimpleNamespace(labels=lambda name: None)
+    return SimpleNamespace(metrics=SimpleNamespace(dispatcher_busy=busy))

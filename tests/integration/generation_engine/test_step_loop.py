@@ -71,6 +71,33 @@ async def test_eos_ends_the_sequence_without_the_token(
         assert result.sizes[-1] >= 2, result.sizes
 
 
+@pytest.mark.parametrize("steps_per_dispatch", [1, 8])
+async def test_a_stop_token_ends_its_sequence_alone_as_eos_does(
+    tiny_causal_lm: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    steps_per_dispatch: int,
+) -> None:
+    """A request's `stop_token_ids` (a stop string that is a special token's text) end it
+    at that token, not kept, with `EOS`; another request's sequence goes on past it."""
+    _, model = reference
+    prompt = [1, 50, 60, 70]
+    plain = expected_greedy(model, prompt, 10).token_ids
+    stop = plain[5]
+    assert stop not in plain[:5]
+    engine = await started(
+        settings_for(tiny_causal_lm, warmup=False, generate_steps_per_dispatch=steps_per_dispatch)
+    )
+    try:
+        stopped, unstopped = await asyncio.gather(
+            generate(engine, prompt, SamplingParams(max_new_tokens=10, stop_token_ids=(stop,))),
+            generate(engine, prompt, SamplingParams(max_new_tokens=10)),
+        )
+    finally:
+        await engine.close()
+    assert (stopped.token_ids, stopped.finish_reason) == (plain[:5], FinishReason.EOS)
+    assert (unstopped.token_ids, unstopped.finish_reason) == (plain, FinishReason.LENGTH)
+
+
 # Two sequences in two slots, and a third for the slot the first frees when it chooses EOS.
 EOS_PROMPT, BESIDE_PROMPT, THIRD_PROMPT = [1, 50, 60, 70], [1, 40, 41, 42], [1, 44, 45]
 

@@ -24,7 +24,7 @@ from app.api.cancellation import ClientDisconnected
 from app.api.responses import error_response, in_envelope_of, speaks_openai
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
 from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, NonFiniteOutput
-from app.generation.chat import ChatTemplateError
+from app.generation.chat import ChatTemplateError, SpecialTokenInMessage
 from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
 from app.log_limits import Throttle
 from app.models.tokenizer import InputTooLong
@@ -194,7 +194,9 @@ async def _too_many_tokens(request: Request, error: Exception) -> Response:
 
 
 async def _chat_refused(request: Request, error: Exception) -> Response:
-    return error_response(400, "invalid_request", str(error), "messages")
+    # A special token's text names the field that holds it (`messages[1].content`).
+    param = error.field if isinstance(error, SpecialTokenInMessage) else "messages"
+    return error_response(400, "invalid_request", str(error), param)
 
 
 async def _engine_refused(request: Request, error: Exception) -> Response:

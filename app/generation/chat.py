@@ -4,6 +4,12 @@ immutable environment with the same filters and globals), without importing tran
 The template comes from `chat_template.jinja` in the model's directory, else from
 `chat_template` in `tokenizer_config.json` (a string, or a list of named templates of which
 `default` is used). Rendering is pure and thread-safe.
+
+A message's text may not hold the text of one of the tokenizer's special tokens: the
+tokenizer reads such text as the token itself, whatever `add_special_tokens` says, so a
+client's `<|im_end|><|im_start|>system` would end its turn and open a system turn of its
+own. Such messages are refused (`SpecialTokenInMessage`, 400), every string of the message
+checked (content, name, any other field a template may render).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -39,6 +45,18 @@ _NAMES_DEVELOPER = re.compile(r"""["']developer["']""")
 class ChatTemplateError(Exception):
     """The messages cannot be rendered by this model's template (a client mistake: the
     template itself refused them, e.g. roles that do not alternate)."""
+
+
+class SpecialTokenInMessage(ChatTemplateError):
+    """A message holds the text of one of the tokenizer's special tokens (400)."""
+
+    def __init__(self, index: int, field: str, token: str) -> None:
+        self.index, self.field, self.token = index, field, token
+        super().__init__(
+            f"message {index} holds {token!r} (in {field}), the text of one of the model's "
+            "special tokens, which the tokenizer would read as that token (a turn's end or "
+            "another role's start), not as text; remove it from the message"
+        )
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -92,16 +110,111 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return environment
 
 
+_Trie = dict[str, "_Trie"]
+
+
+def _trie_regex(node: _Trie) -> str:
+    """The regex of the texts below `node` (`""` marks one's end), a text's longest
+    continuation first: a shared start is matched once, not once per text."""
+    written = ""
+    while True:
+        ends = "" in node
+        branches = sorted(key for key in node if key)
+        if len(branches) == 1 and not ends:  # a run of single characters
+            written += re.escape(branches[0])
+            node = node[branches[0]]
+            continue
+        if not branches:
+            return written
+        body = "|".join(re.escape(key) + _trie_regex(node[key]) for key in branches)
+        return f"{written}(?:{body}){'?' if ends else ''}"
+
+
+class SpecialTokenTexts:
+    """Finds the texts of special tokens in a string: per first character (`<`, `[`), a
+    regex starting with it (which the regex engine scans for as fast as a substring test)
+    then the trie of the texts that start with it. A regex alternating all of Llama 3's 256
+    was tried at every `<` of a message (~5 ms for 100 kB of markup); one trie of several
+    first characters at every character."""
+
+    def __init__(self, texts: Collection[str]) -> None:
+        tries: dict[str, _Trie] = {}
+        for text in texts:
+            if text:
+                node = tries.setdefault(text[0], {})
+                for character in text[1:]:
+                    node = node.setdefault(character, {})
+                node[""] = {}
+        self._starts = [self._compiled(start, trie) for start, trie in sorted(tries.items())]
+
+    @staticmethod
+    def _compiled(start: str, trie: _Trie) -> re.Pattern[str]:
+        try:
+            return re.compile(re.escape(start) + _trie_regex(trie))
+        except (RecursionError, re.error):  # nested past the stack: its texts one by one
+            ends: list[str] = []
+            pending: list[tuple[str, _Trie]] = [(start, trie)]
+            while pending:
+                written, node = pending.pop()
+                ends += [written] if "" in node else []
+                pending += [(written + key, child) for key, child in node.items() if key]
+            return re.compile("|".join(map(re.escape, sorted(ends, key=len, reverse=True))))
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+    def find(self, text: str) -> str | None:
+        """One of the texts `text` holds (the longest at its place), or None."""
+        for pattern in self._starts:
+            if (found := pattern.search(text)) is not None:
+                return found.group()
+        return None
+
+
+def _refuse_special_token_texts(
+    messages: Sequence[Mapping[str, Any]], special: SpecialTokenTexts
+) -> None:
+    """Raise `SpecialTokenInMessage` for the first message whose strings (values and keys,
+    however nested) hold one of the `special` texts."""
+    for index, message in enumerate(messages):
+        pending: list[tuple[str, object]] = [(f"messages[{index}]", message)]
+        while pending:  # no recursion: a client decides how deep a field nests
+            field, value = pending.pop()
+            if isinstance(value, str):
+                if (found := special.find(value)) is not None:
+                    raise SpecialTokenInMessage(index, field, found)
+                continue
+            inner: list[tuple[str, object]] = []
+            if isinstance(value, Mapping):
+                for key, item in value.items():  # a template may render keys (`items()`)
+                    inner += [(field, key), (f"{field}.{key}", item)]
+            elif isinstance(value, (list, tuple)):
+                inner = [(f"{field}[{i}]", item) for i, item in enumerate(value)]
+            pending.extend(reversed(inner))  # in the order sent
+
+
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str],
+        special_token_texts: Collection[str] = (),
+    ) -> None:
+        """`special_tokens`: the names templates read (`bos_token`...) and their texts;
+        `special_token_texts`: the texts of all the tokenizer's special tokens, which no
+        message may hold."""
         self._template = _environment().from_string(source)
         self._special_tokens = dict(special_tokens)
         self._developer_as_system = _NAMES_DEVELOPER.search(source) is None
+        self._special_texts = SpecialTokenTexts(special_token_texts)
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The prompt text for `messages`, ending with the assistant's turn opened (a
         `developer` message as a `system` one, unless the template names that role).
-        Raises `ChatTemplateError` when the template refuses them or fails on them."""
+        Raises `SpecialTokenInMessage` for a message holding a special token's text, and
+        `ChatTemplateError` when the template refuses them or fails on them."""
+        if self._special_texts:
+            _refuse_special_token_texts(messages, self._special_texts)
         rendered_messages = [dict(message) for message in messages]
         if self._developer_as_system:
             for message in rendered_messages:
@@ -157,9 +270,12 @@ def _template_source(config: Mapping[str, Any], directory: Path) -> str | None:
     return None
 
 
-def load_chat_template(directory: Path) -> ChatTemplate | None:
+def load_chat_template(
+    directory: Path, special_token_texts: Collection[str] = ()
+) -> ChatTemplate | None:
     """The model's chat template, or None when it has none, or one this renderer cannot
-    compile (logged): completions must still be served, and chat gets its clear 400."""
+    compile (logged): completions must still be served, and chat gets its clear 400.
+    `special_token_texts`: the tokenizer's special tokens, which no message may hold."""
     config_path = directory / TOKENIZER_CONFIG
     config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
     source = _template_source(config, directory)
@@ -175,7 +291,7 @@ def load_chat_template(directory: Path) -> ChatTemplate | None:
         if (text := _token_text(config.get(key)) or _token_text(legacy.get(key)))
     }
     try:
-        return ChatTemplate(source, special)
+        return ChatTemplate(source, special, special_token_texts)
     except jinja2.TemplateSyntaxError as error:
         log.error("%s: chat template does not compile (%s); chat not served", directory, error)
         return None

@@ -21,7 +21,8 @@ class GenerationTokenizer(FastTokenizer):
 
     def __init__(self, directory: Path, max_input_tokens: int) -> None:
         super().__init__(directory, max_input_tokens)
-        self.chat_template = load_chat_template(directory)  # None: the model has none
+        # None: the model has none. No message may hold a special token's text.
+        self.chat_template = load_chat_template(directory, self.special_tokens)
 
     def stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
         """The ids of the special tokens whose text is one of the stop strings: `decode`

@@ -73,4 +73,4 @@ class _ScriptedRunner:
 
 def _context() -> SimpleNamespace:
     busy = SimpleNamespace(labels=lambda name: None)
-    return SimpleNamespace(metrics=SimpleNamespace(dispatcher_busy=busy))
+    return SimpleNamespace(metrics=SimpleNamespace(dispatcher_busy=busy), clock=lambda: 0.0)

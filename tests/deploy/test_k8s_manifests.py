@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from app.checkconfig import ConfigError, render_kustomization, strategic_merge
+from app.frontend_heartbeats import SILENT_AFTER_S
 from tests.deploy.tools import DEPLOY, require_tool, run_tool
 
 OVERLAYS = ("cpu", "gpu")
@@ -144,3 +145,15 @@ def test_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path: Pat
     (tmp_path / "kustomization.yaml").write_text("namePrefix: prod-\nresources: []\n")
     with pytest.raises(ConfigError, match="namePrefix"):
         render_kustomization(tmp_path)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_front_end_is_killed_as_hung_only_past_the_kubelets_liveness_budget(
+    overlay: str,
+) -> None:
+    """Busy is not hung: a flooded front end went 3.8 s without a heartbeat, and a 3 s limit
+    killed the tree's only front end mid-flood. The supervisor waits at least as long as the
+    kubelet would before restarting the pod for a silent /healthz."""
+    liveness = server_container(rendered(overlay))["livenessProbe"]
+    budget_s = liveness["periodSeconds"] * liveness["failureThreshold"]
+    assert budget_s <= SILENT_AFTER_S

@@ -122,15 +122,26 @@ async def _tokenize(
 # The end of a word: a character other than whitespace, then a space. Every tokenizer splits
 # words at a space (BERT's whitespace split, byte-level BPE's pattern, which puts a space
 # before the word it starts, SentencePiece's `▁`), so a text cut there tokenizes into the
-# first tokens of the whole text; cut within a word or a run of whitespace, it may not.
-_WORD_END = re.compile(r"(?s:.*)\S(?= )")
+# first tokens of the whole text; cut within a word or a run of whitespace, it may not. Where
+# no space falls within the reach, any whitespace, then punctuation before a letter or digit
+# (BERT's and byte-level BPE's splits too: Chinese and Japanese text has punctuation, not
+# spaces).
+_WORD_ENDS = (
+    re.compile(r"(?s:.*)\S(?= )"),
+    re.compile(r"(?s:.*)\S(?=\s)"),
+    re.compile(r"(?s:.*)[^\w\s](?=\w)"),
+)
 
 
 def _word_end(text: str, at_most: int) -> int:
     """The length of `text`'s longest prefix of at most `at_most` characters that ends a
-    word; 0 where none does. One match from the start (it backtracks from `at_most`)."""
-    found = _WORD_END.match(text, 0, at_most + 1)
-    return found.end() if found else 0
+    word (one match from the start, backtracking from `at_most`); `at_most` where none does:
+    a script written without spaces (Chinese, Japanese, Thai) is dense in tokens, so the cut
+    lies far past the limit's tokens, and a text of none would otherwise be read whole."""
+    for word_end in _WORD_ENDS:
+        if (found := word_end.match(text, 0, at_most + 1)) is not None:
+            return found.end()
+    return at_most
 
 
 def truncated_token_ids(

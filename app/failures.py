@@ -20,6 +20,11 @@ class BatchFailed(Exception):
     """The batch holding the input failed on the server's side (answered 500)."""
 
 
+# After the engine is lost, clients retry once a new one had time to start: what a front end
+# answers a request the engine took with it, and the engine a batch's that failed of a device
+# another lost (`engine/lost_device.py`).
+RETRY_AFTER_ENGINE_LOST_S = 1.0
+
 # The reason of a FAILED `Failure` whose batch lost the engine its device, and the error
 # type a front end answers it with (500); the message of each `DeviceLost`.
 DEVICE_LOST = "device_lost"

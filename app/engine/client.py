@@ -34,6 +34,7 @@ from app.engine.protocol import (
 )
 from app.failures import (
     DEVICE_LOST,
+    RETRY_AFTER_ENGINE_LOST_S,
     BatchFailed,
     DeadlineExceeded,
     DeviceLost,
@@ -42,8 +43,6 @@ from app.failures import (
 
 log = logging.getLogger(__name__)
 
-# After the engine is lost, clients retry once a new one had time to start.
-RETRY_AFTER_ENGINE_LOST_S = 1.0
 # The engine answers every request by its deadline (expiry is a 504 from the engine), give or
 # take a batch or a multi-step run in flight; a stream silent this long after its deadline
 # was lost by a fault, and its client must not wait for its own timeout.

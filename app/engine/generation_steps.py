@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from app.engine.host import EngineContext, ShapeDone
 from app.engine.protocol import SamplingParams
+from app.failures import device_lost
 from app.models.causal_lm import CausalLMRunner, StepRow
 from app.models.sampling import NO_TOKEN, new_generator
 
@@ -152,7 +153,11 @@ class StepRunner:
                 raise
             finally:
                 slots.give()
-                triaged = metered and isinstance(failure, Exception)
+                # A failed step is told to health by its triage, once it is over; but a lost
+                # device at once: its sequences' answer (`lost_device.step_failure`) names
+                # this step's failure as the one that lost it, whatever another batch running
+                # on the dead device meanwhile tells health.
+                triaged = metered and isinstance(failure, Exception) and not device_lost(failure)
                 if not (triaged or isinstance(failure, asyncio.CancelledError)):
                     self._context.record_batch(failure)
 

@@ -36,6 +36,7 @@ from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.host import EngineContext
 from app.engine.lost_device import step_failure
 from app.engine.protocol import Failure, FailureKind
+from app.failures import device_lost
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class StepTriage:
         compute slot taken in turn, then give the slot back, telling health the verdict. A
         fault of the triage itself fails the sequences it left (500) and is what health
         hears."""
+        if device_lost(error):  # never run again; health heard of it from the step itself
+            for sequence in sequences:
+                self._fail_servers(sequence, error)
+            return
         await self._steps.take_slot()
         failure: BaseException | None = error
         try:

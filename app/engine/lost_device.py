@@ -8,9 +8,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.admission import RejectReason
-from app.engine.client import RETRY_AFTER_ENGINE_LOST_S
 from app.engine.protocol import Failure, FailureKind, Submit
-from app.failures import DEVICE_LOST, DeviceLost, device_lost
+from app.failures import DEVICE_LOST, RETRY_AFTER_ENGINE_LOST_S, DeviceLost, device_lost
 
 if TYPE_CHECKING:
     from app.engine.host import EngineContext  # torch: for types only

@@ -23,7 +23,7 @@ from app.admission import Rejected, RejectReason
 from app.api.errors import install_error_handlers
 from app.batch_trace import ItemResult
 from app.compute_slots import ComputeSlots
-from app.engine.client import RETRY_AFTER_ENGINE_LOST_S, failure_error
+from app.engine.client import failure_error
 from app.engine.health import BatchHealth
 from app.engine.lost_device import step_failure
 from app.engine.process import DEVICE_LOST_EXIT, EngineServer, exit_when_device_lost
@@ -37,7 +37,13 @@ from app.engine.protocol import (
 )
 from app.engine.rows import gather_rows
 from app.engine.zmq_client import EngineAddresses
-from app.failures import DEVICE_LOST, DEVICE_LOST_MESSAGE, DeviceLost, device_lost
+from app.failures import (
+    DEVICE_LOST,
+    DEVICE_LOST_MESSAGE,
+    RETRY_AFTER_ENGINE_LOST_S,
+    DeviceLost,
+    device_lost,
+)
 from app.metrics import Metrics
 from app.scheduler import BatchPolicy, BatchShape
 from tests.support.inline_batching import Computed, inline_batcher

@@ -104,6 +104,7 @@ def test_truncating_equals_cutting_the_whole_texts_tokens(
     rng = random.Random(7)
     texts = [random_text(rng) for _ in range(400)]
     texts += [" " * 20_000 + "hello", "hello" + " " * 20_000 + "world", "x" * 5000 + " hello"]
+    texts += ["你好世界" * 2000, "x" * 200 + "\t" + "über" * 100 + " hello"]
     assert any(len(text) > 4 * MAX_CHARS for text in texts)
     for text in texts:
         whole = tokenizer.tokenize([text], truncate=True)
@@ -134,6 +135,10 @@ def test_a_long_text_costs_a_pass_over_its_first_part_unless_its_tokens_are_spar
     counting = Counting(wordpiece(tmp_path))
     dense = "hello world " * 100_000  # 1.2 MB
     truncated_token_ids(counting, [dense], MAX_CHARS)
+    assert counting.read <= MAX_CHARS
+    counting.read = 0
+    # Written without spaces, dense in tokens: cut where the cap falls, not read whole.
+    truncated_token_ids(counting, ["你好世界" * 100_000], MAX_CHARS)
     assert counting.read <= MAX_CHARS
     counting.read = 0
     sparse = " " * 1_000_000 + "hello"

@@ -17,7 +17,7 @@ from app.engine.client import EngineRefused
 from app.engine.generation_host import GenerationHost
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit
-from app.failures import BatchFailed, DeadlineExceeded
+from app.failures import BatchFailed, DeadlineExceeded, DeviceLost
 from app.models.causal_lm import StepRow
 from tests.support.generation_engine import (
     collect,
@@ -174,6 +174,35 @@ async def test_a_prefill_out_of_memory_prefills_its_joiners_one_at_a_time(
     assert [error for error in heard if error is not None] == []
 
 
+async def test_a_poison_prompt_in_a_step_out_of_memory_is_its_own_fault(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The joiners are prefilled alone after the step ran out of memory: the poison prompt
+    failing alone is its own fault (400), not the server's out of memory (500, with the
+    longer joiner after it never run), and the others are served."""
+    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+
+    def fails(rows: Sequence[StepRow]) -> BaseException | None:
+        joint = prefills(rows)
+        if len(joint) > 1:
+            return out_of_memory()
+        return ValueError("the model throws on it") if POISON in joint else None
+
+    try:
+        decoding, longest = await lone_tokens(engine, DECODING), await lone_tokens(engine, LONGEST)
+        heard = recorded_health(engine, monkeypatch)
+        failing_steps(host, monkeypatch, fails)
+        tokens, (poison_result, longest_result) = await decoding_then(engine, [POISON, LONGEST])
+    finally:
+        await engine.close()
+    assert tokens == decoding
+    assert isinstance(poison_result, EngineRefused)
+    assert longest_result == longest
+    assert [error for error in heard if error is not None] == []
+
+
 def prefills_of(call: list[tuple[tuple[int, ...], int]]) -> list[tuple[int, ...]]:
     return [tokens for tokens, start in call if start == 0]
 
@@ -209,16 +238,25 @@ async def test_a_lost_device_is_not_retried(
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     lost = RuntimeError("CUDA error: an illegal memory access was encountered")
+    slots_taken: list[object] = []
+
+    async def take_slot() -> None:
+        slots_taken.append(object())
+
     try:
         heard = recorded_health(engine, monkeypatch)
         calls = failing_steps(host, monkeypatch, raising_on(POISON, lambda: lost))
-        with pytest.raises(BatchFailed):
+        # Its answer waits for no compute slot (another batch may hold one, on the dead
+        # device, and tell health first: its requests would be named the cause).
+        monkeypatch.setattr(host._steps, "take_slot", take_slot)
+        with pytest.raises(DeviceLost):  # 500 device_lost, not 503 engine_lost
             await decoding_then(engine, [POISON])
     finally:
         await engine.close()
     failed_at = next(i for i, call in enumerate(calls) if (tuple(POISON), 0) in call)
     assert calls[failed_at + 1 :] == []
     assert [error for error in heard if error is not None] == [lost]
+    assert slots_taken == []
 
 
 async def test_a_joiner_past_its_deadline_is_not_run_again_and_is_answered_504(

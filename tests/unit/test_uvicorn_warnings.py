@@ -47,14 +47,19 @@ class Kept(logging.Handler):
 
 @pytest.fixture
 def uvicorn_log() -> Iterator[Kept]:
-    """What reaches uvicorn's logger's handlers (uvicorn's loggers need not propagate)."""
+    """What reaches uvicorn's logger's handlers (uvicorn's loggers need not propagate),
+    from a logger as uvicorn leaves it: without the filter a front end's configuration (or
+    an earlier test building one: `cli.uvicorn_config`) installs, and enabled."""
     logger = logging.getLogger(UVICORN_LOGGER)
-    kept, level, filters = Kept(), logger.level, list(logger.filters)
+    kept, level, filters, disabled = Kept(), logger.level, list(logger.filters), logger.disabled
+    logger.filters[:] = []
+    logger.disabled = False
     logger.addHandler(kept)
     yield kept
     logger.removeHandler(kept)
     logger.setLevel(level)
     logger.filters[:] = filters
+    logger.disabled = disabled
 
 
 def connect(

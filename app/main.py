@@ -80,6 +80,7 @@ def _engine_client(
     metrics: Metrics,
     engine_addresses: EngineAddresses | None,
     runner_loader: RunnerLoader | None,
+    spawn_token: int | None = None,
 ) -> tuple[EngineClient, EngineSupervisor | None]:
     """The engine connection, and the supervisor when this app owns an engine process."""
     if settings.engine == "inprocess":
@@ -91,7 +92,7 @@ def _engine_client(
         loader = runner_loader if runner_loader is not None else load_runner
         return InProcessEngine(EngineCore(settings, metrics, loader)), None
     if engine_addresses is not None:
-        return ZmqEngineClient(engine_addresses), None
+        return ZmqEngineClient(engine_addresses, spawn_token=spawn_token), None
     run_dir = Path(tempfile.mkdtemp(prefix="steadyserve-engine-"))
     addresses = EngineAddresses.in_directory(run_dir)
     supervisor = EngineSupervisor(settings, addresses, run_dir=run_dir)
@@ -118,6 +119,7 @@ def create_app(
     engine: EngineClient | None = None,
     on_started: Callable[[bool], None] | None = None,
     created: int | None = None,
+    spawn_token: int | None = None,
 ) -> FastAPI:
     """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
     `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling); `engine`
@@ -127,11 +129,15 @@ def create_app(
     start-up waits for that, and fails with it. Without it, start-up goes on in the
     background while the app answers (the in-process server's probes report it). `created`:
     the served models' `created` on /v1/models (Unix seconds): the process tree's start,
-    the same in every front end; by default now (an in-process server is the whole tree)."""
+    the same in every front end; by default now (an in-process server is the whole tree).
+    `spawn_token`: the one the process tree started this front end with, in its identity
+    (`FrontEndGone`)."""
     metrics = Metrics()
     supervisor: EngineSupervisor | None = None
     if engine is None:
-        engine, supervisor = _engine_client(settings, metrics, engine_addresses, loader)
+        engine, supervisor = _engine_client(
+            settings, metrics, engine_addresses, loader, spawn_token
+        )
     service = Service(
         settings,
         metrics,

@@ -91,6 +91,7 @@ class ProcessTree:
         # What the supervisor heard on each front end's start pipe (its start-up, heartbeats).
         self._heartbeats = FrontendHeartbeats(clock)
         self.hung_frontends = 0  # front ends killed for their silence (the log counts them)
+        self._frontend_tokens: dict[int, int] = {}  # each live one's start token, by its pid
         self._metric_folds: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._forced = False
@@ -209,8 +210,11 @@ class ProcessTree:
         # started, beats, or dies, so the supervisor times them on its own clock.
         heard, started = self._context.Pipe(duplex=False)
         frontend = (self.settings, self.addresses, self.frontend_count, started, os.getpid())
+        token = time.monotonic_ns()  # this start's own, in its engine identity (FrontEndGone)
         process = self._context.Process(
-            target=run_frontend_process, args=(*frontend, self.created), name="steadyserve-frontend"
+            target=run_frontend_process,
+            args=(*frontend, self.created, token),
+            name="steadyserve-frontend",
         )
         try:
             process.start()
@@ -219,6 +223,8 @@ class ProcessTree:
             raise
         finally:
             started.close()  # the child's copy is the only one left: its death is EOF
+        assert process.pid is not None
+        self._frontend_tokens[process.pid] = token
         if index == len(self.frontends):
             self.frontends.append(process)
         else:
@@ -370,7 +376,8 @@ class ProcessTree:
         """The engine drops the work of the front end's requests (`FrontEndGone`); with no
         engine connected there is nothing to drop (a new engine knows none of it)."""
         assert self._engine_notices is not None
-        if not send_now(self._engine_notices, encode(FrontEndGone(pid))):
+        token = self._frontend_tokens.pop(pid)
+        if not send_now(self._engine_notices, encode(FrontEndGone(pid, token))):
             log.info("front end %d exited while no engine was connected", pid)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from app.admission import Rejected, RejectReason
+from app.engine.identity import request_reference
 from app.engine.protocol import (
     Cancel,
     DebugQuery,
@@ -253,7 +254,8 @@ class StreamingClient:
                         error = engine_lost(message.message)
                     elif isinstance(message, _Silent):
                         # The engine's fault, not the client's deadline: 503, retryable.
-                        log.error("the engine never answered request %d; giving up", request_id)
+                        reference = request_reference(self.origin, request_id)
+                        log.error("the engine never answered request %s; giving up", reference)
                         abandoned = True
                         error = EngineUnavailable(
                             "the engine did not answer by the request's deadline; retry"

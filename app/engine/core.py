@@ -26,6 +26,7 @@ from app.compute_slots import ComputeSlots
 from app.dispatcher import Dispatcher, engine_thread_plan
 from app.engine.health import BatchHealth
 from app.engine.host import Emit, EngineContext, EngineLoad, ModelHost, RequestTracer
+from app.engine.identity import frontend_identity
 from app.engine.loading import load_hosts
 from app.engine.protocol import (
     PROTOCOL_CLOCK,
@@ -34,7 +35,6 @@ from app.engine.protocol import (
     FailureKind,
     ModelInfo,
     Submit,
-    identity_pid,
     payload_inputs,
 )
 from app.engine.reports import config_report
@@ -93,8 +93,8 @@ class EngineCore:
         # Inputs taken from each front end (one entry per front-end process it has served),
         # published so each front end knows which of its sends the status holds.
         self._taken_inputs: dict[bytes, int] = {}
-        # Front-end processes reported dead, by pid: until when what they sent is dropped.
-        self._gone_frontends: dict[int, float] = {}
+        # Front-end processes reported dead, by identity: until when what they sent is dropped.
+        self._gone_frontends: dict[bytes, float] = {}
         self._warmup_done = 0
         self._warmup_total = 0
         self._ready = False
@@ -302,11 +302,13 @@ class EngineCore:
 
     # --- requests -----------------------------------------------------------------------
     def submit(self, origin: bytes, request: Submit, emit: Emit) -> None:
-        """Admit `request` and hand it to its model's host; its answer goes to `emit` (zero
-        or more `Output`s, then a final one or one `Failure`). A request from a
-        front end reported dead is dropped unanswered (`frontend_gone`)."""
+        """Admit `request` and hand it to its model's host, with its `origin` (its `reference`
+        names it in logs and answers); its answer goes to `emit` (zero or more `Output`s, then
+        a final one or one `Failure`). A request from a front end reported dead is dropped
+        unanswered (`frontend_gone`)."""
         if self._sent_by_a_dead_frontend(origin):
             return
+        request = msgspec.structs.replace(request, origin=origin)
         taken = self._taken_inputs.get(origin, 0) + payload_inputs(request.payload)
         self._taken_inputs[origin] = taken
         rejection = self._admit(request)
@@ -359,25 +361,26 @@ class EngineCore:
         if task is not None:
             task.cancel()
 
-    def frontend_gone(self, pid: int) -> None:
-        """Drop the work of every request the front-end process `pid` sent (it exited: no
-        one reads their answers) and forget the inputs it sent (`taken_inputs`). Its Submits
-        still on their way are dropped as they come (the engine's socket takes one message
-        from each peer in turn, so this notice can overtake them), for as long as any of
-        them could still be within its deadline."""
+    def frontend_gone(self, pid: int, token: int) -> None:
+        """Drop the work of every request the front-end process `pid` started with `token`
+        sent (it exited: no one reads their answers) and forget the inputs it sent
+        (`taken_inputs`). Its Submits still on their way are dropped as they come (the
+        engine's socket takes one message from each peer in turn, so this notice can
+        overtake them), for as long as any of them could still be within its deadline; a
+        front end started later under the same pid has another identity, and is served."""
+        gone = frontend_identity(pid, token)
         now = self._clock()
-        self._gone_frontends = {p: t for p, t in self._gone_frontends.items() if t > now}
-        self._gone_frontends[pid] = now + self.settings.max_timeout_ms / 1000
-        orphans = [key for key in self._requests if identity_pid(key[0]) == pid]
+        self._gone_frontends = {o: t for o, t in self._gone_frontends.items() if t > now}
+        self._gone_frontends[gone] = now + self.settings.max_timeout_ms / 1000
+        orphans = [key for key in self._requests if key[0] == gone]
         for key in orphans:
             self._requests.pop(key).cancel()
-        for origin in [o for o in self._taken_inputs if identity_pid(o) == pid]:
-            del self._taken_inputs[origin]
-        log.warning("front end %d exited: dropped the work of its %d requests", pid, len(orphans))
+        self._taken_inputs.pop(gone, None)
+        name = gone.decode()
+        log.warning("front end %s exited: dropped the work of its %d requests", name, len(orphans))
 
     def _sent_by_a_dead_frontend(self, origin: bytes) -> bool:
-        pid = identity_pid(origin)
-        until = self._gone_frontends.get(pid) if pid is not None else None
+        until = self._gone_frontends.get(origin)
         return until is not None and self._clock() < until
 
     # --- debug --------------------------------------------------------------------------

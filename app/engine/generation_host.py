@@ -344,10 +344,10 @@ class GenerationHost:
         if sequence.slot is not None:
             self._steps.clear_slot(sequence.slot)
         log.error(
-            "%s: non-finite logits (NaN or inf) for request %d after %d generated tokens "
+            "%s: non-finite logits (NaN or inf) for request %s after %d generated tokens "
             "(%s): failing it; does the model overflow this dtype?",
             self.name,
-            sequence.request.request_id,
+            sequence.request.reference,
             generated,
             self.runner.dtype,
         )

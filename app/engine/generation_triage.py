@@ -145,16 +145,16 @@ class StepTriage:
             return
         if not self._batch.is_running(sequence):
             return
-        request_id = sequence.request.request_id
+        request = sequence.request
         log.warning(
-            "%s: the model failed on the prompt of request %d alone",
+            "%s: the model failed on the prompt of request %s alone",
             self._name,
-            request_id,
+            request.reference,
             exc_info=failed.error,
         )
         self._clear(sequence)
         message = (
             f"the model could not process the prompt ({type(failed.error).__name__}); "
-            f"the server logged why under request {request_id}"
+            f"the server logged why under request {request.reference}"
         )
-        self._fail(sequence, Failure(request_id, FailureKind.BAD_REQUEST, message))
+        self._fail(sequence, Failure(request.request_id, FailureKind.BAD_REQUEST, message))

@@ -257,7 +257,7 @@ class EngineServer:
         elif isinstance(message, Cancel):
             self.core.cancel(origin, message.request_id)
         elif isinstance(message, FrontEndGone):
-            self.core.frontend_gone(message.pid)
+            self.core.frontend_gone(message.pid, message.token)
         elif isinstance(message, DebugQuery):
             try:
                 report = self.core.debug_report(message.what)

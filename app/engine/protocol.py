@@ -22,6 +22,8 @@ from enum import Enum
 
 import msgspec
 
+from app.engine.identity import request_reference
+
 # The clock of every time a message carries (a request's `deadline`, a status's
 # `published_at`): time.monotonic, system-wide on Linux, so the processes of one host agree.
 # A clock injected for tests times what one process does; never compare it with these.
@@ -103,13 +105,20 @@ def payload_inputs(payload: Payload) -> int:
 class Submit(msgspec.Struct, frozen=True, tag="submit"):
     """`refusal_counted_by_sender`: one of the Submits one client request was sent as (a
     generation's prompts, one each): `steadyserve_rejected_total` counts requests, so its
-    refusal (or expiry) is counted by the front end, once, and not here per Submit."""
+    refusal (or expiry) is counted by the front end, once, and not here per Submit.
+    `origin`: its sender's socket identity (`identity.py`), set by the engine as it takes it
+    (a front end sends it empty); `reference` names the request in logs and answers."""
 
     request_id: int
     model: str
     deadline: float
     payload: Payload
     refusal_counted_by_sender: bool = False
+    origin: bytes = b""
+
+    @property
+    def reference(self) -> str:
+        return request_reference(self.origin, self.request_id)
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
@@ -126,27 +135,17 @@ class DebugQuery(msgspec.Struct, frozen=True, tag="debug"):
 
 
 class FrontEndGone(msgspec.Struct, frozen=True, tag="frontend_gone"):
-    """From the supervisor: the front-end process `pid` exited on its own (a crash, a kill,
-    out of memory). Nobody will read the answers of what it sent, and it sends no `Cancel`:
-    the engine drops that work (its KV-cache slots included) and forgets what it took."""
+    """From the supervisor: the front-end process `pid`, started with `token`, exited on its
+    own (a crash, a kill, out of memory). Nobody will read the answers of what it sent, and
+    it sends no `Cancel`: the engine drops that work (its KV-cache slots included) and
+    forgets what it took, by its identity (`identity.frontend_identity(pid, token)`): a
+    front end started later under the same pid has another token, and is served."""
 
     pid: int
+    token: int
 
 
 ToEngine = Submit | Cancel | DebugQuery | FrontEndGone
-
-
-def frontend_identity(pid: int, unique: int) -> bytes:
-    """A front end's socket identity (the `origin` the engine knows its requests by): its
-    process id first, which is what the supervisor names in `FrontEndGone`."""
-    return f"fe-{pid}-{unique:x}".encode()
-
-
-def identity_pid(origin: bytes) -> int | None:
-    """The process id in a `frontend_identity`; None for any other identity."""
-    kind, _, rest = origin.partition(b"-")
-    pid = rest.partition(b"-")[0]
-    return int(pid) if kind == b"fe" and pid.isdigit() and pid.isascii() else None
 
 
 class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):

@@ -162,13 +162,13 @@ async def answer_rows(
         answer = await output(results)
     except Exception as error:
         log.exception(
-            "request %d to %s: its rows computed, but its answer could not be made",
-            request.request_id,
+            "request %s to %s: its rows computed, but its answer could not be made",
+            request.reference,
             request.model,
         )
         message = (
             f"the server could not make the answer ({type(error).__name__}); "
-            f"the server logged why under request {request.request_id}"
+            f"the server logged why under request {request.reference}"
         )
         emit(Failure(request.request_id, FailureKind.FAILED, message))
         return
@@ -180,7 +180,7 @@ def input_failure(
 ) -> Failure:
     """The 400 of a request with an input the model fails on: which input, and the class
     of what the model raised, for the client; its text and traceback only in this log,
-    under the request's id (the model's message may hold anything, the input itself or
+    under the request's reference (the model's message may hold anything, the input itself or
     the model's internals)."""
     index = next(
         (
@@ -192,8 +192,8 @@ def input_failure(
     )
     cause = error.__cause__ or error
     log.warning(
-        "request %d to %s: the model failed on input %s of it",
-        request.request_id,
+        "request %s to %s: the model failed on input %s of it",
+        request.reference,
         request.model,
         index,
         exc_info=error,
@@ -201,7 +201,7 @@ def input_failure(
     which = "an input" if index is None else f"input {index}"
     message = (
         f"the model could not process {which} ({type(cause).__name__}); "
-        f"the server logged why under request {request.request_id}"
+        f"the server logged why under request {request.reference}"
     )
     return Failure(request.request_id, FailureKind.BAD_REQUEST, message, input_index=index)
 

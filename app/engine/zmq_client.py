@@ -32,6 +32,7 @@ from app.engine.client import (
     EngineUnavailable,
     StreamingClient,
 )
+from app.engine.identity import frontend_identity
 from app.engine.protocol import (
     PROTOCOL_CLOCK,
     Cancel,
@@ -42,7 +43,6 @@ from app.engine.protocol import (
     decode_restart,
     decode_status,
     encode,
-    frontend_identity,
 )
 from app.engine.zmq_dealer import EngineDealer
 
@@ -259,10 +259,13 @@ class ZmqEngineClient(StreamingClient):
         addresses: EngineAddresses,
         clock: Callable[[], float] = time.monotonic,
         on_status: Callable[[EngineStatus], None] = lambda status: None,
+        spawn_token: int | None = None,
     ) -> None:
         """`on_status`: as `StatusSubscriber`'s (the owner of the engine's supervisor hears
-        its readiness there)."""
-        self._identity = frontend_identity(os.getpid(), id(self))
+        its readiness there); `spawn_token`: the one its supervisor started this front end
+        with (`FrontEndGone`), in its identity (else this client's `id`)."""
+        unique = id(self) if spawn_token is None else spawn_token
+        self._identity = frontend_identity(os.getpid(), unique)
         super().__init__(origin=self._identity, clock=clock)
         self._addresses = addresses
         self._context = zmq.asyncio.Context()

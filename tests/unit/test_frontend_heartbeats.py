@@ -223,6 +223,7 @@ def hanging_frontend(
     started: Connection,
     parent_pid: int,
     created: int,
+    token: int,
 ) -> None:
     """A front-end process (`run_frontend_process`'s arguments) whose start pipe is driven
     as a front end's is (`StartPipe`), on an event loop that blocks for good once it has

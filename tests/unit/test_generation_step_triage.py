@@ -7,6 +7,7 @@ against /healthz. The tiny model in-process, its `step` failing on chosen prompt
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -116,6 +117,8 @@ async def test_a_prompt_the_model_throws_on_fails_alone_beside_decoding_sequence
     assert healthy_result == healthy
     assert isinstance(poison_result, EngineRefused)
     assert "could not process the prompt (ValueError)" in str(poison_result)
+    # Where its log line is: under the request's reference, its number at its front end.
+    assert re.search(r"the server logged why under request \d+@inprocess$", str(poison_result))
     assert [error for error in heard if error is not None] == []
 
 

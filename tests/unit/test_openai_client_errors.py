@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import time
 from collections.abc import AsyncIterator
+from inspect import signature
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from app.engine.protocol import (
     Submit,
     TokensOutput,
 )
+from app.frontend_process import run_frontend_process
 from app.processes import ProcessTree
 from app.settings import Settings
 from tests.support.edge import CHAT_TEMPLATE, front_end
@@ -150,7 +152,8 @@ async def test_every_front_end_is_given_the_tree_s_start_as_created(
     finally:
         tree._zmq.destroy(linger=0)
     assert abs(tree.created - time.time()) < 60
-    assert [args[-1] for args in spawned.args] == [tree.created] * 3
+    given = [signature(run_frontend_process).bind(*args).arguments for args in spawned.args]
+    assert [arguments["created"] for arguments in given] == [tree.created] * 3
 
 
 # Knows OpenAI's roles of before `developer`; its words are the tiny vocabulary's

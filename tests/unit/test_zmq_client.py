@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import select
 import threading
 import time
@@ -19,6 +20,7 @@ import zmq.asyncio
 from app.admission import Rejected, RejectReason
 from app.api.errors import RETRY_ELSEWHERE_HEADER, engine_unavailable_headers
 from app.engine.client import EngineNotConnected
+from app.engine.identity import frontend_identity
 from app.engine.protocol import (
     Cancel,
     EmbedOutput,
@@ -28,8 +30,6 @@ from app.engine.protocol import (
     Submit,
     decode_to_engine,
     encode_batch,
-    frontend_identity,
-    identity_pid,
 )
 from app.engine.zmq_client import (
     NEW_ENGINE,
@@ -38,6 +38,9 @@ from app.engine.zmq_client import (
     StatusSubscriber,
     ZmqEngineClient,
 )
+from app.main import _engine_client
+from app.metrics import Metrics
+from app.settings import Settings
 from tests.support.engine_status import ready_status
 from tests.support.manual_clock import ManualClock
 
@@ -101,11 +104,20 @@ def test_a_forgotten_engines_late_statuses_do_not_bring_it_back(injected: float)
     assert subscriber.status() == status("b", after + 0.1) and lost == [NEW_ENGINE]
 
 
-def test_a_front_ends_identity_names_its_process() -> None:
-    """What the supervisor's `FrontEndGone(pid)` is matched against in the engine."""
-    assert identity_pid(frontend_identity(4242, 0xABC)) == 4242
-    for other in (b"", b"supervisor", b"fe-x-1", b"xx-12-1", "fe-\u00b2-1".encode()):
-        assert identity_pid(other) is None
+async def test_a_front_ends_identity_names_its_pid_and_the_token_it_was_started_with(
+    tmp_path: Path,
+) -> None:
+    """What the supervisor's `FrontEndGone(pid, token)` is matched against in the engine
+    (the token `app.processes` gives each start, through `create_app`): its pid alone also
+    named a later front end the kernel gave the same pid."""
+    settings = Settings(engine="process")
+    addresses = EngineAddresses.in_directory(tmp_path)
+    client, _ = _engine_client(settings, Metrics(), addresses, None, spawn_token=0x3A)
+    try:
+        assert client.origin == frontend_identity(os.getpid(), 0x3A)  # type: ignore[attr-defined]
+        assert frontend_identity(4242, 0x3A) == b"fe-4242-3a"
+    finally:
+        await client.close()
 
 
 async def connected(client: ZmqEngineClient) -> None:

@@ -16,6 +16,7 @@ import pytest
 from app.admission import Rejected, RejectReason
 from app.engine.core import EngineCore
 from app.engine.generation_host import GenerationHost
+from app.engine.identity import frontend_identity
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     FinishReason,
@@ -24,7 +25,6 @@ from app.engine.protocol import (
     Output,
     SamplingParams,
     Submit,
-    frontend_identity,
 )
 from app.metrics import Metrics
 from app.models.causal_lm import StepRow
@@ -173,7 +173,7 @@ async def test_a_dead_front_ends_sequences_free_their_slots_and_its_count_is_for
         host = core.hosts["tiny"]
         assert host.debug_report()["slots_held"] == 2
         assert set(core.status().taken_inputs) == {dead, alive}
-        core.frontend_gone(4242)
+        core.frontend_gone(4242, 1)
         assert set(core.status().taken_inputs) == {alive}
         # Freed as its task's cancellation completes (the next turn of the loop).
         await yield_until(lambda: host.debug_report()["slots_held"] == 1, "the slot freed")

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import ClientDisconnected
@@ -230,10 +232,20 @@ BATCH_FAILED_LOG_INTERVAL_S = 10.0
 _batch_failures = Throttle(BATCH_FAILED_LOG_INTERVAL_S)
 
 
+def described(scope: Scope) -> str:
+    """A request as the front end's 5xx log lines name it: its method and path, the path as
+    `repr` shows it (decoded from %-escapes, it may hold a line end that would forge a log
+    line of its own), and Envoy's `x-request-id` where it carries one (as `repr` shows it
+    too), which finds the request in the proxy's access log."""
+    line = f"{scope.get('method')} {scope.get('path', '')!r}"
+    envoy_id = Headers(scope=scope).get("x-request-id")
+    return line if envoy_id is None else f"{line} x-request-id={envoy_id!r}"
+
+
 def log_batch_failed(request: str, error: BatchFailed) -> None:
-    """Say that `request` (its method and path, the path as `repr` shows it: decoded from
-    %-escapes, it may hold a line end) was answered 500 for its failed batch, at most once
-    per `BATCH_FAILED_LOG_INTERVAL_S`, with how many others were since the last line."""
+    """Say that `request` (`described`, or the stream it was in) was answered 500 for its
+    failed batch, at most once per `BATCH_FAILED_LOG_INTERVAL_S`, with how many others were
+    since the last line."""
     if _batch_failures.allow():
         held = _batch_failures.take_held()
         more = f"; {held} more since the last such line" if held else ""
@@ -242,7 +254,7 @@ def log_batch_failed(request: str, error: BatchFailed) -> None:
 
 async def _batch_failed(request: Request, error: Exception) -> Response:
     assert isinstance(error, BatchFailed)
-    log_batch_failed(f"{request.method} {request.scope.get('path', '')!r}", error)
+    log_batch_failed(described(request.scope), error)
     # As `ServerTimingMiddleware` answers any other fault of the server's own.
     return error_response(500, "internal_error", "internal server error")
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.errors import described
 from app.api.responses import error_response, in_envelope_of
 from app.timing import PhaseTimer
 
@@ -163,8 +164,6 @@ class ServerTimingMiddleware:
             # middleware) so that the 500 carries Server-Timing like every other response.
             if response_started:
                 raise
-            # The path as `repr` shows it: decoded from %-escapes, it may hold a line end
-            # that would forge a log line of its own.
-            log.exception("unhandled error on %s %r", scope.get("method"), scope.get("path"))
+            log.exception("unhandled error on %s", described(scope))  # the path as repr shows it
             response = error_response(500, "internal_error", "internal server error")
             await in_envelope_of(scope.get("path", ""), response)(scope, receive, send_with_timing)

@@ -33,6 +33,7 @@ from app.api.cancellation import ClientDisconnected, run_until_disconnect
 from app.api.common import BodyParsePhase, envoy_timeout_ms, expects_continue
 from app.api.errors import (
     REJECTION_STATUS,
+    described,
     engine_unavailable_headers,
     log_batch_failed,
     refusal_headers,
@@ -235,7 +236,7 @@ async def _infer(
     except BatchFailed as error:
         # The server's fault, logged by the engine with its exception; that text (a torch
         # error's repr) is not for the client, as on every other route's 500.
-        log_batch_failed(f"POST {request.scope['path']!r}", error)
+        log_batch_failed(described(request.scope), error)
         return v2_error("internal server error: the batch failed", 500)
     except NonFiniteOutput as error:
         return v2_error(str(error), 500)

@@ -90,3 +90,23 @@ async def test_a_stream_whose_batch_failed_gets_the_same_line(
     assert [(r.getMessage(), r.exc_info) for r in lines] == [
         (f"batch failed, 500 to a stream of model 'tiny': {FAULT}", None)
     ]
+
+
+async def test_the_line_names_envoys_request_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Which request of the proxy's it was: Envoy's `x-request-id`, on the JSON routes and
+    the v2 route alike."""
+    envoy = {"x-request-id": "5f0c-41a7"}
+    v2 = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hello"]}]}
+    with caplog.at_level(logging.INFO):
+        async with front_end(tmp_path, batch_failed) as (client, _, _):
+            body = {"model": "minilm", "inputs": "hello"}
+            answer = await client.post("/infer", json=body, headers=envoy)
+            CLOCK[0] += BATCH_FAILED_LOG_INTERVAL_S
+            v2_answer = await client.post("/v2/models/minilm/infer", json=v2, headers=envoy)
+    assert answer.status_code == v2_answer.status_code == 500
+    assert [r.getMessage() for r in error_lines(caplog)] == [
+        f"batch failed, 500 to POST '/infer' x-request-id='5f0c-41a7': {FAULT}",
+        f"batch failed, 500 to POST '/v2/models/minilm/infer' x-request-id='5f0c-41a7': {FAULT}",
+    ]

@@ -39,3 +39,24 @@ async def test_a_path_with_a_line_end_cannot_forge_a_log_line(
     line = record.getMessage()
     assert "\n" not in line
     assert line == f"unhandled error on POST {FORGED!r}"
+
+
+async def test_the_line_names_envoys_request_id(caplog: pytest.LogCaptureFixture) -> None:
+    """Which request it was, in the proxy's access log too: Envoy's `x-request-id`, as
+    `repr` shows it (the client may send one of its own)."""
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    app = ServerTimingMiddleware(failing, is_draining=lambda: False)
+    headers = [(b"x-request-id", b"5f0c-41a7")]
+    scope: Scope = {"type": "http", "method": "POST", "path": "/infer", "headers": headers}
+    with caplog.at_level(logging.ERROR, logger="app.api.middleware"):
+        await app(scope, receive, send)
+    assert sent[0]["status"] == 500
+    [record] = caplog.records
+    assert record.getMessage() == "unhandled error on POST '/infer' x-request-id='5f0c-41a7'"

@@ -165,7 +165,7 @@ async def test_an_expiring_stream_gets_its_last_tokens_before_its_failure(
         received: list[object] = []
         request = submit(engine, [1, 50, 51], SamplingParams(max_new_tokens=3))
         engine.core.submit(b"front", request, received.append)
-        [sequence] = [s for s in host._batch.waiting if s.request is request]
+        [sequence] = [s for s in host._batch.waiting if s.request.request_id == request.request_id]
         pending = Output(request.request_id, False, TokensOutput([7], 3), 0.0, 0.0)
         host._outbox = [(sequence, pending)]  # the last step's, not sent yet
         host._expire(request.deadline + 1)

@@ -7,7 +7,6 @@ model's batch was never split."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -18,8 +17,6 @@ import torch
 from app.buffers import BufferPool
 from app.engine.core import EngineCore
 from app.engine.protocol import (
-    Failure,
-    FromEngine,
     Output,
     Submit,
     TensorData,
@@ -32,6 +29,7 @@ from app.model_specs import ModelSpec, TensorSpec
 from app.models.tensor import TensorModel
 from app.scheduler import BatchPolicy, BatchShape
 from app.settings import Settings
+from tests.support.stand_in_engine import final_answer
 
 
 class ModelLibraryError(Exception):
@@ -175,14 +173,7 @@ async def test_a_tensor_batch_is_split_where_an_allocation_failed(
     core, module = tensor_engine
     features = np.arange(1, 9, dtype=np.float32).reshape(4, 2)
     payload = TensorPayload([TensorData("x", "FP32", [4, 2], features.tobytes())])
-    done: asyncio.Future[FromEngine] = asyncio.get_running_loop().create_future()
-
-    def emit(message: FromEngine) -> None:
-        if isinstance(message, Failure) or (isinstance(message, Output) and message.final):
-            done.set_result(message)
-
-    core.submit(b"front-end", Submit(1, "t", time.monotonic() + 30, payload), emit)
-    answered = await asyncio.wait_for(done, 10)
+    answered = await final_answer(core, Submit(1, "t", time.monotonic() + 30, payload))
     assert isinstance(answered, Output), answered
     assert isinstance(answered.payload, TensorOutput)
     [y] = answered.payload.outputs

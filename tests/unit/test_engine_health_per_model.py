@@ -5,7 +5,6 @@ in `test_engine_pure.py`."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -15,21 +14,11 @@ import torch
 from app.engine.core import EngineCore
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, FromEngine, Output, Submit
 from app.metrics import Metrics
-from app.model_specs import ModelSpec
-from app.settings import Settings
 from tests.support.fake_model import GatedLoader
+from tests.support.stand_in_engine import final_answer, stand_in_settings
 
 THRESHOLD = 2
-SETTINGS = Settings(
-    models=(ModelSpec(name="a", source="unused"), ModelSpec(name="b", source="unused")),
-    length_buckets=(16, 32),
-    max_wait_ms=0,
-    warmup=False,
-    spike_reports=False,
-    dispatcher_threads=1,
-    torch_threads=1,
-    unhealthy_after_failed_batches=THRESHOLD,
-)
+SETTINGS = stand_in_settings("a", "b", unhealthy_after_failed_batches=THRESHOLD)
 
 
 @pytest.fixture
@@ -46,15 +35,8 @@ async def loaded() -> AsyncIterator[tuple[EngineCore, GatedLoader]]:
 
 async def answer(core: EngineCore, request_id: int, model: str) -> FromEngine:
     """The final answer of one input sent to `model`."""
-    done: asyncio.Future[FromEngine] = asyncio.get_running_loop().create_future()
-
-    def emit(message: FromEngine) -> None:
-        if isinstance(message, Failure) or (isinstance(message, Output) and message.final):
-            done.set_result(message)
-
     request = Submit(request_id, model, time.monotonic() + 30, EmbedPayload([[1, 5, 2]]))
-    core.submit(b"front-end", request, emit)
-    return await asyncio.wait_for(done, 10)
+    return await final_answer(core, request)
 
 
 async def test_a_model_failing_every_batch_is_unhealthy_while_another_serves(

@@ -22,7 +22,6 @@ from app.engine.core import EngineCore
 from app.engine.identity import frontend_identity
 from app.engine.protocol import (
     EmbedPayload,
-    Failure,
     FromEngine,
     FrontEndGone,
     Output,
@@ -30,21 +29,13 @@ from app.engine.protocol import (
     decode_to_engine,
 )
 from app.metrics import Metrics
-from app.model_specs import ModelSpec
 from app.processes import ProcessTree
 from app.settings import Settings
 from tests.support.fake_model import GatedLoader
 from tests.support.process_tree import StandIn
+from tests.support.stand_in_engine import stand_in_settings, submitted
 
-SETTINGS = Settings(
-    models=(ModelSpec(name="a", source="unused"),),
-    length_buckets=(16, 32),
-    max_wait_ms=0,
-    warmup=False,
-    spike_reports=False,
-    dispatcher_threads=1,
-    torch_threads=1,
-)
+SETTINGS = stand_in_settings("a")
 PID = 4242
 DEAD, RESTARTED = frontend_identity(PID, 1), frontend_identity(PID, 2)
 
@@ -64,15 +55,8 @@ async def core() -> AsyncIterator[tuple[EngineCore, GatedLoader]]:
 
 def send(core: EngineCore, origin: bytes, request_id: int) -> asyncio.Future[FromEngine]:
     """One input for model `a` from `origin`; its final answer."""
-    done: asyncio.Future[FromEngine] = asyncio.get_running_loop().create_future()
-
-    def emit(message: FromEngine) -> None:
-        if isinstance(message, Failure) or (isinstance(message, Output) and message.final):
-            done.set_result(message)
-
     request = Submit(request_id, "a", time.monotonic() + 30, EmbedPayload([[1, 5, 2]]))
-    core.submit(origin, request, emit)
-    return done
+    return submitted(core, request, origin)
 
 
 async def test_a_front_end_restarted_under_a_dead_ones_pid_is_served(

@@ -21,26 +21,16 @@ from app.embedding_service import NonFiniteOutput
 from app.engine.client import failure_error
 from app.engine.core import EngineCore
 from app.engine.health import BatchHealth
-from app.engine.protocol import EmbedPayload, Failure, FailureKind, FromEngine, Output, Submit
+from app.engine.protocol import EmbedPayload, Failure, FailureKind, FromEngine, Submit
 from app.metrics import Metrics
 from app.model_batcher import ModelBatcher
-from app.model_specs import ModelSpec
 from app.scheduler import BatchPolicy
-from app.settings import Settings
 from tests.support.fake_model import GatedLoader
 from tests.support.inline_batching import InlineDispatcher
+from tests.support.stand_in_engine import final_answer, stand_in_settings
 
 THRESHOLD = 2
-SETTINGS = Settings(
-    models=(ModelSpec(name="a", source="unused"),),
-    length_buckets=(16, 32),
-    max_wait_ms=0,
-    warmup=False,
-    spike_reports=False,
-    dispatcher_threads=1,
-    torch_threads=1,
-    unhealthy_after_failed_batches=THRESHOLD,
-)
+SETTINGS = stand_in_settings("a", unhealthy_after_failed_batches=THRESHOLD)
 NAN_TOKEN = 13  # an input starting with it computes NaN (`NanRunner`)
 MESSAGE = "a produced a non-finite value (NaN or infinity)"  # the front end's, as it was
 
@@ -62,15 +52,8 @@ async def loaded() -> AsyncIterator[tuple[EngineCore, GatedLoader]]:
 
 
 async def answer(core: EngineCore, request_id: int) -> FromEngine:
-    done: asyncio.Future[FromEngine] = asyncio.get_running_loop().create_future()
-
-    def emit(message: FromEngine) -> None:
-        if isinstance(message, Failure) or (isinstance(message, Output) and message.final):
-            done.set_result(message)
-
     request = Submit(request_id, "a", time.monotonic() + 30, EmbedPayload([[1, 5, 2]]))
-    core.submit(b"front-end", request, emit)
-    return await asyncio.wait_for(done, 10)
+    return await final_answer(core, request)
 
 
 async def test_a_model_computing_nan_for_every_input_turns_the_engine_unhealthy(

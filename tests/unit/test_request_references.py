@@ -7,7 +7,6 @@ stand-in model (`tests/support/fake_model.py`), which throws on one input."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,26 +22,16 @@ from app.engine.protocol import (
     Failure,
     FailureKind,
     FromEngine,
-    Output,
     Submit,
     ToEngine,
 )
 from app.metrics import Metrics
-from app.model_specs import ModelSpec
-from app.settings import Settings
 from tests.support.engine_status import ready_status
 from tests.support.fake_model import GatedLoader
+from tests.support.stand_in_engine import final_answer, stand_in_settings
 
 POISON = 9  # the stand-in model throws on an input holding this token
-SETTINGS = Settings(
-    models=(ModelSpec(name="a", source="unused"),),
-    length_buckets=(16, 32),
-    max_wait_ms=0,
-    warmup=False,
-    spike_reports=False,
-    dispatcher_threads=1,
-    torch_threads=1,
-)
+SETTINGS = stand_in_settings("a")
 
 
 @pytest.fixture
@@ -67,15 +56,8 @@ async def core() -> AsyncIterator[EngineCore]:
 
 async def answer(core: EngineCore, origin: bytes, request_id: int) -> FromEngine:
     """The answer to a request of a good input and a poison one, sent by `origin`."""
-    done: asyncio.Future[FromEngine] = asyncio.get_running_loop().create_future()
-
-    def emit(message: FromEngine) -> None:
-        if isinstance(message, Failure) or (isinstance(message, Output) and message.final):
-            done.set_result(message)
-
     request = Submit(request_id, "a", time.monotonic() + 30, EmbedPayload([[1, 5], [1, POISON]]))
-    core.submit(origin, request, emit)
-    return await asyncio.wait_for(done, 10)
+    return await final_answer(core, request, origin)
 
 
 async def test_an_input_the_model_fails_on_is_logged_and_answered_under_its_reference(

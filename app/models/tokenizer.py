@@ -189,7 +189,8 @@ class FastTokenizer:
             honour_bos_eos_flags(self._backend, config, str(directory))
         self.max_input_tokens = max_input_tokens
         self.pad_token_id = self._pad_id(directory)
-        self._special_suffix = self._trailing_special_tokens()
+        # The special tokens appended after the text (BERT's [SEP]), kept when truncating.
+        self._special_suffix = _specials_around(self._backend)[1]
         # The special added tokens (BOS, EOS, a chat template's turn markers) by their text:
         # `decode` leaves them out, and `encode` turns their text into them wherever it is
         # found (with or without `add_special_tokens`).
@@ -207,15 +208,6 @@ class FastTokenizer:
             pad_token = pad_token.get("content")
         pad_id = self._backend.token_to_id(pad_token) if isinstance(pad_token, str) else None
         return int(pad_id) if pad_id is not None else 0
-
-    def _trailing_special_tokens(self) -> list[int]:
-        """The special tokens appended after the text (BERT's [SEP]), kept when truncating."""
-        text_only = self._backend.encode("a", add_special_tokens=False).ids
-        full = self._backend.encode("a").ids
-        for start in range(len(full) - len(text_only) + 1):
-            if full[start : start + len(text_only)] == text_only:
-                return list(full[start + len(text_only) :])
-        return []
 
     def tokenize(self, texts: Sequence[str], truncate: bool) -> list[list[int]]:
         """Token ids per text; raises `InputTooLong` unless `truncate`, which cuts the text

@@ -40,9 +40,21 @@ class FrontendHeartbeats:
         # When it last heard from each front end that serves; absent: not serving, or
         # given up on (killed as hung: its late heartbeats are not heard).
         self._heard_at: dict[int, float] = {}
+        self._spawned: set[int] = set()  # the front ends started at least once
+        self._given_up: set[int] = set()  # those whose process now was killed as hung
+
+    def replacing(self, index: int) -> str | None:
+        """Why the process about to start as front end `index` replaces another (the
+        `reason` of `steadyserve_frontend_restarts`): `hung` when the supervisor killed the
+        last one for its silence (`give_up`), `died` otherwise; None for its first start."""
+        if index not in self._spawned:
+            return None
+        return "hung" if index in self._given_up else "died"
 
     def spawned(self, index: int) -> None:
         """A new process is front end `index`: it serves once its start-up says so."""
+        self._spawned.add(index)
+        self._given_up.discard(index)
         self._serving_since.pop(index, None)
         self._heard_at.pop(index, None)
 
@@ -59,6 +71,7 @@ class FrontendHeartbeats:
         """Front end `index` is being killed: no longer heartbeating, and never `overdue`
         again; since when it served still counts (its restart's backoff)."""
         self._heard_at.pop(index, None)
+        self._given_up.add(index)
 
     def serving_since(self, index: int) -> float | None:
         return self._serving_since.get(index)

@@ -90,6 +90,7 @@ def run_frontend_process(
     parent_pid: int,
     created: int,
     token: int,
+    replacing: str | None = None,
 ) -> None:
     """Entry point of one front-end process. Writes `STARTED` on `started` (the write end of
     its start pipe) once its start-up succeeded, then a `HEARTBEAT` from its event loop every
@@ -97,7 +98,9 @@ def run_frontend_process(
     kills it once they stop; a start-up that fails ends the process (exit status 1), which
     the supervisor restarts with backoff (`StartPipe`). `created`: when the process tree
     started (the served models' `created` on /v1/models, the same in every front end);
-    `token`: this start's own, in the front end's engine identity (`FrontEndGone`)."""
+    `token`: this start's own, in the front end's engine identity (`FrontEndGone`);
+    `replacing`: why the front end it replaces ended (`FrontendHeartbeats.replacing`), None
+    for a first start."""
     die_with_parent(parent_pid)
     # Until uvicorn installs its handlers: a drain asked for during start-up is a clean
     # exit, and the group's SIGTERM/SIGINT are the parent's to handle.
@@ -120,5 +123,6 @@ def run_frontend_process(
         on_started=StartPipe(started).on_started,
         created=created,
         spawn_token=token,
+        replacing=replacing,
     )
     sys.exit(run_uvicorn(app, settings, sockets=[sock], in_process_tree=True))

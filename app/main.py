@@ -120,6 +120,7 @@ def create_app(
     on_started: Callable[[bool], None] | None = None,
     created: int | None = None,
     spawn_token: int | None = None,
+    replacing: str | None = None,
 ) -> FastAPI:
     """`loader` (a `startup.RunnerLoader`) replaces model loading in an in-process engine;
     `tokenizer_loader` replaces the front end's tokenizers (tests of scheduling); `engine`
@@ -131,8 +132,13 @@ def create_app(
     the served models' `created` on /v1/models (Unix seconds): the process tree's start,
     the same in every front end; by default now (an in-process server is the whole tree).
     `spawn_token`: the one the process tree started this front end with, in its identity
-    (`FrontEndGone`)."""
+    (`FrontEndGone`). `replacing`: why the front end this one replaces ended (`died`,
+    `hung`), None for a first start."""
     metrics = Metrics()
+    if replacing is not None:
+        # Counted by the new front end, as the engine counts its own restarts: a counter
+        # outlives its process in multiprocess mode, so the total is the number of restarts.
+        metrics.frontend_restarts.labels(replacing).inc()
     supervisor: EngineSupervisor | None = None
     if engine is None:
         engine, supervisor = _engine_client(

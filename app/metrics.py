@@ -6,28 +6,18 @@ outcomes and the HTTP edge in the front ends, queue, batches, pool and warm-up i
 With several processes (`steadyserve serve` in engine-process mode) prometheus_client's
 multiprocess mode is on: the supervisor sets `PROMETHEUS_MULTIPROC_DIR` before any child
 starts, every process writes its values there, and /metrics renders them all, on any front
-end and on the supervisor's probe port (`render_processes`). Each gauge says how its
+end and on the supervisor's probe port (`app/metrics_render.py`). Each gauge says how its
 processes' values combine; the names stay the same.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import glob
 import os
-from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.registry import Collector
 
 from app.metrics_archive import MULTIPROCESS_DIR_ENV as MULTIPROCESS_DIR_ENV
-from app.metrics_archive import scrape_lock
-
-# A multiprocess file's used-bytes word and padding, before its first value.
-_MMAP_HEADER_BYTES = 8
+from app.metrics_render import render_processes
 
 
 def multiprocess_mode() -> bool:
@@ -42,6 +32,8 @@ LATENCY_BUCKETS_S = (
 # Up to the largest batch `max_batch_size` allows (1024): a larger batch fell in
 # +Inf and read as 256 at every quantile.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Why a front end was replaced (`steadyserve_frontend_restarts`' reason).
+FRONTEND_RESTART_REASONS = ("died", "hung")
 
 
 class Metrics:
@@ -211,6 +203,18 @@ class Metrics:
             "Engine processes started to replace one that died (each counts itself).",
             registry=r,
         )
+        # By why the front end it replaces ended: `died`, or `hung` (killed by the supervisor
+        # for its silence: app/frontend_heartbeats.py). Both series exist at 0 from the start,
+        # so that a first restart is an increase.
+        self.frontend_restarts = Counter(
+            "steadyserve_frontend_restarts",
+            "Front-end processes started to replace one that died or hung (each counts itself),"
+            " by why the one replaced ended.",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FRONTEND_RESTART_REASONS:
+            self.frontend_restarts.labels(reason)
         # --- telemetry and slow-request reports (docs/SPIKES.md) -------------------------
         self.slow_requests = Counter(
             "steadyserve_slow_requests",
@@ -363,38 +367,3 @@ class Metrics:
         """The Prometheus text of this process, or of every process in multiprocess mode
         (`render_processes`). Any thread (/metrics runs it off the event loop)."""
         return render_processes() if multiprocess_mode() else generate_latest(self.registry)
-
-
-def render_processes() -> bytes:
-    """Every process's metrics, merged from the multiprocess directory: /metrics under
-    `steadyserve serve`, on each front end and on the supervisor's probe port. Any thread."""
-    merged = CollectorRegistry()
-    merged.register(_WrittenFilesCollector(os.environ[MULTIPROCESS_DIR_ENV]))
-    return generate_latest(merged)
-
-
-async def scrape_processes() -> bytes:
-    """`render_processes` off the event loop (the supervisor's /metrics)."""
-    return await asyncio.to_thread(render_processes)
-
-
-class _WrittenFilesCollector(Collector):
-    """prometheus_client's multiprocess collector over the files that hold at least their
-    header. The library creates a process's file empty and sizes it just after: a scrape
-    in between, or a file left so by a process killed in between, failed every /metrics
-    (client_python issue 1199). Dead processes' files are folded into archives meanwhile
-    (app/metrics_archive.py): the scrape holds their lock, so it sees each value once."""
-
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
-
-    def collect(self) -> Iterable[Metric]:
-        with scrape_lock(self._directory):
-            written = []
-            for path in glob.glob(os.path.join(self._directory, "*.db")):
-                with contextlib.suppress(FileNotFoundError):  # a dead process's, just removed
-                    if os.path.getsize(path) >= _MMAP_HEADER_BYTES:
-                        written.append(path)
-            # A list: the merge reads the files now, under the lock, not when iterated.
-            merged = list(MultiProcessCollector.merge(written, accumulate=True))  # type: ignore[no-untyped-call]
-        return merged

@@ -43,8 +43,8 @@ from app.engine.zmq_client import (
 )
 from app.frontend_heartbeats import FrontendHeartbeats
 from app.frontend_process import HEARTBEAT, STARTED, configure_logging, run_frontend_process
-from app.metrics import scrape_processes
 from app.metrics_archive import MULTIPROCESS_DIR_ENV, forget_dead_process
+from app.metrics_render import scrape_processes
 from app.probes import ProbeListener, liveness, probe_response, readiness
 from app.run_dir import run_directory
 from app.settings import Settings
@@ -213,7 +213,7 @@ class ProcessTree:
         token = time.monotonic_ns()  # this start's own, in its engine identity (FrontEndGone)
         process = self._context.Process(
             target=run_frontend_process,
-            args=(*frontend, self.created, token),
+            args=(*frontend, self.created, token, self._heartbeats.replacing(index)),
             name="steadyserve-frontend",
         )
         try:

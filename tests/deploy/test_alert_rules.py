@@ -22,6 +22,7 @@ REQUIRED_ALERTS = {
     "SteadyserveRejectingOverCapacity",
     "SteadyserveWarmupIncomplete",
     "SteadyserveEngineRestarting",
+    "SteadyserveFrontendRestarting",
     "SteadyserveGpuClockLow",
     "SteadyserveGpuHot",
     "SteadyserveGpuReadingsLost",

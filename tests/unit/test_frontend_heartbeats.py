@@ -224,6 +224,7 @@ def hanging_frontend(
     parent_pid: int,
     created: int,
     token: int,
+    replacing: str | None,
 ) -> None:
     """A front-end process (`run_frontend_process`'s arguments) whose start pipe is driven
     as a front end's is (`StartPipe`), on an event loop that blocks for good once it has

@@ -13,6 +13,7 @@ import asyncio
 import multiprocessing
 import time
 from collections.abc import AsyncIterator
+from inspect import signature
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from app.engine.protocol import (
     Submit,
     decode_to_engine,
 )
+from app.frontend_process import run_frontend_process
 from app.metrics import Metrics
 from app.processes import ProcessTree
 from app.settings import Settings
@@ -90,7 +92,7 @@ class Spawner:
         self.tokens: list[int] = []  # each start's token, as the front end is given it
 
     def Process(self, target: object, args: tuple[object, ...], name: str) -> StandIn:
-        token = args[-1]
+        token = signature(run_frontend_process).bind(*args).arguments["token"]
         assert isinstance(token, int)
         self.tokens.append(token)
         pid = next(self._pids)

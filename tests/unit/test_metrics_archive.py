@@ -129,7 +129,7 @@ def test_a_scrape_reads_the_files_under_the_lock_folds_wait_for(
         locked.append(held_exclusively_elsewhere(directory))
         return merge(files, accumulate)
 
-    monkeypatch.setattr("app.metrics.MultiProcessCollector.merge", checked_merge)
+    monkeypatch.setattr("app.metrics_render.MultiProcessCollector.merge", checked_merge)
     samples(directory)
     assert locked == [True]
 

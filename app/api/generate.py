@@ -20,7 +20,7 @@ from starlette.responses import Response
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
-from app.api.errors import REJECTION_STATUS, log_batch_failed, texts_as_sent
+from app.api.errors import REJECTION_STATUS, described, log_batch_failed, texts_as_sent
 from app.api.errors_doc import OPENAI_ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.responses import service_of
@@ -219,7 +219,8 @@ async def _answer(
     except BaseException:
         await events.aclose()
         raise
-    return EventStreamResponse(_frames(reply, first, events, len(prepared.prompt_ids), body))
+    count = len(prepared.prompt_ids)
+    return EventStreamResponse(_frames(request, reply, first, events, count, body))
 
 
 async def _first(events: AsyncGenerator[list[GenerationEvent]]) -> list[GenerationEvent]:
@@ -227,6 +228,7 @@ async def _first(events: AsyncGenerator[list[GenerationEvent]]) -> list[Generati
 
 
 async def _frames(
+    request: Request,
     reply: Reply,
     first: list[GenerationEvent],
     events: AsyncGenerator[list[GenerationEvent]],
@@ -236,7 +238,8 @@ async def _frames(
     """The SSE frames of a stream whose first events are known: (chat: each choice's role),
     text chunks, each choice's final chunk with its finish_reason, the usage chunk when
     asked for, and `[DONE]`. The frames of events that became known together go out as one
-    write, and a stream's last frames with its `[DONE]`."""
+    write, and a stream's last frames with its `[DONE]`. A 500 in the stream is logged naming
+    `request` as every route's 500 is (`errors.described`: Envoy's x-request-id with it)."""
     with_usage = body.include_usage
     texts = TextChunks(reply, with_usage)
     ends: list[SequenceEnd] = []
@@ -267,10 +270,10 @@ async def _frames(
     except DeviceLost as error:  # as api/errors.py answers it before the stream began
         frames.append(event(error_chunk(500, DEVICE_LOST, str(error))))
     except BatchFailed as error:  # the engine logged the batch's traceback, once
-        log_batch_failed(f"a stream of model {reply.model!r}", error)
+        log_batch_failed(f"a stream of model {reply.model!r} on {described(request.scope)}", error)
         frames.append(event(error_chunk(500, "internal_error", "internal server error")))
     except Exception:
-        log.exception("generation failed mid-stream")
+        log.exception("generation failed mid-stream on %s", described(request.scope))
         frames.append(event(error_chunk(500, "internal_error", "internal server error")))
     else:
         if with_usage:

@@ -33,6 +33,11 @@ def batch_failed(submit: Submit) -> FromEngine:
     return Failure(submit.request_id, FailureKind.FAILED, FAULT)
 
 
+def one_token_then_failure(submit: Submit) -> list[FromEngine]:
+    token = Output(submit.request_id, False, TokensOutput([2], 1), 0.0, 0.0)
+    return [token, batch_failed(submit)]
+
+
 def error_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.levelno >= logging.ERROR]
 
@@ -73,10 +78,6 @@ async def test_the_requests_of_a_failed_batch_get_one_line_and_no_traceback(
 async def test_a_stream_whose_batch_failed_gets_the_same_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def one_token_then_failure(submit: Submit) -> list[FromEngine]:
-        token = Output(submit.request_id, False, TokensOutput([2], 1), 0.0, 0.0)
-        return [token, batch_failed(submit)]
-
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
     with caplog.at_level(logging.INFO):
         async with front_end(tmp_path, one_token_then_failure) as (client, _, _):
@@ -88,7 +89,7 @@ async def test_a_stream_whose_batch_failed_gets_the_same_line(
         assert stream.content.endswith(b"data: [DONE]\n\n")
     lines = error_lines(caplog)
     assert [(r.getMessage(), r.exc_info) for r in lines] == [
-        (f"batch failed, 500 to a stream of model 'tiny': {FAULT}", None)
+        (f"batch failed, 500 to a stream of model 'tiny' on POST '/v1/completions': {FAULT}", None)
     ]
 
 
@@ -110,3 +111,43 @@ async def test_the_line_names_envoys_request_id(
         f"batch failed, 500 to POST '/infer' x-request-id='5f0c-41a7': {FAULT}",
         f"batch failed, 500 to POST '/v2/models/minilm/infer' x-request-id='5f0c-41a7': {FAULT}",
     ]
+
+
+async def test_a_streams_line_names_envoys_request_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream's failed batch is logged as the JSON and v2 routes' are: its method, path and
+    Envoy's `x-request-id` (it named the model only, and the proxy's log could not find it)."""
+
+    envoy = {"x-request-id": "5f0c-41a7"}
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}
+    with caplog.at_level(logging.INFO):
+        async with front_end(tmp_path, one_token_then_failure) as (client, _, _):
+            stream = await client.post("/v1/completions", json=body, headers=envoy)
+    assert stream.status_code == 200
+    assert json_events(stream.content)[-1]["error"]["code"] == "internal_error"
+    assert [r.getMessage() for r in error_lines(caplog)] == [
+        "batch failed, 500 to a stream of model 'tiny' on POST '/v1/completions' "
+        f"x-request-id='5f0c-41a7': {FAULT}"
+    ]
+
+
+async def test_a_fault_of_its_own_mid_stream_names_the_request_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_frame(*args: object) -> bytes:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("app.api.generate.TextChunks.frame", broken_frame)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 1, "stream": True}
+    with caplog.at_level(logging.INFO):
+        async with front_end(tmp_path, one_token_then_failure) as (client, _, _):
+            stream = await client.post(
+                "/v1/completions", json=body, headers={"x-request-id": "5f0c-41a7"}
+            )
+    assert json_events(stream.content)[-1]["error"]["code"] == "internal_error"
+    [line] = error_lines(caplog)
+    assert line.exc_info is not None
+    assert line.getMessage() == (
+        "generation failed mid-stream on POST '/v1/completions' x-request-id='5f0c-41a7'"
+    )

@@ -28,7 +28,6 @@ from app.engine.rows import (
     BatchedHost,
     admit_rows,
     answer_rows,
-    answering,
     final_output,
     record_pool,
 )
@@ -55,6 +54,7 @@ class EmbeddingHost(BatchedHost):
     task = "embed"
 
     def __init__(self, batcher: ModelBatcher, context: EngineContext) -> None:
+        super().__init__()
         self.name = batcher.runner.name
         self.batcher: ModelBatcher = batcher
         self.pool = batcher.pool
@@ -98,9 +98,7 @@ class EmbeddingHost(BatchedHost):
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
             return None
         arrival = self._context.tracer.arrive(self.queued_inputs() - len(futures))
-        return answering(
-            asyncio.create_task(self._answer(request, payload, futures, emit, arrival)), futures
-        )
+        return self._answering(self._answer(request, payload, futures, emit, arrival), futures)
 
     async def _answer(
         self,

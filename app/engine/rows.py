@@ -2,7 +2,7 @@
 `tensor`) shares: admission by predicted delay, waiting for the rows' results (or answering
 why there are none), the final output with its trace, and `BatchedHost`, the `ModelHost`
 methods answered from the batcher and its slot pool alone (load, warm-up count, pool
-gauges, `/debug/pool` report).
+gauges, `/debug/pool` report, a close that waits for the requests' answers).
 
 Event loop thread only.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from app.admission import BatchQueue, Rejected, RejectReason, batch_delay, delay_verdict
@@ -242,14 +242,29 @@ def record_pool(name: str, pool: SlotPool[Any], context: EngineContext, what: st
 
 class BatchedHost:
     """The `ModelHost` methods a batched host answers from its `batcher` and slot `pool`
-    alone; a subclass sets `name`, `task`, `batcher`, `pool` and `_context`, and adds
-    `info`, `warm_up`, `admit` and `submit`. Event loop thread only."""
+    alone; a subclass calls `__init__`, sets `name`, `task`, `batcher`, `pool` and
+    `_context`, and adds `info`, `warm_up`, `admit` and `submit` (its answering tasks made
+    by `_answering`). Event loop thread only."""
 
     name: str
     task: str  # as `/debug/pool` names it
     batcher: Batcher[Any, Any]
     pool: SlotPool[Any]
     _context: EngineContext
+
+    def __init__(self) -> None:
+        # Each request's answering task until it is done: `close` waits for them.
+        self._answers: set[asyncio.Task[None]] = set()
+
+    def _answering(
+        self, answer: Coroutine[Any, Any, None], futures: Sequence[asyncio.Future[Any]]
+    ) -> asyncio.Task[None]:
+        """A task running `answer`, which answers a request from its rows' `futures`
+        (`answering`: its rows dropped if it is cancelled), kept until done for `close`."""
+        task = answering(asyncio.create_task(answer), futures)
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+        return task
 
     @property
     def warmup_total(self) -> int:
@@ -334,4 +349,9 @@ class BatchedHost:
         }
 
     async def close(self) -> None:
+        """Finish queued and running batches, then the answers they leave: a request's
+        answer is sent by its own task once its rows' results are in, after the batcher
+        closed, so a host that returned then stopped the engine with them unsent."""
         await self.batcher.close()
+        if self._answers:
+            await asyncio.wait(set(self._answers))

@@ -36,7 +36,6 @@ from app.engine.rows import (
     BatchedHost,
     admit_rows,
     answer_rows,
-    answering,
     final_output,
     record_pool,
 )
@@ -127,6 +126,7 @@ class TensorHost(BatchedHost):
     def __init__(
         self, model: TensorModel, pool: TensorPool, batcher: TensorBatcher, context: EngineContext
     ) -> None:
+        super().__init__()
         self.name = model.name
         self.model = model
         self.pool = pool
@@ -137,7 +137,6 @@ class TensorHost(BatchedHost):
         # `check-config` sizes (compute threads x torch threads). Copies only, never model
         # code; answers wait their turn on it.
         self._stacker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="steadyserve-stack")
-        self._answers: set[asyncio.Task[None]] = set()
 
     def info(self) -> ModelInfo:
         return ModelInfo(task="tensor", output_width=0, max_input_tokens=0)
@@ -170,10 +169,7 @@ class TensorHost(BatchedHost):
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, str(error)))
             return None
         arrival = self._context.tracer.arrive(self.queued_inputs() - len(futures))
-        task = asyncio.create_task(self._answer(request, shape, futures, emit, arrival))
-        self._answers.add(task)
-        task.add_done_callback(self._answers.discard)
-        return answering(task, futures)
+        return self._answering(self._answer(request, shape, futures, emit, arrival), futures)
 
     async def _answer(
         self,
@@ -195,9 +191,7 @@ class TensorHost(BatchedHost):
         """Finish queued and running batches, then the answers they leave (each may still
         be stacking), then stop the stacking thread: nothing is left for it, so joining
         it returns at once (but for the copy of an answer cancelled mid-way)."""
-        await self.batcher.close()
-        if self._answers:
-            await asyncio.wait(set(self._answers))
+        await super().close()
         self._stacker.shutdown(wait=True)
 
 

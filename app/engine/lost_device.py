@@ -1,10 +1,12 @@
 """The engine's answer to a request whose batch (or generation step) failed of a lost device
 (a sticky CUDA error: `failures.device_lost`), sent before the engine exits for a fresh one
-(`engine/process.py::exit_when_device_lost`). Engine event loop thread only; torch-free.
+(`engine/process.py::exit_when_device_lost`), and a generation step's answer to any other
+failure (`step_failure`). Engine event loop thread only; torch-free.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from app.admission import RejectReason
@@ -13,6 +15,8 @@ from app.failures import DEVICE_LOST, RETRY_AFTER_ENGINE_LOST_S, DeviceLost, dev
 
 if TYPE_CHECKING:
     from app.engine.host import EngineContext  # torch: for types only
+
+log = logging.getLogger(__name__)
 
 
 def device_lost_failure(request_id: int, error: DeviceLost) -> Failure:
@@ -34,8 +38,22 @@ def device_lost_failure(request_id: int, error: DeviceLost) -> Failure:
 def step_failure(request: Submit, error: BaseException, context: EngineContext) -> Failure:
     """The answer to a sequence of a generation step that raised `error`: a lost device's
     (`device_lost_failure`; the step that lost it unless `context.lost_device_before(error)`
-    says another failure did), else 500 (`FAILED`)."""
+    says another failure did), else 500 (`FAILED`): what failed and the class of `error`,
+    the server's fault, and the request's reference, under which this log holds its text
+    (the model's words may hold anything: the prompt itself, the model's internals)."""
     if device_lost(error):
         lost = DeviceLost(first=not context.lost_device_before(error))
         return device_lost_failure(request.request_id, lost)
-    return Failure(request.request_id, FailureKind.FAILED, f"generation step failed: {error}")
+    log.error(
+        "request %s to %s: failed with its generation step: %s: %s",
+        request.reference,
+        request.model,
+        type(error).__name__,
+        error,
+    )
+    message = (
+        f"generation failed: the server failed computing a generation step of this request "
+        f"({type(error).__name__}), a fault of the server's, not of the request; "
+        f"the server logged why under request {request.reference}"
+    )
+    return Failure(request.request_id, FailureKind.FAILED, message)

@@ -7,6 +7,7 @@ against /healthz. The tiny model in-process, its `step` failing on chosen prompt
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -230,6 +231,35 @@ async def test_a_prompt_out_of_memory_alone_fails_as_the_server_s_and_alone(
     assert isinstance(longest_result, BatchFailed)
     failures = [error for error in heard if error is not None]
     assert len(failures) == 1 and isinstance(failures[0], torch.OutOfMemoryError)
+
+
+async def test_a_step_failed_on_the_server_s_side_answers_no_exception_text(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 500's message says what failed, that it is the server's fault, and the request's
+    reference, under which the engine's log holds the exception's text; the text itself (the
+    model's words: anything) stays in that log. It was `generation step failed: <text>`."""
+    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    words = "CUDA out of memory. Tried to allocate 2.00 GiB; the model's own words"
+    failing_steps(host, monkeypatch, raising_on(LONGEST, lambda: torch.OutOfMemoryError(words)))
+    try:
+        with caplog.at_level(logging.ERROR, logger="app.engine"):
+            (result,) = await asyncio.gather(
+                collect(engine.stream(submit(engine, LONGEST, TOKENS))), return_exceptions=True
+            )
+    finally:
+        await engine.close()
+    assert isinstance(result, BatchFailed) and not isinstance(result, DeviceLost)
+    message = str(result)
+    assert "Tried to allocate" not in message and "own words" not in message
+    assert "failed computing a generation step of this request (OutOfMemoryError)" in message
+    assert "a fault of the server's, not of the request" in message
+    found = re.search(r"the server logged why under request (\d+@inprocess)$", message)
+    assert found is not None
+    logged = [r.getMessage() for r in caplog.records if f"request {found[1]} " in r.getMessage()]
+    assert len(logged) == 1 and f"OutOfMemoryError: {words}" in logged[0]
 
 
 async def test_a_lost_device_is_not_retried(

@@ -27,7 +27,12 @@ from app.api.responses import error_response, in_envelope_of, speaks_openai
 from app.engine.client import EngineNotConnected, EngineRefused, EngineUnavailable
 from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, NonFiniteOutput
 from app.generation.chat import ChatTemplateError, SpecialTokenInMessage
-from app.generation.errors import ContextTooLong, NoChatTemplate, TooManyTokens
+from app.generation.errors import (
+    ContextTooLong,
+    NoChatTemplate,
+    StopHoldsSpecialToken,
+    TooManyTokens,
+)
 from app.log_limits import Throttle
 from app.models.tokenizer import InputTooLong
 from app.service import UnknownModel, WrongTask
@@ -201,6 +206,11 @@ async def _chat_refused(request: Request, error: Exception) -> Response:
     return error_response(400, "invalid_request", str(error), param)
 
 
+async def _stop_refused(request: Request, error: Exception) -> Response:
+    param = "stop" if speaks_openai(request.url.path) else "parameters.stop"  # /infer's
+    return error_response(400, "invalid_request", str(error), param)
+
+
 async def _engine_refused(request: Request, error: Exception) -> Response:
     assert isinstance(error, EngineRefused)
     index = error.input_index
@@ -310,6 +320,7 @@ _HANDLERS: dict[type[Exception], Handler] = {
     WrongTask: _wrong_task,
     NoChatTemplate: _chat_refused,
     ChatTemplateError: _chat_refused,
+    StopHoldsSpecialToken: _stop_refused,
     ContextTooLong: _context_too_long,
     TooManyTokens: _too_many_tokens,
     EngineRefused: _engine_refused,

@@ -9,7 +9,8 @@ _ERROR_WHEN = {
     400: "Malformed JSON (`invalid_json`) or a body that is not UTF-8 (`http_error`); "
     "`dimensions` other than the model's width; "
     "generation asked of an embedding model, chat of a model without a chat template, or "
-    "messages its template refuses (`invalid_request`); a prompt plus its new tokens over "
+    "messages its template refuses, a stop string holding a special token's text beside "
+    "other text (`invalid_request`); a prompt plus its new tokens over "
     "what one sequence holds, or a prompt over it in characters (`context_length_exceeded`).",
     404: "Unknown model (`model_not_found`).",
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "

@@ -14,6 +14,19 @@ class NoChatTemplate(Exception):
         )
 
 
+class StopHoldsSpecialToken(Exception):
+    """A stop string that holds a special token's text beside other text (400, `stop`): the
+    generated text leaves special tokens out, so it could never be found, and no token ends
+    the sequence at it (a stop string that is the token's text alone does)."""
+
+    def __init__(self, stop: str, token: str) -> None:
+        super().__init__(
+            f"stop string {stop!r} holds the special token {token!r}, which the generated "
+            "text never shows (special tokens are left out of it), so it could never match; "
+            f"to stop at that token, send {token!r} alone as a stop string"
+        )
+
+
 class ContextTooLong(Exception):
     """A prompt plus the tokens asked for exceed what one sequence may hold (400). Its text
     names the prompt by index; the edge, which knows how it was sent, words it `described`."""

@@ -79,12 +79,14 @@ class Sampling:
 
 @dataclass(frozen=True, slots=True)
 class PreparedGeneration:
-    """An admitted request: its prompts' token ids and the new tokens each may take."""
+    """An admitted request: its prompts' token ids and the new tokens each may take;
+    `stop_token_ids`: the ids of its stop strings that are special tokens' texts."""
 
     model: str
     prompt_ids: tuple[list[int], ...]
     new_tokens: tuple[int, ...]
     sampling: Sampling
+    stop_token_ids: tuple[int, ...]
     deadline: float
     arrived_at: float
 
@@ -140,11 +142,12 @@ class TextGeneration:
         timer: PhaseTimer,
     ) -> PreparedGeneration:
         """Check, tokenize and admit. `templated`: the prompts come from a chat template,
-        which writes its special tokens itself. Raises `WrongTask`, `ContextTooLong` (a
-        prompt over the sequence's limit, in tokens or, before any tokenizer pass, in
-        characters), `TooManyTokens` or `Rejected` (429/503/504)."""
+        which writes its special tokens itself. Raises `WrongTask`, `StopHoldsSpecialToken`,
+        `ContextTooLong` (a prompt over the sequence's limit, in tokens or, before any
+        tokenizer pass, in characters), `TooManyTokens` or `Rejected` (429/503/504)."""
         tokenizer = self.tokenizer(model)
         now, deadline = self.service.begin(model, timeout_ms, envoy_timeout_ms)
+        stop_token_ids = tokenizer.stop_token_ids(sampling.stops)  # a special token's text
         limit = self.context_limit(model)
         max_chars = limit * MAX_CHARS_PER_TOKEN
         for index, text in enumerate(prompts):  # before any tokenizer pass
@@ -174,7 +177,7 @@ class TextGeneration:
         await self.service.gate.admit(model, charge, deadline)
         timer.add("admission", self.service.clock() - tokenized_at)
         return PreparedGeneration(
-            model, tuple(prompt_ids), tuple(new_tokens), sampling, deadline, now
+            model, tuple(prompt_ids), tuple(new_tokens), sampling, stop_token_ids, deadline, now
         )
 
     async def stream(
@@ -223,7 +226,7 @@ class TextGeneration:
         # Tokens before the end are read only to stream text or to watch for a stop string;
         # otherwise the engine sends one output, at the end (one message, not one per step).
         reads_as_it_goes = incremental or stops is not None
-        sampling = _engine_sampling(prepared, index, tokenizer)
+        sampling = _engine_sampling(prepared, index)
         request = Submit(
             self.service.engine.next_request_id(),
             prepared.model,
@@ -335,9 +338,7 @@ def prompt_seed(seed: int | None, index: int) -> int | None:
     return (seed + index * _SEED_STRIDE + 2**63) % 2**64 - 2**63
 
 
-def _engine_sampling(
-    prepared: PreparedGeneration, index: int, tokenizer: GenerationTokenizer
-) -> SamplingParams:
+def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams:
     sampling = prepared.sampling
     return SamplingParams(
         max_new_tokens=prepared.new_tokens[index],
@@ -347,7 +348,7 @@ def _engine_sampling(
         top_k=sampling.top_k,
         seed=prompt_seed(sampling.seed, index),
         fit_to_deadline=sampling.max_new_tokens is None,
-        stop_token_ids=tokenizer.stop_token_ids(sampling.stops),  # a special token's text
+        stop_token_ids=prepared.stop_token_ids,
     )
 
 

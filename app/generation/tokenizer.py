@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app.generation.chat import load_chat_template
+from app.generation.errors import StopHoldsSpecialToken
 from app.models.source import local_directory
 from app.models.tokenizer import FastTokenizer, input_token_limit
 
@@ -27,7 +28,14 @@ class GenerationTokenizer(FastTokenizer):
     def stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
         """The ids of the special tokens whose text is one of the stop strings: `decode`
         leaves special tokens out of the text, where such a stop string could never be
-        found; the engine ends a sequence at these ids as at EOS."""
+        found; the engine ends a sequence at these ids as at EOS. Raises
+        `StopHoldsSpecialToken` for a stop string that holds a special token's text beside
+        other text (`"<|im_end|>\\n"`), which could never be found either, nor ended at."""
+        for stop in stops:
+            if stop not in self.special_tokens:
+                held = next((token for token in self.special_tokens if token in stop), None)
+                if held is not None:
+                    raise StopHoldsSpecialToken(stop, held)
         return tuple(
             dict.fromkeys(self.special_tokens[s] for s in stops if s in self.special_tokens)
         )

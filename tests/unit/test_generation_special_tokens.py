@@ -20,6 +20,7 @@ from app.engine.protocol import (
     TokensOutput,
 )
 from app.generation.chat import ChatTemplate, SpecialTokenInMessage, SpecialTokenTexts
+from app.generation.errors import StopHoldsSpecialToken
 from app.generation.tokenizer import GenerationTokenizer
 from tests.support.edge import CHAT_TEMPLATE, CONTEXT, front_end
 
@@ -91,8 +92,10 @@ def test_stop_strings_that_are_special_tokens_map_to_their_ids(tiny_causal_lm: P
     tokenizer = GenerationTokenizer(tiny_causal_lm, 512)
     eos, user = tokenizer.special_tokens["<|eos|>"], tokenizer.special_tokens["<|user|>"]
     assert tokenizer.stop_token_ids(["<|user|>", ".", "<|eos|>", "<|user|>"]) == (user, eos)
-    assert tokenizer.stop_token_ids(["<|eos", "x<|eos|>"]) == ()
+    assert tokenizer.stop_token_ids(["<|eos", "eos|>", "<|eos|"]) == ()
     assert eos in tokenizer.special_token_ids
+    with pytest.raises(StopHoldsSpecialToken, match=r"'<\|eos\|>' alone"):
+        tokenizer.stop_token_ids(["<|user|>", "x<|eos|>"])
 
 
 def _ends_at_once(submit: Submit) -> FromEngine:
@@ -145,3 +148,31 @@ async def test_a_stop_string_that_is_a_special_token_goes_to_the_engine_as_its_i
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert response.json()["usage"]["completion_tokens"] == 1
+
+
+@pytest.mark.parametrize("path", ["/infer", "/v1/completions", "/v1/chat/completions"])
+async def test_a_stop_string_holding_a_special_token_beside_other_text_is_a_400_naming_both(
+    tmp_path: Path, path: str
+) -> None:
+    """`stop: ["<s>\\n"]` could never match (the text leaves `<s>` out) nor end at `<s>`
+    (only a stop that is its text alone goes as its id): it was taken, and the answer ran
+    to max_tokens."""
+    (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    stops = ["again", "<s>\n"]
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "stop": stops}
+    if path == "/infer":
+        body = {"model": "tiny", "inputs": "hello", "parameters": {"max_new_tokens": 4}}
+        body["parameters"]["stop"] = stops
+    elif path == "/v1/completions":
+        body["prompt"] = "hello"
+    else:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    async with front_end(tmp_path, _ends_at_once, special_tokens=["<s>"]) as (client, _, engine):
+        response = await client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    param = "parameters.stop" if path == "/infer" else "stop"
+    assert (error["code"], error["param"]) == ("invalid_request", param), error
+    assert "stop string '<s>\\n' holds the special token '<s>'" in error["message"], error
+    assert "send '<s>' alone as a stop string" in error["message"], error
+    assert engine.submitted == []

@@ -12,6 +12,9 @@ does.
 A dispatch holds one shared compute slot from its start to its end, so embedding batches and
 generation steps interleave without oversubscribing the CPU/GPU; a failed one's triage
 (`generation_triage.py`) takes one again for its runs (`take_slot`, `rerun`, `release`).
+A dispatch that raises leaves its sampled rows' generators as they were before it (each
+row's state is kept as it starts, 1-3 us a row, and put back): a rerun draws what the
+failed dispatch would have, so a seeded request's tokens do not depend on a failure.
 `StepRunner` is used on the engine's event loop thread; `_compute` runs on a compute thread.
 """
 
@@ -187,11 +190,21 @@ class StepRunner:
 
     def _compute(self, rows: Sequence[StepRow], steps: int, metered: bool) -> StepResult:
         """Compute thread: the dispatch (`_forwards`), its time charged to the busy time as
-        it ends, whether it returned or raised, when `metered`."""
+        it ends, whether it returned or raised, when `metered`; one that raises puts its
+        sampled rows' generators back as they were before it."""
         self._context.before_batch()
         started = time.perf_counter()
+        # Each sampled row's generator as it was (greedy rows draw nothing): a rerun of this
+        # dispatch's rows must draw as it would have, else a seeded sample depends on a failure.
+        drawn = [
+            (row.generator, row.generator.get_state()) for row in rows if row.sampling.do_sample
+        ]
         try:
             return self._forwards(rows, steps, started)
+        except BaseException:
+            for generator, state in drawn:
+                generator.set_state(state)
+            raise
         finally:
             if metered:
                 self._busy.inc(time.perf_counter() - started)

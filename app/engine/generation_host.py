@@ -36,6 +36,7 @@ from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.generation_triage import StepTriage
 from app.engine.host import Emit, EngineContext, EngineLoad, ShapeDone, payload_kind
+from app.engine.lost_device import server_fault
 from app.engine.protocol import (
     Failure,
     FailureKind,
@@ -222,12 +223,15 @@ class GenerationHost:
                 await self._loop()
                 return
             except Exception as error:
-                log.exception("%s: generation loop failed; restarting it", self.name)
                 self._context.slots.withdraw(self._steps)
                 self._context.record_batch(error)
                 self._send_outbox()
-                for sequence in self._batch.everyone():
-                    self._fail(sequence, FailureKind.FAILED, f"generation failed: {error}")
+                failed = self._batch.everyone()
+                references = ", ".join(s.request.reference for s in failed) or "none"
+                log.exception("%s: generation loop failed, failing %s", self.name, references)
+                for sequence in failed:
+                    why = server_fault("running its generation loop", error, sequence.request)
+                    self._fail(sequence, FailureKind.FAILED, why)
 
     async def _loop(self) -> None:
         """Each turn starts the next step, then sends the previous step's outputs while it

@@ -51,9 +51,16 @@ def step_failure(request: Submit, error: BaseException, context: EngineContext) 
         type(error).__name__,
         error,
     )
-    message = (
-        f"generation failed: the server failed computing a generation step of this request "
-        f"({type(error).__name__}), a fault of the server's, not of the request; "
-        f"the server logged why under request {request.reference}"
-    )
+    message = server_fault("computing a generation step of this request", error, request)
     return Failure(request.request_id, FailureKind.FAILED, message)
+
+
+def server_fault(what: str, error: BaseException, request: Submit) -> str:
+    """A 500's message for a generation the server failed `what`-ing: the class of `error`
+    only (its text, which may hold the prompt or the model's internals, goes to the log
+    under the request's reference, which the message names)."""
+    return (
+        f"generation failed: the server failed {what} ({type(error).__name__}), a fault of "
+        f"the server's, not of the request; the server logged why under request "
+        f"{request.reference}"
+    )

@@ -7,30 +7,61 @@ gives the same tokens on every device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from app.engine.protocol import SamplingParams
 
+# Top-p first looks at the tokens at least this fraction as likely as the most likely one (a
+# language model's next-token distribution almost always puts `top_p` of its mass there,
+# a few dozen tokens), and sorts the whole vocabulary only when they might not hold it: a
+# sort of a 150k vocabulary costs ~100x one pass over it on one CPU thread.
+TOP_P_FLOOR = 1e-4
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row's float32 logits (vocab,) after temperature, top-k and top-p: tokens outside
-    the kept set get -inf. Top-p keeps the smallest set of most likely tokens whose
-    probability reaches `top_p` (at least one token)."""
+
+def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's float32 logits (vocab,) after temperature, top-k and top-p, as the kept
+    tokens' ids and scaled logits (the semantics of Hugging Face's warpers: top-k keeps ties
+    with the k-th; top-p then keeps the smallest set of most likely tokens whose
+    probability, renormalised after top-k, reaches `top_p`, at least one); most likely
+    first when top-k or top-p filtered, else every token in id order.
+
+    Exact, and cheap for a large vocabulary: no sort without top-p; top-k sorts its k;
+    top-p alone sorts the tokens over `TOP_P_FLOOR` and the whole vocabulary only when
+    top-p might keep them all."""
     scaled = logits / max(params.temperature, 1e-5)
-    if 0 < params.top_k < scaled.shape[-1]:
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        ids = torch.nonzero(scaled >= kth).squeeze(-1)  # ties with the k-th stay
+        values, order = torch.sort(scaled[ids], descending=True)
+        ids, log_total = ids[order], torch.logsumexp(values, -1)
+    elif params.top_p >= 1.0:
+        return torch.arange(vocab), scaled
+    else:
+        log_total = torch.logsumexp(scaled, -1)
+        # The most likely tokens (all those over a floor are), then top-p's count over them.
+        likely = scaled >= scaled.max() + math.log(TOP_P_FLOOR)
+        ids = torch.nonzero(likely).squeeze(-1)
+        values, order = torch.sort(scaled[ids], descending=True)
+        ids = ids[order]
+        if len(ids) < vocab and _top_p_count(values, log_total, params.top_p) == len(ids):
+            values, ids = torch.sort(scaled, descending=True)  # its set may go past them
     if params.top_p < 1.0:
-        ordered, order = torch.sort(scaled, descending=True)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        # Drop a token when the tokens before it already reach top_p; the first always stays.
-        drop_sorted = (cumulative - ordered.softmax(-1)) >= params.top_p
-        drop_sorted[0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    return scaled
+        kept = _top_p_count(values, log_total, params.top_p)
+        values, ids = values[:kept], ids[:kept]
+    return ids, values
+
+
+def _top_p_count(values: torch.Tensor, log_total: torch.Tensor, top_p: float) -> int:
+    """How many of the most likely tokens `values` (sorted, of a distribution whose log
+    normaliser is `log_total`) top-p keeps: each one the tokens before which do not reach
+    `top_p`, and at least the first."""
+    probabilities = (values - log_total).exp()
+    before = probabilities.cumsum(-1) - probabilities
+    return max(1, int((before < top_p).sum()))
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -63,12 +94,34 @@ def choose_tokens(
     # row holding one has a NaN maximum. tolist gives Python ints (one copy, as before).
     best = logits.max(dim=-1)
     chosen: list[int] = torch.where(torch.isfinite(best.values), best.indices, NO_TOKEN).tolist()
-    for row, row_params in enumerate(params):
-        if not row_params.do_sample or chosen[row] == NO_TOKEN:
-            continue
-        filtered = filter_logits(logits[row].to("cpu", torch.float32), row_params)
-        probabilities = filtered.softmax(-1)
-        if not bool(torch.isfinite(probabilities).all()):
-            continue  # finite logits past float32 once divided by the temperature: argmax
-        chosen[row] = int(torch.multinomial(probabilities, 1, generator=generators[row]).item())
+    sampled = [
+        row
+        for row, row_params in enumerate(params)
+        if row_params.do_sample and chosen[row] != NO_TOKEN
+    ]
+    if not sampled:
+        return chosen
+    if logits.device.type == "cpu":
+        rows = [logits[row].float() for row in sampled]  # views: no copy of the step's logits
+    else:  # one copy of the sampled rows to the CPU (a device sync), not one per row
+        rows = list(logits[sampled].to("cpu", torch.float32))
+    for row, row_logits in zip(sampled, rows, strict=True):
+        token = draw(row_logits, params[row], generators[row])
+        if token != NO_TOKEN:
+            chosen[row] = token
     return chosen
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """A token drawn from one row's kept tokens (`kept_tokens`) with `generator` (one uniform
+    number, by inverse CDF over the kept set: no pass over the whole vocabulary as
+    `torch.multinomial` makes); `NO_TOKEN` when the kept logits overflow float32 once
+    divided by the temperature (the caller keeps the argmax)."""
+    ids, values = kept_tokens(logits, params)
+    cumulative = (values - values.max()).exp().cumsum(-1)  # each at most 1: no overflow
+    total = cumulative[-1]
+    if not math.isfinite(float(total)):  # a NaN anywhere ends the sum NaN
+        return NO_TOKEN
+    target = torch.rand((), generator=generator) * total
+    index = min(int(torch.searchsorted(cumulative, target, right=True)), len(ids) - 1)
+    return int(ids[index])

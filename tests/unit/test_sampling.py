@@ -1,4 +1,5 @@
-"""Next-token choice: greedy, temperature, top-k and top-p, and seeded draws."""
+"""Next-token choice: greedy, temperature, top-k and top-p, and seeded draws; the kept set
+against a plain full-sort reference (Hugging Face's warpers) on large vocabularies."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import math
 import torch
 
 from app.engine.protocol import SamplingParams
-from app.models.sampling import NO_TOKEN, choose_tokens, filter_logits, new_generator
+from app.models.sampling import (
+    NO_TOKEN,
+    choose_tokens,
+    draw,
+    kept_tokens,
+    new_generator,
+)
 
 LOGITS = torch.log(torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]))
 
 
 def kept(params: SamplingParams) -> set[int]:
-    filtered = filter_logits(LOGITS, params)
-    return {i for i, value in enumerate(filtered.tolist()) if not math.isinf(value)}
+    ids, _ = kept_tokens(LOGITS, params)
+    return set(ids.tolist())
 
 
 def test_top_k_keeps_the_k_most_likely() -> None:
@@ -31,8 +38,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
 
 
 def test_temperature_sharpens_or_flattens() -> None:
-    cold = filter_logits(LOGITS, SamplingParams(max_new_tokens=1, temperature=0.5)).softmax(-1)
-    hot = filter_logits(LOGITS, SamplingParams(max_new_tokens=1, temperature=2.0)).softmax(-1)
+    cold = kept_tokens(LOGITS, SamplingParams(max_new_tokens=1, temperature=0.5))[1].softmax(-1)
+    hot = kept_tokens(LOGITS, SamplingParams(max_new_tokens=1, temperature=2.0))[1].softmax(-1)
     assert cold[1] > 0.4 > hot[1]
 
 
@@ -97,3 +104,51 @@ def test_rows_without_a_finite_maximum_get_no_token_greedy_or_sampled() -> None:
         chosen = choose_tokens(logits, [params] * rows, [new_generator(3) for _ in range(rows)])
         alone = choose_tokens(LOGITS.unsqueeze(0), [params], [new_generator(3)])
         assert chosen == [alone[0]] + [NO_TOKEN] * len(broken), params
+
+
+def reference_kept(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Hugging Face's TopK then TopP warpers, over a full sort of the vocabulary."""
+    scaled = logits / max(params.temperature, 1e-5)
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scaled, descending=True)
+        probabilities = ordered.softmax(-1)
+        drop = (probabilities.cumsum(-1) - probabilities) >= params.top_p
+        drop[0] = False
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
+    return {i for i, value in enumerate(scaled.tolist()) if not math.isinf(value)}
+
+
+def test_the_kept_set_is_the_full_sort_s_on_a_large_vocabulary() -> None:
+    """Top-p looks at the tokens over TOP_P_FLOOR before it sorts the whole vocabulary: a
+    peaked distribution's set lies within them, a flat one's does not (the full sort), and
+    both must keep exactly what the warpers keep."""
+    vocab = 4096
+    generator = torch.Generator().manual_seed(7)
+    peaked = torch.randn(vocab, generator=generator) * 6  # top-p's set: a few dozen tokens
+    flat = torch.randn(vocab, generator=generator) * 0.1  # its set: most of the vocabulary
+    cases = [
+        SamplingParams(max_new_tokens=1, do_sample=True, temperature=t, top_p=p, top_k=k)
+        for t in (0.5, 1.0, 1.7)
+        for p in (0.0, 0.5, 0.9, 0.99, 1.0)
+        for k in (0, 1, 40, vocab)
+    ]
+    sizes = set()
+    for logits in (peaked, flat):
+        for params in cases:
+            kept_ids = kept_tokens(logits, params)[0].tolist()
+            assert len(kept_ids) == len(set(kept_ids))
+            assert set(kept_ids) == reference_kept(logits, params), params
+            sizes.add(len(kept_ids) > vocab // 2)
+    assert sizes == {True, False}, "both the likely tokens' and the full sort's paths ran"
+
+
+def test_draws_follow_the_kept_distribution_and_never_leave_it() -> None:
+    params = SamplingParams(max_new_tokens=1, do_sample=True, top_p=0.8)  # keeps 1, 3, 4
+    kept_probabilities = {1: 0.4 / 0.85, 3: 0.3 / 0.85, 4: 0.15 / 0.85}
+    draws = [draw(LOGITS, params, new_generator(seed)) for seed in range(4000)]
+    assert set(draws) == set(kept_probabilities)
+    for token, probability in kept_probabilities.items():
+        assert abs(draws.count(token) / len(draws) - probability) < 0.03, token

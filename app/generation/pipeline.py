@@ -12,7 +12,6 @@ the engine requests, which frees their cache. Front-end event loop thread only.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from app.generation.errors import (
     PromptTooManyCharacters,
     TooManyTokens,
 )
+from app.generation.merge import merge
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
 from app.service import MAX_CHARS_PER_TOKEN, Service, WrongTask
@@ -203,7 +203,7 @@ class TextGeneration:
                 counts_engine_refusals=_sent_as_several(prepared),
             )
             with at_engine as outcome:
-                async with contextlib.aclosing(_merge(sequences)) as batches:
+                async with contextlib.aclosing(merge(sequences)) as batches:
                     async for batch in batches:
                         yield batch
                 outcome.ok()
@@ -350,50 +350,3 @@ def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams
         fit_to_deadline=sampling.max_new_tokens is None,
         stop_token_ids=prepared.stop_token_ids,
     )
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_DONE = object()
-
-
-async def _merge(
-    streams: list[AsyncGenerator[list[GenerationEvent], None]],
-) -> AsyncGenerator[list[GenerationEvent], None]:
-    """The event batches of every stream as they arrive; the first failure ends them all.
-    One stream is read directly (no task): the common case costs nothing extra."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as batches:
-            async for batch in batches:
-                yield batch
-        return
-    queue: asyncio.Queue[list[GenerationEvent] | _Failed | object] = asyncio.Queue()
-
-    async def pump(stream: AsyncGenerator[list[GenerationEvent], None]) -> None:
-        try:
-            async with contextlib.aclosing(stream) as batches:
-                async for batch in batches:
-                    queue.put_nowait(batch)
-        except Exception as error:
-            queue.put_nowait(_Failed(error))
-        finally:
-            queue.put_nowait(_DONE)
-
-    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is _DONE:
-                running -= 1
-            elif isinstance(item, _Failed):
-                raise item.error
-            elif isinstance(item, list):
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -3,6 +3,8 @@ generate model, and OpenAI's /v1/completions and /v1/chat/completions.
 
 OpenAI's sampling conventions hold on the OpenAI routes (temperature 0 is greedy, the
 default 1.0 samples); /infer follows transformers' `generate` (greedy unless `do_sample`).
+Log probabilities are those of the generated tokens (`logprobs`; the prompt's are not served,
+so completions' `echo` is refused), of the model's raw logits (`protocol_logprobs.py`).
 Fields OpenAI defines that steadyserve does not implement are modelled at the value that asks
 for nothing (a request asking for more is refused: 400 on the OpenAI routes, 422 on /infer),
 and any other field is refused: a request is never silently served differently than asked.
@@ -27,7 +29,9 @@ from pydantic import (
     model_validator,
 )
 
+from app.engine.protocol_logprobs import MAX_TOP_LOGPROBS
 from app.schemas import NonEmptyText, StrictModel, strings_only
+from app.schemas_logprobs import ChatLogprobs, CompletionLogprobs, InferTokenLogprob
 
 # One prompt, or several, each continued independently.
 Prompts = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
@@ -46,6 +50,8 @@ OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/c
 # request would fail in the front end's encoder, a 500 for a client's mistake.
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
+# The most alternatives per token: OpenAI's legacy completions take 5, chat and /infer 20.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 class GenerateParameters(StrictModel):
@@ -73,6 +79,12 @@ class GenerateParameters(StrictModel):
     stop: StopList = Field(
         default_factory=list, description="Stop strings: the text ends before one."
     )
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Each generated token's log probability and this many alternatives'.",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -98,6 +110,7 @@ class GeneratedText(BaseModel):
     finish_reason: Finish
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[InferTokenLogprob] | None = None  # with `parameters.logprobs`
 
 
 class GenerateUsage(BaseModel):
@@ -141,9 +154,6 @@ class OpenAISampling(StrictModel):
     user: str | None = None
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
-    logprobs: Literal[False] | None = Field(
-        default=None, description="Log probabilities are not served: false or null only."
-    )
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
         default=None, description="Not served: null or {} only."
     )
@@ -155,20 +165,15 @@ class OpenAISampling(StrictModel):
             return {k: v for k, v in data.items() if v is not None or k not in NULL_MEANS_DEFAULT}
         return data
 
-    @field_validator("logprobs", mode="before")
-    @classmethod
-    def _no_logprobs(cls, value: object) -> object:
-        # Exactly false or null: /v1/completions' `logprobs: 0` asks for the chosen tokens'
-        # log probabilities, and would otherwise pass as false.
-        if value is not None and value is not False:
-            raise ValueError("log probabilities are not served: logprobs must be false or null")
-        return value
-
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> Self:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def logprobs_asked(self) -> int | None:
+        """The alternatives asked per generated token; None: no log probabilities."""
+        return None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -183,9 +188,29 @@ class OpenAISampling(StrictModel):
 class CompletionRequest(OpenAISampling):
     prompt: Prompts
     max_tokens: int = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1, le=INT64_MAX)
-    echo: Literal[False] = False
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description="Each generated token's log probability and this many alternatives'.",
+    )
+    echo: StrictBool = Field(default=False, description="Not served: false or null only.")
     best_of: Literal[1] | None = None
     suffix: None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError(
+                "echo is not served: the prompt's log probabilities are not computed (only "
+                "the generated tokens', with logprobs)"
+            )
+        return echo
+
+    def logprobs_asked(self) -> int | None:
+        """The alternatives asked per generated token; None: no log probabilities."""
+        return self.logprobs
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -266,7 +291,7 @@ class ChatCompletionRequest(OpenAISampling):
         BeforeValidator(_at_most(MAX_CHAT_MESSAGES, "messages")),
     ]
     # Not served, and accepted at the value that asks for nothing (clients and wrappers
-    # send them so): no tools, plain text, no alternatives' log probabilities.
+    # send them so): no tools, plain text.
     tools: Annotated[list[object], Field(max_length=0)] | None = None
     tool_choice: Literal["none"] | None = None
     # Change nothing about the answer (the openai client sends them where its caller does):
@@ -279,7 +304,9 @@ class ChatCompletionRequest(OpenAISampling):
     prompt_cache_key: str | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: TextResponseFormat | None = None
-    top_logprobs: Literal[0] | None = None
+    # The generated tokens' log probabilities, and up to 20 alternatives' (`logprobs_asked`).
+    logprobs: StrictBool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tokens: int | None = Field(
         default=None, ge=1, le=INT64_MAX, description="Deprecated by OpenAI."
     )
@@ -293,6 +320,18 @@ class ChatCompletionRequest(OpenAISampling):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        # As OpenAI; 0 asks for nothing, and is taken (as before log probabilities were served).
+        if top and info.data.get("logprobs") is not True:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
+
+    def logprobs_asked(self) -> int | None:
+        """The alternatives asked per generated token; None: no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionUsage(BaseModel):
     prompt_tokens: int
@@ -303,11 +342,11 @@ class CompletionUsage(BaseModel):
 class _Choice(BaseModel):
     index: int
     finish_reason: Finish | None
-    logprobs: None = None
 
 
 class CompletionChoice(_Choice):
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class _CompletionObject(BaseModel):
@@ -332,6 +371,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(_CompletionObject):

@@ -23,10 +23,12 @@ from app.api.common import body_as, body_document, envoy_timeout_ms, render, too
 from app.api.errors import REJECTION_STATUS, described, log_batch_failed, texts_as_sent
 from app.api.errors_doc import OPENAI_ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
+from app.api.openai_logprobs import LogprobRender, infer_logprobs
 from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DEVICE_LOST, BatchFailed, DeadlineExceeded, DeviceLost
+from app.generation.logprobs import TokenLogprob
 from app.generation.pipeline import (
     GenerationEvent,
     PreparedGeneration,
@@ -87,27 +89,29 @@ def _events(
     return generation_of(request).stream(prepared, timer, incremental=incremental)
 
 
-async def _collect(
-    events: AsyncGenerator[list[GenerationEvent]], count: int
-) -> tuple[list[str], list[SequenceEnd]]:
+Collected = tuple[list[str], list[SequenceEnd], list[list[TokenLogprob]]]
+
+
+async def _collect(events: AsyncGenerator[list[GenerationEvent]], count: int) -> Collected:
+    """Each sequence's text, end and tokens' log probabilities (none unless asked)."""
     texts: list[list[str]] = [[] for _ in range(count)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
     ends: list[SequenceEnd | None] = [None] * count
     async with contextlib.aclosing(events) as stream:
         async for batch in stream:
             for item in batch:
                 if isinstance(item, TextPiece):
                     texts[item.index].append(item.text)
+                    logprobs[item.index].extend(item.logprobs)
                 else:
                     ends[item.index] = item
     finished = [end for end in ends if end is not None]
     if len(finished) != count:  # a server fault: answered 500
         raise RuntimeError("a sequence ended without its SequenceEnd")
-    return ["".join(parts) for parts in texts], finished
+    return ["".join(parts) for parts in texts], finished, logprobs
 
 
-async def _complete(
-    request: Request, prepared: PreparedGeneration
-) -> tuple[list[str], list[SequenceEnd]]:
+async def _complete(request: Request, prepared: PreparedGeneration) -> Collected:
     count = len(prepared.prompt_ids)
     events = _events(request, prepared, incremental=False)
     return await run_until_disconnect(request, _collect(events, count))
@@ -129,12 +133,13 @@ async def infer_generate(request: Request, body: GenerateInferRequest) -> Respon
         top_k=parameters.top_k,
         seed=parameters.seed,
         stops=tuple(parameters.stop),
+        logprobs=parameters.logprobs,
     )
     prepared = await _prepare(
         request, model, prompts, sampling, templated=False, timeout_ms=body.timeout_ms
     )
-    texts, ends = await _complete(request, prepared)
-    outputs = [
+    texts, ends, logprobs = await _complete(request, prepared)
+    outputs: list[dict[str, object]] = [
         {
             "text": text,
             "finish_reason": end.finish_reason,
@@ -143,6 +148,10 @@ async def infer_generate(request: Request, body: GenerateInferRequest) -> Respon
         }
         for text, end in zip(texts, ends, strict=True)
     ]
+    if parameters.logprobs is not None:
+        names = generation_of(request).tokenizer(model).token_texts
+        for output, tokens in zip(outputs, logprobs, strict=True):
+            output["logprobs"] = infer_logprobs(names, tokens)
     usage = {
         "input_tokens": sum(end.prompt_tokens for end in ends),
         "output_tokens": sum(end.completion_tokens for end in ends),
@@ -161,6 +170,7 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
         top_k=body.top_k,
         seed=body.seed,
         stops=tuple(body.stop_strings()),
+        logprobs=body.logprobs_asked(),
     )
 
 
@@ -183,7 +193,7 @@ async def completions(request: Request) -> Response:
     generation_of(request).tokenizer(model)  # a model of another task: 400 before anything
     sampling = _openai_sampling(body, body.max_tokens)
     prepared = await _prepare(request, model, prompts, sampling, templated=False, timeout_ms=None)
-    return await _answer(request, Reply(model, chat=False), prepared, body)
+    return await _answer(request, _reply(request, model, body, chat=False), prepared, body)
 
 
 @router.post(
@@ -204,15 +214,23 @@ async def chat_completions(request: Request) -> Response:
     prompt = texts_as_sent(request, "messages", generation_of(request).chat_prompt(model, messages))
     sampling = _openai_sampling(body, body.max_new_tokens())
     prepared = await _prepare(request, model, prompt, sampling, templated=True, timeout_ms=None)
-    return await _answer(request, Reply(model, chat=True), prepared, body)
+    return await _answer(request, _reply(request, model, body, chat=True), prepared, body)
+
+
+def _reply(request: Request, model: str, body: OpenAISampling, *, chat: bool) -> Reply:
+    """The answer's shared parts, rendering its log probabilities when asked."""
+    if body.logprobs_asked() is None:
+        return Reply(model, chat=chat)
+    names = generation_of(request).tokenizer(model).token_texts
+    return Reply(model, chat=chat, logprobs=LogprobRender(names, chat))
 
 
 async def _answer(
     request: Request, reply: Reply, prepared: PreparedGeneration, body: OpenAISampling
 ) -> Response:
     if not body.stream:
-        texts, ends = await _complete(request, prepared)
-        return render(request, whole(reply, texts, ends))
+        texts, ends, logprobs = await _complete(request, prepared)
+        return render(request, whole(reply, texts, ends, logprobs))
     events = _events(request, prepared, incremental=True)
     try:
         first = await run_until_disconnect(request, _first(events))
@@ -253,7 +271,7 @@ async def _frames(
             while batch is not None:
                 for item in batch:
                     if isinstance(item, TextPiece):
-                        frames.append(texts.frame(item.index, item.text))
+                        frames.append(texts.frame(item.index, item.text, item.logprobs))
                     else:
                         ends.append(item)
                         finish = item.finish_reason

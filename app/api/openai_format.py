@@ -5,24 +5,33 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from app.api.openai_logprobs import LogprobRender
 from app.api.sse import DATA, END
+from app.generation.logprobs import TokenLogprob
 from app.generation.pipeline import SequenceEnd
 from app.schemas import openai_error_object
 
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """What every object of one answer shares: its id, creation time, model, and kind."""
+    """What every object of one answer shares: its id, creation time, model, and kind, and
+    with log probabilities asked, how its choices' are rendered."""
 
     model: str
     chat: bool
     id: str = field(default="")
     created: int = field(default_factory=lambda: int(time.time()))
+    logprobs: LogprobRender | None = None
+
+    def render_logprobs(self, tokens: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+        """A choice's `logprobs`: None unless asked, and for a chunk that carries no text."""
+        return None if self.logprobs is None or tokens is None else self.logprobs(tokens)
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -47,8 +56,14 @@ def usage(ends: list[SequenceEnd]) -> dict[str, int]:
     }
 
 
-def whole(reply: Reply, texts: list[str], ends: list[SequenceEnd]) -> dict[str, Any]:
-    """The non-streamed answer: one choice per sequence, in prompt order."""
+def whole(
+    reply: Reply,
+    texts: list[str],
+    ends: list[SequenceEnd],
+    logprobs: list[list[TokenLogprob]] | None = None,
+) -> dict[str, Any]:
+    """The non-streamed answer: one choice per sequence, in prompt order (`logprobs`: each
+    sequence's tokens', when asked)."""
     choices: list[dict[str, Any]] = []
     for index, (text, end) in enumerate(zip(texts, ends, strict=True)):
         choice: dict[str, Any] = {"index": index, "finish_reason": end.finish_reason}
@@ -56,7 +71,7 @@ def whole(reply: Reply, texts: list[str], ends: list[SequenceEnd]) -> dict[str, 
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = reply.render_logprobs(logprobs[index] if logprobs else None)
         choices.append(choice)
     return {**reply.header(stream=False), "choices": choices, "usage": usage(ends)}
 
@@ -69,10 +84,12 @@ def chunk(
     role: bool = False,
     finish_reason: str | None = None,
     with_usage: bool = False,
+    tokens: Sequence[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     """One stream chunk of choice `index`: its text (a chat chunk's `delta`; the first one
-    names the role) or, with `finish_reason`, its last. With `stream_options.include_usage`
-    every chunk carries `usage: null` and the final usage chunk the figures."""
+    names the role) and the log probabilities of the `tokens` it carries, when asked, or,
+    with `finish_reason`, its last. With `stream_options.include_usage` every chunk carries
+    `usage: null` and the final usage chunk the figures."""
     choice: dict[str, Any] = {"index": index}
     if reply.chat:
         delta: dict[str, str] = {}
@@ -83,7 +100,7 @@ def chunk(
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-    choice["logprobs"] = None
+    choice["logprobs"] = reply.render_logprobs(tokens)
     choice["finish_reason"] = finish_reason
     body: dict[str, Any] = {**reply.header(stream=True), "choices": [choice]}
     if with_usage:
@@ -107,14 +124,18 @@ class TextChunks:
     """The SSE frame of a text chunk (`chunk(reply, index, text=...)` as a `data:` event),
     built from bytes made once per choice: only the text is JSON-encoded per chunk, the
     rest of the object is the same for every chunk of an answer. Byte for byte the frame
-    `sse.event(chunk(...))` gives. One instance per streamed answer; event loop thread."""
+    `sse.event(chunk(...))` gives. One instance per streamed answer; event loop thread.
+    With log probabilities asked, each chunk is encoded whole (`chunk(..., tokens=...)`)."""
 
     def __init__(self, reply: Reply, with_usage: bool) -> None:
         self._reply = reply
         self._with_usage = with_usage
         self._templates: dict[int, tuple[bytes, bytes]] = {}
 
-    def frame(self, index: int, text: str) -> bytes:
+    def frame(self, index: int, text: str, tokens: Sequence[TokenLogprob] = ()) -> bytes:
+        if self._reply.logprobs is not None:
+            piece = chunk(self._reply, index, text=text, with_usage=self._with_usage, tokens=tokens)
+            return DATA + orjson.dumps(piece) + END
         template = self._templates.get(index)
         if template is None:
             template = self._templates[index] = self._template(index)

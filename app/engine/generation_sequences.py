@@ -15,7 +15,9 @@ import torch
 
 from app.engine.host import Emit, RequestTracer
 from app.engine.protocol import FinishReason, Output, SamplingParams, Submit, TokensOutput
+from app.engine.protocol_logprobs import TokenLogprobs
 from app.models.causal_lm import StepRow
+from app.models.logprobs import LogprobSink
 
 
 @dataclass(eq=False)
@@ -35,6 +37,15 @@ class GenerationSequence:
     last_token_at: float | None = None  # when its last kept token was made (not EOS)
     last_output_at: float | None = None  # when its previous output was made
     generated: list[int] = field(default_factory=list)
+    # Asked for (`sampling.logprobs`): where each step puts its token's log probabilities,
+    # by position, and those of `generated` not sent yet (all, unless it streams), one
+    # each, taken from it as they are kept.
+    logprob_sink: LogprobSink | None = None
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sampling.logprobs is not None:
+            self.logprob_sink = {}
 
     @property
     def remaining(self) -> int:
@@ -55,6 +66,10 @@ class GenerationSequence:
             if len(fresh) >= self.remaining:  # `generated` is extended below
                 finish = FinishReason.LENGTH
                 break
+        if self.logprob_sink is not None:
+            first = len(self.prompt) + len(self.generated)
+            sink = self.logprob_sink
+            self.token_logprobs.extend(sink.pop(first + i) for i in range(len(fresh)))
         self.generated.extend(fresh)
         return fresh, finish
 
@@ -81,10 +96,12 @@ class GenerationSequence:
     def row(self) -> StepRow:
         """Its part of the next step: the prompt, or its last token at its position."""
         assert self.slot is not None
+        sink = self.logprob_sink
         if not self.generated:
-            return StepRow(self.slot, self.prompt, 0, self.sampling, self.generator)
+            return StepRow(self.slot, self.prompt, 0, self.sampling, self.generator, sink)
         position = len(self.prompt) + len(self.generated) - 1
-        return StepRow(self.slot, self.generated[-1:], position, self.sampling, self.generator)
+        fed = self.generated[-1:]
+        return StepRow(self.slot, fed, position, self.sampling, self.generator, sink)
 
     def output(
         self,
@@ -93,17 +110,23 @@ class GenerationSequence:
         now: float,
         tracer: RequestTracer,
     ) -> Output:
-        """Its next output message: `token_ids`, and with `finish` its last (traced). Its
-        compute is the time since the previous output (since it joined the batch, for the
-        first), so a front end that sums its outputs' compute counts each step once."""
+        """Its next output message: `token_ids` (the last of `generated`: their log
+        probabilities too, when asked), and with `finish` its last (traced). Its compute is
+        the time since the previous output (since it joined the batch, for the first), so a
+        front end that sums its outputs' compute counts each step once."""
         started = self.started if self.started is not None else now
         since = self.last_output_at if self.last_output_at is not None else started
         self.last_output_at = now
         final = finish is not None
+        logprobs = None
+        if self.logprob_sink is not None:
+            logprobs = self.token_logprobs[len(self.token_logprobs) - len(token_ids) :]
+            if self.streams:  # sent: no later output sends them again
+                self.token_logprobs = []
         return Output(
             self.request.request_id,
             final=final,
-            payload=TokensOutput(token_ids, len(self.prompt), finish),
+            payload=TokensOutput(token_ids, len(self.prompt), finish, logprobs),
             queue_s=started - self.arrived,
             compute_s=now - since,
             trace=tracer.finish(self.arrival_trace, None) if final else None,

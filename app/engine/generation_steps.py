@@ -249,7 +249,14 @@ class StepRunner:
                 ends = token in eos or token in row.sampling.stop_token_ids
                 if not ends and token != NO_TOKEN:
                     following.append(
-                        StepRow(row.slot, (token,), row.start + 1, row.sampling, row.generator)
+                        StepRow(
+                            row.slot,
+                            (token,),
+                            row.start + 1,
+                            row.sampling,
+                            row.generator,
+                            row.logprobs,
+                        )
                     )
             if not following or (len(following) < len(active) and self._end_on_eos.is_set()):
                 break

@@ -15,6 +15,7 @@ import msgspec
 
 from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
 from app.engine.protocol import GeneratePayload, SamplingParams
+from app.engine.protocol_logprobs import MAX_TOP_LOGPROBS
 from app.model_queues import ModelWork
 
 
@@ -60,6 +61,8 @@ def payload_problem(payload: GeneratePayload, max_sequence_tokens: int) -> str |
         return f"top_p must be in [0, 1] (got {sampling.top_p})"
     if sampling.top_k < 0:
         return f"top_k must not be negative (got {sampling.top_k})"
+    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
+        return f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {sampling.logprobs})"
     total = prompt + sampling.max_new_tokens
     if total > max_sequence_tokens:
         return (

@@ -23,6 +23,7 @@ from enum import Enum
 import msgspec
 
 from app.engine.identity import request_reference
+from app.engine.protocol_logprobs import TokenLogprobs
 
 # The clock of every time a message carries (a request's `deadline`, a status's
 # `published_at`): time.monotonic, system-wide on Linux, so the processes of one host agree.
@@ -55,6 +56,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     fit_to_deadline: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # alternatives per token (`protocol_logprobs.py`); None: off
 
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
@@ -169,6 +171,7 @@ class TokensOutput(msgspec.Struct, frozen=True, tag="tokens"):
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: FinishReason | None = None  # set on the final output only
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked
 
 
 class TensorOutput(msgspec.Struct, frozen=True, tag="tensor"):
@@ -343,8 +346,7 @@ class EngineRestart(msgspec.Struct, frozen=True):
 
 
 class _Addressed(msgspec.Struct):
-    """What is read of a message to the engine that did not decode: its request id, every
-    other field (its tag included) ignored."""
+    """A message to the engine that did not decode, read for its request id alone."""
 
     request_id: int
 

@@ -26,6 +26,7 @@ from app.generation.errors import (
     PromptTooManyCharacters,
     TooManyTokens,
 )
+from app.generation.logprobs import LogprobAligner, TokenLogprob, carried
 from app.generation.merge import merge
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
@@ -44,10 +45,13 @@ _FINISH: dict[FinishReason, OpenAIFinish] = {
 
 @dataclass(frozen=True, slots=True)
 class TextPiece:
-    """More text of sequence `index` (never part of a character, never past a stop)."""
+    """More text of sequence `index` (never part of a character, never past a stop), and
+    the log probabilities of the tokens whose text it completes, when asked (`logprobs.py`:
+    a sequence's last piece, possibly of no text, carries the rest)."""
 
     index: int
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +70,8 @@ GenerationEvent = TextPiece | SequenceEnd
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """How every sequence of a request continues; `max_new_tokens` None: all the room its
-    prompt leaves in a sequence."""
+    prompt leaves in a sequence; `logprobs` set: each token's log probabilities and this
+    many alternatives' (`SamplingParams.logprobs`)."""
 
     max_new_tokens: int | None
     do_sample: bool
@@ -75,6 +80,7 @@ class Sampling:
     top_k: int
     seed: int | None
     stops: tuple[str, ...]
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +228,14 @@ class TextGeneration:
         spent in the engine goes to `spent`."""
         tokenizer = self.tokenizer(prepared.model)
         prompt_ids = prepared.prompt_ids[index]
-        stops = StopMatcher(prepared.sampling.stops) if prepared.sampling.stops else None
+        stop_strings, wants_logprobs = prepared.sampling.stops, prepared.sampling.logprobs
         # Tokens before the end are read only to stream text or to watch for a stop string;
         # otherwise the engine sends one output, at the end (one message, not one per step).
-        reads_as_it_goes = incremental or stops is not None
+        reads_as_it_goes = incremental or bool(stop_strings)
+        # Log probabilities go with their tokens' text: read token by token, as for stops.
+        aligner = LogprobAligner() if wants_logprobs is not None else None
+        by_token = bool(stop_strings) or aligner is not None
+        stops = StopMatcher(stop_strings) if by_token else None
         sampling = _engine_sampling(prepared, index)
         request = Submit(
             self.service.engine.next_request_id(),
@@ -235,7 +245,7 @@ class TextGeneration:
             refusal_counted_by_sender=_sent_as_several(prepared),
         )
         detokenizer: IncrementalDetokenizer | WholeText
-        if reads_as_it_goes:
+        if incremental or by_token:
             detokenizer = IncrementalDetokenizer(
                 tokenizer.decode, prompt_ids, tokenizer.special_token_ids
             )
@@ -245,9 +255,9 @@ class TextGeneration:
         first = True
         async with contextlib.aclosing(self.service.engine.stream_batches(request)) as outputs:
             async for batch in outputs:
-                # Without stop strings the batch's tokens are decoded together; with them,
-                # each output is scanned as it was produced, so a stop ends the sequence at
-                # the very output that reached it.
+                # Without stop strings the batch's tokens are decoded together; with them
+                # (or log probabilities), each output is scanned as it was produced, so a
+                # stop ends the sequence at the very output that reached it.
                 text = ""
                 token_ids: list[int] = []
                 for output in batch:
@@ -272,27 +282,28 @@ class TextGeneration:
                     for position, piece in enumerate(pieces):
                         generated += len(piece)
                         last_of_output = position == len(pieces) - 1
-                        scan = stops.feed(
-                            _decoded(detokenizer, piece, output.final and last_of_output)
-                        )
+                        released = _decoded(detokenizer, piece, output.final and last_of_output)
+                        if aligner is not None:
+                            aligner.add(payload, position, released)
+                        scan = stops.feed(released)
                         text += scan.text
                         if scan.stopped:  # leaving the engine stream cancels the sequence
                             ended = SequenceEnd(index, "stop", len(prompt_ids), generated)
-                            yield _events(index, text, ended)
+                            yield _events(index, text, ended, aligner)
                             return
                 last = batch[-1]
                 if stops is None:
                     text = _decoded(detokenizer, token_ids, last.final)
                 if not last.final:
                     if text:
-                        yield [TextPiece(index, text)]
+                        yield [TextPiece(index, text, carried(aligner, text, end=False))]
                     continue
                 if stops is not None:
                     text += stops.flush()
                 assert isinstance(last.payload, TokensOutput)
                 reason = _FINISH[last.payload.finish_reason or FinishReason.LENGTH]
                 ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated)
-                yield _events(index, text, ended)
+                yield _events(index, text, ended, aligner)
                 return
         raise EngineUnavailable("the engine's stream ended without a final output")
 
@@ -311,9 +322,12 @@ def _decoded(
     return text + detokenizer.flush() if final else text
 
 
-def _events(index: int, text: str, end: SequenceEnd) -> list[GenerationEvent]:
-    """A sequence's last batch: its last piece (if any) and its end."""
-    return [TextPiece(index, text), end] if text else [end]
+def _events(
+    index: int, text: str, end: SequenceEnd, aligner: LogprobAligner | None
+) -> list[GenerationEvent]:
+    """A sequence's last batch: its last piece (if any: text, or tokens left) and its end."""
+    tokens = carried(aligner, text, end=True)
+    return [TextPiece(index, text, tokens), end] if text or tokens else [end]
 
 
 def _encode_all(
@@ -349,4 +363,5 @@ def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams
         seed=prompt_seed(sampling.seed, index),
         fit_to_deadline=sampling.max_new_tokens is None,
         stop_token_ids=prepared.stop_token_ids,
+        logprobs=sampling.logprobs,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from app.generation.chat import load_chat_template
 from app.generation.errors import StopHoldsSpecialToken
+from app.generation.token_texts import TokenTexts
 from app.models.source import local_directory
 from app.models.tokenizer import FastTokenizer, input_token_limit
 
@@ -24,6 +25,7 @@ class GenerationTokenizer(FastTokenizer):
         super().__init__(directory, max_input_tokens)
         # None: the model has none. No message may hold a special token's text.
         self.chat_template = load_chat_template(directory, self.special_tokens)
+        self.token_texts = TokenTexts(self._backend)  # log probabilities' token names
 
     def stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
         """The ids of the special tokens whose text is one of the stop strings: `decode`

@@ -22,6 +22,7 @@ from app.engine.protocol import SamplingParams
 from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.kv_cache import CacheShape, SlotKVCache
+from app.models.logprobs import LogprobSink, record_logprobs
 from app.models.sampling import choose_tokens
 from app.models.source import local_directory
 
@@ -34,13 +35,16 @@ SLIDING_ATTENTION = "sliding_attention"
 @dataclass(frozen=True, slots=True)
 class StepRow:
     """One sequence's part of a step: its slot, the tokens fed now (the prompt, or the last
-    chosen token), the cache position of the first, and how its next token is chosen."""
+    chosen token), the cache position of the first, and how its next token is chosen; with
+    `sampling.logprobs` set, where the chosen token's log probabilities go (its sequence's,
+    by position: `logprobs.record_logprobs`)."""
 
     slot: int
     token_ids: Sequence[int]
     start: int
     sampling: SamplingParams
     generator: torch.Generator
+    logprobs: LogprobSink | None = None
 
 
 def _token_ids(value: object) -> frozenset[int]:
@@ -306,12 +310,15 @@ class CausalLMRunner:
             return logits.float()
 
     def step(self, rows: Sequence[StepRow]) -> list[int]:
-        """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite
-        (compute threads only, one step at a time)."""
+        """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite, and
+        the log probabilities of those whose rows asked (compute threads only, one step at
+        a time)."""
         logits = self.logits(rows)
-        return choose_tokens(
+        chosen = choose_tokens(
             logits, [row.sampling for row in rows], [row.generator for row in rows]
         )
+        record_logprobs(logits, rows, chosen)
+        return chosen
 
 
 def load_causal_lm(

@@ -4,6 +4,7 @@ interleaved sequences, failures mid-stream), not the model.
 
 Each generate request gets its prompt's ids (the first, BOS, left out) cycled up to its
 `max_new_tokens` (or fewer, ending in EOS, with `eos_after_tokens`), one token per output,
+with made-up log probabilities when asked (`scripted_logprobs`: they name their token),
 each output after one event-loop turn (or `outputs_per_turn` of them at once, as a reader
 that fell behind the engine finds them); the final output says why it ended. Cancelled
 request ids are recorded. Event loop thread only.
@@ -25,9 +26,17 @@ from app.engine.protocol import (
     ToEngine,
     TokensOutput,
 )
+from app.engine.protocol_logprobs import TokenLogprobs
 from app.model_specs import ModelSpec
 from app.settings import Settings
 from loadtest.null_engine import AlwaysReadyEngine
+
+
+def scripted_logprobs(token_id: int, top: int) -> TokenLogprobs:
+    """A token's made-up log probability, -id/1000 (it names the token), and `top`
+    alternatives: itself and the ids after it."""
+    ids = [token_id + i for i in range(top)]
+    return TokenLogprobs(-token_id / 1000, ids, [-i / 1000 for i in ids])
 
 
 class ScriptedGenerator(AlwaysReadyEngine):
@@ -87,10 +96,13 @@ class ScriptedGenerator(AlwaysReadyEngine):
                     self._deliver(Failure(request.request_id, FailureKind.FAILED, "boom"))
                     return
                 final = step + per_output >= count
+                ids = [echo[i % len(echo)] for i in range(step, min(step + per_output, count))]
+                asked = payload.sampling.logprobs
                 tokens = TokensOutput(
-                    [echo[i % len(echo)] for i in range(step, min(step + per_output, count))],
+                    ids,
                     len(payload.prompt_ids),
                     reason if final else None,
+                    None if asked is None else [scripted_logprobs(i, asked) for i in ids],
                 )
                 compute_s = self.compute_s_per_output
                 self._deliver(Output(request.request_id, final, tokens, 0.0, compute_s))

@@ -13,9 +13,14 @@ from app.engine.protocol import GeneratePayload, SamplingParams, Submit
 
 
 def stand_in_sequence(
-    max_new_tokens: int, model: str = "tiny", stop_token_ids: tuple[int, ...] = ()
+    max_new_tokens: int,
+    model: str = "tiny",
+    stop_token_ids: tuple[int, ...] = (),
+    logprobs: int | None = None,
 ) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    sampling = SamplingParams(
+        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, logprobs=logprobs
+    )
     return GenerationSequence(
         request=Submit(1, model, 1e12, GeneratePayload([1, 5], sampling)),
         prompt=[1, 5],

@@ -53,6 +53,8 @@ def test_a_sequence_that_can_never_fit_names_the_limit() -> None:
         (payload(3, 4, top_p=-0.1), "top_p"),
         (payload(3, 4, top_p=1.5), "top_p"),
         (payload(3, 4, top_k=-1), "top_k"),
+        (payload(3, 4, logprobs=-1), "logprobs"),
+        (payload(3, 4, logprobs=21), "logprobs"),
     ],
 )
 def test_invalid_sampling_is_named(bad: GeneratePayload, words: str) -> None:

@@ -46,7 +46,8 @@ async def openai_client(tmp_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
     ("route", "fields", "param"),
     [
         ("chat", {"n": 2}, "n"),
-        ("chat", {"logprobs": True}, "logprobs"),
+        ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),
         (
             "chat",
@@ -58,7 +59,7 @@ async def openai_client(tmp_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
         # Text that may begin a stop string is held back, and matched on every token.
         ("completions", {"stop": "#" * 257}, "stop"),
         ("chat", {"stop": ["\n", "#" * 257]}, "stop[1]"),
-        ("completions", {"logprobs": 1}, "logprobs"),
+        ("completions", {"logprobs": 6}, "logprobs"),
         ("completions", {"prompt": [1, 2, 3]}, "prompt"),
         ("completions", {"max_tokens": "many"}, "max_tokens"),
         ("embeddings", {"input": [1, 2, 3]}, "input"),

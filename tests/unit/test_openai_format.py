@@ -1,6 +1,7 @@
 """OpenAI's completion objects as the generation routes build them: whole answers, stream
 chunks (chat deltas, finish reasons, `usage: null` with include_usage, the usage chunk),
-and the SSE frames they travel in. The openai client parses these in tests/integration."""
+and the SSE frames they travel in, and the generated tokens' log probabilities in them.
+The openai client parses these in tests/integration."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from app.api.openai_format import (
     usage_chunk,
     whole,
 )
+from app.api.openai_logprobs import LogprobRender
 from app.api.sse import DONE, event
+from app.engine.protocol_logprobs import TokenLogprobs
+from app.generation.logprobs import TokenLogprob
 from app.generation.pipeline import SequenceEnd
 
 ENDS = [SequenceEnd(0, "stop", 5, 3), SequenceEnd(1, "length", 7, 16)]
@@ -80,3 +84,65 @@ def test_a_text_chunk_from_its_template_is_the_event_of_the_chunk_byte_for_byte(
         for text in ("plain", "", 'quote " and \\ backslash', "line\nbreak", "🚀 你好", "\x00"):
             expected = event(chunk(reply, index, text=text, with_usage=with_usage))
             assert chunks.frame(index, text) == expected
+
+
+# Token names: token 1 is "a", 2 is " b", 3 half of "é".
+NAMES = {1: ("a", b"a"), 2: (" b", b" b"), 3: ("bytes:\\xc3", b"\xc3")}
+
+
+class _Names:
+    def named(self, token_id: int) -> tuple[str, bytes]:
+        return NAMES[token_id]
+
+
+def _tokens() -> list[TokenLogprob]:
+    # Token 3 was chosen (sampled) outside the top 1; token 1 is -inf (ruled out).
+    return [
+        TokenLogprob(2, 0, TokenLogprobs(-0.5, [2, 1], [-0.5, -1.5])),
+        TokenLogprob(3, 2, TokenLogprobs(-3.0, [1], [float("-inf")])),
+    ]
+
+
+def _render(chat: bool) -> LogprobRender:
+    return LogprobRender(_Names(), chat)  # type: ignore[arg-type]
+
+
+def test_completion_logprobs_hold_the_top_and_the_chosen_token_and_no_infinity() -> None:
+    reply = Reply("tiny", chat=False, logprobs=_render(chat=False))
+    body = whole(reply, ["text"], ENDS[:1], [_tokens()])
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": [" b", "bytes:\\xc3"],
+        "token_logprobs": [-0.5, -3.0],
+        "top_logprobs": [{" b": -0.5, "a": -1.5}, {"a": -9999.0, "bytes:\\xc3": -3.0}],
+        "text_offset": [0, 2],
+    }
+    assert whole(Reply("tiny", chat=False), ["text"], ENDS[:1])["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_are_a_content_list_with_bytes() -> None:
+    reply = Reply("tiny", chat=True, logprobs=_render(chat=True))
+    logprobs = whole(reply, ["text"], ENDS[:1], [_tokens()])["choices"][0]["logprobs"]
+    assert logprobs == {
+        "content": [
+            {"token": " b", "logprob": -0.5, "bytes": [32, 98], "top_logprobs": [
+                {"token": " b", "logprob": -0.5, "bytes": [32, 98]},
+                {"token": "a", "logprob": -1.5, "bytes": [97]},
+            ]},
+            {"token": "bytes:\\xc3", "logprob": -3.0, "bytes": [0xC3], "top_logprobs": [
+                {"token": "a", "logprob": -9999.0, "bytes": [97]},
+            ]},
+        ],
+        "refusal": None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_text_chunk_with_logprobs_is_the_event_of_its_chunk(chat: bool) -> None:
+    reply = Reply("tiny", chat=chat, logprobs=_render(chat))
+    chunks = TextChunks(reply, with_usage=True)
+    for tokens in (_tokens(), []):  # a piece whose tokens' text is not all sent yet: none
+        expected = event(chunk(reply, 0, text="é", with_usage=True, tokens=tokens))
+        assert chunks.frame(0, "é", tokens) == expected
+        assert orjson.loads(expected[len(b"data: ") :])["choices"][0]["logprobs"] is not None
+    final = chunk(reply, 0, finish_reason="stop")
+    assert final["choices"][0]["logprobs"] is None

@@ -15,18 +15,60 @@ from app.schemas_generation import (
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.mark.parametrize("logprobs", [0, 1, 5, True])
-def test_log_probabilities_are_refused_whatever_their_spelling(logprobs: object) -> None:
-    """`logprobs: 0` on /v1/completions asks for the chosen tokens' log probabilities."""
-    with pytest.raises(ValidationError, match="log probabilities are not served"):
+@pytest.mark.parametrize(("logprobs", "asked"), [(None, None), (0, 0), (1, 1), (5, 5)])
+def test_completions_ask_for_0_to_5_alternatives(logprobs: object, asked: int | None) -> None:
+    """`logprobs: 0` asks for the chosen tokens' log probabilities alone."""
+    request = CompletionRequest.model_validate({"prompt": "Hi", "logprobs": logprobs})
+    assert request.logprobs_asked() == asked
+
+
+@pytest.mark.parametrize("logprobs", [6, -1, True, False, 1.0, "1"])
+def test_completions_refuse_other_logprobs(logprobs: object) -> None:
+    with pytest.raises(ValidationError, match="logprobs"):
         CompletionRequest.model_validate({"prompt": "Hi", "logprobs": logprobs})
-    with pytest.raises(ValidationError, match="log probabilities are not served"):
-        ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": logprobs})
 
 
-def test_false_or_null_log_probabilities_are_accepted() -> None:
-    for logprobs in (False, None):
-        assert CompletionRequest.model_validate({"prompt": "Hi", "logprobs": logprobs})
+def test_echo_is_refused_naming_the_prompt_s_log_probabilities() -> None:
+    with pytest.raises(ValidationError, match="the prompt's log probabilities are not computed"):
+        CompletionRequest.model_validate({"prompt": "Hi", "echo": True, "logprobs": 1})
+    for echo in (False, None):
+        assert CompletionRequest.model_validate({"prompt": "Hi", "echo": echo})
+
+
+@pytest.mark.parametrize(
+    ("fields", "asked"),
+    [
+        ({}, None),
+        ({"logprobs": None}, None),
+        ({"logprobs": False}, None),
+        ({"logprobs": False, "top_logprobs": 0}, None),
+        ({"top_logprobs": 0}, None),  # asks for nothing, as before logprobs were served
+        ({"logprobs": True}, 0),
+        ({"logprobs": True, "top_logprobs": 0}, 0),
+        ({"logprobs": True, "top_logprobs": 20}, 20),
+    ],
+)
+def test_chat_asks_with_logprobs_true_and_0_to_20_top_logprobs(
+    fields: dict[str, object], asked: int | None
+) -> None:
+    request = ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+    assert request.logprobs_asked() == asked
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+        ({"logprobs": False, "top_logprobs": 1}, "top_logprobs needs logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "less than or equal to 20"),
+        ({"logprobs": True, "top_logprobs": -1}, "greater than or equal to 0"),
+        ({"logprobs": 1}, "valid boolean"),
+        ({"logprobs": 0}, "valid boolean"),
+    ],
+)
+def test_chat_refuses_other_logprobs(fields: dict[str, object], words: str) -> None:
+    with pytest.raises(ValidationError, match=words):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
 
 
 def test_stream_options_without_a_stream_are_refused() -> None:

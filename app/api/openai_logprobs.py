@@ -1,0 +1,100 @@
+"""The generated tokens' log probabilities as each generation route answers them, from a
+sequence's `TokenLogprob`s (`generation/logprobs.py`) and its tokenizer's token names
+(`generation/token_texts.py`): /v1/completions' legacy object (`tokens`, `token_logprobs`,
+`top_logprobs` as {token: logprob} holding the top `logprobs` and the chosen token, as
+OpenAI's "up to logprobs+1 elements", and `text_offset`), /v1/chat/completions' `content`
+list (each token with its `bytes` and its `top_logprobs`), and /infer's list (with ids).
+A log probability of -inf (a token the model rules out) is -9999.0, as OpenAI and vLLM
+write it: JSON has no infinity. Pure functions of their inputs; event loop thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from app.generation.logprobs import TokenLogprob
+from app.generation.token_texts import TokenTexts
+
+LOWEST_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)
+
+
+class LogprobRender:
+    """One answer's log probabilities objects, for the chat route or completions."""
+
+    def __init__(self, texts: TokenTexts, chat: bool) -> None:
+        self._texts = texts
+        self._chat = chat
+
+    def __call__(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """A choice's `logprobs` (of the tokens a whole choice or a chunk carries)."""
+        return self.chat(tokens) if self._chat else self.completion(tokens)
+
+    def completion(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+        name = self._texts.named
+        names: list[str] = []
+        logprobs: list[float] = []
+        tops: list[dict[str, float]] = []
+        for token in tokens:
+            chosen, own = name(token.token_id)[0], _finite(token.logprobs.logprob)
+            top = {
+                name(token_id)[0]: _finite(logprob)
+                for token_id, logprob in zip(
+                    token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True
+                )
+            }
+            top.setdefault(chosen, own)
+            names.append(chosen)
+            logprobs.append(own)
+            tops.append(top)
+        return {
+            "tokens": names,
+            "token_logprobs": logprobs,
+            "top_logprobs": tops,
+            "text_offset": [token.text_offset for token in tokens],
+        }
+
+    def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self._texts.named(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
+
+    def chat(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for token in tokens:
+            entry = self._alternative(token.token_id, token.logprobs.logprob)
+            entry["top_logprobs"] = [
+                self._alternative(token_id, logprob)
+                for token_id, logprob in zip(
+                    token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True
+                )
+            ]
+            content.append(entry)
+        return {"content": content, "refusal": None}
+
+
+def infer_logprobs(texts: TokenTexts, tokens: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """/infer's: per generated token its text, id and log probability, and its top ones."""
+
+    def named(token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": texts.named(token_id)[0],
+            "token_id": token_id,
+            "logprob": _finite(logprob),
+        }
+
+    return [
+        {
+            **named(token.token_id, token.logprobs.logprob),
+            "top_logprobs": [
+                named(token_id, logprob)
+                for token_id, logprob in zip(
+                    token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True
+                )
+            ],
+        }
+        for token in tokens
+    ]

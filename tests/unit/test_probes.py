@@ -28,6 +28,17 @@ def test_ready_only_with_a_ready_engine_a_front_end_and_no_drain() -> None:
     assert (failed.status, failed.problem) == ("failed", "front-end start-up failed: OSError")
 
 
+def test_an_engine_whose_batches_keep_failing_is_not_ready() -> None:
+    said = "model 'minilm': 5 consecutive batches failed (RuntimeError)"
+    failing = readiness(engine(healthy=False, problem=said), None, False, True)
+    assert (failing.ready, failing.status, failing.problem) == (False, "engine_unhealthy", said)
+    unnamed = readiness(engine(healthy=False), None, False, True)
+    assert unnamed.problem == "the engine's batches keep failing"
+    # Draining and warming up say so first, as before.
+    assert readiness(engine(healthy=False), None, True, True).status == "draining"
+    assert readiness(engine("warming_up", healthy=False), None, False, True).status == "warming_up"
+
+
 def test_an_engine_restart_under_way_is_said_until_an_engine_is_ready() -> None:
     restart = EngineRestart("engine 7 exited by signal SIGKILL", attempt=2, backoff_s=2.0)
     said = "engine 7 exited by signal SIGKILL; restart 2 under way (after a 2 s back-off)"

@@ -30,10 +30,11 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from app.crash_loop import FrontendCrashLoops, crash_loop
 from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.process import CoreFactory
 from app.engine.protocol import EngineStatus, FrontEndGone, encode
-from app.engine.supervisor import STABLE_AFTER_S, EngineSupervisor, next_backoff, wait_for_exit
+from app.engine.supervisor import EngineSupervisor, next_backoff, wait_for_exit
 from app.engine.zmq_client import (
     STALE_AFTER_S,
     STATUS_WENT_STALE,
@@ -55,10 +56,6 @@ from app.telemetry.cgroup import available_cpus
 log = logging.getLogger(__name__)
 
 
-# Engine restarts without it ever being seen ready before the supervisor's /healthz says the
-# pod should be restarted: an engine that crash-loops (a model that cannot load, a device
-# that fails) would otherwise leave it NotReady forever, live in Kubernetes' eyes.
-RESTARTS_BEFORE_UNHEALTHY = 5
 # How often the supervisor looks whether its engine is stuck (`ProcessTree._check_engine`)
 # or a front end hung (`ProcessTree._check_frontends`).
 CHECK_INTERVAL_S = 1.0
@@ -90,6 +87,7 @@ class ProcessTree:
         self.frontends: list[BaseProcess] = []
         # What the supervisor heard on each front end's start pipe (its start-up, heartbeats).
         self._heartbeats = FrontendHeartbeats(clock)
+        self._frontend_loops = FrontendCrashLoops(self._heartbeats, clock)  # and their restarts
         self.hung_frontends = 0  # front ends killed for their silence (the log counts them)
         self._frontend_tokens: dict[int, int] = {}  # each live one's start token, by its pid
         self._metric_folds: set[asyncio.Task[None]] = set()
@@ -180,11 +178,10 @@ class ProcessTree:
             self._check_frontends()
 
     def _crash_loop(self) -> str | None:
-        """Why the pod should be restarted, if its engine keeps dying without being ready."""
-        restarts = self.engine.restarts_since_ready
-        if restarts < RESTARTS_BEFORE_UNHEALTHY:
-            return None
-        return f"the engine restarted {restarts} times without becoming ready"
+        """Why the pod should be restarted, if its engine keeps dying without being ready or
+        every front end without serving (`app/crash_loop.py`)."""
+        engine = crash_loop(self.engine.restarts_since_ready, "the engine", "becoming ready")
+        return engine or self._frontend_loops.problem(len(self.frontends))
 
     def _engine_exited(self, pid: int) -> None:
         self._engine_status.forget()
@@ -254,13 +251,6 @@ class ProcessTree:
         if self.frontends[index] is process:  # not a replaced one's late word
             self._heartbeats.started(index)
 
-    def _served_stable(self, index: int) -> bool:
-        """Whether front end `index` (just dead) had served for `STABLE_AFTER_S`: counted
-        from its start-up's success, so one that crash-loops in a long start-up keeps
-        backing off."""
-        since = self._heartbeats.serving_since(index)
-        return since is not None and self._clock() - since >= STABLE_AFTER_S
-
     async def run(self) -> int:
         """Serve until a signal; the exit status. 2, with nothing started, when the probe
         port cannot be served; should anything fail once children run, they are killed
@@ -313,7 +303,7 @@ class ProcessTree:
 
     def exit_status(self) -> int:
         """The server's exit status once stopped: 1 when a front end ended badly on its own
-        (unhealthy, failed start-up) or the engine was crash-looping (Kubernetes probes no
+        (unhealthy, failed start-up) or the tree was crash-looping (Kubernetes probes no
         liveness before start-up succeeds, so such a pod is stopped, not found unhealthy:
         its exit must say it failed); being stopped at once on a second signal is what the
         operator asked for."""
@@ -350,7 +340,7 @@ class ProcessTree:
             assert process.pid is not None
             self._tell_engine_frontend_gone(process.pid)
             await forget_dead_process(process.pid)
-            if self._served_stable(index):
+            if self._frontend_loops.died(index):  # had served stable: no crash loop
                 backoff = None
             first, longest = self.settings.engine_restart_backoff_s
             backoff = next_backoff(backoff, first, longest)

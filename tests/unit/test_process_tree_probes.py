@@ -12,11 +12,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from app.crash_loop import RESTARTS_BEFORE_UNHEALTHY
 from app.drain import ENGINE_STOP_S, STOP_MARGIN_S
 from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import STALE_AFTER_S, EngineAddresses
 from app.frontend_process import drained
-from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree
+from app.processes import ProcessTree
 from app.settings import Settings
 from app.stopping import drain_frontends
 from tests.support.process_tree import StandIn, hear, ready_status

@@ -11,11 +11,12 @@ import logging
 import msgspec
 import pytest
 
+from app.crash_loop import RESTARTS_BEFORE_UNHEALTHY
 from app.engine.health import BatchHealth
 from app.engine.protocol import EngineStatus
 from app.log_limits import VerdictLog
 from app.probes import ProbeVerdicts, probe_response, readiness
-from app.processes import RESTARTS_BEFORE_UNHEALTHY, ProcessTree
+from app.processes import ProcessTree
 from tests.support.process_tree import StandIn, hear, ready_status
 
 

@@ -3,8 +3,11 @@ benches here and the tests (tests/support/envoy.py adds their stub replica).
 
 `local_envoy_config` takes the production file and changes only what cannot work on a test
 machine: listener, admin and upstream addresses become 127.0.0.1 ports, and the upstream
-cluster becomes STATIC (no DNS here). Every limit, retry policy and health check is the
-shipped one unless a test overrides it explicitly. `running_envoy` starts Envoy as a child
+cluster becomes STATIC (no DNS here). The shipped health check goes to each replica's probe
+port (`health_check_config`): to `health_ports`, one per upstream, or, by default, to the
+upstream ports themselves (stubs and servers started without STEADY_HEALTH_PORT answer
+/readyz there). Every limit, retry policy and health check is the shipped one unless a test
+overrides it explicitly. `running_envoy` starts Envoy as a child
 process, waits (bounded, by polling) until it is ready, and kills it by PID on exit.
 """
 
@@ -64,8 +67,11 @@ def local_envoy_config(
     admin_port: int,
     upstream_ports: Sequence[int],
     source: Path = ENVOY_YAML,
+    health_ports: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """The shipped config with only addresses and ports substituted (see module docstring)."""
+    """The shipped config with only addresses and ports substituted (see module docstring);
+    `health_ports` apply where the config's endpoint has a `health_check_config` (one without
+    checks the upstream ports, as Envoy does)."""
     config: dict[str, Any] = copy.deepcopy(yaml.safe_load(source.read_text()))
     config["admin"]["address"] = _loopback(admin_port)
     resources = config["static_resources"]
@@ -78,9 +84,17 @@ def local_envoy_config(
     upstream = _named(resources["clusters"], UPSTREAM_CLUSTER)
     upstream["type"] = "STATIC"
     upstream.pop("dns_lookup_family", None)
-    upstream["load_assignment"]["endpoints"] = [
-        {"lb_endpoints": [{"endpoint": {"address": _loopback(port)}} for port in upstream_ports]}
-    ]
+    (shipped,) = upstream["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    checks_elsewhere = "health_check_config" in shipped["endpoint"]
+    health_ports = upstream_ports if health_ports is None else health_ports
+    assert len(health_ports) == len(upstream_ports), (health_ports, upstream_ports)
+    endpoints: list[dict[str, Any]] = []
+    for port, health_port in zip(upstream_ports, health_ports, strict=True):
+        endpoint: dict[str, Any] = {"address": _loopback(port)}
+        if checks_elsewhere:
+            endpoint["health_check_config"] = {"port_value": health_port}
+        endpoints.append({"endpoint": endpoint})
+    upstream["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints}]
     return config
 
 

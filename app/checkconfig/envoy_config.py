@@ -207,6 +207,11 @@ ENVOY_FIELDS: Mapping[str, Callable[[_EnvoyParts], Any]] = {
         p.cluster, "health_checks.0.unhealthy_threshold"
     ),
     "health_check_healthy_threshold": lambda p: dig(p.cluster, "health_checks.0.healthy_threshold"),
+    # None where the check goes to the traffic port (the endpoint's own).
+    "health_check_port": lambda p: dig(
+        p.cluster,
+        "load_assignment.endpoints.0.lb_endpoints.0.endpoint.health_check_config.port_value",
+    ),
 }
 
 

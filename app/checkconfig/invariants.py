@@ -115,6 +115,13 @@ def _check_server_against_envoy(overlay: OverlayValues) -> list[str]:
                 f"{where}.{probe}_probe port: {port} is not the port the server answers "
                 f"probes on ({served}: STEADY_HEALTH_PORT, else STEADY_PORT)"
             )
+    checked = envoy["health_check_port"]
+    if settings.health_port is not None and checked != settings.health_port:
+        differences.append(
+            f"{where}.envoy.health_check_port: {checked} is not the probe port "
+            f"({settings.health_port}, STEADY_HEALTH_PORT): Envoy's health check would wait "
+            "behind the traffic (None: the traffic port) or find nothing there"
+        )
     return differences
 
 

@@ -347,7 +347,8 @@ def test_probes_on_a_port_the_server_does_not_answer_them_on_are_refused(
     deploy_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """STEADY_HEALTH_PORT moved (and the baseline with it) while the probes still named the
-    old container port: check-config said it matched, and the pods restarted forever."""
+    old container port: check-config said it matched, and the pods restarted forever. Envoy's
+    health check, left on the old port, found nothing there: every replica out."""
     replace_once(
         deploy_copy / "k8s" / "base" / "kustomization.yaml",
         "STEADY_HEALTH_PORT=8001",
@@ -358,6 +359,7 @@ def test_probes_on_a_port_the_server_does_not_answer_them_on_are_refused(
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
     assert "startup_probe port: 8001 is not the port the server answers probes on (9001" in out
+    assert "k8s[cpu].envoy.health_check_port: 8001 is not the probe port (9001" in out
 
 
 def test_a_replica_count_on_the_autoscaled_deployment_is_refused(

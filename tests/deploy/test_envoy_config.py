@@ -4,6 +4,7 @@ exactly the refusals the server marks as safe to retry elsewhere."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -28,6 +29,7 @@ from tests.support.envoy import (
     post_json,
     running_envoy,
     upstream_cluster,
+    wait_for,
 )
 from tests.support.server import REPO_ROOT
 
@@ -157,6 +159,62 @@ def test_stats_listener_exposes_only_metrics_and_readiness(
     assert exported >= ENVOY_METRICS, ENVOY_METRICS - exported
     assert ready[0] == 200
     assert quit_attempt[0] == 404
+
+
+class _Port(BaseHTTPRequestHandler):
+    """One port of a stub replica: answers every GET `status`, records the paths asked, and
+    every POST 200."""
+
+    protocol_version = "HTTP/1.1"
+    status = 200
+    asked: list[str]
+
+    def do_GET(self) -> None:
+        self.asked.append(self.path)
+        self.send_response(self.status)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Quiet: the test reads what was asked."""
+
+
+@contextlib.contextmanager
+def _stub_port(status: int) -> Iterator[tuple[int, list[str]]]:
+    asked: list[str] = []
+    handler = type("Port", (_Port,), {"status": status, "asked": asked})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield int(server.server_address[1]), asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_health_check_asks_the_probe_port_not_the_traffic_port(tmp_path: Path) -> None:
+    """Envoy checked /readyz on the traffic port, where a flood delays it like any request
+    (seconds at 5,000 connections, docs/BENCHMARKS.md) and two checks past the 1 s timeout
+    take a busy, healthy replica out; the supervisor's probe port carries no traffic. Here
+    the traffic port answers every GET 503: a check there would never find the host healthy."""
+    with _stub_port(503) as (traffic, traffic_asked), _stub_port(200) as (probes, probes_asked):
+        listener, stats, admin = free_ports(3)
+        config = local_envoy_config(listener, stats, admin, [traffic], health_ports=[probes])
+        with running_envoy(tmp_path, config) as envoy:
+            wait_for(lambda: envoy.host_healthy(traffic), 20, "the probe port's check to pass")
+            connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
+            status, _, _ = post_json(connection, "/infer", b'{"inputs": "x"}')
+            connection.close()
+    assert status == 200  # the traffic itself still goes to the traffic port
+    assert probes_asked and set(probes_asked) == {"/readyz"}
+    assert traffic_asked == []
 
 
 def envoy_get(port: int, path: str) -> tuple[int, str]:

@@ -6,7 +6,9 @@ the traffic port to scrape /metrics, reached /infer, /v1, /v2 and /debug there p
 limit Envoy sets (circuit breakers, header timeout and size cap). So the traffic port admits
 Envoy's pods alone, and the monitoring namespace is admitted to the probe port
 (STEADY_HEALTH_PORT) only, where the supervisor serves /metrics beside the probes and
-nothing that reaches the engine; the ServiceMonitor scrapes that port. (The kubelet's probes
+nothing that reaches the engine; the ServiceMonitor scrapes that port. Envoy's pods reach the
+port their health check asks (the endpoint's `health_check_config` in the Envoy ConfigMap the
+overlay renders), which must be the probe port. (The kubelet's probes
 need no rule: traffic from a pod's own node is always allowed.) Ports are resolved as
 Kubernetes resolves them: a name to the server container's port of that name, the traffic
 port from the container's `serve --port`, the probe port from the pod's environment, both
@@ -19,9 +21,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+import yaml
 
 from app.checkconfig import render_kustomization
-from app.checkconfig.common import SERVER_CONTAINER, Manifest, dig
+from app.checkconfig.common import ENVOY_CONFIG_KEY, SERVER_CONTAINER, Manifest, dig
+from app.checkconfig.envoy_config import read_envoy
 from app.checkconfig.pod_settings import pod_environment, settings_from_environment
 from app.cli import build_parser
 from tests.deploy.tools import DEPLOY
@@ -118,6 +122,18 @@ def _scraped_ports(manifests: list[Manifest], server: Replica) -> dict[str, int 
     return ports
 
 
+def envoy_health_check_port(manifests: list[Manifest], server: Replica) -> int:
+    """The replica port Envoy's health check asks, as the rendered Envoy ConfigMap says (its
+    endpoint's own port where it names no other)."""
+    (config,) = [
+        yaml.safe_load(m["data"][ENVOY_CONFIG_KEY])
+        for m in manifests
+        if m["kind"] == "ConfigMap" and ENVOY_CONFIG_KEY in (m.get("data") or {})
+    ]
+    checked = read_envoy(config)["health_check_port"]
+    return server.traffic if checked is None else int(checked)
+
+
 def access_problems(manifests: list[Manifest]) -> list[str]:
     server = replica(manifests)
     assert server.probes is not None, "the pods set no STEADY_HEALTH_PORT"
@@ -125,7 +141,8 @@ def access_problems(manifests: list[Manifest]) -> list[str]:
         server.traffic: "the traffic port",
         server.probes: "the probe port",
     }
-    wanted = {("envoy", server.traffic), ("monitoring", server.probes)}
+    checked = envoy_health_check_port(manifests, server)
+    wanted = {("envoy", server.traffic), ("envoy", checked), ("monitoring", server.probes)}
     got = admitted(manifests)
     problems = [
         f"NetworkPolicy admits {peer} to {port} ({names.get(port, 'not served')})"
@@ -135,6 +152,11 @@ def access_problems(manifests: list[Manifest]) -> list[str]:
         f"NetworkPolicy does not admit {peer} to {port} ({names[port]})"
         for peer, port in sorted(wanted - got, key=str)
     ]
+    if checked != server.probes:
+        problems.append(
+            f"Envoy's health check asks port {checked} ({names.get(checked, 'not served')}), "
+            f"not the probe port ({server.probes})"
+        )
     for endpoint, port in _scraped_ports(manifests, server).items():
         if port != server.probes:
             problems.append(
@@ -152,10 +174,13 @@ def _rendered(deploy: Path, overlay: str) -> list[Manifest]:
 def test_only_envoy_reaches_the_traffic_port_and_prometheus_scrapes_the_probe_port(
     overlay: str,
 ) -> None:
+    """Envoy's pods reach the probe port too, where their health check asks: the policy let
+    them reach `http` alone while the check went to the traffic port, slow under a flood."""
     manifests = _rendered(DEPLOY, overlay)
     assert access_problems(manifests) == []
     # Not vacuous: what is admitted, and where the ServiceMonitor scrapes, exactly.
-    assert admitted(manifests) == {("envoy", 8000), ("monitoring", 8001)}
+    assert admitted(manifests) == {("envoy", 8000), ("envoy", 8001), ("monitoring", 8001)}
+    assert envoy_health_check_port(manifests, replica(manifests)) == 8001
     assert _scraped_ports(manifests, replica(manifests)) == {"probes": 8001}
 
 
@@ -163,6 +188,10 @@ _ENVOY_PEER = """        - podSelector:
             matchLabels:
               app.kubernetes.io/name: steadyserve
               app.kubernetes.io/component: envoy
+"""
+_ENVOY_PROBES = """        - port: probes
+          protocol: TCP
+    - from:
 """
 _MONITORING_RULE = """    - from:
         - namespaceSelector:
@@ -211,8 +240,21 @@ _MONITORING_RULE = """    - from:
             "    - port: http\n      path: /metrics\n",
             "ServiceMonitor endpoint http scrapes port 8000, not the probe port (8001)",
         ),
+        (  # the policy as it was: Envoy's health check could not reach the probe port
+            "networkpolicy.yaml",
+            _ENVOY_PROBES,
+            "    - from:\n",
+            "NetworkPolicy does not admit envoy to 8001 (the probe port)",
+        ),
     ],
-    ids=["monitoring-on-traffic", "monitoring-everywhere", "no-scrape", "anyone", "monitor"],
+    ids=[
+        "monitoring-on-traffic",
+        "monitoring-everywhere",
+        "no-scrape",
+        "anyone",
+        "monitor",
+        "envoy-health-check-blocked",
+    ],
 )
 def test_a_wider_or_narrower_policy_is_named(
     deploy_copy: Path, file: str, old: str, new: str, named: str
@@ -225,3 +267,18 @@ def test_a_wider_or_narrower_policy_is_named(
     for overlay in OVERLAYS:
         problems = access_problems(_rendered(deploy_copy, overlay))
         assert named in problems, problems
+
+
+def test_a_health_check_on_the_traffic_port_is_named(deploy_copy: Path) -> None:
+    """The config as it was: no `health_check_config`, so Envoy checked port 8000."""
+    path = deploy_copy / "envoy" / "envoy.yaml"
+    text = path.read_text()
+    line = "                  health_check_config: { port_value: 8001 }\n"
+    assert text.count(line) == 1
+    path.write_text(text.replace(line, ""))
+    for overlay in OVERLAYS:
+        problems = access_problems(_rendered(deploy_copy, overlay))
+        assert (
+            "Envoy's health check asks port 8000 (the traffic port), not the probe port (8001)"
+            in problems
+        ), problems

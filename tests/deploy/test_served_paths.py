@@ -13,10 +13,11 @@ What is served is read from the servers themselves, never from a copied list:
 Checked, in both rendered overlays: the Dockerfile HEALTHCHECK's URL (on STEADY_HEALTH_PORT);
 every httpGet probe of every container (a named port resolved to its containerPort); every
 ServiceMonitor endpoint (Service port -> targetPort -> the selected pods' container port);
-each Envoy cluster's HTTP health check (its endpoint's address names the Service it reaches).
-Also the paths deploy/baseline.yaml pins, which check-config compares with the manifests: the
-Kubernetes probe paths (on the probe port, as check-config's invariants require) and Envoy's
-health check path (on the traffic port).
+each Envoy cluster's HTTP health check (its endpoint's address names the Service it reaches,
+its `health_check_config` the port, else the endpoint's own). Also the paths
+deploy/baseline.yaml pins, which check-config compares with the manifests: the Kubernetes
+probe paths and Envoy's health check path (on the probe port, as check-config's invariants
+require).
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def _baseline_problems(deploy: Path) -> list[str]:
             if path is not None and not probe_port_serves(path):
                 problems.append(f"baseline {where}.{probe}_probe_path: {path} is not a probe path")
     health_check_path = baseline["envoy"]["health_check_path"]
-    if not traffic_serves(health_check_path):
+    if not probe_port_serves(health_check_path):
         problems.append(f"baseline envoy.health_check_path: {health_check_path} is not served")
     return problems
 
@@ -266,10 +267,11 @@ def _envoy_health_check_problems(overlay: str, manifests: list[Manifest]) -> lis
                 for endpoint in group["lb_endpoints"]:
                     address = endpoint["endpoint"]["address"]["socket_address"]
                     service = services.get(address["address"])
+                    checked = dig(endpoint, "endpoint.health_check_config.port_value")
                     if service is None:
                         problems.append(f"{where}: {address['address']} is no Service")
                     else:
-                        port = address["port_value"]
+                        port = address["port_value"] if checked is None else checked
                         _check_service(problems, where, manifests, service, port, path)
     return problems
 
@@ -323,7 +325,7 @@ def test_shipped_files_request_only_served_paths() -> None:
             "envoy/envoy.yaml",
             "path: /readyz",
             "path: /ready",
-            "Envoy cluster steadyserve health check: /ready on port 8000 (8000: the traffic port)",
+            "Envoy cluster steadyserve health check: /ready on port 8001 (8001: the probe port)",
         ),
         (
             "baseline.yaml",

@@ -8,6 +8,8 @@ import contextlib
 import http.client
 import json
 import re
+import socket
+import struct
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -273,6 +275,48 @@ def test_envoy_retries_refusals_that_did_no_work_but_never_a_lost_engine(
         upstream.server_close()
     assert status == REJECTION_STATUS[reason] and json.loads(body)["error"]["type"] == reason.value
     assert handler.attempts == attempts
+
+
+class _Dying(HealthyReplica):
+    """An upstream whose health check passes and which, for every POST, reads the request
+    and then resets its connection unanswered, as a front end killed by the request (or
+    killed as hung while serving it) does; counting the attempts."""
+
+    attempts = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        type(self).attempts += 1
+        # SO_LINGER 0: closing sends a reset, as the kernel does for a killed process's
+        # connection with unread input.
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.connection.close()
+        self.close_connection = True
+
+
+def test_a_request_whose_replica_died_with_it_is_not_retried(tmp_path: Path) -> None:
+    """`retry_on: reset` replayed a request that killed (or hung) its front end on two more
+    replicas, as a 503 engine_lost never is: a query of death. `reset-before-request`
+    retries only a reset before Envoy sent the request (a replica gone), which this Envoy
+    release knows by that name (its binary carries it; `--mode validate` accepts any)."""
+    with open(envoy_binary(), "rb") as binary:
+        assert b"reset-before-request" in binary.read()
+    handler = type("Dying", (_Dying,), {"attempts": 0})
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    try:
+        listener, stats, admin = free_ports(3)
+        config = local_envoy_config(listener, stats, admin, [int(upstream.server_address[1])])
+        with running_envoy(tmp_path, config) as envoy:
+            connection = http.client.HTTPConnection("127.0.0.1", envoy.listener_port)
+            status, _, _ = post_json(connection, "/infer", b'{"inputs": "x"}')
+            connection.close()
+            retries = envoy.stats("cluster.steadyserve.upstream_rq_retry")
+    finally:
+        upstream.shutdown()
+        upstream.server_close()
+    assert status == 503  # Envoy's own answer: the upstream reset
+    assert handler.attempts == 1, retries
 
 
 def test_the_docs_name_the_header_the_server_sends() -> None:

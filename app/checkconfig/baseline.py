@@ -118,6 +118,12 @@ class Baseline:
                 f"{path}: capacity.replica_inflight must be a whole number of requests (at "
                 f"least 1), not {value!r}"
             )
+        for key in ("replica_resident_mb", "frontend_resident_mb"):
+            value = self.capacity[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ConfigError(
+                    f"{path}: capacity.{key} must be a positive number, not {value!r}"
+                )
 
     @property
     def replica_inflight(self) -> int:
@@ -125,9 +131,17 @@ class Baseline:
         value: int = self.capacity["replica_inflight"]
         return value
 
+    @property
+    def resident_mb(self) -> tuple[float, float]:
+        """capacity.replica_resident_mb and frontend_resident_mb, checked when loaded."""
+        return (
+            float(self.capacity["replica_resident_mb"]),
+            float(self.capacity["frontend_resident_mb"]),
+        )
+
 
 # Baseline keys under `capacity:`.
-CAPACITY_FIELDS = ("replica_inflight",)
+CAPACITY_FIELDS = ("replica_inflight", "replica_resident_mb", "frontend_resident_mb")
 
 
 def _section(parent: Mapping[str, Any], key: str, path: Path, where: str = "") -> dict[str, Any]:

@@ -146,6 +146,7 @@ def check_overlay(
             envoy=overlay_envoy,
             probe_ports=probe_ports(manifests),
             replica_inflight=baseline.replica_inflight,
+            resident_mb=baseline.resident_mb,
         )
     )
     return differences

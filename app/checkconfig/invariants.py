@@ -36,6 +36,9 @@ class OverlayValues:
     probe_ports: Mapping[str, Any]
     # capacity.replica_inflight: measured, so the baseline's (no file sets it).
     replica_inflight: int
+    # capacity.replica_resident_mb and frontend_resident_mb: measured, so the baseline's;
+    # None: not checked.
+    resident_mb: tuple[float, float] | None = None
 
 
 def check_overlay_invariants(overlay: OverlayValues) -> list[str]:
@@ -47,6 +50,7 @@ def check_overlay_invariants(overlay: OverlayValues) -> list[str]:
         + _check_shutdown(overlay)
         + _check_replicas(overlay)
         + _check_circuit_breakers(overlay)
+        + _check_memory(overlay)
     )
 
 
@@ -258,3 +262,43 @@ def check_guaranteed_qos(where: str, k8s_actual: Mapping[str, Any]) -> list[str]
                 "QoS (exclusive cores under the static CPU manager) needs requests == limits"
             )
     return differences
+
+
+def _check_memory(overlay: OverlayValues) -> list[str]:
+    """A CPU replica's memory limit holds what its processes were measured to hold (the
+    baseline's `capacity`: one front end, and each further one) and the bodies of every
+    request Envoy can have at it at once (each Envoy pod's `max_connections`, one request a
+    connection over HTTP/1.1, should all land on it), each held twice at worst (as read and
+    as parsed text); and it is at most twice that: with requests equal to limits the pod
+    reserves it whole on its node. The figures were measured on CPU: a GPU replica's host
+    memory (CUDA context, pinned buffers, larger models) is not held to them."""
+    settings, k8s, envoy = overlay.settings, overlay.k8s, overlay.envoy
+    limit, cpu_limit = k8s["memory_limit"], k8s["cpu_limit"]
+    connections = envoy["circuit_breaker_max_connections"]
+    if overlay.resident_mb is None or settings.device != "cpu" or None in (limit, cpu_limit):
+        return []
+    if isinstance(connections, bool) or not isinstance(connections, int):
+        return []  # reported with the circuit breakers
+    first_mb, each_more_mb = overlay.resident_mb
+    frontends = settings.frontend_processes(cpu_count(cpu_limit))
+    processes = (first_mb + each_more_mb * (frontends - 1)) * 10**6
+    bodies = (
+        2 * settings.max_body_bytes * connections * max(1, _count(overlay, "envoy_replicas", 1))
+    )
+    budget = processes + bodies
+    amount = parse_quantity(limit)
+    said = (
+        f"{processes / 2**30:.2f} GiB for the engine and {frontends} front ends, measured, "
+        f"+ {bodies / 2**30:.2f} GiB of request bodies"
+    )
+    if amount < budget:
+        return [
+            f"{overlay.where}.memory_limit: {limit} is under what a replica can hold "
+            f"({budget / 2**30:.2f} GiB: {said}): a flood's bodies would get it OOM-killed"
+        ]
+    if amount > 2 * budget:
+        return [
+            f"{overlay.where}.memory_limit: {limit} is more than twice what a replica can hold "
+            f"({budget / 2**30:.2f} GiB: {said}): Guaranteed QoS reserves it all on its node"
+        ]
+    return []

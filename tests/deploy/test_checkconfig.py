@@ -84,8 +84,8 @@ def test_cpu_limit_change_is_named_with_the_thread_count_it_implies(
     patch = deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml"
     replace_once(
         patch,
-        'limits:\n              cpu: "4"\n              memory: 8Gi',
-        'limits:\n              cpu: "6"\n              memory: 8Gi',
+        'limits:\n              cpu: "4"\n              memory: 4Gi',
+        'limits:\n              cpu: "6"\n              memory: 4Gi',
     )
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out
@@ -333,14 +333,14 @@ def test_memory_requests_below_limits_are_refused(
     GiB): Burstable, and no exclusive cores. Changed in both places: the invariant catches it."""
     replace_once(
         deploy_copy / "k8s" / "overlays" / "cpu" / "steadyserve-cpu.yaml",
-        '              cpu: "4"\n              memory: 8Gi\n            limits:',
-        '              cpu: "4"\n              memory: 6Gi\n            limits:',
+        '              cpu: "4"\n              memory: 4Gi\n            limits:',
+        '              cpu: "4"\n              memory: 3Gi\n            limits:',
     )
     baseline = deploy_copy / "baseline.yaml"
     text = baseline.read_text()
-    baseline.write_text(text.replace("memory_request: 8Gi", "memory_request: 6Gi", 1))
+    baseline.write_text(text.replace("memory_request: 4Gi", "memory_request: 3Gi", 1))
     assert check(deploy_copy) == 1
-    assert "k8s[cpu].memory_request: 6Gi is not the limit (8Gi)" in capsys.readouterr().out
+    assert "k8s[cpu].memory_request: 3Gi is not the limit (4Gi)" in capsys.readouterr().out
 
 
 def test_probes_on_a_port_the_server_does_not_answer_them_on_are_refused(

@@ -1,5 +1,5 @@
 """`steadyserve check-config` compares Kubernetes quantities by the amounts they stand for:
-"4", 4 and "4000m" CPUs are one limit, "8Gi" and "8192Mi" one memory size."""
+"4", 4 and "4000m" CPUs are one limit, "4Gi" and "4096Mi" one memory size."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from tests.deploy.checkconfig_support import check, replace_once
 SHIPPED_CPU_RESOURCES = (
     "            requests:\n"
     '              cpu: "4"\n'
-    "              memory: 8Gi\n"
+    "              memory: 4Gi\n"
     "            limits:\n"
     '              cpu: "4"\n'
-    "              memory: 8Gi\n"
+    "              memory: 4Gi\n"
 )
 
 
@@ -31,10 +31,10 @@ def test_other_spellings_of_the_same_resources_match_the_baseline(
         SHIPPED_CPU_RESOURCES,
         "            requests:\n"
         '              cpu: "4000m"\n'
-        "              memory: 8192Mi\n"
+        "              memory: 4096Mi\n"
         "            limits:\n"
         "              cpu: 4\n"
-        "              memory: 8Gi\n",
+        "              memory: 4Gi\n",
     )
     assert check(deploy_copy) == 0, capsys.readouterr().out
 
@@ -49,7 +49,7 @@ def test_requests_left_out_are_the_limits(
         "            requests: null\n"
         "            limits:\n"
         '              cpu: "4"\n'
-        "              memory: 8Gi\n",
+        "              memory: 4Gi\n",
     )
     assert check(deploy_copy) == 0, capsys.readouterr().out
 
@@ -59,8 +59,8 @@ def test_a_different_amount_is_still_drift(
 ) -> None:
     replace_once(
         cpu_overlay_patch(deploy_copy),
-        '              cpu: "4"\n              memory: 8Gi\n            limits:',
-        '              cpu: "3500m"\n              memory: 8Gi\n            limits:',
+        '              cpu: "4"\n              memory: 4Gi\n            limits:',
+        '              cpu: "3500m"\n              memory: 4Gi\n            limits:',
     )
     assert check(deploy_copy) == 1
     out = capsys.readouterr().out

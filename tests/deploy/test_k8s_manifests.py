@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from app.checkconfig import ConfigError, render_kustomization, strategic_merge
+from app.checkconfig.quantities import parse_quantity
 from app.frontend_heartbeats import SILENT_AFTER_S
 from tests.deploy.tools import DEPLOY, require_tool, run_tool
 
@@ -157,3 +158,23 @@ def test_a_front_end_is_killed_as_hung_only_past_the_kubelets_liveness_budget(
     liveness = server_container(rendered(overlay))["livenessProbe"]
     budget_s = liveness["periodSeconds"] * liveness["failureThreshold"]
     assert budget_s <= SILENT_AFTER_S
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_has_guaranteed_qos(overlay: str) -> None:
+    """Requests equal to limits for CPU and memory in every container (a request left out is
+    its limit): Guaranteed QoS, without which the static CPU manager gives no exclusive cores.
+    Envoy's pod, its `--concurrency 2` sized for 2 exclusive cores, asked 256Mi of memory
+    under a 512Mi limit: Burstable."""
+    unequal = []
+    for deployment in (m for m in rendered(overlay) if m["kind"] == "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            resources = container.get("resources") or {}
+            limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+            for resource in ("cpu", "memory"):
+                limit = limits.get(resource)
+                request = requests.get(resource, limit)
+                if limit is None or parse_quantity(request) != parse_quantity(limit):
+                    name = f"{deployment['metadata']['name']}/{container['name']}"
+                    unequal.append(f"{name} {resource}: request {request}, limit {limit}")
+    assert unequal == []

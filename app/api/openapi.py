@@ -14,6 +14,10 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
   generation routes, and /infer's generation form, are documented only when a generate
   model is served (chat: one with a chat template), `model` narrowed to those models.
 
+- FastAPI's 422 `HTTPValidationError`, which it states for every route with a parameter, is
+  dropped with its components: /v1/models/{model}'s path takes any string, and the
+  inference routes' 422 is the `ErrorBody` they document themselves.
+
 What JSON Schema cannot state (an input's token count, the deadline) is answered with the
 documented 413 and 504 responses. Called on the event loop thread (the /openapi.json route).
 """
@@ -64,13 +68,9 @@ def _body_components(*models: type[BaseModel]) -> dict[str, Any]:
         takes.__annotations__ = {"body": model, "return": None}
         routes.append(APIRoute(f"/{model.__name__}", takes, methods=["POST"]))
     document = get_openapi(title="", version="", routes=routes)
+    # With the throwaway routes' own 422 answer (`_drop_fastapi_validation_errors`).
     components: dict[str, Any] = document["components"]["schemas"]
-    # The throwaway routes' own 422 answer, which the real routes do not document.
-    return {
-        name: schema
-        for name, schema in components.items()
-        if name not in ("HTTPValidationError", "ValidationError")
-    }
+    return components
 
 
 def _narrow_model(component: dict[str, Any], models: list[str], default: str) -> None:
@@ -111,6 +111,18 @@ def _document_generation(
         components.pop(component, None)
         if path is not None:
             paths.pop(path, None)
+
+
+def _drop_fastapi_validation_errors(document: dict[str, Any]) -> None:
+    fastapi_422 = {"$ref": "#/components/schemas/HTTPValidationError"}
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            answer = responses.get("422", {}).get("content", {}).get("application/json", {})
+            if answer.get("schema") == fastapi_422:
+                del responses["422"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        document["components"]["schemas"].pop(name, None)
 
 
 def _limit_text_lists(components: dict[str, Any], max_items: int) -> None:
@@ -160,6 +172,7 @@ def install_openapi(app: FastAPI, service: Service) -> None:
         ]
         default = service.settings.default_model_name
         _document_generation(document, generating, chatting, default)
+        _drop_fastapi_validation_errors(document)
         _limit_text_lists(components, service.settings.max_inputs_per_request)
         names = service.model_names()
         # `dimensions` is an embedding's width: a tensor model has none, a generate model's

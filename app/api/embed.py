@@ -20,7 +20,7 @@ from app.api.common import (
     validated,
 )
 from app.api.errors import texts_as_sent
-from app.api.errors_doc import ERRORS, OPENAI_ERRORS
+from app.api.errors_doc import CONNECTION_CAP, ERRORS, OPENAI_ERRORS
 from app.api.generate import infer_generate
 from app.api.responses import error_response, in_envelope_of, json_response, service_of
 from app.embedding_service import EmbedResult, embed_texts
@@ -185,7 +185,7 @@ def _card(request: Request, name: str) -> dict[str, Any]:
     ).model_dump()
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=CONNECTION_CAP)
 async def models(request: Request) -> Response:
     cards = [_card(request, name) for name in service_of(request).model_names()]
     return json_response({"object": "list", "data": cards})
@@ -194,7 +194,7 @@ async def models(request: Request) -> Response:
 @router.get(
     "/v1/models/{model:path}",
     response_model=ModelCard,
-    responses={404: OPENAI_ERRORS[404]},
+    responses={404: OPENAI_ERRORS[404], **CONNECTION_CAP},
 )
 async def retrieve_model(request: Request, model: str) -> Response:
     # OpenAI's retrieve (`client.models.retrieve`); an unknown name is 404 `model_not_found`.

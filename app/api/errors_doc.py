@@ -1,8 +1,9 @@
 """Every status the inference routes answer besides 200, as the OpenAPI document states it
-(the handlers are in errors.py)."""
+(the handlers are in errors.py), and the connection cap's 429 of the other operations."""
 
 from __future__ import annotations
 
+from app.api.errors import RETRY_ELSEWHERE_HEADER
 from app.schemas import ErrorBody
 
 _ERROR_WHEN = {
@@ -35,8 +36,39 @@ _ERROR_WHEN = {
     504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
     "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",
 }
+# The headers of a refusal (`errors.refusal_headers`, `shedding.raw_refusal`), by status.
+REFUSAL_HEADERS: dict[str, dict[str, object]] = {
+    "Retry-After": {
+        "description": "Whole seconds to wait before retrying, where waiting would help.",
+        "schema": {"type": "integer", "minimum": 1},
+    },
+    RETRY_ELSEWHERE_HEADER: {
+        "description": "`1`: the request did no work, so another replica may take it at once "
+        "(the shipped Envoy retries the answers that carry it); absent where it may have "
+        "reached an engine (`engine_lost`, an engine that stopped answering).",
+        "schema": {"type": "string", "enum": ["1"]},
+    },
+    "Connection": {
+        "description": "`close`: the connection is closed after this answer (at the "
+        "connection cap, while draining, or where the request's body was not read).",
+        "schema": {"type": "string"},
+    },
+}
 ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody, "description": when} for code, when in _ERROR_WHEN.items()
+    code: {"model": ErrorBody, "description": when}
+    | ({"headers": REFUSAL_HEADERS} if code in (429, 503) else {})
+    for code, when in _ERROR_WHEN.items()
+}
+# What every operation but Prometheus's scrape may be answered on a front end holding
+# STEADY_MAX_CONNECTIONS connections: its HTTP protocol refuses it from the headers
+# (`api/shedding_protocol.py`).
+CONNECTION_CAP: dict[int | str, dict[str, object]] = {
+    429: {
+        "model": ErrorBody,
+        "description": "A front end holding STEADY_MAX_CONNECTIONS connections "
+        "(`connections`: this connection is closed). `Retry-After` says when to retry.",
+        "headers": REFUSAL_HEADERS,
+    }
 }
 # The OpenAI routes answer a refused field 400, as OpenAI does (`errors.invalid_request_status`).
 OPENAI_ERRORS: dict[int | str, dict[str, object]] = {

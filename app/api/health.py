@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import PlainTextResponse, Response
 
+from app.api.errors_doc import CONNECTION_CAP
 from app.api.responses import service_of
 from app.probes import HEALTHZ, METRICS, READYZ, probe_response
 from app.service import Service
@@ -22,6 +23,7 @@ _JSON = {"application/json": {"schema": {"type": "object"}}}
 _HEALTHZ_ANSWERS: dict[int | str, dict[str, object]] = {
     200: {"description": 'Leave it running: {"status": "ok"}', "content": _JSON},
     503: {"description": 'Restart it: {"status": "unhealthy", "problem"}', "content": _JSON},
+    **CONNECTION_CAP,
 }
 _READYZ_ANSWERS: dict[int | str, dict[str, object]] = {
     200: {"description": "Ready: every shape warmed up, not draining", "content": _JSON},
@@ -29,6 +31,7 @@ _READYZ_ANSWERS: dict[int | str, dict[str, object]] = {
         "description": "Not ready (warming up, draining, no engine, failing batches): why",
         "content": _JSON,
     },
+    **CONNECTION_CAP,
 }
 
 

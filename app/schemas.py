@@ -12,6 +12,7 @@ from pydantic import (
     StringConstraints,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 NonEmptyText = Annotated[str, StringConstraints(min_length=1)]
 
@@ -20,9 +21,21 @@ class StrictModel(BaseModel):
     """Unknown fields are refused (422; 400 on the OpenAI routes), and values are taken as
     the JSON type the field has: `"max_tokens": true` was 1 token and `"temperature": "0.5"`
     was 0.5, while `"stream": "true"` was refused (an integer is still a number for a float
-    field)."""
+    field, and a whole-number float an integer where a model applies `whole_number`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def whole_number(value: object) -> object:
+    """A `mode="before"` check of an integer field, or an integer literal such as `n`'s 1: a
+    float with no fraction is that integer, as the OpenAPI document's JSON Schema counts it
+    (and Python callers send OpenAI's number-typed penalties as 0.0); a boolean is refused,
+    which a literal took for 0 or 1 (`True == 1`). Other values are left to the field."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def strings_only(value: object, field: str) -> object:
@@ -72,6 +85,8 @@ class EmbeddingsRequest(StrictModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, gt=0)
     user: str | None = None
+
+    _whole_numbers = field_validator("dimensions", mode="before")(whole_number)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -30,7 +30,7 @@ from pydantic import (
 )
 
 from app.engine.protocol_logprobs import MAX_TOP_LOGPROBS
-from app.schemas import NonEmptyText, StrictModel, strings_only
+from app.schemas import NonEmptyText, StrictModel, strings_only, whole_number
 from app.schemas_logprobs import ChatLogprobs, CompletionLogprobs, InferTokenLogprob
 
 # One prompt, or several, each continued independently.
@@ -84,6 +84,10 @@ class GenerateParameters(StrictModel):
         ge=0,
         le=MAX_TOP_LOGPROBS,
         description="Each generated token's log probability and this many alternatives'.",
+    )
+
+    _whole_numbers = field_validator("max_new_tokens", "top_k", "seed", "logprobs", mode="before")(
+        whole_number
     )
 
     @field_validator("temperature")
@@ -158,6 +162,10 @@ class OpenAISampling(StrictModel):
         default=None, description="Not served: null or {} only."
     )
 
+    _whole_numbers = field_validator(
+        "top_k", "seed", "n", "presence_penalty", "frequency_penalty", mode="before"
+    )(whole_number)
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: object) -> object:
@@ -211,6 +219,11 @@ class CompletionRequest(OpenAISampling):
     def logprobs_asked(self) -> int | None:
         """The alternatives asked per generated token; None: no log probabilities."""
         return self.logprobs
+
+    # Named apart from OpenAISampling's, which a validator of the same name would replace.
+    _whole_counts = field_validator("max_tokens", "best_of", "logprobs", mode="before")(
+        whole_number
+    )
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -316,6 +329,10 @@ class ChatCompletionRequest(OpenAISampling):
         le=INT64_MAX,
         description="Most tokens to generate; the model's room if unset.",
     )
+
+    _whole_counts = field_validator(
+        "max_tokens", "max_completion_tokens", "top_logprobs", mode="before"
+    )(whole_number)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -2,6 +2,7 @@
 whose point is the protocol (stop strings and disconnects cancel the engine request,
 interleaved sequences, failures mid-stream), not the model.
 
+Each embedding request is answered at once with zero vectors (an embedding model's width).
 Each generate request gets its prompt's ids (the first, BOS, left out) cycled up to its
 `max_new_tokens` (or fewer, ending in EOS, with `eos_after_tokens`), one token per output,
 with made-up log probabilities when asked (`scripted_logprobs`: they name their token),
@@ -14,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+
 from app.engine.protocol import (
     Cancel,
+    EmbedOutput,
+    EmbedPayload,
     Failure,
     FailureKind,
     FinishReason,
@@ -30,6 +35,8 @@ from app.engine.protocol_logprobs import TokenLogprobs
 from app.model_specs import ModelSpec
 from app.settings import Settings
 from loadtest.null_engine import AlwaysReadyEngine
+
+EMBEDDING_WIDTH = 384
 
 
 def scripted_logprobs(token_id: int, top: int) -> TokenLogprobs:
@@ -56,7 +63,7 @@ class ScriptedGenerator(AlwaysReadyEngine):
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         # As the real engine reports them: an embedding's width, a generate model's vocabulary.
-        width = 384 if spec.task == "embed" else 500
+        width = EMBEDDING_WIDTH if spec.task == "embed" else 500
         return ModelInfo(spec.task, width, self._max_sequence_tokens - 1)
 
     async def close(self) -> None:
@@ -74,6 +81,11 @@ class ScriptedGenerator(AlwaysReadyEngine):
             if task is not None:
                 task.cancel()
             return
+        if isinstance(message, Submit) and isinstance(message.payload, EmbedPayload):
+            ids = message.payload.token_ids
+            vectors = np.zeros((len(ids), EMBEDDING_WIDTH), dtype=np.float32).tobytes()
+            answer = EmbedOutput(vectors, len(ids), EMBEDDING_WIDTH, sum(map(len, ids)))
+            self._deliver(Output(message.request_id, True, answer, queue_s=0.0, compute_s=0.0))
         if isinstance(message, Submit) and isinstance(message.payload, GeneratePayload):
             self.submitted.append(message)
             task = asyncio.get_running_loop().create_task(self._generate(message))

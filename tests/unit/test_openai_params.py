@@ -128,11 +128,15 @@ def test_unserved_fields_asking_for_something_are_refused(field: dict[str, objec
         {"max_tokens": True},
         {"max_tokens": "3"},
         {"temperature": "0.5"},
-        {"seed": 1.0},
+        {"seed": 1.5},
+        {"n": True},
+        {"presence_penalty": False},
     ],
 )
 def test_a_value_of_another_json_type_is_refused_not_converted(field: dict[str, object]) -> None:
-    """Lax validation served `"max_tokens": true` as 1 token."""
+    """Lax validation served `"max_tokens": true` as 1 token (and `n: true` passed as 1);
+    a whole-number float is an integer (tests/integration/generation_frontend/
+    test_openapi_document.py)."""
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"prompt": "Hi", **field})
     assert CompletionRequest.model_validate({"prompt": "Hi", "temperature": 1}).temperature == 1.0

@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.openapi_document import documented_valid
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
@@ -30,3 +32,51 @@ async def test_the_model_route_documents_only_the_statuses_it_answers(
     assert set(documented) - {"429"} == {str(status) for status in answered} == {"200", "404"}
     assert "HTTPValidationError" not in str(document)
     assert "ValidationError" not in document["components"]["schemas"]
+
+
+async def accepted_exactly_when_documented_valid(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    """The route accepts `body` (200) if and only if the document says it is valid; what it
+    refuses, it refuses as a request's mistake."""
+    document = await published(client)
+    response = await client.post(path, json=body)
+    assert response.status_code in (200, 400, 404, 422), response.text
+    accepted = response.status_code == 200
+    assert documented_valid(document, path, body) == accepted, (accepted, response.text)
+
+
+COMPLETION = {"prompt": "hi", "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+GENERATE = {"inputs": "hi", "parameters": {"max_new_tokens": 2}}
+WHOLE_NUMBERS = [
+    ("/v1/completions", {**COMPLETION, "max_tokens": 2.0}),
+    ("/v1/completions", {**COMPLETION, "presence_penalty": 0.0, "frequency_penalty": 0.0}),
+    ("/v1/completions", {**COMPLETION, "n": 1.0, "best_of": 1.0}),
+    ("/v1/completions", {**COMPLETION, "top_k": 2.0, "seed": -3.0}),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2.0, "n": 1.0}),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 2.0}),
+    ("/v1/embeddings", {"model": "minilm", "input": "hi", "dimensions": 384.0}),
+    ("/infer", {"inputs": "hi", "parameters": {"max_new_tokens": 2.0, "seed": 1.0}}),
+    # Refused, as the document says: a fraction, a boolean, a string.
+    ("/v1/completions", {**COMPLETION, "max_tokens": 2.5}),
+    ("/v1/completions", {**COMPLETION, "max_tokens": True}),
+    ("/v1/completions", {**COMPLETION, "max_tokens": "2"}),
+    ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}),
+    ("/v1/completions", {**COMPLETION, "presence_penalty": False}),
+    ("/v1/completions", {**COMPLETION, "n": True}),  # was served: `True == 1`
+    ("/v1/completions", {**COMPLETION, "best_of": True}),
+    ("/v1/completions", {**COMPLETION, "n": 2.0}),
+    ("/v1/chat/completions", {**CHAT, "n": True}),
+    ("/v1/embeddings", {"model": "minilm", "input": "hi", "dimensions": 384.5}),
+    ("/infer", {**GENERATE, "parameters": {"max_new_tokens": True}}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), WHOLE_NUMBERS)
+async def test_a_whole_number_is_an_integer_as_the_document_says(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    """OpenAPI 3.1's integers include 16.0, and OpenAI types the penalties as numbers
+    (Python callers send 0.0): `max_tokens: 16.0` was refused, and `n: true` served."""
+    await accepted_exactly_when_documented_valid(client, path, body)

@@ -136,10 +136,11 @@ class StreamOptions(StrictModel):
 
 
 # OpenAI reads null as the default for these (the openai client sends null for a parameter
-# its caller passed as None).
+# its caller passed as None): completions' `max_tokens` is 16 then, not "no limit". The
+# OpenAPI document says they take null (`api/openapi.py`).
 NULL_MEANS_DEFAULT = frozenset(
     {"temperature", "top_p", "top_k", "stream", "n", "presence_penalty", "frequency_penalty",
-     "echo", "best_of"}
+     "echo", "best_of", "max_tokens"}
 )  # fmt: skip
 
 
@@ -224,12 +225,6 @@ class CompletionRequest(OpenAISampling):
     _whole_counts = field_validator("max_tokens", "best_of", "logprobs", mode="before")(
         whole_number
     )
-
-    @field_validator("max_tokens", mode="before")
-    @classmethod
-    def _null_is_openai_s_default(cls, value: object) -> object:
-        # OpenAI's completions read null as their default, 16: not as "no limit".
-        return OPENAI_DEFAULT_COMPLETION_TOKENS if value is None else value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
   generation routes, and /infer's generation form, are documented only when a generate
   model is served (chat: one with a chat template), `model` narrowed to those models.
 
+- the fields the OpenAI routes read null as the default of (`NULL_MEANS_DEFAULT`) take null;
 - FastAPI's 422 `HTTPValidationError`, which it states for every route with a parameter, is
   dropped with its components: /v1/models/{model}'s path takes any string, and the
   inference routes' 422 is the `ErrorBody` they document themselves.
@@ -34,6 +35,7 @@ from pydantic import BaseModel
 from app.generation.tokenizer import GenerationTokenizer
 from app.schemas import EmbeddingsRequest, InferRequest
 from app.schemas_generation import (
+    NULL_MEANS_DEFAULT,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateInferRequest,
@@ -113,6 +115,20 @@ def _document_generation(
             paths.pop(path, None)
 
 
+def _null_means_default(components: dict[str, Any]) -> None:
+    """The fields of the OpenAI generation requests that take null for their default."""
+    for model in (CompletionRequest, ChatCompletionRequest):
+        properties = components.get(model.__name__, {}).get("properties", {})
+        for name in NULL_MEANS_DEFAULT & properties.keys():
+            schema = properties[name]
+            if {"type": "null"} in schema.get("anyOf", []):
+                continue
+            annotations = {
+                key: schema.pop(key) for key in ("title", "description", "default") if key in schema
+            }
+            properties[name] = {"anyOf": [schema, {"type": "null"}], **annotations}
+
+
 def _drop_fastapi_validation_errors(document: dict[str, Any]) -> None:
     fastapi_422 = {"$ref": "#/components/schemas/HTTPValidationError"}
     for operations in document["paths"].values():
@@ -172,6 +188,7 @@ def install_openapi(app: FastAPI, service: Service) -> None:
         ]
         default = service.settings.default_model_name
         _document_generation(document, generating, chatting, default)
+        _null_means_default(components)
         _drop_fastapi_validation_errors(document)
         _limit_text_lists(components, service.settings.max_inputs_per_request)
         names = service.model_names()

@@ -34,16 +34,16 @@ async def test_the_model_route_documents_only_the_statuses_it_answers(
     assert "ValidationError" not in document["components"]["schemas"]
 
 
-async def accepted_exactly_when_documented_valid(
-    client: httpx.AsyncClient, path: str, body: dict[str, Any]
-) -> None:
-    """The route accepts `body` (200) if and only if the document says it is valid; what it
-    refuses, it refuses as a request's mistake."""
+async def disagreement(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str | None:
+    """None if the route accepts `body` (200) exactly when the document says it is valid
+    (what it refuses, it refuses as a request's mistake); else what happened."""
     document = await published(client)
     response = await client.post(path, json=body)
     assert response.status_code in (200, 400, 404, 422), response.text
-    accepted = response.status_code == 200
-    assert documented_valid(document, path, body) == accepted, (accepted, response.text)
+    valid = documented_valid(document, path, body)
+    if valid == (response.status_code == 200):
+        return None
+    return f"documented {'valid' if valid else 'invalid'}, answered {response.text[:200]}"
 
 
 COMPLETION = {"prompt": "hi", "max_tokens": 2}
@@ -79,4 +79,27 @@ async def test_a_whole_number_is_an_integer_as_the_document_says(
 ) -> None:
     """OpenAPI 3.1's integers include 16.0, and OpenAI types the penalties as numbers
     (Python callers send 0.0): `max_tokens: 16.0` was refused, and `n: true` served."""
-    await accepted_exactly_when_documented_valid(client, path, body)
+    assert await disagreement(client, path, body) is None
+
+
+NULLABLE_BODIES = [
+    ("/v1/completions", "CompletionRequest", COMPLETION),
+    ("/v1/chat/completions", "ChatCompletionRequest", CHAT),
+]
+
+
+@pytest.mark.parametrize(("path", "component", "base"), NULLABLE_BODIES)
+async def test_each_field_takes_null_exactly_when_the_document_says_so(
+    client: httpx.AsyncClient, path: str, component: str, base: dict[str, Any]
+) -> None:
+    """OpenAI reads null as the default of `temperature`, `n`, `stream`, the penalties...
+    (the openai client sends null for a parameter passed as None): served, but documented
+    as not nullable. Every field the document states is sent null in turn."""
+    properties = (await published(client))["components"]["schemas"][component]["properties"]
+    assert {"temperature", "n", "max_tokens"} <= set(properties)  # not vacuous
+    disagreements = {
+        field: answer
+        for field in properties
+        if (answer := await disagreement(client, path, {**base, field: None})) is not None
+    }
+    assert sorted(disagreements) == [], disagreements

@@ -10,9 +10,10 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
 - /v1/embeddings and the generation routes read their own body (`api/common.py::body_as`):
   their request schemas are the components FastAPI writes for `EmbeddingsRequest`,
   `CompletionRequest` and `ChatCompletionRequest` body parameters, as before;
-- /infer's body is either request model (it is validated by the named model's task); the
-  generation routes, and /infer's generation form, are documented only when a generate
-  model is served (chat: one with a chat template), `model` narrowed to those models.
+- /infer's body is either request model (it is validated by the named model's task); each
+  request's `model` is narrowed to the served models of its task (chat: generate models
+  with a chat template), absent, null or "" (the default model) only where the default is
+  one; a route or /infer form that no served model answers is not documented;
 
 - the fields the OpenAI routes read null as the default of (`NULL_MEANS_DEFAULT`) take null;
 - FastAPI's 422 `HTTPValidationError`, which it states for every route with a parameter, is
@@ -76,11 +77,13 @@ def _body_components(*models: type[BaseModel]) -> dict[str, Any]:
 
 
 def _narrow_model(component: dict[str, Any], models: list[str], default: str) -> None:
-    """`model` names one of `models`; it may be left out only when the default is one."""
+    """`model` names one of `models`; it may be left out, null or empty (the server reads ""
+    as the default too: `Service.resolve_model`) only when the default is one."""
     if default in models:
         component["properties"]["model"] = {
-            "anyOf": [{"type": "string", "enum": models}, {"type": "null"}],
-            "description": "A served model that can answer this; the default model if absent.",
+            "anyOf": [{"type": "string", "enum": [*models, ""]}, {"type": "null"}],
+            "description": "A served model that can answer this; the default model if "
+            "absent, null or empty.",
         }
         return
     component["properties"]["model"] = {
@@ -91,28 +94,38 @@ def _narrow_model(component: dict[str, Any], models: list[str], default: str) ->
     component["required"] = sorted({*component.get("required", []), "model"})
 
 
-def _document_generation(
-    document: dict[str, Any], generating: list[str], chatting: list[str], default: str
+def _document_tasks(
+    document: dict[str, Any], tasks: dict[str, list[str]], chatting: list[str], default: str
 ) -> None:
-    """Generation as this server serves it: with no generate model, not at all; chat only
-    for the generate models with a chat template."""
+    """Each request for the served models of its task (`tasks`: their names by task): a
+    route, or /infer form, that none of them answers not at all; chat only for the generate
+    models with a chat template."""
     components = document["components"]["schemas"]
     paths = document["paths"]
-    if not generating:
-        body = paths["/infer"]["post"]["requestBody"]["content"]
-        body["application/json"]["schema"] = {"$ref": "#/components/schemas/InferRequest"}
-    routes = {
-        "/v1/completions": ("CompletionRequest", generating),
-        "/v1/chat/completions": ("ChatCompletionRequest", chatting),
-        None: ("GenerateInferRequest", generating),
-    }
-    for path, (component, models) in routes.items():
+    requests = [
+        ("/v1/embeddings", "EmbeddingsRequest", tasks.get("embed", [])),
+        ("/v1/completions", "CompletionRequest", tasks.get("generate", [])),
+        ("/v1/chat/completions", "ChatCompletionRequest", chatting),
+        (None, "InferRequest", tasks.get("embed", [])),  # /infer's two forms
+        (None, "GenerateInferRequest", tasks.get("generate", [])),
+    ]
+    for path, component, models in requests:
         if models:
             _narrow_model(components[component], models, default)
             continue
         components.pop(component, None)
         if path is not None:
             paths.pop(path, None)
+    forms = [
+        {"$ref": f"#/components/schemas/{name}"}
+        for name in ("InferRequest", "GenerateInferRequest")
+        if name in components
+    ]
+    if not forms:
+        paths.pop("/infer", None)
+        return
+    body = paths["/infer"]["post"]["requestBody"]["content"]["application/json"]
+    body["schema"] = forms[0] if len(forms) == 1 else {"anyOf": forms}
 
 
 def _null_means_default(components: dict[str, Any]) -> None:
@@ -179,15 +192,16 @@ def install_openapi(app: FastAPI, service: Service) -> None:
         _add_component(components, InferRequest)
         _add_component(components, GenerateInferRequest)
         names = service.model_names()
-        generating = [name for name in names if service.model_task(name) == "generate"]
+        tasks: dict[str, list[str]] = {}
+        for name in names:
+            tasks.setdefault(service.model_task(name), []).append(name)
         chatting = [
             name
-            for name in generating
+            for name in tasks.get("generate", [])
             if isinstance(tokenizer := service.tokenizers.get(name), GenerationTokenizer)
             and tokenizer.chat_template is not None
         ]
-        default = service.settings.default_model_name
-        _document_generation(document, generating, chatting, default)
+        _document_tasks(document, tasks, chatting, service.settings.default_model_name)
         _null_means_default(components)
         _drop_fastapi_validation_errors(document)
         _limit_text_lists(components, service.settings.max_inputs_per_request)

@@ -113,7 +113,11 @@ async def test_the_openapi_document_states_generation_for_the_generate_models(
         ("ChatCompletionRequest", ["tiny"]),  # "plain" has no chat template
     ]:
         model = schemas[name]["properties"]["model"]  # the default model generates: optional
-        assert model["anyOf"] == [{"type": "string", "enum": models}, {"type": "null"}]
+        assert model["anyOf"] == [{"type": "string", "enum": [*models, ""]}, {"type": "null"}]
+    # The embedding requests name the embedding model: the default model generates.
+    for name in ("InferRequest", "EmbeddingsRequest"):
+        assert schemas[name]["properties"]["model"]["enum"] == ["minilm"]
+        assert "model" in schemas[name]["required"]
     assert schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]["maxItems"] == 64
     # `dimensions` names the embedding model's width only, not a vocabulary size.
     dimensions = schemas["EmbeddingsRequest"]["properties"]["dimensions"]["anyOf"][0]

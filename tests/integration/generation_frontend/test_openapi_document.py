@@ -9,7 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
+from app.main import create_app
+from app.settings import Settings
+from tests.support.asgi import serving
 from tests.support.openapi_document import documented_valid
+from tests.support.scripted_generator import ScriptedGenerator
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -83,6 +87,7 @@ async def test_a_whole_number_is_an_integer_as_the_document_says(
 
 
 NULLABLE_BODIES = [
+    ("/v1/embeddings", "EmbeddingsRequest", {"model": "minilm", "input": "hi"}),
     ("/v1/completions", "CompletionRequest", COMPLETION),
     ("/v1/chat/completions", "ChatCompletionRequest", CHAT),
 ]
@@ -96,10 +101,60 @@ async def test_each_field_takes_null_exactly_when_the_document_says_so(
     (the openai client sends null for a parameter passed as None): served, but documented
     as not nullable. Every field the document states is sent null in turn."""
     properties = (await published(client))["components"]["schemas"][component]["properties"]
-    assert {"temperature", "n", "max_tokens"} <= set(properties)  # not vacuous
+    assert {"model", *base} <= set(properties)  # not vacuous
     disagreements = {
         field: answer
         for field in properties
         if (answer := await disagreement(client, path, {**base, field: None})) is not None
     }
     assert sorted(disagreements) == [], disagreements
+
+
+MODELS = [
+    # An embedding request without a model went to the default, a generate model (422).
+    ("/infer", {"inputs": "hi", "parameters": {"normalize": False}}),
+    ("/infer", {"inputs": "hi", "model": "tiny", "parameters": {"normalize": False}}),
+    ("/infer", {"inputs": "hi", "model": "minilm", "parameters": {"normalize": False}}),
+    ("/infer", {"inputs": "hi", "model": "plain", "parameters": {"max_new_tokens": 2}}),
+    ("/infer", {"inputs": "hi", "model": "minilm", "parameters": {"max_new_tokens": 2}}),
+    ("/v1/embeddings", {"input": "hi"}),
+    ("/v1/embeddings", {"input": "hi", "model": "tiny"}),
+    ("/v1/embeddings", {"input": "hi", "model": "minilm"}),
+    ("/v1/completions", {**COMPLETION, "model": "minilm"}),
+    ("/v1/chat/completions", {**CHAT, "model": "plain"}),  # no chat template
+    # An empty name is the default model's.
+    ("/infer", {**GENERATE, "model": ""}),
+    ("/v1/embeddings", {"input": "hi", "model": ""}),
+    ("/v1/completions", {**COMPLETION, "model": ""}),
+    ("/v1/chat/completions", {**CHAT, "model": ""}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), MODELS)
+async def test_a_model_is_documented_for_the_routes_of_its_task(
+    client: httpx.AsyncClient, path: str, body: dict[str, Any]
+) -> None:
+    """With a generate model the default, the embedding requests' `model` was any string
+    or absent, and bodies valid by the document went to a model of the other task."""
+    assert await disagreement(client, path, body) is None
+
+
+async def test_with_an_embedding_model_the_default_the_generation_routes_need_a_model(
+    settings: Settings,
+) -> None:
+    embedding_first = settings.model_copy(update={"models": settings.models[::-1]})
+    app = create_app(embedding_first, engine=ScriptedGenerator(embedding_first))
+    async with serving(app) as client:
+        for path, body in [
+            ("/infer", {"inputs": "hi", "parameters": {"normalize": False}}),
+            ("/infer", {"inputs": "hi", "model": "", "parameters": {"normalize": False}}),
+            ("/infer", {**GENERATE, "model": ""}),
+            ("/infer", {**GENERATE, "model": "tiny"}),
+            ("/v1/embeddings", {"input": "hi", "model": ""}),
+            ("/v1/embeddings", {"input": "hi", "model": None}),
+            ("/v1/completions", COMPLETION),
+            ("/v1/completions", {**COMPLETION, "model": ""}),
+            ("/v1/completions", {**COMPLETION, "model": "plain"}),
+            ("/v1/chat/completions", {**CHAT, "model": None}),
+        ]:
+            assert await disagreement(client, path, body) is None, (path, body)

@@ -45,6 +45,7 @@ from app.schemas_generation import (
     GenerateInferRequest,
     OpenAISampling,
 )
+from app.schemas_stream import ChatCompletionChunk, CompletionChunk, streamed_answer
 from app.timing import PhaseTimer
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
 @router.post(
     "/v1/completions",
     response_model=CompletionResponse,
-    responses=OPENAI_ERRORS,
+    responses={**OPENAI_ERRORS, **streamed_answer(CompletionChunk, "The completion")},
     openapi_extra=body_document(CompletionRequest),
 )
 async def completions(request: Request) -> Response:
@@ -199,7 +200,7 @@ async def completions(request: Request) -> Response:
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletionResponse,
-    responses=OPENAI_ERRORS,
+    responses={**OPENAI_ERRORS, **streamed_answer(ChatCompletionChunk, "The chat completion")},
     openapi_extra=body_document(ChatCompletionRequest),
 )
 async def chat_completions(request: Request) -> Response:

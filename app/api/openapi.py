@@ -16,6 +16,7 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
   one; a route or /infer form that no served model answers is not documented;
 
 - the fields the OpenAI routes read null as the default of (`NULL_MEANS_DEFAULT`) take null;
+- a streamed answer's chunk objects (`schemas_stream.py`) are components where its route is;
 - FastAPI's 422 `HTTPValidationError`, which it states for every route with a parameter, is
   dropped with its components: /v1/models/{model}'s path takes any string, and the
   inference routes' 422 is the `ErrorBody` they document themselves.
@@ -41,7 +42,13 @@ from app.schemas_generation import (
     CompletionRequest,
     GenerateInferRequest,
 )
+from app.schemas_stream import ChatCompletionChunk, CompletionChunk
 from app.service import Service
+
+STREAMED_CHUNKS = {
+    "/v1/completions": CompletionChunk,
+    "/v1/chat/completions": ChatCompletionChunk,
+}
 
 # (component, field) of every request field that takes one text or a list of texts.
 _TEXT_LIST_FIELDS = (
@@ -53,8 +60,10 @@ _TEXT_LIST_FIELDS = (
 
 
 def _add_component(components: dict[str, Any], model: type[BaseModel]) -> None:
+    """`model`'s schema, and those it refers to that are not components already."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    components.update(schema.pop("$defs", {}))
+    for name, referred in schema.pop("$defs", {}).items():
+        components.setdefault(name, referred)
     components[model.__name__] = schema
 
 
@@ -202,6 +211,9 @@ def install_openapi(app: FastAPI, service: Service) -> None:
             and tokenizer.chat_template is not None
         ]
         _document_tasks(document, tasks, chatting, service.settings.default_model_name)
+        for path, chunk in STREAMED_CHUNKS.items():  # what `streamed_answer` names
+            if path in document["paths"]:
+                _add_component(components, chunk)
         _null_means_default(components)
         _drop_fastapi_validation_errors(document)
         _limit_text_lists(components, service.settings.max_inputs_per_request)

@@ -8,10 +8,14 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from jsonschema import Draft202012Validator
 
 from app.main import create_app
 from app.settings import Settings
 from tests.support.asgi import serving
+from tests.support.generation import sse_payloads
+from tests.support.generation_frontend import engine_of
 from tests.support.openapi_document import documented_valid
 from tests.support.scripted_generator import ScriptedGenerator
 
@@ -158,3 +162,42 @@ async def test_with_an_embedding_model_the_default_the_generation_routes_need_a_
             ("/v1/chat/completions", {**CHAT, "model": None}),
         ]:
             assert await disagreement(client, path, body) is None, (path, body)
+
+
+def stream_event_schema(document: dict[str, Any], path: str) -> dict[str, Any]:
+    """The documented schema of each `data:` event of a streamed 200 (`x-events`)."""
+    streamed = document["paths"][path]["post"]["responses"]["200"]["content"]
+    return {**streamed["text/event-stream"]["x-events"], "components": document["components"]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {**COMPLETION, "prompt": ["hi", "there"]}),
+        ("/v1/chat/completions", CHAT),
+    ],
+)
+async def test_a_stream_is_documented_as_the_events_it_sends(
+    client: httpx.AsyncClient, app: FastAPI, path: str, body: dict[str, Any]
+) -> None:
+    """`stream: true` answers text/event-stream (chunks, the usage chunk, `[DONE]`; an
+    error event on a failure after it began), which the document's 200 stated as JSON."""
+    document = await published(client)
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    whole = await client.post(path, json=streamed)
+    engine = engine_of(app)
+    engine.fail_after_tokens = 1
+    try:
+        failed = await client.post(path, json={**streamed, "max_tokens": 3})
+    finally:
+        engine.fail_after_tokens = None
+    documented = document["paths"][path]["post"]["responses"]["200"]["content"]
+    for response in (whole, failed):
+        assert response.status_code == 200
+        assert response.headers["content-type"].split(";")[0] in documented
+    validator = Draft202012Validator(stream_event_schema(document, path))
+    for response in (whole, failed):
+        for event in sse_payloads(response.content):  # ends with `data: [DONE]`
+            validator.validate(event)
+    assert "error" in sse_payloads(failed.content)[-1]
+    assert sse_payloads(whole.content)[-1]["usage"]["completion_tokens"] > 0

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import SkipJsonSchema
 
 from app.schemas_generation import CompletionChoice, CompletionUsage, _Choice
+from app.schemas_logprobs import ChatLogprobs
 
 
 def _left_out(schema: dict[str, Any]) -> None:
@@ -30,6 +31,7 @@ class ChatDelta(BaseModel):
 
 class ChatChunkChoice(_Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None  # the log probabilities of this chunk's tokens
 
 
 class _Chunk(BaseModel):

@@ -15,14 +15,15 @@ from app.schemas_generation import (
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.mark.parametrize(("logprobs", "asked"), [(None, None), (0, 0), (1, 1), (5, 5)])
+@pytest.mark.parametrize(("logprobs", "asked"), [(None, None), (0, 0), (1, 1), (5, 5), (2.0, 2)])
 def test_completions_ask_for_0_to_5_alternatives(logprobs: object, asked: int | None) -> None:
-    """`logprobs: 0` asks for the chosen tokens' log probabilities alone."""
+    """`logprobs: 0` asks for the chosen tokens' log probabilities alone; a whole-number
+    float is the integer, as the document's JSON Schema reads it."""
     request = CompletionRequest.model_validate({"prompt": "Hi", "logprobs": logprobs})
     assert request.logprobs_asked() == asked
 
 
-@pytest.mark.parametrize("logprobs", [6, -1, True, False, 1.0, "1"])
+@pytest.mark.parametrize("logprobs", [6, -1, True, False, 1.5, "1"])
 def test_completions_refuse_other_logprobs(logprobs: object) -> None:
     with pytest.raises(ValidationError, match="logprobs"):
         CompletionRequest.model_validate({"prompt": "Hi", "logprobs": logprobs})

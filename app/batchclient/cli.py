@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "as one that does not fit its deadline (default 2)",
     )
     parser.add_argument(
+        "--max-engine-lost-retries",
+        type=_at_least(0, int),
+        default=2,
+        help="of those, retries after a 503 engine_lost: a request answered it once more "
+        "fails, as one that may be what kills the engine (default 2)",
+    )
+    parser.add_argument(
         "--header",
         action="append",
         default=[],
@@ -275,7 +282,9 @@ async def run_job(args: argparse.Namespace, stream: TextIO) -> int:
         inputs_per_request=args.inputs_per_request,
         timeout_s=args.timeout_ms / 1000.0,
         retry=RetryPolicy(
-            max_retries=args.max_retries, max_deadline_retries=args.max_deadline_retries
+            max_retries=args.max_retries,
+            max_deadline_retries=args.max_deadline_retries,
+            max_engine_lost_retries=args.max_engine_lost_retries,
         ),
         headers=parse_headers(args.header),
         seed=args.seed,

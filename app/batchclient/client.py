@@ -29,7 +29,14 @@ from app.batchclient.attempt import Attempt, error_of, error_type_of, failures_o
 from app.batchclient.items import Failure, Item, Packer, Request, Result
 from app.batchclient.options import ClientOptions
 from app.batchclient.pacing import AimdController
-from app.batchclient.retry import DEADLINE_STATUS, Verdict, classify_answer, classify_status
+from app.batchclient.retry import (
+    DEADLINE_STATUS,
+    ENGINE_LOST_ERROR,
+    Verdict,
+    classify_answer,
+    classify_status,
+    give_up_reason,
+)
 from app.batchclient.stats import BatchStats, Counters
 from app.batchclient.transport import ConnectionPool, RequestError
 from app.batchclient.window import Window
@@ -218,6 +225,7 @@ class BatchClient:
         policy = self.options.retry
         attempt_number = 0
         deadline_answers = 0  # 504s to this request
+        engine_lost_answers = 0  # 503 `engine_lost`s to this request
         while True:
             attempt_number += 1
             attempt = await self._attempt(request, deadline_before=deadline_answers > 0)
@@ -226,8 +234,11 @@ class BatchClient:
                 return None
             if attempt.status == DEADLINE_STATUS:
                 deadline_answers += 1
+            error_type = error_type_of(attempt)
+            if error_type == ENGINE_LOST_ERROR:
+                engine_lost_answers += 1
             outcome = (
-                classify_answer(attempt.status, error_type_of(attempt))
+                classify_answer(attempt.status, error_type)
                 if attempt.status is not None
                 else classify_status(599)  # no response: a transient fault, backoff
             )
@@ -251,17 +262,20 @@ class BatchClient:
                     return await self._one_by_one(request, received)
                 return failures_of(request, attempt, attempt_number, retryable=False)
             out_of_deadline = deadline_answers > policy.max_deadline_retries
-            if attempt_number > policy.max_retries or out_of_deadline:
-                if len(request.items) > 1 and attempt.status in (500, DEADLINE_STATUS):
+            out_of_engines = engine_lost_answers > policy.max_engine_lost_retries
+            if attempt_number > policy.max_retries or out_of_deadline or out_of_engines:
+                if len(request.items) > 1 and (
+                    out_of_engines or attempt.status in (500, DEADLINE_STATUS)
+                ):
                     # A 500 to every try may be one item's doing (a NaN from one input), a
-                    # 504 one slow input's (the pack computes past its deadline): the
-                    # others would succeed alone.
+                    # 504 one slow input's (the pack computes past its deadline), an
+                    # `engine_lost` one input's that kills the engine: the others would
+                    # succeed alone.
                     return await self._one_by_one(request, received)
-                reason = (
-                    f"answered 504 {deadline_answers} times: the server cannot compute this "
-                    "request within its deadline (a longer timeout_ms may let it)"
-                    if out_of_deadline
-                    else f"out of retries after {attempt_number} tries"
+                reason = give_up_reason(
+                    attempt_number,
+                    deadline_answers if out_of_deadline else 0,
+                    engine_lost_answers if out_of_engines else 0,
                 )
                 return failures_of(request, attempt, attempt_number, retryable=True, reason=reason)
             if self._stopping:

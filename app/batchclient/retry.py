@@ -59,10 +59,13 @@ def classify_status(status: int) -> Outcome:
 class RetryPolicy:
     """``max_retries`` bounds the retries of one request, whatever their cause; of those,
     at most ``max_deadline_retries`` follow a 504 (a request answered 504 that many times
-    plus one fails: it does not fit its deadline, and other lines go on without it)."""
+    plus one fails: it does not fit its deadline, and other lines go on without it), and at
+    most ``max_engine_lost_retries`` an ``ENGINE_LOST_ERROR`` (a request answered it that
+    many times plus one fails: it may be what kills the engine)."""
 
     max_retries: int = 8
     max_deadline_retries: int = 2
+    max_engine_lost_retries: int = 2
     base_backoff_s: float = 0.1
     max_backoff_s: float = 10.0
     # Retry-After is a floor: a fleet told "1 s" waits 1.0-1.5 s, so it does not come back
@@ -88,6 +91,14 @@ class RetryPolicy:
 # sent once more, alone: the line at fault fails, the others are answered.
 NOT_RESENT_ERRORS = frozenset({"device_lost"})
 
+# steadyserve's 503 `engine_lost`: the engine process exited (a segfault, an abort, an OOM
+# kill) with the request in it. Resent, as most requests an engine exits with are innocent,
+# but a few times only (``RetryPolicy.max_engine_lost_retries``): one that was in it each time
+# may be what kills it, and each resend would take a fresh engine, and every other request
+# in it, down again (the server leaves `x-steadyserve-retry-elsewhere` off it for that
+# reason). A pack answered it that often is resent one line per request; a line, fails.
+ENGINE_LOST_ERROR = "engine_lost"
+
 
 def classify_answer(status: int, error_type: str | None) -> Outcome:
     """``classify_status``, but an error of ``NOT_RESENT_ERRORS`` (``error_type``: the
@@ -95,3 +106,20 @@ def classify_answer(status: int, error_type: str | None) -> Outcome:
     if error_type in NOT_RESENT_ERRORS and not 200 <= status < 300:
         return Outcome(Verdict.FAIL, congestion=False)
     return classify_status(status)
+
+
+def give_up_reason(attempts: int, deadline_answers: int, engine_lost_answers: int) -> str:
+    """Why a request resent ``attempts`` times fails; ``deadline_answers`` and
+    ``engine_lost_answers``: its 504s and `engine_lost`s when their limit ended it, else 0."""
+    if deadline_answers:
+        return (
+            f"answered 504 {deadline_answers} times: the server cannot compute this request "
+            "within its deadline (a longer timeout_ms may let it)"
+        )
+    if engine_lost_answers:
+        return (
+            f"answered 503 engine_lost {engine_lost_answers} times: the engine exited with "
+            "this request in it each time, and it may be what kills it (resend it with "
+            "--retry-errors once that is ruled out)"
+        )
+    return f"out of retries after {attempts} tries"

@@ -129,6 +129,7 @@ def test_an_invalid_line_takes_no_id_a_later_line_could_have(tmp_path: Path) -> 
         ["--timeout-ms", "0"],
         ["--max-retries", "-1"],
         ["--max-deadline-retries", "-1"],
+        ["--max-engine-lost-retries", "-1"],
         ["--progress-interval", "0"],
         ["--header", "no colon"],
         # NaN compares false with any bound: a NaN timeout fired at once and failed every

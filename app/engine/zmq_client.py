@@ -56,6 +56,11 @@ STATUS_INTERVAL_S = 0.005
 # An unchanged status is sent again this often (a front end that connects hears it within
 # this; far inside STALE_AFTER_S).
 STATUS_HEARTBEAT_S = 0.1
+# A front end (re)started waits this long at most for the engine's first status before it
+# serves: until one is heard its /readyz says no engine is connected and its requests are
+# refused 503, the engine fine. Past it the engine may really be down; it starts anyway (its
+# 503s say so, and the supervisor's probe port covers the replica meanwhile).
+FIRST_STATUS_WAIT_S = 3 * STATUS_HEARTBEAT_S
 # The supervisor publishes the engine restart under way (or None) on each change and at
 # least this often (`EngineSupervisor`): a front end that connects late hears it within this.
 RESTART_HEARTBEAT_S = 1.0
@@ -276,8 +281,14 @@ class ZmqEngineClient(StreamingClient):
             on_answer=self._take_answer,
             on_closed=lambda: self._engine_gone("its connection closed"),
         )
+        self._status_heard = asyncio.Event()
+
+        def heard(status: EngineStatus) -> None:
+            self._status_heard.set()
+            on_status(status)
+
         self._subscriber = StatusSubscriber(
-            self._context, addresses.status, clock, on_lost=self._engine_gone, on_status=on_status
+            self._context, addresses.status, clock, on_lost=self._engine_gone, on_status=heard
         )
         self._restarts = (
             RestartSubscriber(self._context, addresses.restarts)
@@ -287,11 +298,16 @@ class ZmqEngineClient(StreamingClient):
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
+        """Connect; return once the engine's status is heard, or `FIRST_STATUS_WAIT_S`."""
         self._dealer.open()
         self._subscriber.start()
         if self._restarts is not None:
             self._restarts.start()
         self._tasks = [asyncio.create_task(self._watch_staleness(), name="engine-staleness")]
+        try:
+            await asyncio.wait_for(self._status_heard.wait(), FIRST_STATUS_WAIT_S)
+        except TimeoutError:
+            log.info("no engine status within %g s: starting without one", FIRST_STATUS_WAIT_S)
 
     async def close(self) -> None:
         for task in self._tasks:

@@ -131,6 +131,7 @@ class Dispatcher:
         # a compute that never returns (a wedged GPU) is seen by its age, not by its end.
         self._running: dict[int, float] = {}
         self._jobs = 0
+        self.abandoned = False  # shut down without waiting for jobs still running (`shutdown`)
         configure_torch_threads(plan)
         self._compute = ThreadPoolExecutor(
             max_workers=plan.compute_threads,
@@ -204,5 +205,10 @@ class Dispatcher:
         jobs = [self.run_compute(together) for _ in range(self.capacity)]
         return list(await asyncio.gather(*jobs))
 
-    def shutdown(self) -> None:
-        self._compute.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the compute threads once the jobs they run return (`wait`), or at once:
+        those jobs run on (a model's load cannot be interrupted), `abandoned` says whether
+        any did, and the interpreter's exit would wait for them (it joins the pool's threads).
+        Jobs queued and not started are dropped. Loop thread."""
+        self.abandoned = not wait and bool(self._running)
+        self._compute.shutdown(wait=wait, cancel_futures=True)

@@ -217,8 +217,7 @@ class EngineCore:
 
     def inputs_waiting_for_a_batch(self) -> int:
         """Every model's inputs waiting for a batch (`max_queue` caps each model's own): not
-        the generate prompts waiting for a KV slot (hosts without a batch cost), whose own
-        limit is the cache."""
+        generate prompts waiting for a KV slot (hosts with no batch cost; the cache limits them)."""
         return sum(host.queued_inputs() for host in self.hosts.values() if host.queues_batches)
 
     def status(self) -> EngineStatus:
@@ -393,8 +392,9 @@ class EngineCore:
 
     # --- shutdown -----------------------------------------------------------------------
     async def stop(self) -> None:
-        """Finish what is queued and running, then stop the threads."""
+        """Finish what is queued and running, then stop the threads; not ready, at once
+        (a load or warm-up running is abandoned, not waited for: `Dispatcher.shutdown`)."""
         for host in self.hosts.values():
             await host.close()
         await self.telemetry.stop()
-        self.dispatcher.shutdown()
+        self.dispatcher.shutdown(wait=self._ready)

@@ -325,7 +325,9 @@ async def _serve(
     addresses: EngineAddresses,
     replacement: bool,
     make_core: CoreFactory | None,
-) -> int:
+) -> tuple[int, bool]:
+    """The exit status, and whether a compute thread still runs a job the stop did not wait
+    for (a load: `EngineCore.stop` before the engine was ready)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Only the supervisor stops the engine (SIGUSR1), after the front ends drained: a
@@ -341,7 +343,8 @@ async def _serve(
         # so the total over processes is the number of restarts.
         metrics.engine_restarts.inc()
     core = EngineCore(settings, metrics) if make_core is None else make_core(settings, metrics)
-    return await EngineServer(core, addresses).serve(stop)
+    status = await EngineServer(core, addresses).serve(stop)
+    return status, core.dispatcher.abandoned
 
 
 def run_engine_process(
@@ -360,13 +363,19 @@ def run_engine_process(
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    status = 0
+    status, abandoned = 0, False
     with contextlib.suppress(KeyboardInterrupt):
         try:
             import uvloop
 
-            status = uvloop.run(_serve(settings, addresses, replacement, make_core))
+            status, abandoned = uvloop.run(_serve(settings, addresses, replacement, make_core))
         except ImportError:
-            status = asyncio.run(_serve(settings, addresses, replacement, make_core))
+            status, abandoned = asyncio.run(_serve(settings, addresses, replacement, make_core))
+    if abandoned:
+        # Stopped while it loaded: the interpreter's exit would join the compute thread, and
+        # so wait for the load (until the supervisor's stop killed it). Its sockets are closed.
+        log.info("engine: stopped before it was ready; exiting without the load under way")
+        logging.shutdown()
+        os._exit(status)
     if status:
         sys.exit(status)  # the supervisor names it (`supervisor.loss_reason`)

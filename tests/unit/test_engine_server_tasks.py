@@ -88,8 +88,8 @@ def test_the_engine_process_exits_with_the_status_serving_ended_with(
     from app.engine import process
     from app.settings import Settings
 
-    async def ended(*args: object) -> int:
-        return TASK_ENDED_EXIT
+    async def ended(*args: object) -> tuple[int, bool]:
+        return TASK_ENDED_EXIT, False
 
     monkeypatch.setattr(process, "die_with_parent", lambda pid: None)
     monkeypatch.setattr(process, "_serve", ended)

@@ -41,12 +41,11 @@ class LogprobRender:
         tops: list[dict[str, float]] = []
         for token in tokens:
             chosen, own = name(token.token_id)[0], _finite(token.logprobs.logprob)
-            top = {
-                name(token_id)[0]: _finite(logprob)
-                for token_id, logprob in zip(
-                    token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True
-                )
-            }
+            top: dict[str, float] = {}
+            pairs = zip(token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True)
+            for token_id, logprob in pairs:
+                # Two ids may share a name (Llama's "▁" and "<0x20>"): the likelier keeps it.
+                top.setdefault(name(token_id)[0], _finite(logprob))
             top.setdefault(chosen, own)
             names.append(chosen)
             logprobs.append(own)

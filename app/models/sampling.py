@@ -19,6 +19,8 @@ from app.engine.protocol import SamplingParams
 # a few dozen tokens), and sorts the whole vocabulary only when they might not hold it: a
 # sort of a 150k vocabulary costs ~100x one pass over it on one CPU thread.
 TOP_P_FLOOR = 1e-4
+# Rounding room in that test: within it of top_p, the whole vocabulary is sorted.
+TOP_P_MARGIN = 1e-6
 
 
 def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,7 +32,7 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
 
     Exact, and cheap for a large vocabulary: no sort without top-p; top-k sorts its k;
     top-p alone sorts the tokens over `TOP_P_FLOOR` and the whole vocabulary only when
-    top-p might keep them all."""
+    they hold less than `top_p` of the mass."""
     scaled = logits / max(params.temperature, 1e-5)
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
@@ -42,12 +44,14 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
         return torch.arange(vocab), scaled
     else:
         log_total = torch.logsumexp(scaled, -1)
-        # The most likely tokens (all those over a floor are), then top-p's count over them.
+        # The most likely tokens (all those over a floor are): when they hold top_p of the
+        # mass, the full sort's next token has top_p before it, so top-p's set lies within.
         likely = scaled >= scaled.max() + math.log(TOP_P_FLOOR)
         ids = torch.nonzero(likely).squeeze(-1)
         values, order = torch.sort(scaled[ids], descending=True)
         ids = ids[order]
-        if len(ids) < vocab and _top_p_count(values, log_total, params.top_p) == len(ids):
+        held = float((values - log_total).exp().sum())
+        if len(ids) < vocab and held < params.top_p + TOP_P_MARGIN:
             values, ids = torch.sort(scaled, descending=True)  # its set may go past them
     if params.top_p < 1.0:
         kept = _top_p_count(values, log_total, params.top_p)

@@ -87,7 +87,7 @@ def test_a_text_chunk_from_its_template_is_the_event_of_the_chunk_byte_for_byte(
 
 
 # Token names: token 1 is "a", 2 is " b", 3 half of "é".
-NAMES = {1: ("a", b"a"), 2: (" b", b" b"), 3: ("bytes:\\xc3", b"\xc3")}
+NAMES = {1: ("a", b"a"), 2: (" b", b" b"), 3: ("bytes:\\xc3", b"\xc3"), 4: (" b", b" b")}
 
 
 class _Names:
@@ -117,6 +117,15 @@ def test_completion_logprobs_hold_the_top_and_the_chosen_token_and_no_infinity()
         "text_offset": [0, 2],
     }
     assert whole(Reply("tiny", chat=False), ["text"], ENDS[:1])["choices"][0]["logprobs"] is None
+
+
+def test_completion_top_logprobs_keep_the_likelier_of_two_ids_sharing_a_name() -> None:
+    """Llama's "▁" and "<0x20>" are both " ": the dict keeps one entry per name, which was
+    the last (less likely) alternative's."""
+    reply = Reply("tiny", chat=False, logprobs=_render(chat=False))
+    shared = [TokenLogprob(2, 0, TokenLogprobs(-0.5, [2, 4, 1], [-0.5, -0.9, -1.5]))]
+    body = whole(reply, ["text"], ENDS[:1], [shared])
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{" b": -0.5, "a": -1.5}]
 
 
 def test_chat_logprobs_are_a_content_list_with_bytes() -> None:

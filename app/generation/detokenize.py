@@ -74,6 +74,11 @@ class IncrementalDetokenizer:
         self._read_offset = split
         return head[len(released) :]
 
+    @property
+    def pending(self) -> int:
+        """The tokens added whose text is still held back (the last ones added)."""
+        return len(self._ids) - self._read_offset
+
     def flush(self) -> str:
         """The text still held back, at the end of the sequence (an incomplete character
         stays as U+FFFD, as a full decode would show it)."""
@@ -98,6 +103,10 @@ class WholeText:
     def add(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(token_ids)
         return ""
+
+    @property
+    def pending(self) -> int:
+        return len(self._ids)
 
     def flush(self) -> str:
         ids, self._ids = self._ids, []

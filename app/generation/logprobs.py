@@ -40,10 +40,12 @@ class LogprobAligner:
         self._produced = 0  # characters the detokenizer released
         self._sent = 0  # characters the sequence sent
 
-    def add(self, output: TokensOutput, position: int, text: str) -> None:
+    def add(self, output: TokensOutput, position: int, text: str, pending: int = 0) -> None:
         """Token `position` of `output` (none past its last: an empty final output) was
-        detokenized, releasing `text`. Raises `TypeError` (a server fault) for an output
-        without the log probabilities its request asked for."""
+        detokenized, releasing `text`, the detokenizer still holding the text of its last
+        `pending` tokens (a release of held-back text may leave the last few held). Raises
+        `TypeError` (a server fault) for an output without the log probabilities its
+        request asked for."""
         if position < len(output.token_ids):
             logprobs = output.logprobs
             if logprobs is None or len(logprobs) != len(output.token_ids):
@@ -52,10 +54,11 @@ class LogprobAligner:
         if not text:
             return
         start, self._produced = self._produced, self._produced + len(text)
-        for token_id, token_logprobs in self._held:
+        completed = max(0, len(self._held) - pending)
+        for token_id, token_logprobs in self._held[:completed]:
             released = TokenLogprob(token_id, start, token_logprobs)
             self._released.append((released, self._produced))
-        self._held.clear()
+        del self._held[:completed]
 
     def carried(self, text: str) -> tuple[TokenLogprob, ...]:
         """The sequence sends `text` next: the tokens whose text is now all sent."""

@@ -284,7 +284,7 @@ class TextGeneration:
                         last_of_output = position == len(pieces) - 1
                         released = _decoded(detokenizer, piece, output.final and last_of_output)
                         if aligner is not None:
-                            aligner.add(payload, position, released)
+                            aligner.add(payload, position, released, detokenizer.pending)
                         scan = stops.feed(released)
                         text += scan.text
                         if scan.stopped:  # leaving the engine stream cancels the sequence

@@ -4,10 +4,13 @@ tests/integration/generation_frontend/test_logprobs_text.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from app.engine.protocol import TokensOutput
 from app.engine.protocol_logprobs import TokenLogprobs
+from app.generation.detokenize import IncrementalDetokenizer
 from app.generation.logprobs import LogprobAligner, TokenLogprob
 
 
@@ -49,3 +52,36 @@ def test_an_empty_final_output_releases_the_held_text() -> None:
 def test_tokens_without_their_log_probabilities_are_a_server_fault() -> None:
     with pytest.raises(TypeError, match="without their log probabilities"):
         LogprobAligner().add(TokensOutput([5], 3), 0, "a")
+
+
+def test_text_released_after_a_long_hold_carries_only_the_tokens_it_completes() -> None:
+    """Ten lone continuation bytes (each decodes to U+FFFD), then "b": the detokenizer holds
+    them, then releases all but its last few; every held token went with that release,
+    before its own text was sent, and the next token's offset pointed into earlier text."""
+
+    def decode(ids: Sequence[int]) -> str:  # a byte-level vocabulary: id i is byte i
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    token_ids = [0x80] * 10 + [ord("b")]
+    stream = TokensOutput(token_ids, 1, None, [TokenLogprobs(-1.0, [], []) for _ in token_ids])
+    detokenizer = IncrementalDetokenizer(decode)
+    aligner = LogprobAligner()
+    sent = ""
+    sent_by: dict[int, int] = {}  # position -> length of the text sent when it was carried
+    offsets: dict[int, int] = {}
+    position = 0
+    for index in range(len(token_ids)):
+        text = detokenizer.add([token_ids[index]])
+        if index == len(token_ids) - 1:
+            text += detokenizer.flush()
+        aligner.add(stream, index, text, detokenizer.pending)
+        sent += text
+        carried = aligner.rest(text) if index == len(token_ids) - 1 else aligner.carried(text)
+        for token in carried:
+            sent_by[position], offsets[position] = len(sent), token.text_offset
+            position += 1
+    assert sent == decode(token_ids)
+    assert sorted(sent_by) == list(range(len(token_ids)))
+    for index in range(len(token_ids)):  # token i's text is character i
+        assert sent_by[index] > index, f"token {index} went out before its text"
+        assert offsets[index] <= index

@@ -71,9 +71,8 @@ def readiness(
     can_serve: bool,
     restart: EngineRestart | None = None,
 ) -> Readiness:
-    """Ready once the engine has warmed up every shape, its batches are not failing (the
-    `healthy` that liveness restarts the pod on), nothing failed and the server is not
-    draining; `can_serve` is whether the front end(s) are up to take traffic. `restart`:
+    """Ready once the engine has warmed up every shape, nothing failed and the server is
+    not draining; `can_serve` is whether the front end(s) are up to take traffic. `restart`:
     the engine restart under way (its supervisor's word), said until an engine is ready:
     why the last engine was lost, with no engine connected or a new one still warming up."""
     if startup_error is not None:
@@ -86,11 +85,6 @@ def readiness(
             problem = restart_problem(restart)
     else:
         state, problem = engine.state, engine.problem
-        if state == "ready" and not engine.healthy:
-            # Every batch of a model fails (`engine/health.py`): traffic goes elsewhere at
-            # once, not only when liveness has the pod restarted (3 x 10 s + preStop).
-            state = "engine_unhealthy"
-            problem = problem or "the engine's batches keep failing"
         if restart is not None and state != "ready":
             problem = "; ".join(filter(None, (problem, restart_problem(restart))))
     if state == "ready" and not can_serve:

@@ -158,9 +158,9 @@ class Settings(BaseSettings):
     unhealthy_after_failed_batches: int = Field(
         default=5,
         ge=1,
-        description="Consecutive failed batches of any one model after which /healthz (the "
-        "pod is restarted) and /readyz (engine_unhealthy) answer 503, naming the model; a "
-        "successful batch of that model clears its count (another model's does not).",
+        description="Consecutive failed batches of any one model after which /healthz "
+        "answers 503 (so Kubernetes restarts the pod), naming the model; a successful batch "
+        "of that model clears its count (another model's does not).",
     )
 
     # --- batching ----------------------------------------------------------------------

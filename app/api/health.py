@@ -27,10 +27,7 @@ _HEALTHZ_ANSWERS: dict[int | str, dict[str, object]] = {
 }
 _READYZ_ANSWERS: dict[int | str, dict[str, object]] = {
     200: {"description": "Ready: every shape warmed up, not draining", "content": _JSON},
-    503: {
-        "description": "Not ready (warming up, draining, no engine, failing batches): why",
-        "content": _JSON,
-    },
+    503: {"description": "Not ready (warming up, draining, no engine): why", "content": _JSON},
     **CONNECTION_CAP,
 }
 
@@ -46,8 +43,8 @@ async def healthz(request: Request) -> Response:
 
 @router.get(READYZ, responses=_READYZ_ANSWERS)
 async def readyz(request: Request) -> Response:
-    """200 when the engine has warmed up every shape, its batches are not failing and the
-    server is not draining; 503 otherwise, saying why."""
+    """200 when the engine has warmed up every shape and the server is not draining; 503
+    otherwise, saying why."""
     return _probe(READYZ, service_of(request))
 
 

@@ -14,7 +14,6 @@ import torch
 from app.engine.core import EngineCore
 from app.engine.protocol import EmbedPayload, Failure, FailureKind, FromEngine, Output, Submit
 from app.metrics import Metrics
-from app.probes import liveness, probe_response, readiness
 from tests.support.fake_model import GatedLoader
 from tests.support.stand_in_engine import final_answer, stand_in_settings
 
@@ -58,26 +57,3 @@ async def test_a_model_failing_every_batch_is_unhealthy_while_another_serves(
     loader.runners["a"].failure = None
     assert isinstance(await answer(core, 100, "a"), Output)  # a's own success clears it
     assert core.status().healthy and core.status().problem is None
-
-
-async def test_an_engine_whose_batches_keep_failing_is_not_ready(
-    loaded: tuple[EngineCore, GatedLoader],
-) -> None:
-    """Readiness read the engine's `state` alone, `ready` however its batches went: /readyz
-    said 200 and Envoy's health check kept the replica while every batch of `a` answered 500,
-    until liveness had the pod restarted (3 x 10 s, then preStop). Requests are still let in
-    (only a's own success clears it), and it is ready again once one succeeds."""
-    core, loader = loaded
-    loader.runners["a"].failure = torch.OutOfMemoryError("fake: a's buffers")
-    for request_id in range(THRESHOLD):
-        assert isinstance(await answer(core, request_id, "a"), Failure)
-    status = core.status()
-    ready = readiness(status, None, draining=False, can_serve=True)
-    assert (ready.ready, ready.status) == (False, "engine_unhealthy")
-    assert ready.problem == "model 'a': 2 consecutive batches failed (OutOfMemoryError)"
-    assert probe_response("/readyz", ready, liveness(status, None))[0] == 503
-    assert liveness(status, None) == ready.problem  # and the pod is still restarted
-    assert core._admit(Submit(50, "b", time.monotonic() + 30, EmbedPayload([[1]]))) is None
-    loader.runners["a"].failure = None
-    assert isinstance(await answer(core, 100, "a"), Output)
-    assert readiness(core.status(), None, draining=False, can_serve=True).ready

@@ -28,17 +28,6 @@ def test_ready_only_with_a_ready_engine_a_front_end_and_no_drain() -> None:
     assert (failed.status, failed.problem) == ("failed", "front-end start-up failed: OSError")
 
 
-def test_an_engine_whose_batches_keep_failing_is_not_ready() -> None:
-    said = "model 'minilm': 5 consecutive batches failed (RuntimeError)"
-    failing = readiness(engine(healthy=False, problem=said), None, False, True)
-    assert (failing.ready, failing.status, failing.problem) == (False, "engine_unhealthy", said)
-    unnamed = readiness(engine(healthy=False), None, False, True)
-    assert unnamed.problem == "the engine's batches keep failing"
-    # Draining and warming up say so first, as before.
-    assert readiness(engine(healthy=False), None, True, True).status == "draining"
-    assert readiness(engine("warming_up", healthy=False), None, False, True).status == "warming_up"
-
-
 def test_an_engine_restart_under_way_is_said_until_an_engine_is_ready() -> None:
     restart = EngineRestart("engine 7 exited by signal SIGKILL", attempt=2, backoff_s=2.0)
     said = "engine 7 exited by signal SIGKILL; restart 2 under way (after a 2 s back-off)"
@@ -60,6 +49,16 @@ def test_alive_unless_start_up_failed_or_batches_keep_failing() -> None:
     assert liveness(broken, None) == said
     assert liveness(engine("failed", problem="start-up failed: OSError"), None) is not None
     assert liveness(engine(), "front-end start-up failed: OSError") is not None
+
+
+def test_a_model_failing_its_batches_leaves_the_replica_ready_for_liveness_to_restart() -> None:
+    """Readiness once dropped with `healthy`: a replica taken out gets no request whose
+    success clears the count (only a restart brought it back), and one model failing on
+    every replica emptied the Service for the models still serving."""
+    said = "model 'minilm': 5 consecutive batches failed (RuntimeError)"
+    broken = engine(healthy=False, problem=said)
+    assert readiness(broken, None, draining=False, can_serve=True).ready
+    assert liveness(broken, None) == said
 
 
 def test_probe_responses() -> None:

@@ -4,12 +4,10 @@ and the front ends, with stand-in processes: no child is started."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import socket
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from app.crash_loop import RESTARTS_BEFORE_UNHEALTHY
@@ -32,21 +30,6 @@ async def test_ready_needs_the_running_engines_own_status(tree: ProcessTree) -> 
     assert tree._answer_probe("/readyz")[0] == 503
     hear(tree, ready_status(222))
     assert tree._answer_probe("/readyz")[0] == 200
-
-
-async def test_the_probe_port_is_not_ready_while_the_engines_batches_keep_failing(
-    tree: ProcessTree,
-) -> None:
-    """Envoy's health check and the readinessProbe read this /readyz: it said 200 while every
-    batch failed, since only the engine's `state` (still `ready`) counted."""
-    tree.engine.process = StandIn(111)  # type: ignore[assignment]
-    failing = "model 'minilm': 5 consecutive batches failed (RuntimeError)"
-    hear(tree, msgspec.structs.replace(ready_status(111), healthy=False, problem=failing))
-    status, body = tree._answer_probe("/readyz")
-    assert status == 503
-    assert json.loads(body)["status"] == "engine_unhealthy"
-    assert json.loads(body)["problem"] == failing
-    assert tree._answer_probe("/healthz")[0] == 503
 
 
 async def test_a_front_end_still_starting_cannot_serve(tree: ProcessTree) -> None:

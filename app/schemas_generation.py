@@ -31,6 +31,7 @@ from pydantic import (
 
 from app.engine.protocol_logprobs import MAX_TOP_LOGPROBS
 from app.schemas import NonEmptyText, StrictModel, strings_only, whole_number
+from app.schemas_choices import MAX_CHOICES, best_of_one
 from app.schemas_logprobs import ChatLogprobs, CompletionLogprobs, InferTokenLogprob
 
 # One prompt, or several, each continued independently.
@@ -155,7 +156,7 @@ class OpenAISampling(StrictModel):
     stop: StopStrings = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES, description="Samples per prompt.")
     user: str | None = None
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
@@ -204,7 +205,7 @@ class CompletionRequest(OpenAISampling):
         description="Each generated token's log probability and this many alternatives'.",
     )
     echo: StrictBool = Field(default=False, description="Not served: false or null only.")
-    best_of: Literal[1] | None = None
+    best_of: Literal[1] | None = Field(default=None, description="1 or null only.")
     suffix: None = None
 
     @field_validator("echo")
@@ -222,9 +223,8 @@ class CompletionRequest(OpenAISampling):
         return self.logprobs
 
     # Named apart from OpenAISampling's, which a validator of the same name would replace.
-    _whole_counts = field_validator("max_tokens", "best_of", "logprobs", mode="before")(
-        whole_number
-    )
+    _whole_counts = field_validator("max_tokens", "logprobs", mode="before")(whole_number)
+    _best_of = field_validator("best_of", mode="before")(best_of_one)
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -68,6 +68,7 @@ async def _prepare(
     *,
     templated: bool,
     timeout_ms: float | None,
+    n: int = 1,
 ) -> PreparedGeneration:
     timer: PhaseTimer = request.state.server_timing
     timer.latency_bound = False  # /infer on a generate model passes the slow-request timer
@@ -79,6 +80,7 @@ async def _prepare(
         timeout_ms=timeout_ms,
         envoy_timeout_ms=envoy_timeout_ms(request),
         timer=timer,
+        n=n,
     )
     return await run_until_disconnect(request, work)
 
@@ -113,7 +115,7 @@ async def _collect(events: AsyncGenerator[list[GenerationEvent]], count: int) ->
 
 
 async def _complete(request: Request, prepared: PreparedGeneration) -> Collected:
-    count = len(prepared.prompt_ids)
+    count = prepared.sequences
     events = _events(request, prepared, incremental=False)
     return await run_until_disconnect(request, _collect(events, count))
 
@@ -193,7 +195,9 @@ async def completions(request: Request) -> Response:
     model = service.resolve_model(body.model)
     generation_of(request).tokenizer(model)  # a model of another task: 400 before anything
     sampling = _openai_sampling(body, body.max_tokens)
-    prepared = await _prepare(request, model, prompts, sampling, templated=False, timeout_ms=None)
+    prepared = await _prepare(
+        request, model, prompts, sampling, templated=False, timeout_ms=None, n=body.n
+    )
     return await _answer(request, _reply(request, model, body, chat=False), prepared, body)
 
 
@@ -214,7 +218,9 @@ async def chat_completions(request: Request) -> Response:
     # One prompt, rendered from the messages: an error about it names `messages`.
     prompt = texts_as_sent(request, "messages", generation_of(request).chat_prompt(model, messages))
     sampling = _openai_sampling(body, body.max_new_tokens())
-    prepared = await _prepare(request, model, prompt, sampling, templated=True, timeout_ms=None)
+    prepared = await _prepare(
+        request, model, prompt, sampling, templated=True, timeout_ms=None, n=body.n
+    )
     return await _answer(request, _reply(request, model, body, chat=True), prepared, body)
 
 
@@ -238,7 +244,7 @@ async def _answer(
     except BaseException:
         await events.aclose()
         raise
-    count = len(prepared.prompt_ids)
+    count = prepared.sequences
     return EventStreamResponse(_frames(request, reply, first, events, count, body))
 
 

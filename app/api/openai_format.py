@@ -47,7 +47,8 @@ class Reply:
 
 
 def usage(ends: list[SequenceEnd]) -> dict[str, int]:
-    prompt = sum(end.prompt_tokens for end in ends)
+    """OpenAI's: a prompt's tokens once (its choice 0's), every choice's completion tokens."""
+    prompt = sum(end.prompt_tokens for end in ends if end.choice == 0)
     completion = sum(end.completion_tokens for end in ends)
     return {
         "prompt_tokens": prompt,
@@ -62,8 +63,8 @@ def whole(
     ends: list[SequenceEnd],
     logprobs: list[list[TokenLogprob]] | None = None,
 ) -> dict[str, Any]:
-    """The non-streamed answer: one choice per sequence, in prompt order (`logprobs`: each
-    sequence's tokens', when asked)."""
+    """The non-streamed answer: one choice per sequence, in sequence order (prompt i's
+    choice j is choice i * n + j; `logprobs`: each sequence's tokens', when asked)."""
     choices: list[dict[str, Any]] = []
     for index, (text, end) in enumerate(zip(texts, ends, strict=True)):
         choice: dict[str, Any] = {"index": index, "finish_reason": end.finish_reason}

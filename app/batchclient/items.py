@@ -162,7 +162,7 @@ def _pack_key(item: Item) -> bytes | None:
     """Items with equal keys may share a request: same model, parameters, deadline. None
     (sent alone) for an item whose inputs are not texts, or whose parameters hold a `seed`:
     the server gives a request's input i > 0 a seed derived from the request's and i
-    (`generation/pipeline.py::prompt_seed`), so packed, a seeded line's sample would depend
+    (`generation/seeds.py::prompt_seed`), so packed, a seeded line's sample would depend
     on where it landed in its pack, and change when a refused pack is resent one line at a
     time or a resumed run packs it otherwise."""
     if item.texts is None or _seeded(item):

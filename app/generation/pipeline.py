@@ -1,13 +1,14 @@
 """Generation behind the routes: check sizes -> tokenize (chat template applied) -> admit
-by tokens -> one engine request per prompt -> detokenize each stream incrementally, cut at
-stop strings -> text pieces and one end per sequence.
+by tokens -> one engine request per sequence (`n` per prompt) -> detokenize each stream
+incrementally, cut at stop strings -> text pieces and one end per sequence.
 
 Admission is the `Service`'s (draining, readiness, deadline, token bucket, in-flight cap):
-a request is charged its prompt tokens plus the tokens it may generate, what it can hold
-of the engine's cache. `prepare` does everything that can refuse a request before an
-answer starts (so a streamed answer can still be a plain 4xx/429); `stream` then runs the
-sequences. Leaving `stream` early (a stop string, a client gone, a cancelled task) cancels
-the engine requests, which frees their cache. Front-end event loop thread only.
+a request is charged, for each of its sequences, its prompt's tokens plus the tokens it may
+generate, what it can hold of the engine's cache. `prepare` does everything that can refuse
+a request before an answer starts (so a streamed answer can still be a plain 4xx/429);
+`stream` then runs the sequences. Leaving `stream` early (a stop string, a client gone, a
+cancelled task) cancels the engine requests, which frees their cache. Front-end event loop
+thread only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from app.generation.errors import (
 )
 from app.generation.logprobs import LogprobAligner, TokenLogprob, carried
 from app.generation.merge import merge
+from app.generation.seeds import sequence_seed
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
 from app.service import MAX_CHARS_PER_TOKEN, Service, WrongTask
@@ -56,12 +58,14 @@ class TextPiece:
 
 @dataclass(frozen=True, slots=True)
 class SequenceEnd:
-    """Sequence `index` ended; no more pieces of it follow."""
+    """Sequence `index` ended; no more pieces of it follow. `choice`: which of its prompt's
+    `n` sequences it is (usage counts a prompt's tokens once, with its choice 0)."""
 
     index: int
     finish_reason: OpenAIFinish
     prompt_tokens: int
     completion_tokens: int
+    choice: int = 0
 
 
 GenerationEvent = TextPiece | SequenceEnd
@@ -86,7 +90,8 @@ class Sampling:
 @dataclass(frozen=True, slots=True)
 class PreparedGeneration:
     """An admitted request: its prompts' token ids and the new tokens each may take;
-    `stop_token_ids`: the ids of its stop strings that are special tokens' texts."""
+    `stop_token_ids`: the ids of its stop strings that are special tokens' texts; `n`: the
+    independent sequences (choices) each prompt gets."""
 
     model: str
     prompt_ids: tuple[list[int], ...]
@@ -95,6 +100,13 @@ class PreparedGeneration:
     stop_token_ids: tuple[int, ...]
     deadline: float
     arrived_at: float
+    n: int = 1
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences it runs: `n` per prompt, sequence i * n + j being prompt i's
+        choice j (OpenAI's order of a completion's choices)."""
+        return len(self.prompt_ids) * self.n
 
 
 @dataclass(slots=True)
@@ -146,11 +158,14 @@ class TextGeneration:
         timeout_ms: float | None,
         envoy_timeout_ms: float | None,
         timer: PhaseTimer,
+        n: int = 1,
     ) -> PreparedGeneration:
         """Check, tokenize and admit. `templated`: the prompts come from a chat template,
-        which writes its special tokens itself. Raises `WrongTask`, `StopHoldsSpecialToken`,
-        `ContextTooLong` (a prompt over the sequence's limit, in tokens or, before any
-        tokenizer pass, in characters), `TooManyTokens` or `Rejected` (429/503/504)."""
+        which writes its special tokens itself; `n`: sequences per prompt, each charged (the
+        engine holds every one's prompt and new tokens). Raises `WrongTask`,
+        `StopHoldsSpecialToken`, `ContextTooLong` (a prompt over the sequence's limit, in
+        tokens or, before any tokenizer pass, in characters), `TooManyTokens` or `Rejected`
+        (429/503/504)."""
         tokenizer = self.tokenizer(model)
         now, deadline = self.service.begin(model, timeout_ms, envoy_timeout_ms)
         stop_token_ids = tokenizer.stop_token_ids(sampling.stops)  # a special token's text
@@ -176,14 +191,14 @@ class TextGeneration:
             if wanted > room or room < 1:
                 raise ContextTooLong(index, len(ids), max(wanted, 1), limit)
             new_tokens.append(wanted)
-        charge = sum(len(ids) for ids in prompt_ids) + sum(new_tokens)
+        charge = n * (sum(len(ids) for ids in prompt_ids) + sum(new_tokens))
         burst = self.service.settings.rate_limit_burst
         if charge > burst:
             raise TooManyTokens(charge, burst)
         await self.service.gate.admit(model, charge, deadline)
         timer.add("admission", self.service.clock() - tokenized_at)
         return PreparedGeneration(
-            model, tuple(prompt_ids), tuple(new_tokens), sampling, stop_token_ids, deadline, now
+            model, tuple(prompt_ids), tuple(new_tokens), sampling, stop_token_ids, deadline, now, n
         )
 
     async def stream(
@@ -196,10 +211,10 @@ class TextGeneration:
         output and decoded once (the same text). Raises what the engine answers (`Rejected`,
         `DeadlineExceeded`, `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it
         (or cancel its task) to cancel the engine requests still running."""
-        times = [_SequenceTime() for _ in prepared.prompt_ids]
+        times = [_SequenceTime() for _ in range(prepared.sequences)]
         sequences = [
             self._sequence(prepared, index, times[index], incremental)
-            for index in range(len(prepared.prompt_ids))
+            for index in range(prepared.sequences)
         ]
         try:
             at_engine = self.service.at_engine(
@@ -223,11 +238,12 @@ class TextGeneration:
     async def _sequence(
         self, prepared: PreparedGeneration, index: int, spent: _SequenceTime, incremental: bool
     ) -> AsyncGenerator[list[GenerationEvent], None]:
-        """One prompt's sequence: each batch of engine outputs (one or more tokens that
-        arrived together) becomes at most one piece, plus the end once it is known; what it
-        spent in the engine goes to `spent`."""
+        """Sequence `index` (choice `index % n` of prompt `index // n`): each batch of
+        engine outputs (one or more tokens that arrived together) becomes at most one piece,
+        plus the end once it is known; what it spent in the engine goes to `spent`."""
         tokenizer = self.tokenizer(prepared.model)
-        prompt_ids = prepared.prompt_ids[index]
+        prompt, choice = divmod(index, prepared.n)
+        prompt_ids = prepared.prompt_ids[prompt]
         stop_strings, wants_logprobs = prepared.sampling.stops, prepared.sampling.logprobs
         # Tokens before the end are read only to stream text or to watch for a stop string;
         # otherwise the engine sends one output, at the end (one message, not one per step).
@@ -288,7 +304,7 @@ class TextGeneration:
                         scan = stops.feed(released)
                         text += scan.text
                         if scan.stopped:  # leaving the engine stream cancels the sequence
-                            ended = SequenceEnd(index, "stop", len(prompt_ids), generated)
+                            ended = SequenceEnd(index, "stop", len(prompt_ids), generated, choice)
                             yield _events(index, text, ended, aligner)
                             return
                 last = batch[-1]
@@ -302,16 +318,16 @@ class TextGeneration:
                     text += stops.flush()
                 assert isinstance(last.payload, TokensOutput)
                 reason = _FINISH[last.payload.finish_reason or FinishReason.LENGTH]
-                ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated)
+                ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated, choice)
                 yield _events(index, text, ended, aligner)
                 return
         raise EngineUnavailable("the engine's stream ended without a final output")
 
 
 def _sent_as_several(prepared: PreparedGeneration) -> bool:
-    """Whether the request goes to the engine as several Submits (one per prompt), whose
+    """Whether the request goes to the engine as several Submits (one per sequence), whose
     refusal the front end counts once (`Submit.refusal_counted_by_sender`)."""
-    return len(prepared.prompt_ids) > 1
+    return prepared.sequences > 1
 
 
 def _decoded(
@@ -336,31 +352,17 @@ def _encode_all(
     return [tokenizer.encode(text, add_special_tokens) for text in prompts]
 
 
-# An odd 64-bit constant (2**64 / the golden ratio): prompt i's seed is the request's plus i
-# times it, so nearby seeds' prompts do not share draws (seed 7's second prompt is not seed 8's
-# first) and no two prompts of a request do.
-_SEED_STRIDE = 0x9E3779B97F4A7C15
-
-
-def prompt_seed(seed: int | None, index: int) -> int | None:
-    """The seed of a request's prompt `index`: the request's own for its first prompt, one
-    derived from it for the others, within int64 (the protocol's and torch's range). One
-    seed for every prompt made a list of equal prompts, the only way to ask for several
-    samples in one request (`n` is 1), come back as copies of one sample."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index * _SEED_STRIDE + 2**63) % 2**64 - 2**63
-
-
 def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams:
+    """Sequence `index`'s sampling: choice `index % n` of prompt `index // n`."""
     sampling = prepared.sampling
+    prompt, choice = divmod(index, prepared.n)
     return SamplingParams(
-        max_new_tokens=prepared.new_tokens[index],
+        max_new_tokens=prepared.new_tokens[prompt],
         do_sample=sampling.do_sample,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         top_k=sampling.top_k,
-        seed=prompt_seed(sampling.seed, index),
+        seed=sequence_seed(sampling.seed, prompt, choice),
         fit_to_deadline=sampling.max_new_tokens is None,
         stop_token_ids=prepared.stop_token_ids,
         logprobs=sampling.logprobs,

@@ -45,7 +45,7 @@ async def openai_client(tmp_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
 @pytest.mark.parametrize(
     ("route", "fields", "param"),
     [
-        ("chat", {"n": 2}, "n"),
+        ("chat", {"n": 17}, "n"),
         ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
         ("chat", {"response_format": {"type": "json_object"}}, "response_format.type"),

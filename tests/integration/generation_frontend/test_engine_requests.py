@@ -94,7 +94,7 @@ async def test_each_prompt_of_a_seeded_request_draws_with_a_seed_of_its_own(
     client: httpx.AsyncClient, app: FastAPI
 ) -> None:
     """One seed for every prompt made equal prompts (the only way to ask several samples of
-    one request: `n` is 1) come back as copies; the first prompt keeps the request's seed,
+    one request before `n`) come back as copies; the first prompt keeps the request's seed,
     and the same request gets the same seeds again."""
     engine = engine_of(app)
 

@@ -74,7 +74,7 @@ WHOLE_NUMBERS = [
     ("/v1/completions", {**COMPLETION, "presence_penalty": False}),
     ("/v1/completions", {**COMPLETION, "n": True}),  # was served: `True == 1`
     ("/v1/completions", {**COMPLETION, "best_of": True}),
-    ("/v1/completions", {**COMPLETION, "n": 2.0}),
+    ("/v1/completions", {**COMPLETION, "n": 2.5}),
     ("/v1/chat/completions", {**CHAT, "n": True}),
     ("/v1/embeddings", {"model": "minilm", "input": "hi", "dimensions": 384.5}),
     ("/infer", {**GENERATE, "parameters": {"max_new_tokens": True}}),

@@ -1,0 +1,88 @@
+"""`n` choices per prompt in front of the scripted engine (it echoes each prompt's tokens):
+one engine request per (prompt, choice), each with a seed of its own; choices' indices and
+usage; the charge counts every sequence; `n` over its cap and `best_of` other than 1 are 400s."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from app.engine.protocol import GeneratePayload
+from app.generation.seeds import prompt_seed, sequence_seed
+from app.main import create_app
+from app.schemas_choices import MAX_CHOICES
+from app.settings import Settings
+from tests.support.asgi import serving
+from tests.support.generation_frontend import PROMPT, engine_of
+from tests.support.scripted_generator import ScriptedGenerator
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+async def test_each_choice_of_each_prompt_is_its_own_seeded_engine_request(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    engine = engine_of(app)
+    before = len(engine.submitted)
+    body = {"model": "tiny", "prompt": ["Hi", PROMPT], "max_tokens": 3, "n": 3, "seed": 7}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    sent = [submit.payload for submit in engine.submitted[before:]]
+    assert len(sent) == 6
+    seeds = {p.sampling.seed for p in sent if isinstance(p, GeneratePayload)}
+    want = {sequence_seed(7, prompt, choice) for prompt in range(2) for choice in range(3)}
+    assert seeds == want and len(want) == 6
+    assert sequence_seed(7, 1, 0) == prompt_seed(7, 1)  # n 1's seeds unchanged
+    answer = response.json()
+    assert [choice["index"] for choice in answer["choices"]] == list(range(6))
+    # The echo engine repeats its prompt: choices 0-2 continue "Hi", 3-5 PROMPT.
+    texts = [choice["text"] for choice in answer["choices"]]
+    assert len(set(texts[:3])) == 1 and len(set(texts[3:])) == 1 and texts[0] != texts[3]
+    one = await client.post("/v1/completions", json={**body, "n": 1})
+    usage, usage_of_one = answer["usage"], one.json()["usage"]
+    assert usage["prompt_tokens"] == usage_of_one["prompt_tokens"]  # each prompt once
+    assert usage["completion_tokens"] == 3 * usage_of_one["completion_tokens"] == 18
+
+
+async def test_chat_choices_are_indexed_from_0(client: httpx.AsyncClient) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    response = await client.post("/v1/chat/completions", json={**body, "n": 2})
+    assert response.status_code == 200, response.text
+    assert [choice["index"] for choice in response.json()["choices"]] == [0, 1]
+
+
+async def test_a_request_is_charged_every_sequence(settings: Settings) -> None:
+    """The token bucket is charged n x (prompt + new tokens): what the engine holds."""
+    small = settings.model_copy(update={"rate_limit_burst": 100})
+    application = create_app(small, engine=ScriptedGenerator(small))
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 60}
+    async with serving(application) as client:
+        one = await client.post("/v1/completions", json=body)
+        assert one.status_code == 200, one.text
+        prompt_tokens = one.json()["usage"]["prompt_tokens"]
+        assert prompt_tokens + 60 <= 100 < 2 * (prompt_tokens + 60)
+        two = await client.post("/v1/completions", json={**body, "n": 2})
+    assert two.status_code == 413, two.text
+    assert f"needs {2 * (prompt_tokens + 60)} tokens" in two.text
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "words"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "n": MAX_CHOICES + 1}, str(MAX_CHOICES)),
+        ("/v1/chat/completions", {"n": MAX_CHOICES + 1}, str(MAX_CHOICES)),
+        ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "best_of": 2}, "best_of is not served"),
+    ],
+)
+async def test_n_over_its_cap_and_best_of_are_refused(
+    client: httpx.AsyncClient, path: str, fields: dict[str, object], words: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    if "prompt" in fields:
+        del body["messages"]
+    response = await client.post(path, json=body)
+    assert response.status_code == 400, response.text
+    assert words in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == ("best_of" if "best_of" in fields else "n")

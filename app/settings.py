@@ -236,7 +236,11 @@ class Settings(BaseSettings):
         "beyond it, 429 (reason `queue`). The delay budget normally refuses long before.",
     )
     max_inputs_per_request: int = Field(
-        default=64, ge=1, description="Inputs in one request; beyond it, 413."
+        default=64,
+        ge=1,
+        description="Inputs in one request; beyond it, 413. A generation's sequences (prompts "
+        "x n) count, and at most generate_slots + generate_max_waiting of them: past the "
+        "waiting line the engine refuses them (429) however idle.",
     )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest request body; beyond it, 413."

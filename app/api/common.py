@@ -54,13 +54,16 @@ def envoy_timeout_ms(request: Request) -> float | None:
     return envoy_timeout_in(request.scope["headers"])
 
 
-def too_many_inputs(request: Request, count: int, param: str) -> Response | None:
-    """The 413 of a request of `count` inputs over the limit (in its path's envelope), else
-    None."""
-    limit = service_of(request).settings.max_inputs_per_request
+def too_many_inputs(
+    request: Request, count: int, param: str, *, what: str = "inputs", limit: int | None = None
+) -> Response | None:
+    """The 413 of a request of `count` inputs (`what`, as the message names them) over
+    `limit`, by default STEADY_MAX_INPUTS_PER_REQUEST (in its path's envelope), else None."""
+    if limit is None:
+        limit = service_of(request).settings.max_inputs_per_request
     if count <= limit:
         return None
-    message = f"{count} inputs; at most {limit} per request"
+    message = f"{count} {what}; at most {limit} per request"
     return in_envelope_of(request.url.path, error_response(413, "too_many_inputs", message, param))
 
 

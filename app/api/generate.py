@@ -120,11 +120,23 @@ async def _complete(request: Request, prepared: PreparedGeneration) -> Collected
     return await run_until_disconnect(request, _collect(events, count))
 
 
+def _too_many_sequences(request: Request, prompts: int, n: int, param: str) -> Response | None:
+    """The 413 of a request of more sequences (prompts x n) than one may run: the input cap,
+    or what a generate model runs and queues at once (STEADY_GENERATE_SLOTS +
+    STEADY_GENERATE_MAX_WAITING): its sequences reach the engine together, which refuses
+    those past its waiting line (429) however idle it is, so such a request never fits."""
+    settings = service_of(request).settings
+    held = settings.generate_slots + settings.generate_max_waiting
+    what = "inputs" if n == 1 else f"sequences ({prompts} prompts x n={n})"
+    limit = min(settings.max_inputs_per_request, held)
+    return too_many_inputs(request, prompts * n, param, what=what, limit=limit)
+
+
 async def infer_generate(request: Request, body: GenerateInferRequest) -> Response:
     """/infer on a generate model (its request already validated)."""
     prompts = texts_as_sent(request, "inputs", body.inputs)
     service = service_of(request)
-    if (too_many := too_many_inputs(request, len(prompts), "inputs")) is not None:
+    if (too_many := _too_many_sequences(request, len(prompts), 1, "inputs")) is not None:
         return too_many
     model = service.resolve_model(body.model)
     parameters = body.parameters
@@ -190,7 +202,8 @@ async def completions(request: Request) -> Response:
     body = await body_as(request, CompletionRequest)
     prompts = texts_as_sent(request, "prompt", body.prompt)
     service = service_of(request)
-    if (too_many := too_many_inputs(request, len(prompts), "prompt")) is not None:
+    param = "prompt" if body.n == 1 else "n"
+    if (too_many := _too_many_sequences(request, len(prompts), body.n, param)) is not None:
         return too_many
     model = service.resolve_model(body.model)
     generation_of(request).tokenizer(model)  # a model of another task: 400 before anything
@@ -209,6 +222,8 @@ async def completions(request: Request) -> Response:
 )
 async def chat_completions(request: Request) -> Response:
     body = await body_as(request, ChatCompletionRequest)
+    if (too_many := _too_many_sequences(request, 1, body.n, "n")) is not None:
+        return too_many
     service = service_of(request)
     model = service.resolve_model(body.model)
     messages = [

@@ -67,8 +67,9 @@ class PromptTooManyCharacters(ContextTooLong):
 class TooManyTokens(Exception):
     """The whole request needs more tokens than the admission bucket can ever hold (413)."""
 
-    def __init__(self, tokens: int, limit: int) -> None:
+    def __init__(self, tokens: int, limit: int, n: int = 1) -> None:
+        counted = "prompts + new tokens" if n == 1 else f"n={n} x (prompts + new tokens)"
         super().__init__(
-            f"the request needs {tokens} tokens (prompts + new tokens); at most {limit} per "
-            "request (STEADY_RATE_LIMIT_BURST)"
+            f"the request needs {tokens} tokens ({counted}); at most {limit} per request "
+            "(STEADY_RATE_LIMIT_BURST)"
         )

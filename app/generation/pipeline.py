@@ -194,7 +194,7 @@ class TextGeneration:
         charge = n * (sum(len(ids) for ids in prompt_ids) + sum(new_tokens))
         burst = self.service.settings.rate_limit_burst
         if charge > burst:
-            raise TooManyTokens(charge, burst)
+            raise TooManyTokens(charge, burst, n)
         await self.service.gate.admit(model, charge, deadline)
         timer.add("admission", self.service.clock() - tokenized_at)
         return PreparedGeneration(

@@ -64,7 +64,29 @@ async def test_a_request_is_charged_every_sequence(settings: Settings) -> None:
         assert prompt_tokens + 60 <= 100 < 2 * (prompt_tokens + 60)
         two = await client.post("/v1/completions", json={**body, "n": 2})
     assert two.status_code == 413, two.text
-    assert f"needs {2 * (prompt_tokens + 60)} tokens" in two.text
+    assert f"needs {2 * (prompt_tokens + 60)} tokens (n=2 x (prompts" in two.text
+
+
+async def test_more_sequences_than_a_generate_model_holds_are_413_naming_n(
+    settings: Settings,
+) -> None:
+    """Each sequence is an engine request, all sent at once: past a model's slots and its
+    waiting line the engine refused the rest, so such a request got 429 however idle the
+    server was (and was charged); prompts x n counts against the per-request cap."""
+    small = settings.model_copy(update={"generate_slots": 2, "generate_max_waiting": 3})
+    application = create_app(small, engine=ScriptedGenerator(small))
+    body = {"model": "tiny", "prompt": ["a", "b"], "max_tokens": 1}
+    async with serving(application) as client:
+        fits = await client.post("/v1/completions", json={**body, "n": 2})
+        over = await client.post("/v1/completions", json={**body, "n": 3})
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "n": 6}
+        over_chat = await client.post("/v1/chat/completions", json=chat)
+    assert fits.status_code == 200, fits.text
+    for response in (over, over_chat):
+        assert response.status_code == 413, response.text
+        error = response.json()["error"]
+        assert error["param"] == "n" and "at most 5 per request" in error["message"]
+    assert "6 sequences (2 prompts x n=3)" in over.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -30,12 +30,11 @@ from pydantic import (
 )
 
 from app.engine.protocol_logprobs import MAX_TOP_LOGPROBS
-from app.schemas import NonEmptyText, StrictModel, strings_only, whole_number
+from app.schemas import NonEmptyText, StrictModel, whole_number
 from app.schemas_choices import MAX_CHOICES, best_of_one
 from app.schemas_logprobs import ChatLogprobs, CompletionLogprobs, InferTokenLogprob
+from app.schemas_prompts import INT64_MAX, INT64_MIN, CompletionPrompts, Prompts
 
-# One prompt, or several, each continued independently.
-Prompts = NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)]
 # The longest stop string taken. Text that may begin one is held back from the stream until
 # the next token shows whether it does, and matching such a beginning costs up to its length
 # squared per token, on the front end's event loop: a megabyte-long stop stalled it.
@@ -47,10 +46,6 @@ StopStrings = StopText | StopList | None
 Finish = Literal["stop", "length"]
 
 OPENAI_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default `max_tokens` for /v1/completions
-# The largest integer the engine protocol (msgpack) and torch's generators take: beyond it a
-# request would fail in the front end's encoder, a 500 for a client's mistake.
-INT64_MAX = 2**63 - 1
-INT64_MIN = -(2**63)
 # The most alternatives per token: OpenAI's legacy completions take 5, chat and /infer 20.
 MAX_COMPLETION_LOGPROBS = 5
 
@@ -196,7 +191,10 @@ class OpenAISampling(StrictModel):
 
 
 class CompletionRequest(OpenAISampling):
-    prompt: Prompts
+    prompt: CompletionPrompts = Field(
+        description="A string, a list of strings, a list of token ids (one prompt) or a list "
+        "of lists of token ids (one prompt each)."
+    )
     max_tokens: int = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1, le=INT64_MAX)
     logprobs: int | None = Field(
         default=None,
@@ -225,11 +223,6 @@ class CompletionRequest(OpenAISampling):
     # Named apart from OpenAISampling's, which a validator of the same name would replace.
     _whole_counts = field_validator("max_tokens", "logprobs", mode="before")(whole_number)
     _best_of = field_validator("best_of", mode="before")(best_of_one)
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _reject_token_arrays(cls, value: object) -> object:
-        return strings_only(value, "prompt")
 
 
 # Far above any conversation a model's context holds, and checked before the messages are

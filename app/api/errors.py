@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +32,7 @@ from app.generation.errors import (
     ContextTooLong,
     NoChatTemplate,
     StopHoldsSpecialToken,
+    TokenIdOutOfVocabulary,
     TooManyTokens,
 )
 from app.log_limits import Throttle
@@ -158,6 +160,16 @@ def texts_as_sent(request: Request, field: str, value: str | list[str]) -> list[
     return value if isinstance(value, list) else [value]
 
 
+def token_prompts_as_sent(
+    request: Request, field: str, value: list[int] | list[list[int]]
+) -> list[list[int]]:
+    """`texts_as_sent` for token-id prompts: a list of ids is one prompt (named `prompt`, as
+    a string is), a list of such lists several (`prompt[3]`)."""
+    one = isinstance(value[0], int)
+    request.state.texts_as_sent = TextsAsSent(field, not one)
+    return [cast(list[int], value)] if one else cast(list[list[int]], value)
+
+
 def _text_param(request: Request, index: int) -> str | None:
     sent: TextsAsSent | None = getattr(request.state, "texts_as_sent", None)
     if sent is None:
@@ -194,6 +206,13 @@ async def _context_too_long(request: Request, error: Exception) -> Response:
     param = _text_param(request, error.index)
     message = error.described(_named_as_sent(request, "prompt", error.index))
     return error_response(400, "context_length_exceeded", message, param)
+
+
+async def _unknown_token_id(request: Request, error: Exception) -> Response:
+    assert isinstance(error, TokenIdOutOfVocabulary)
+    param = _text_param(request, error.index)
+    message = error.described(_named_as_sent(request, "prompt", error.index))
+    return error_response(400, "invalid_request", message, param)
 
 
 async def _too_many_tokens(request: Request, error: Exception) -> Response:
@@ -322,6 +341,7 @@ _HANDLERS: dict[type[Exception], Handler] = {
     ChatTemplateError: _chat_refused,
     StopHoldsSpecialToken: _stop_refused,
     ContextTooLong: _context_too_long,
+    TokenIdOutOfVocabulary: _unknown_token_id,
     TooManyTokens: _too_many_tokens,
     EngineRefused: _engine_refused,
     EngineUnavailable: _engine_unavailable,

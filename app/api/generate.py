@@ -20,7 +20,13 @@ from starlette.responses import Response
 from app.admission import Rejected, RejectReason
 from app.api.cancellation import run_until_disconnect
 from app.api.common import body_as, body_document, envoy_timeout_ms, render, too_many_inputs
-from app.api.errors import REJECTION_STATUS, described, log_batch_failed, texts_as_sent
+from app.api.errors import (
+    REJECTION_STATUS,
+    described,
+    log_batch_failed,
+    texts_as_sent,
+    token_prompts_as_sent,
+)
 from app.api.errors_doc import OPENAI_ERRORS
 from app.api.openai_format import Reply, TextChunks, chunk, error_chunk, usage_chunk, whole
 from app.api.openai_logprobs import LogprobRender, infer_logprobs
@@ -63,7 +69,7 @@ def generation_of(request: Request) -> TextGeneration:
 async def _prepare(
     request: Request,
     model: str,
-    prompts: Sequence[str],
+    prompts: Sequence[str | list[int]],
     sampling: Sampling,
     *,
     templated: bool,
@@ -175,6 +181,15 @@ async def infer_generate(request: Request, body: GenerateInferRequest) -> Respon
     return render(request, {"model": model, "outputs": outputs, "usage": usage})
 
 
+def _prompts_as_sent(
+    request: Request, prompt: str | list[str] | list[int] | list[list[int]]
+) -> Sequence[str | list[int]]:
+    """Completions' prompts, texts or token ids (one kind, as the schema takes them)."""
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        return texts_as_sent(request, "prompt", prompt)
+    return token_prompts_as_sent(request, "prompt", prompt)
+
+
 def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampling:
     """OpenAI's conventions: temperature 0 is greedy; otherwise sample."""
     return Sampling(
@@ -200,7 +215,7 @@ def _openai_sampling(body: OpenAISampling, max_new_tokens: int | None) -> Sampli
 )
 async def completions(request: Request) -> Response:
     body = await body_as(request, CompletionRequest)
-    prompts = texts_as_sent(request, "prompt", body.prompt)
+    prompts = _prompts_as_sent(request, body.prompt)
     service = service_of(request)
     param = "prompt" if body.n == 1 else "n"
     if (too_many := _too_many_sequences(request, len(prompts), body.n, param)) is not None:

@@ -73,3 +73,18 @@ class TooManyTokens(Exception):
             f"the request needs {tokens} tokens ({counted}); at most {limit} per request "
             "(STEADY_RATE_LIMIT_BURST)"
         )
+
+
+class TokenIdOutOfVocabulary(Exception):
+    """A token-id prompt holding an id the model's tokenizer has no token for (400). Its
+    text names the prompt by index; the edge words it `described`, as `ContextTooLong`'s."""
+
+    def __init__(self, index: int, token_id: int, vocabulary_size: int) -> None:
+        self.index, self.token_id, self.vocabulary_size = index, token_id, vocabulary_size
+        super().__init__(self.described(f"prompt {index}"))
+
+    def described(self, prompt: str) -> str:
+        return (
+            f"{prompt} holds token id {self.token_id}; the model's vocabulary has "
+            f"{self.vocabulary_size} tokens (ids 0 to {self.vocabulary_size - 1})"
+        )

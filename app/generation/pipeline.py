@@ -25,6 +25,7 @@ from app.generation.errors import (
     ContextTooLong,
     NoChatTemplate,
     PromptTooManyCharacters,
+    TokenIdOutOfVocabulary,
     TooManyTokens,
 )
 from app.generation.logprobs import LogprobAligner, TokenLogprob, carried
@@ -151,7 +152,7 @@ class TextGeneration:
     async def prepare(
         self,
         model: str,
-        prompts: Sequence[str],
+        prompts: Sequence[str | list[int]],
         sampling: Sampling,
         *,
         templated: bool,
@@ -160,28 +161,33 @@ class TextGeneration:
         timer: PhaseTimer,
         n: int = 1,
     ) -> PreparedGeneration:
-        """Check, tokenize and admit. `templated`: the prompts come from a chat template,
-        which writes its special tokens itself; `n`: sequences per prompt, each charged (the
-        engine holds every one's prompt and new tokens). Raises `WrongTask`,
-        `StopHoldsSpecialToken`, `ContextTooLong` (a prompt over the sequence's limit, in
-        tokens or, before any tokenizer pass, in characters), `TooManyTokens` or `Rejected`
-        (429/503/504)."""
+        """Check, tokenize and admit. A prompt is a text or its token ids (checked against the
+        vocabulary, not tokenized; limited and charged as a text's). `templated`: the prompts
+        come from a chat template, which writes its special tokens itself; `n`: sequences per
+        prompt, each charged (the engine holds every one's prompt and new tokens). Raises
+        `WrongTask`, `StopHoldsSpecialToken`, `TokenIdOutOfVocabulary`, `ContextTooLong` (a
+        prompt over the sequence's limit, in tokens or, before any tokenizer pass, in
+        characters), `TooManyTokens` or `Rejected` (429/503/504)."""
         tokenizer = self.tokenizer(model)
         now, deadline = self.service.begin(model, timeout_ms, envoy_timeout_ms)
         stop_token_ids = tokenizer.stop_token_ids(sampling.stops)  # a special token's text
         limit = self.context_limit(model)
         max_chars = limit * MAX_CHARS_PER_TOKEN
-        for index, text in enumerate(prompts):  # before any tokenizer pass
-            if len(text) > max_chars:
-                raise PromptTooManyCharacters(index, len(text), max_chars, limit)
-        prompt_ids = await self.service.run_tokenizer(
-            sum(len(text) for text in prompts),
-            timer,
-            _encode_all,
-            tokenizer,
-            prompts,
-            not templated,
+        for index, prompt in enumerate(prompts):  # before any tokenizer pass
+            if isinstance(prompt, str) and len(prompt) > max_chars:
+                raise PromptTooManyCharacters(index, len(prompt), max_chars, limit)
+            if not isinstance(prompt, str):
+                _check_vocabulary(index, prompt, tokenizer.vocabulary_size)
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        chars = sum(len(text) for text in texts)
+        encoded = iter(
+            await self.service.run_tokenizer(
+                chars, timer, _encode_all, tokenizer, texts, not templated
+            )
+            if texts
+            else []
         )
+        prompt_ids = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
         tokenized_at = self.service.clock()
         timer.add("tokenize", tokenized_at - now)
         new_tokens = []
@@ -344,6 +350,14 @@ def _events(
     """A sequence's last batch: its last piece (if any: text, or tokens left) and its end."""
     tokens = carried(aligner, text, end=True)
     return [TextPiece(index, text, tokens), end] if text or tokens else [end]
+
+
+def _check_vocabulary(index: int, ids: Sequence[int], vocabulary_size: int) -> None:
+    """Raises `TokenIdOutOfVocabulary` for the first id of prompt `index` past the vocabulary
+    (the engine's embedding lookup would fail on it, or read a padding row)."""
+    if max(ids) >= vocabulary_size:
+        bad = next(token for token in ids if token >= vocabulary_size)
+        raise TokenIdOutOfVocabulary(index, bad, vocabulary_size)
 
 
 def _encode_all(

@@ -60,7 +60,7 @@ async def openai_client(tmp_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
         ("completions", {"stop": "#" * 257}, "stop"),
         ("chat", {"stop": ["\n", "#" * 257]}, "stop[1]"),
         ("completions", {"logprobs": 6}, "logprobs"),
-        ("completions", {"prompt": [1, 2, 3]}, "prompt"),
+        ("completions", {"prompt": ["hi", 1]}, "prompt"),  # token ids are served, not mixed
         ("completions", {"max_tokens": "many"}, "max_tokens"),
         ("embeddings", {"input": [1, 2, 3]}, "input"),
         ("embeddings", {"encoding_format": "hex"}, "encoding_format"),

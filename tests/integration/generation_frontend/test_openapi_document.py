@@ -90,6 +90,30 @@ async def test_a_whole_number_is_an_integer_as_the_document_says(
     assert await disagreement(client, path, body) is None
 
 
+TOKEN_ID_PROMPTS = [
+    [1, 2, 3],
+    [[1, 2], [3]],
+    [1.0, 2],
+    # Refused, as the document says.
+    [],
+    [[]],
+    ["hi", 1],
+    [[1, 2], "hi"],
+    [-1],
+    [True],
+    [1.5],
+]
+
+
+@pytest.mark.parametrize("prompt", TOKEN_ID_PROMPTS)
+async def test_token_id_prompts_are_served_as_the_document_says(
+    client: httpx.AsyncClient, prompt: object
+) -> None:
+    """A completion's `prompt` of token ids (a list of ids, or a list of such lists) was
+    refused; served, the document's union of four kinds says which it takes."""
+    assert await disagreement(client, "/v1/completions", {**COMPLETION, "prompt": prompt}) is None
+
+
 NULLABLE_BODIES = [
     ("/v1/embeddings", "EmbeddingsRequest", {"model": "minilm", "input": "hi"}),
     ("/v1/completions", "CompletionRequest", COMPLETION),

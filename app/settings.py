@@ -236,11 +236,7 @@ class Settings(BaseSettings):
         "beyond it, 429 (reason `queue`). The delay budget normally refuses long before.",
     )
     max_inputs_per_request: int = Field(
-        default=64,
-        ge=1,
-        description="Inputs in one request; beyond it, 413. A generation's sequences (prompts "
-        "x n) count, and at most generate_slots + generate_max_waiting of them: past the "
-        "waiting line the engine refuses them (429) however idle.",
+        default=64, ge=1, description="Inputs (generation: prompts x n) in a request; over, 413."
     )
     max_body_bytes: int = Field(
         default=1_048_576, ge=1024, description="Largest request body; beyond it, 413."

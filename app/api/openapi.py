@@ -168,7 +168,8 @@ def _limit_text_lists(components: dict[str, Any], max_items: int) -> None:
         if component not in components:
             continue
         for variant in components[component]["properties"][field]["anyOf"]:
-            if variant.get("type") == "array":
+            # A list of token ids is one prompt: its length is the context limit's business.
+            if variant.get("type") == "array" and variant["items"].get("type") != "integer":
                 variant["maxItems"] = max_items
 
 

@@ -126,7 +126,7 @@ class GenerationHost:
         payload = request.payload
         if not isinstance(payload, GeneratePayload):
             return None  # refused as a bad request by `submit`
-        if kv_slots.payload_problem(payload, self.runner.max_sequence_tokens) is not None:
+        if kv_slots.payload_problem(payload, self.runner) is not None:
             return None  # likewise
         if self._batch.at_cap(self._max_waiting):  # as its published queue says (`work`)
             return Rejected(
@@ -158,7 +158,7 @@ class GenerationHost:
             message = f"model {self.name!r} generates text; it was sent {payload_kind(request)}"
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, message))
             return None
-        problem = kv_slots.payload_problem(payload, self.runner.max_sequence_tokens)
+        problem = kv_slots.payload_problem(payload, self.runner)
         if problem is not None:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None

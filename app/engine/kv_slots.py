@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
@@ -47,12 +48,27 @@ class SlotTable:
         heapq.heappush(self._free, slot)
 
 
-def payload_problem(payload: GeneratePayload, max_sequence_tokens: int) -> str | None:
+class SequenceLimits(Protocol):
+    """What a generate model's runner holds one sequence to."""
+
+    @property
+    def max_sequence_tokens(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def payload_problem(payload: GeneratePayload, limits: SequenceLimits) -> str | None:
     """Why the request can never be served (a 400, naming the limit), or None."""
     prompt = len(payload.prompt_ids)
     sampling = payload.sampling
+    max_sequence_tokens = limits.max_sequence_tokens
     if prompt == 0:
         return "the prompt has no tokens"
+    # An id past the embedding is an IndexError on the CPU, a device-side assert on CUDA
+    # (the device lost: every request in the engine failed); front ends check it too.
+    if min(payload.prompt_ids) < 0 or max(payload.prompt_ids) >= limits.vocab_size:
+        return f"a prompt token id is outside the model's ids (0 to {limits.vocab_size - 1})"
     if sampling.max_new_tokens < 1:
         return f"max_new_tokens must be at least 1 (got {sampling.max_new_tokens})"
     if sampling.do_sample and sampling.temperature <= 0:

@@ -177,7 +177,7 @@ class TextGeneration:
             if isinstance(prompt, str) and len(prompt) > max_chars:
                 raise PromptTooManyCharacters(index, len(prompt), max_chars, limit)
             if not isinstance(prompt, str):
-                _check_vocabulary(index, prompt, tokenizer.vocabulary_size)
+                _check_vocabulary(index, prompt, self._vocabulary(model, tokenizer))
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         chars = sum(len(text) for text in texts)
         encoded = iter(
@@ -206,6 +206,13 @@ class TextGeneration:
         return PreparedGeneration(
             model, tuple(prompt_ids), tuple(new_tokens), sampling, stop_token_ids, deadline, now, n
         )
+
+    def _vocabulary(self, model: str, tokenizer: GenerationTokenizer) -> int:
+        """The ids a token-id prompt may hold: those of the tokenizer and of the model's
+        embedding both (a fine-tune may add tokens without resizing it; on CUDA an id past
+        it is a device-side assert, which loses the device)."""
+        rows = self.service.output_width(model)  # the model's vocab_size, once loaded
+        return tokenizer.vocabulary_size if rows is None else min(rows, tokenizer.vocabulary_size)
 
     async def stream(
         self, prepared: PreparedGeneration, timer: PhaseTimer, *, incremental: bool = True

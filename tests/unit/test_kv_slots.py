@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from app.admission import RejectReason
@@ -33,13 +35,19 @@ def test_slot_table_hands_out_lowest_free_slot_and_takes_back_only_held_ones() -
         table.give(7)
 
 
+@dataclass(frozen=True)
+class Limits:
+    max_sequence_tokens: int
+    vocab_size: int = 1000
+
+
 def payload(prompt: int, new: int, **sampling: object) -> GeneratePayload:
     return GeneratePayload(list(range(prompt)), SamplingParams(max_new_tokens=new, **sampling))  # type: ignore[arg-type]
 
 
 def test_a_sequence_that_can_never_fit_names_the_limit() -> None:
-    assert payload_problem(payload(10, 22), 32) is None
-    problem = payload_problem(payload(10, 23), 32)
+    assert payload_problem(payload(10, 22), Limits(32)) is None
+    problem = payload_problem(payload(10, 23), Limits(32))
     assert problem is not None
     assert "33" in problem and "32" in problem and "generate_slot_tokens" in problem
 
@@ -58,16 +66,28 @@ def test_a_sequence_that_can_never_fit_names_the_limit() -> None:
     ],
 )
 def test_invalid_sampling_is_named(bad: GeneratePayload, words: str) -> None:
-    problem = payload_problem(bad, 64)
+    problem = payload_problem(bad, Limits(64))
     assert problem is not None and words in problem
 
 
+def test_a_prompt_id_outside_the_model_s_embedding_is_refused() -> None:
+    """A front end checks a token-id prompt against its tokenizer; a model whose embedding
+    has fewer rows (a fine-tune that added tokens without resizing it) took the id, and on
+    CUDA the lookup's device-side assert lost the device: every request failed."""
+    limits = Limits(64, vocab_size=50)
+    fits = GeneratePayload([0, 49], SamplingParams(max_new_tokens=1))
+    assert payload_problem(fits, limits) is None
+    for ids in ([1, 50], [-1, 2]):
+        problem = payload_problem(GeneratePayload(ids, SamplingParams(max_new_tokens=1)), limits)
+        assert problem is not None and "0 to 49" in problem
+
+
 def test_greedy_ignores_temperature() -> None:
-    assert payload_problem(payload(3, 4, temperature=0.0), 64) is None
+    assert payload_problem(payload(3, 4, temperature=0.0), Limits(64)) is None
 
 
 def test_top_p_of_0_keeps_the_top_token_as_transformers_does() -> None:
-    assert payload_problem(payload(3, 4, do_sample=True, top_p=0.0), 64) is None
+    assert payload_problem(payload(3, 4, do_sample=True, top_p=0.0), Limits(64)) is None
 
 
 def test_no_wait_while_a_slot_is_free_for_the_newcomer() -> None:

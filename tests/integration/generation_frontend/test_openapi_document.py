@@ -94,6 +94,7 @@ TOKEN_ID_PROMPTS = [
     [1, 2, 3],
     [[1, 2], [3]],
     [1.0, 2],
+    [1] * 65,  # one prompt of more ids than STEADY_MAX_INPUTS_PER_REQUEST (the document said 64)
     # Refused, as the document says.
     [],
     [[]],

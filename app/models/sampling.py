@@ -37,19 +37,15 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k).values[-1]
-        ids = torch.nonzero(scaled >= kth).squeeze(-1)  # ties with the k-th stay
-        values, order = torch.sort(scaled[ids], descending=True)
-        ids, log_total = ids[order], torch.logsumexp(values, -1)
+        ids, values = _sorted_where(scaled, scaled >= kth)  # ties with the k-th stay
+        log_total = torch.logsumexp(values, -1)
     elif params.top_p >= 1.0:
         return torch.arange(vocab), scaled
     else:
         log_total = torch.logsumexp(scaled, -1)
         # The most likely tokens (all those over a floor are): when they hold top_p of the
         # mass, the full sort's next token has top_p before it, so top-p's set lies within.
-        likely = scaled >= scaled.max() + math.log(TOP_P_FLOOR)
-        ids = torch.nonzero(likely).squeeze(-1)
-        values, order = torch.sort(scaled[ids], descending=True)
-        ids = ids[order]
+        ids, values = _sorted_where(scaled, scaled >= scaled.max() + math.log(TOP_P_FLOOR))
         held = float((values - log_total).exp().sum())
         if len(ids) < vocab and held < params.top_p + TOP_P_MARGIN:
             values, ids = torch.sort(scaled, descending=True)  # its set may go past them
@@ -57,6 +53,14 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
         kept = _top_p_count(values, log_total, params.top_p)
         values, ids = values[:kept], ids[:kept]
     return ids, values
+
+
+def _sorted_where(scaled: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids where `keep` holds and their `scaled` values, most likely first (a sort of
+    those alone)."""
+    ids = torch.nonzero(keep).squeeze(-1)
+    values, order = torch.sort(scaled[ids], descending=True)
+    return ids[order], values
 
 
 def _top_p_count(values: torch.Tensor, log_total: torch.Tensor, top_p: float) -> int:

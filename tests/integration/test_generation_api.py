@@ -77,12 +77,6 @@ async def base_url(
         yield url
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        yield client
-
-
 async def test_infer_greedy_equals_generate_for_16_concurrent_requests(
     client: httpx.AsyncClient, expected: list[Expected]
 ) -> None:

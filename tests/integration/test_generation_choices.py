@@ -6,7 +6,6 @@ answers are those of before (prompt i drawn with `prompt_seed(seed, i)`)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,6 @@ async def base_url(tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: P
     settings = settings_for(tiny_causal_lm, tiny_causal_lm_without_chat_template, "inprocess")
     async with listening(create_app(settings)) as url:
         yield url
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        yield client
 
 
 async def complete(client: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:

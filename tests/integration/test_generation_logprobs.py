@@ -59,12 +59,6 @@ async def base_url(
         yield url
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        yield client
-
-
 def reference_logprobs(
     model: PreTrainedModel, prompt_ids: list[int], generated: list[int]
 ) -> torch.Tensor:

@@ -40,12 +40,6 @@ async def base_url(
         yield url
 
 
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(base_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-        yield client
-
-
 async def complete(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
     response = await client.post("/v1/completions", json={**GREEDY, **body})
     assert response.status_code == 200, response.text

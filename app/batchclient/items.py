@@ -65,8 +65,10 @@ class Success:
     latency_s: float
 
     @property
-    def outputs(self) -> list[list[float]]:
-        outputs: list[list[float]] = self.response["outputs"]
+    def outputs(self) -> list[Any]:
+        """An embedding model's vectors, a generate model's ``{"text", "finish_reason",
+        ...}`` objects: one per input of the item."""
+        outputs: list[Any] = self.response["outputs"]
         return outputs
 
     def json_line(self) -> bytes:
@@ -144,13 +146,31 @@ class Request:
         results: list[Result] = []
         offset = 0
         for item, count in zip(self.items, self.counts, strict=True):
-            # A packed request's token count cannot be split between its items: each item
-            # reports its own input count only.
             share = {**shared, "outputs": outputs[offset : offset + count]}
-            share["usage"] = {"inputs": count}
+            share["usage"] = _usage_of(share["outputs"], count)
             results.append(Success(item.id, share, attempts, latency_s))
             offset += count
         return results
+
+
+def _usage_of(outputs: list[Any], count: int) -> dict[str, int]:
+    """An item's usage as /infer answers it for that item alone. A generate model's outputs
+    carry their own token counts, whose sums are its usage; an embedding model's do not, and
+    a packed request's token count cannot be split between its items: the input count only."""
+    prompt_tokens: list[int] = []
+    completion_tokens: list[int] = []
+    for output in outputs:
+        prompt = output.get("prompt_tokens") if isinstance(output, dict) else None
+        completion = output.get("completion_tokens") if isinstance(output, dict) else None
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            return {"inputs": count}
+        prompt_tokens.append(prompt)
+        completion_tokens.append(completion)
+    return {
+        "input_tokens": sum(prompt_tokens),
+        "output_tokens": sum(completion_tokens),
+        "inputs": count,
+    }
 
 
 def _seeded(item: Item) -> bool:

@@ -84,6 +84,23 @@ def test_unpacking_gives_each_item_its_own_outputs() -> None:
     assert all(isinstance(r, Failure) for r in short)
 
 
+def test_a_packed_generate_items_usage_is_its_own_outputs_tokens() -> None:
+    """As /infer answers the item alone; the split kept only its input count, dropping a
+    generate model's token usage from every packed line."""
+    request = Request.packed([Item("a", {"inputs": ["x", "y"]}), Item("b", {"inputs": "z"})])
+    outputs = [
+        {"text": t, "finish_reason": "length", "prompt_tokens": p, "completion_tokens": c}
+        for t, p, c in (("1", 3, 5), ("2", 4, 6), ("3", 7, 2))
+    ]
+    answer = {"model": "m", "outputs": outputs, "usage": {"input_tokens": 14, "inputs": 3}}
+    results = request.unpack(answer, attempts=1, latency_s=0.0)
+    assert [r.response["usage"] for r in results if isinstance(r, Success)] == [
+        {"input_tokens": 7, "output_tokens": 11, "inputs": 2},
+        {"input_tokens": 7, "output_tokens": 2, "inputs": 1},
+    ]
+    assert [r.outputs for r in results if isinstance(r, Success)] == [outputs[:2], outputs[2:]]
+
+
 def test_result_lines() -> None:
     success = Success("a", {"model": "m", "outputs": [[0.5]], "usage": {"inputs": 1}}, 1, 0.0)
     assert orjson.loads(success.json_line()) == {

@@ -29,7 +29,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as instrumentator_metrics
 
 from app import __version__
-from app.api import debug, embed, generate, health, v2
+from app.api import debug, embed, generate, health, tokenize, v2
 from app.api.direct import DirectRoute
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import use_lean_instrumentator
@@ -232,6 +232,7 @@ def create_app(
     install_openapi(app, service)
     app.include_router(embed.router)
     app.include_router(generate.router)
+    app.include_router(tokenize.router)
     app.include_router(health.router)
     app.include_router(debug.router)
     app.include_router(v2.router)

@@ -285,12 +285,15 @@ class TextResponseFormat(StrictModel):
     type: Literal["text"]
 
 
+ChatMessages = Annotated[
+    list[ChatMessage],
+    Field(min_length=1, max_length=MAX_CHAT_MESSAGES),  # for the schema; checked before
+    BeforeValidator(_at_most(MAX_CHAT_MESSAGES, "messages")),
+]
+
+
 class ChatCompletionRequest(OpenAISampling):
-    messages: Annotated[
-        list[ChatMessage],
-        Field(min_length=1, max_length=MAX_CHAT_MESSAGES),  # for the schema; checked before
-        BeforeValidator(_at_most(MAX_CHAT_MESSAGES, "messages")),
-    ]
+    messages: ChatMessages
     # Not served, and accepted at the value that asks for nothing (clients and wrappers
     # send them so): no tools, plain text.
     tools: Annotated[list[object], Field(max_length=0)] | None = None

@@ -30,6 +30,7 @@ from app.failures import BatchFailed, DeadlineExceeded, DeviceLost, NonFiniteOut
 from app.generation.chat import ChatTemplateError, SpecialTokenInMessage
 from app.generation.errors import (
     ContextTooLong,
+    ModelNotChosen,
     NoChatTemplate,
     StopHoldsSpecialToken,
     TokenIdOutOfVocabulary,
@@ -248,6 +249,7 @@ async def _unknown_model(request: Request, error: Exception) -> Response:
 
 
 async def _wrong_task(request: Request, error: Exception) -> Response:
+    # And a tokenizer route's model left out where no single generate model is the default.
     return error_response(400, "invalid_request", str(error), "model")
 
 
@@ -337,6 +339,7 @@ _HANDLERS: dict[type[Exception], Handler] = {
     InputTooLong: _too_long,
     UnknownModel: _unknown_model,
     WrongTask: _wrong_task,
+    ModelNotChosen: _wrong_task,
     NoChatTemplate: _chat_refused,
     ChatTemplateError: _chat_refused,
     StopHoldsSpecialToken: _stop_refused,

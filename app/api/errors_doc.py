@@ -11,7 +11,8 @@ _ERROR_WHEN = {
     "`dimensions` other than the model's width; "
     "generation asked of an embedding model, chat of a model without a chat template, or "
     "messages its template refuses, a stop string holding a special token's text beside "
-    "other text (`invalid_request`); a prompt plus its new tokens over "
+    "other text, a tokenizer route's `model` left out where not one generate model is "
+    "served (`invalid_request`); a prompt plus its new tokens over "
     "what one sequence holds, or a prompt over it in characters (`context_length_exceeded`).",
     404: "Unknown model (`model_not_found`).",
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "

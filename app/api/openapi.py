@@ -43,12 +43,15 @@ from app.schemas_generation import (
     GenerateInferRequest,
 )
 from app.schemas_stream import ChatCompletionChunk, CompletionChunk
+from app.schemas_tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from app.service import Service
 
 STREAMED_CHUNKS = {
     "/v1/completions": CompletionChunk,
     "/v1/chat/completions": ChatCompletionChunk,
 }
+
+TOKENIZER_BODIES = (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
 
 # (component, field) of every request field that takes one text or a list of texts.
 _TEXT_LIST_FIELDS = (
@@ -201,6 +204,8 @@ def install_openapi(app: FastAPI, service: Service) -> None:
         document["components"]["schemas"] = components
         _add_component(components, InferRequest)
         _add_component(components, GenerateInferRequest)
+        for tokenizer_body in TOKENIZER_BODIES:  # read by api/tokenize.py itself
+            _add_component(components, tokenizer_body)
         names = service.model_names()
         tasks: dict[str, list[str]] = {}
         for name in names:

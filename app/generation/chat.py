@@ -204,12 +204,16 @@ class ChatTemplate:
         `special_token_texts`: the texts of all the tokenizer's special tokens, which no
         message may hold."""
         self._template = _environment().from_string(source)
+        self.source = source  # as the model ships it (/tokenizer_info's `chat_template`)
         self._special_tokens = dict(special_tokens)
         self._developer_as_system = _NAMES_DEVELOPER.search(source) is None
         self._special_texts = SpecialTokenTexts(special_token_texts)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opened (a
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for `messages`, ending with the assistant's turn opened unless
+        `add_generation_prompt` is false (/tokenize's chat form may ask so) (a
         `developer` message as a `system` one, unless the template names that role).
         Raises `SpecialTokenInMessage` for a message holding a special token's text, and
         `ChatTemplateError` when the template refuses them or fails on them."""
@@ -227,7 +231,7 @@ class ChatTemplate:
                 # an undefined name is not none.
                 tools=None,
                 documents=None,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
             )
             # JSON may escape a lone surrogate ("\udc00"), which no tokenizer takes.

@@ -88,3 +88,15 @@ class TokenIdOutOfVocabulary(Exception):
             f"{prompt} holds token id {self.token_id}; the model's vocabulary has "
             f"{self.vocabulary_size} tokens (ids 0 to {self.vocabulary_size - 1})"
         )
+
+
+class ModelNotChosen(Exception):
+    """A tokenizer route (/tokenize, /detokenize, /tokenizer_info) without `model` on a
+    server that does not serve exactly one generate model (400, `model`)."""
+
+    def __init__(self, generate_models: list[str]) -> None:
+        served = ", ".join(generate_models) if generate_models else "none"
+        super().__init__(
+            "model is required: this server serves more or fewer than one generate model "
+            f"(generate models: {served}); name one of its models"
+        )

@@ -132,13 +132,15 @@ class TextGeneration:
             raise WrongTask(model, task, "generate")
         return tokenizer
 
-    def chat_prompt(self, model: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    def chat_prompt(
+        self, model: str, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         """The prompt text of a conversation; raises `NoChatTemplate`, or `ChatTemplateError`
         when the template refuses the messages."""
         template = self.tokenizer(model).chat_template
         if template is None:
             raise NoChatTemplate(model)
-        return template.render(messages)
+        return template.render(messages, add_generation_prompt)
 
     def context_limit(self, model: str) -> int:
         """The most tokens one sequence may hold: the model's own limit and the engine's."""
@@ -177,7 +179,7 @@ class TextGeneration:
             if isinstance(prompt, str) and len(prompt) > max_chars:
                 raise PromptTooManyCharacters(index, len(prompt), max_chars, limit)
             if not isinstance(prompt, str):
-                _check_vocabulary(index, prompt, self._vocabulary(model, tokenizer))
+                check_vocabulary(index, prompt, self._vocabulary(model, tokenizer))
         texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         chars = sum(len(text) for text in texts)
         encoded = iter(
@@ -359,10 +361,10 @@ def _events(
     return [TextPiece(index, text, tokens), end] if text or tokens else [end]
 
 
-def _check_vocabulary(index: int, ids: Sequence[int], vocabulary_size: int) -> None:
+def check_vocabulary(index: int, ids: Sequence[int], vocabulary_size: int) -> None:
     """Raises `TokenIdOutOfVocabulary` for the first id of prompt `index` past the vocabulary
     (the engine's embedding lookup would fail on it, or read a padding row)."""
-    if max(ids) >= vocabulary_size:
+    if ids and max(ids) >= vocabulary_size:
         bad = next(token for token in ids if token >= vocabulary_size)
         raise TokenIdOutOfVocabulary(index, bad, vocabulary_size)
 

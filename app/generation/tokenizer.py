@@ -26,8 +26,6 @@ class GenerationTokenizer(FastTokenizer):
         # None: the model has none. No message may hold a special token's text.
         self.chat_template = load_chat_template(directory, self.special_tokens)
         self.token_texts = TokenTexts(self._backend)  # log probabilities' token names
-        # transformers' len(tokenizer): a token-id prompt's ids are below it.
-        self.vocabulary_size = int(self._backend.get_vocab_size(with_added_tokens=True))
 
     def stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
         """The ids of the special tokens whose text is one of the stop strings: `decode`

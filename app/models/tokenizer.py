@@ -51,7 +51,7 @@ class TextTokenizer(Protocol):
         ...
 
 
-def _json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     loaded: dict[str, Any] = json.loads(path.read_text())
@@ -73,7 +73,7 @@ def input_token_limit(directory: Path, largest_length_bucket: int, configured: i
     model's positions, the tokenizer's limit, the length a sentence-transformers model was
     trained for, and the configured `max_input_tokens`."""
     limits = [largest_length_bucket]
-    config = _json(directory / "config.json")
+    config = read_json(directory / "config.json")
     positions = config.get("max_position_embeddings")
     if positions:
         # RoBERTa's family numbers positions from its padding id + 1: of its 514, 512 serve.
@@ -82,10 +82,10 @@ def input_token_limit(directory: Path, largest_length_bucket: int, configured: i
             pad = config.get("pad_token_id")
             offset = (1 if pad is None else int(pad)) + 1
         limits.append(int(positions) - offset)
-    tokenizer_limit = _json(directory / "tokenizer_config.json").get("model_max_length")
+    tokenizer_limit = read_json(directory / "tokenizer_config.json").get("model_max_length")
     if tokenizer_limit and int(tokenizer_limit) < _NO_LIMIT:
         limits.append(int(tokenizer_limit))
-    trained = _json(directory / "sentence_bert_config.json").get("max_seq_length")
+    trained = read_json(directory / "sentence_bert_config.json").get("max_seq_length")
     if trained:
         limits.append(int(trained))
     if configured:
@@ -180,12 +180,15 @@ class FastTokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: steadyserve needs a fast tokenizer (tokenizer.json)")
         self._backend = Tokenizer.from_file(str(path))
+        self.directory = directory  # its files (/tokenizer_info reads tokenizer_config.json)
+        # transformers' len(tokenizer): a token-id prompt's ids are below it.
+        self.vocabulary_size = int(self._backend.get_vocab_size(with_added_tokens=True))
         # Fixed once: the Rust tokenizer keeps these on a shared object and releases the GIL
         # while encoding, so changing them per call would race between threads.
         self._backend.no_truncation()
         self._backend.no_padding()
         if self.bos_eos_from_config:
-            config = _json(directory / "tokenizer_config.json")
+            config = read_json(directory / "tokenizer_config.json")
             honour_bos_eos_flags(self._backend, config, str(directory))
         self.max_input_tokens = max_input_tokens
         self.pad_token_id = self._pad_id(directory)
@@ -202,7 +205,7 @@ class FastTokenizer:
         self.special_token_ids = frozenset(self.special_tokens.values())
 
     def _pad_id(self, directory: Path) -> int:
-        config = _json(directory / "tokenizer_config.json")
+        config = read_json(directory / "tokenizer_config.json")
         pad_token = config.get("pad_token")
         if isinstance(pad_token, dict):
             pad_token = pad_token.get("content")
@@ -234,9 +237,15 @@ class FastTokenizer:
         Thread-safe."""
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of generated token ids, special tokens left out. Thread-safe."""
-        return str(self._backend.decode(list(token_ids), skip_special_tokens=True))
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids, special tokens left out (generated text) unless
+        `skip_special_tokens` is false (/detokenize, as transformers' `decode`). Thread-safe."""
+        return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's vocabulary entry, as transformers' `convert_ids_to_tokens` gives it
+        (`Ġthe`); ids below `vocabulary_size`."""
+        return [self._backend.id_to_token(token_id) or "" for token_id in token_ids]
 
 
 def load_tokenizer(

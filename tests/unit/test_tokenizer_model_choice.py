@@ -1,0 +1,60 @@
+"""Which model the tokenizer routes serve when `model` is left out (`api/tokenize.py`):
+STEADY_DEFAULT_MODEL where it is set, else the one generate model served, else a 400
+naming the generate models (lm-eval-harness probes /tokenizer_info without a model)."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from app.api.tokenize import chosen_model
+from app.generation.errors import ModelNotChosen
+from app.model_specs import ModelSpec
+from app.service import Service, UnknownModel
+from app.settings import Settings
+
+
+class Served:
+    """What `chosen_model` reads of a `Service`: its settings' models."""
+
+    def __init__(self, *models: ModelSpec, default: str | None = None) -> None:
+        self.settings = Settings(models=models, default_model=default, spike_reports=False)
+
+    def model_names(self) -> list[str]:
+        return [spec.name for spec in self.settings.models]
+
+    def model_task(self, name: str) -> str:
+        return next(spec.task for spec in self.settings.models if spec.name == name)
+
+    def resolve_model(self, name: str | None) -> str:
+        return Service.resolve_model(cast(Any, self), name)
+
+
+EMBED = ModelSpec(name="minilm")
+TINY = ModelSpec(name="tiny", task="generate", source="/models/tiny")
+PLAIN = ModelSpec(name="plain", task="generate", source="/models/plain")
+
+
+def test_the_one_generate_model_is_chosen_whatever_the_default() -> None:
+    assert chosen_model(cast(Service, Served(EMBED, TINY)), None) == "tiny"
+    assert chosen_model(cast(Service, Served(EMBED, TINY)), "") == "tiny"
+    assert chosen_model(cast(Service, Served(EMBED, TINY)), "minilm") == "minilm"
+
+
+def test_a_configured_default_is_chosen() -> None:
+    served = Served(TINY, PLAIN, EMBED, default="plain")
+    assert chosen_model(cast(Service, served), None) == "plain"
+
+
+@pytest.mark.parametrize("models", [(TINY, PLAIN, EMBED), (EMBED,)])
+def test_no_single_generate_model_is_a_refusal_naming_them(models: tuple[ModelSpec, ...]) -> None:
+    with pytest.raises(
+        ModelNotChosen, match="generate models: " + ("tiny, plain" if len(models) > 1 else "none")
+    ):
+        chosen_model(cast(Service, Served(*models)), None)
+
+
+def test_an_unknown_model_is_unknown() -> None:
+    with pytest.raises(UnknownModel):
+        chosen_model(cast(Service, Served(TINY)), "gpt-17")

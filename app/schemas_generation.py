@@ -3,8 +3,8 @@ generate model, and OpenAI's /v1/completions and /v1/chat/completions.
 
 OpenAI's sampling conventions hold on the OpenAI routes (temperature 0 is greedy, the
 default 1.0 samples); /infer follows transformers' `generate` (greedy unless `do_sample`).
-Log probabilities are those of the generated tokens (`logprobs`; the prompt's are not served,
-so completions' `echo` is refused), of the model's raw logits (`protocol_logprobs.py`).
+Log probabilities are those of the generated tokens (`logprobs`), and with completions'
+`echo` the prompt's too, of the model's raw logits (`protocol_logprobs.py`).
 Fields OpenAI defines that steadyserve does not implement are modelled at the value that asks
 for nothing (a request asking for more is refused: 400 on the OpenAI routes, 422 on /infer),
 and any other field is refused: a request is never silently served differently than asked.
@@ -40,8 +40,12 @@ from app.schemas_prompts import INT64_MAX, INT64_MIN, CompletionPrompts, Prompts
 # squared per token, on the front end's event loop: a megabyte-long stop stalled it.
 STOP_MAX_CHARACTERS = 256
 StopText = Annotated[str, StringConstraints(min_length=1, max_length=STOP_MAX_CHARACTERS)]
-# OpenAI allows up to 4 stop sequences.
-StopList = Annotated[list[StopText], Field(max_length=4)]
+# OpenAI allows 4 stop sequences, vLLM any number; lm-eval-harness sends every `until`
+# string of a task. 16: each is matched on the front end's event loop at every token (its
+# held-back beginnings too, each bounded by STOP_MAX_CHARACTERS), so the cap bounds that
+# work per token, at 4x OpenAI's.
+MAX_STOP_STRINGS = 16
+StopList = Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)]
 StopStrings = StopText | StopList | None
 Finish = Literal["stop", "length"]
 
@@ -195,30 +199,42 @@ class CompletionRequest(OpenAISampling):
         description="A string, a list of strings, a list of token ids (one prompt) or a list "
         "of lists of token ids (one prompt each)."
     )
-    max_tokens: int = Field(default=OPENAI_DEFAULT_COMPLETION_TOKENS, ge=1, le=INT64_MAX)
+    # Before max_tokens, whose validator reads it.
+    echo: StrictBool = Field(
+        default=False, description="The text (and log probabilities) begin with the prompt's."
+    )
+    max_tokens: int = Field(
+        default=OPENAI_DEFAULT_COMPLETION_TOKENS,
+        ge=0,
+        le=INT64_MAX,
+        description="Most tokens to generate; 0 only with echo (the prompt alone).",
+    )
     logprobs: int | None = Field(
         default=None,
         ge=0,
         le=MAX_COMPLETION_LOGPROBS,
-        description="Each generated token's log probability and this many alternatives'.",
+        description="Each token's log probability and this many alternatives' (with echo, "
+        "the prompt's tokens first).",
     )
-    echo: StrictBool = Field(default=False, description="Not served: false or null only.")
     best_of: Literal[1] | None = Field(default=None, description="1 or null only.")
     suffix: None = None
 
-    @field_validator("echo")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError(
-                "echo is not served: the prompt's log probabilities are not computed (only "
-                "the generated tokens', with logprobs)"
-            )
-        return echo
+    def _no_tokens_only_with_echo(cls, max_tokens: int, info: ValidationInfo) -> int:
+        # OpenAI's legacy API and older lm-eval-harness ask for a prompt's log probabilities
+        # with max_tokens 0 and echo; without echo it would ask for nothing.
+        if max_tokens == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1 (0 only with echo: true)")
+        return max_tokens
 
     def logprobs_asked(self) -> int | None:
-        """The alternatives asked per generated token; None: no log probabilities."""
+        """The alternatives asked per token; None: no log probabilities."""
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """The alternatives asked per prompt token (echo with logprobs); None: none."""
+        return self.logprobs if self.echo else None
 
     # Named apart from OpenAISampling's, which a validator of the same name would replace.
     _whole_counts = field_validator("max_tokens", "logprobs", mode="before")(whole_number)

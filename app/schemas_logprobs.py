@@ -18,12 +18,13 @@ class InferTokenLogprob(InferAlternative):
 
 
 class CompletionLogprobs(BaseModel):
-    """Per generated token: its text, log probability, the most likely tokens' (the top
-    `logprobs`, and the chosen token), and where its text begins in the choice's text."""
+    """Per token: its text, log probability, the most likely tokens' (the top `logprobs`,
+    and the chosen token), and where its text begins in the choice's text. With `echo`, the
+    prompt's tokens first, the first with null log probabilities."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -11,6 +11,7 @@ its sequences in the engine (`run_until_disconnect`, `EventStreamResponse`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Sequence
 
@@ -34,15 +35,9 @@ from app.api.responses import service_of
 from app.api.sse import DONE, EventStreamResponse, event
 from app.engine.client import EngineRefused, EngineUnavailable
 from app.failures import DEVICE_LOST, BatchFailed, DeadlineExceeded, DeviceLost
+from app.generation.events import GenerationEvent, SequenceEnd, TextPiece
 from app.generation.logprobs import TokenLogprob
-from app.generation.pipeline import (
-    GenerationEvent,
-    PreparedGeneration,
-    Sampling,
-    SequenceEnd,
-    TextGeneration,
-    TextPiece,
-)
+from app.generation.pipeline import PreparedGeneration, Sampling, TextGeneration
 from app.schemas_generation import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -222,7 +217,11 @@ async def completions(request: Request) -> Response:
         return too_many
     model = service.resolve_model(body.model)
     generation_of(request).tokenizer(model)  # a model of another task: 400 before anything
-    sampling = _openai_sampling(body, body.max_tokens)
+    sampling = dataclasses.replace(
+        _openai_sampling(body, body.max_tokens),
+        echo=body.echo,
+        prompt_logprobs=body.prompt_logprobs_asked(),
+    )
     prepared = await _prepare(
         request, model, prompts, sampling, templated=False, timeout_ms=None, n=body.n
     )

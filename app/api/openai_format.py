@@ -13,8 +13,8 @@ import orjson
 
 from app.api.openai_logprobs import LogprobRender
 from app.api.sse import DATA, END
+from app.generation.events import SequenceEnd
 from app.generation.logprobs import TokenLogprob
-from app.generation.pipeline import SequenceEnd
 from app.schemas import openai_error_object
 
 

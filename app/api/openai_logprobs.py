@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from app.engine.protocol_logprobs import TokenLogprobs
 from app.generation.logprobs import TokenLogprob
 from app.generation.token_texts import TokenTexts
 
@@ -21,6 +22,14 @@ LOWEST_LOGPROB = -9999.0
 
 def _finite(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
+
+
+def _generated(token: TokenLogprob) -> TokenLogprobs:
+    """A generated token's log probabilities (only an echoed prompt's first has none, and
+    only completions echo)."""
+    if token.logprobs is None:
+        raise TypeError("a token without log probabilities outside an echoed prompt")
+    return token.logprobs
 
 
 class LogprobRender:
@@ -35,12 +44,20 @@ class LogprobRender:
         return self.chat(tokens) if self._chat else self.completion(tokens)
 
     def completion(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """With `echo`, the prompt's tokens come first, the first with null log
+        probabilities (`generation/echo.py`), as OpenAI's legacy API and vLLM write it."""
         name = self._texts.named
         names: list[str] = []
-        logprobs: list[float] = []
-        tops: list[dict[str, float]] = []
+        logprobs: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
         for token in tokens:
-            chosen, own = name(token.token_id)[0], _finite(token.logprobs.logprob)
+            chosen = name(token.token_id)[0]
+            if token.logprobs is None:
+                names.append(chosen)
+                logprobs.append(None)
+                tops.append(None)
+                continue
+            own = _finite(token.logprobs.logprob)
             top: dict[str, float] = {}
             pairs = zip(token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True)
             for token_id, logprob in pairs:
@@ -64,12 +81,11 @@ class LogprobRender:
     def chat(self, tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
         content = []
         for token in tokens:
-            entry = self._alternative(token.token_id, token.logprobs.logprob)
+            own = _generated(token)
+            entry = self._alternative(token.token_id, own.logprob)
             entry["top_logprobs"] = [
                 self._alternative(token_id, logprob)
-                for token_id, logprob in zip(
-                    token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True
-                )
+                for token_id, logprob in zip(own.top_ids, own.top_logprobs, strict=True)
             ]
             content.append(entry)
         return {"content": content, "refusal": None}
@@ -87,11 +103,11 @@ def infer_logprobs(texts: TokenTexts, tokens: Sequence[TokenLogprob]) -> list[di
 
     return [
         {
-            **named(token.token_id, token.logprobs.logprob),
+            **named(token.token_id, _generated(token).logprob),
             "top_logprobs": [
                 named(token_id, logprob)
                 for token_id, logprob in zip(
-                    token.logprobs.top_ids, token.logprobs.top_logprobs, strict=True
+                    _generated(token).top_ids, _generated(token).top_logprobs, strict=True
                 )
             ],
         }

@@ -42,10 +42,19 @@ class GenerationSequence:
     # each, taken from it as they are kept.
     logprob_sink: LogprobSink | None = None
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Asked for (`sampling.prompt_logprobs`): prompt tokens 1..L-1's, taken from the sink
+    # after the prefill, until its first output sent carries them (then None again).
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
-        if self.sampling.logprobs is not None:
+        if self.sampling.logprobs is not None or self.sampling.prompt_logprobs is not None:
             self.logprob_sink = {}
+
+    def _prefilled(self) -> bool:
+        """Its prefill just ran: its first `take`."""
+        fresh = not self.generated and not self.prompt_logprobs_sent
+        return fresh and self.prompt_logprobs is None
 
     @property
     def remaining(self) -> int:
@@ -66,9 +75,14 @@ class GenerationSequence:
             if len(fresh) >= self.remaining:  # `generated` is extended below
                 finish = FinishReason.LENGTH
                 break
-        if self.logprob_sink is not None:
+        sink = self.logprob_sink
+        if sink is not None and self.sampling.prompt_logprobs is not None and self._prefilled():
+            # After the prefill: the prompt's, out of the sink (which then holds no more
+            # than a step's tokens); a prefill that broke down (NO_TOKEN) may lack them.
+            taken = [sink.pop(p, None) for p in range(1, len(self.prompt))]
+            self.prompt_logprobs = [t for t in taken if t is not None]
+        if sink is not None and self.sampling.logprobs is not None:
             first = len(self.prompt) + len(self.generated)
-            sink = self.logprob_sink
             self.token_logprobs.extend(sink.pop(first + i) for i in range(len(fresh)))
         self.generated.extend(fresh)
         return fresh, finish
@@ -118,15 +132,18 @@ class GenerationSequence:
         since = self.last_output_at if self.last_output_at is not None else started
         self.last_output_at = now
         final = finish is not None
-        logprobs = None
-        if self.logprob_sink is not None:
+        logprobs = prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+            self.prompt_logprobs_sent = True
+        if self.sampling.logprobs is not None:
             logprobs = self.token_logprobs[len(self.token_logprobs) - len(token_ids) :]
             if self.streams:  # sent: no later output sends them again
                 self.token_logprobs = []
         return Output(
             self.request.request_id,
             final=final,
-            payload=TokensOutput(token_ids, len(self.prompt), finish, logprobs),
+            payload=TokensOutput(token_ids, len(self.prompt), finish, logprobs, prompt_logprobs),
             queue_s=started - self.arrived,
             compute_s=now - since,
             trace=tracer.finish(self.arrival_trace, None) if final else None,

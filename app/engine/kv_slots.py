@@ -79,6 +79,13 @@ def payload_problem(payload: GeneratePayload, limits: SequenceLimits) -> str | N
         return f"top_k must not be negative (got {sampling.top_k})"
     if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
         return f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {sampling.logprobs})"
+    if (
+        sampling.prompt_logprobs is not None
+        and not 0 <= sampling.prompt_logprobs <= MAX_TOP_LOGPROBS
+    ):
+        return (
+            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {sampling.prompt_logprobs})"
+        )
     total = prompt + sampling.max_new_tokens
     if total > max_sequence_tokens:
         return (

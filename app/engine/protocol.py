@@ -25,9 +25,8 @@ import msgspec
 from app.engine.identity import request_reference
 from app.engine.protocol_logprobs import TokenLogprobs
 
-# The clock of every time a message carries (a request's `deadline`, a status's
-# `published_at`): time.monotonic, system-wide on Linux, so the processes of one host agree.
-# A clock injected for tests times what one process does; never compare it with these.
+# The clock of every time a message carries (`deadline`, `published_at`): time.monotonic,
+# system-wide on Linux. A clock injected for tests times one process; never compare them.
 PROTOCOL_CLOCK: Callable[[], float] = time.monotonic
 
 
@@ -57,6 +56,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     fit_to_deadline: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # alternatives per token (`protocol_logprobs.py`); None: off
+    prompt_logprobs: int | None = None  # the same per prompt token (completions' `echo`)
 
 
 class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
@@ -166,12 +166,14 @@ class FinishReason(Enum):
 
 class TokensOutput(msgspec.Struct, frozen=True, tag="tokens"):
     """New token ids since the previous output of this request (possibly none in the final
-    one). The final output names why the sequence ended and counts its prompt tokens."""
+    one). The final output names why the sequence ended and counts its prompt tokens. The
+    first output sent carries `prompt_logprobs`, when asked: prompt tokens 1..L-1's."""
 
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: FinishReason | None = None  # set on the final output only
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TensorOutput(msgspec.Struct, frozen=True, tag="tensor"):
@@ -369,10 +371,8 @@ def decode_to_engine(data: bytes) -> ToEngine:
 
 
 def request_to_answer(unreadable: bytes) -> int | None:
-    """The request id of a message that `decode_to_engine` refused (a field of another type,
-    a payload this engine does not know: a front end of another version), read leniently,
-    so that its request can be answered with a `Failure` (a `Cancel` with a readable id is
-    never refused: it has no other field); None when even that cannot be read."""
+    """The request id of a message `decode_to_engine` refused (a front end of another
+    version), read leniently to answer it with a `Failure`; None when even that is unread."""
     try:
         return _addressed_decoder.decode(unreadable).request_id
     except msgspec.DecodeError:  # a ValidationError too

@@ -26,11 +26,12 @@ from app.engine.protocol_logprobs import TokenLogprobs
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token, its log probabilities, and where its text begins."""
+    """One token, its log probabilities (None only for an echoed prompt's first token:
+    `echo.py`), and where its text begins."""
 
     token_id: int
     text_offset: int
-    logprobs: TokenLogprobs
+    logprobs: TokenLogprobs | None
 
 
 class LogprobAligner:
@@ -39,6 +40,12 @@ class LogprobAligner:
         self._released: deque[tuple[TokenLogprob, int]] = deque()  # with their text's end
         self._produced = 0  # characters the detokenizer released
         self._sent = 0  # characters the sequence sent
+
+    def skip(self, characters: int) -> None:
+        """The sequence's text begins with `characters` the generated tokens' do not hold
+        (an echoed prompt: `echo.py`): their offsets begin after them."""
+        self._produced += characters
+        self._sent += characters
 
     def add(self, output: TokensOutput, position: int, text: str, pending: int = 0) -> None:
         """Token `position` of `output` (none past its last: an empty final output) was

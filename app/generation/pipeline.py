@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.generation.detokenize import IncrementalDetokenizer, WholeText
+from app.generation.echo import echoed
 from app.generation.errors import (
     ContextTooLong,
     NoChatTemplate,
@@ -28,15 +29,21 @@ from app.generation.errors import (
     TokenIdOutOfVocabulary,
     TooManyTokens,
 )
-from app.generation.logprobs import LogprobAligner, TokenLogprob, carried
+from app.generation.events import (
+    GenerationEvent,
+    OpenAIFinish,
+    SequenceEnd,
+    TextPiece,
+    decoded,
+    last_events,
+)
+from app.generation.logprobs import LogprobAligner, carried
 from app.generation.merge import merge
 from app.generation.seeds import sequence_seed
 from app.generation.stops import StopMatcher
 from app.generation.tokenizer import GenerationTokenizer
 from app.service import MAX_CHARS_PER_TOKEN, Service, WrongTask
 from app.timing import PhaseTimer
-
-OpenAIFinish = Literal["stop", "length"]
 
 # OpenAI's definitions: "stop" for a natural end (EOS) or a stop string, "length" for
 # max_tokens reached.
@@ -47,36 +54,12 @@ _FINISH: dict[FinishReason, OpenAIFinish] = {
 
 
 @dataclass(frozen=True, slots=True)
-class TextPiece:
-    """More text of sequence `index` (never part of a character, never past a stop), and
-    the log probabilities of the tokens whose text it completes, when asked (`logprobs.py`:
-    a sequence's last piece, possibly of no text, carries the rest)."""
-
-    index: int
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceEnd:
-    """Sequence `index` ended; no more pieces of it follow. `choice`: which of its prompt's
-    `n` sequences it is (usage counts a prompt's tokens once, with its choice 0)."""
-
-    index: int
-    finish_reason: OpenAIFinish
-    prompt_tokens: int
-    completion_tokens: int
-    choice: int = 0
-
-
-GenerationEvent = TextPiece | SequenceEnd
-
-
-@dataclass(frozen=True, slots=True)
 class Sampling:
     """How every sequence of a request continues; `max_new_tokens` None: all the room its
-    prompt leaves in a sequence; `logprobs` set: each token's log probabilities and this
-    many alternatives' (`SamplingParams.logprobs`)."""
+    prompt leaves in a sequence (0: none, only with `echo`); `logprobs` set: each token's
+    log probabilities and this many alternatives' (`SamplingParams.logprobs`); `echo`: each
+    sequence's text begins with its prompt's, and with `prompt_logprobs` set, its log
+    probabilities with the prompt tokens' (`echo.py`)."""
 
     max_new_tokens: int | None
     do_sample: bool
@@ -86,6 +69,8 @@ class Sampling:
     seed: int | None
     stops: tuple[str, ...]
     logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +183,8 @@ class TextGeneration:
             wanted = sampling.max_new_tokens if sampling.max_new_tokens is not None else room
             if wanted > room or room < 1:
                 raise ContextTooLong(index, len(ids), max(wanted, 1), limit)
-            new_tokens.append(wanted)
+            # max_tokens 0 (echo): the engine makes one token, which `_sequence` drops.
+            new_tokens.append(max(wanted, 1))
         charge = n * (sum(len(ids) for ids in prompt_ids) + sum(new_tokens))
         burst = self.service.settings.rate_limit_burst
         if charge > burst:
@@ -300,6 +286,20 @@ class TextGeneration:
                     if first:
                         spent.queue_s = output.queue_s
                         first = False
+                        if prepared.sampling.echo:
+                            echo, tokens = echoed(
+                                tokenizer.decode,
+                                tokenizer.special_token_ids,
+                                prompt_ids,
+                                payload.prompt_logprobs,
+                            )
+                            if aligner is not None:
+                                aligner.skip(len(echo))
+                            yield [TextPiece(index, echo, tokens)]
+                            if prepared.sampling.max_new_tokens == 0:  # its token is dropped
+                                prompts = payload.prompt_tokens
+                                yield [SequenceEnd(index, "length", prompts, 0, choice)]
+                                return
                     spent.compute_s += output.compute_s
                     if stops is None:
                         generated += len(payload.token_ids)
@@ -313,18 +313,18 @@ class TextGeneration:
                     for position, piece in enumerate(pieces):
                         generated += len(piece)
                         last_of_output = position == len(pieces) - 1
-                        released = _decoded(detokenizer, piece, output.final and last_of_output)
+                        released = decoded(detokenizer, piece, output.final and last_of_output)
                         if aligner is not None:
                             aligner.add(payload, position, released, detokenizer.pending)
                         scan = stops.feed(released)
                         text += scan.text
                         if scan.stopped:  # leaving the engine stream cancels the sequence
                             ended = SequenceEnd(index, "stop", len(prompt_ids), generated, choice)
-                            yield _events(index, text, ended, aligner)
+                            yield last_events(index, text, ended, aligner)
                             return
                 last = batch[-1]
                 if stops is None:
-                    text = _decoded(detokenizer, token_ids, last.final)
+                    text = decoded(detokenizer, token_ids, last.final)
                 if not last.final:
                     if text:
                         yield [TextPiece(index, text, carried(aligner, text, end=False))]
@@ -334,7 +334,7 @@ class TextGeneration:
                 assert isinstance(last.payload, TokensOutput)
                 reason = _FINISH[last.payload.finish_reason or FinishReason.LENGTH]
                 ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated, choice)
-                yield _events(index, text, ended, aligner)
+                yield last_events(index, text, ended, aligner)
                 return
         raise EngineUnavailable("the engine's stream ended without a final output")
 
@@ -343,22 +343,6 @@ def _sent_as_several(prepared: PreparedGeneration) -> bool:
     """Whether the request goes to the engine as several Submits (one per sequence), whose
     refusal the front end counts once (`Submit.refusal_counted_by_sender`)."""
     return prepared.sequences > 1
-
-
-def _decoded(
-    detokenizer: IncrementalDetokenizer | WholeText, token_ids: Sequence[int], final: bool
-) -> str:
-    """The text new tokens release; at the end, with everything held back."""
-    text = detokenizer.add(token_ids)
-    return text + detokenizer.flush() if final else text
-
-
-def _events(
-    index: int, text: str, end: SequenceEnd, aligner: LogprobAligner | None
-) -> list[GenerationEvent]:
-    """A sequence's last batch: its last piece (if any: text, or tokens left) and its end."""
-    tokens = carried(aligner, text, end=True)
-    return [TextPiece(index, text, tokens), end] if text or tokens else [end]
 
 
 def check_vocabulary(index: int, ids: Sequence[int], vocabulary_size: int) -> None:
@@ -389,4 +373,5 @@ def _engine_sampling(prepared: PreparedGeneration, index: int) -> SamplingParams
         fit_to_deadline=sampling.max_new_tokens is None,
         stop_token_ids=prepared.stop_token_ids,
         logprobs=sampling.logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
     )

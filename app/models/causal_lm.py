@@ -22,7 +22,7 @@ from app.engine.protocol import SamplingParams
 from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.kv_cache import CacheShape, SlotKVCache
-from app.models.logprobs import LogprobSink, record_logprobs
+from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
 from app.models.sampling import choose_tokens
 from app.models.source import local_directory
 
@@ -281,7 +281,9 @@ class CausalLMRunner:
 
     def logits(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """float32 logits (rows, vocab) after each row's last fed token; writes the rows'
-        keys and values into their slots. Compute threads only."""
+        keys and values into their slots, and the prompt's log probabilities of a prefill
+        row that asks for them (`SamplingParams.prompt_logprobs`) into its sink. Compute
+        threads only."""
         input_ids, positions, kv_length = self._plan(rows)
         query = input_ids.shape[1]
         with torch.inference_mode():
@@ -297,17 +299,29 @@ class CausalLMRunner:
             else:
                 last = torch.tensor([len(row.token_ids) - 1 for row in rows], device=self.device)
                 picked = hidden[torch.arange(len(rows), device=self.device), last]
-            logits: torch.Tensor = self._head(picked)
-            if self._logit_scale != 1.0:
-                logits = logits * self._logit_scale
-            if self._logits_scaling != 1.0:
-                if self._scaling_divides:
-                    logits = logits / self._logits_scaling
-                else:
-                    logits = logits * self._logits_scaling
-            if self._softcap:
-                logits = torch.tanh(logits / self._softcap) * self._softcap
-            return logits.float()
+            for index, row in enumerate(rows):
+                top = row.sampling.prompt_logprobs
+                if row.start == 0 and top is not None and row.logprobs is not None:
+                    own = hidden[index, : len(row.token_ids) - 1]
+                    record_prompt_logprobs(
+                        own, row.token_ids, top, row.logprobs, self._head_logits, self.vocab_size
+                    )
+            return self._head_logits(picked)
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of hidden states (..., width): the head, then what the model's own
+        forward does to its output (`__init__`). Inside `inference_mode`."""
+        logits: torch.Tensor = self._head(hidden)
+        if self._logit_scale != 1.0:
+            logits = logits * self._logit_scale
+        if self._logits_scaling != 1.0:
+            if self._scaling_divides:
+                logits = logits / self._logits_scaling
+            else:
+                logits = logits * self._logits_scaling
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits.float()
 
     def step(self, rows: Sequence[StepRow]) -> list[int]:
         """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite, and

@@ -331,7 +331,7 @@ async def test_the_openai_client_parses_completion_logprobs(base_url: str) -> No
         ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
         ("/v1/completions", {"prompt": "Hi", "logprobs": True}, "logprobs"),
-        ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 1}, "prompt's log prob"),
+        ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 6}, "logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 1}, "needs logprobs"),

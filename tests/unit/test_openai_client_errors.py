@@ -55,7 +55,8 @@ async def openai_client(tmp_path: Path) -> AsyncIterator[openai.AsyncOpenAI]:
             "tools",
         ),
         ("chat", {"extra_body": {"surprise": 1}}, "surprise"),
-        ("completions", {"echo": True}, "echo"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
+        ("completions", {"echo": True, "logprobs": 6}, "logprobs"),
         # Text that may begin a stop string is held back, and matched on every token.
         ("completions", {"stop": "#" * 257}, "stop"),
         ("chat", {"stop": ["\n", "#" * 257]}, "stop[1]"),

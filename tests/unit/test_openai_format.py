@@ -20,8 +20,8 @@ from app.api.openai_format import (
 from app.api.openai_logprobs import LogprobRender
 from app.api.sse import DONE, event
 from app.engine.protocol_logprobs import TokenLogprobs
+from app.generation.events import SequenceEnd
 from app.generation.logprobs import TokenLogprob
-from app.generation.pipeline import SequenceEnd
 
 ENDS = [SequenceEnd(0, "stop", 5, 3), SequenceEnd(1, "length", 7, 16)]
 

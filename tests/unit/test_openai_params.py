@@ -10,6 +10,7 @@ from app.schemas_generation import (
     MAX_CONTENT_PARTS,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerateInferRequest,
 )
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -29,11 +30,44 @@ def test_completions_refuse_other_logprobs(logprobs: object) -> None:
         CompletionRequest.model_validate({"prompt": "Hi", "logprobs": logprobs})
 
 
-def test_echo_is_refused_naming_the_prompt_s_log_probabilities() -> None:
-    with pytest.raises(ValidationError, match="the prompt's log probabilities are not computed"):
-        CompletionRequest.model_validate({"prompt": "Hi", "echo": True, "logprobs": 1})
+def test_echo_asks_for_the_prompt_s_log_probabilities_with_logprobs() -> None:
+    """Echo was refused (the prompt's log probabilities were not computed)."""
+    asked = CompletionRequest.model_validate({"prompt": "Hi", "echo": True, "logprobs": 1})
+    assert asked.echo and asked.prompt_logprobs_asked() == 1 and asked.logprobs_asked() == 1
+    text_only = CompletionRequest.model_validate({"prompt": "Hi", "echo": True})
+    assert text_only.prompt_logprobs_asked() is None and text_only.logprobs_asked() is None
+    unechoed = CompletionRequest.model_validate({"prompt": "Hi", "logprobs": 2})
+    assert unechoed.prompt_logprobs_asked() is None
     for echo in (False, None):
-        assert CompletionRequest.model_validate({"prompt": "Hi", "echo": echo})
+        assert not CompletionRequest.model_validate({"prompt": "Hi", "echo": echo}).echo
+
+
+def test_max_tokens_0_only_with_echo() -> None:
+    """OpenAI's legacy echo request (older lm-eval-harness): the prompt alone."""
+    request = {"prompt": [1, 2], "echo": True, "logprobs": 0, "max_tokens": 0}
+    assert CompletionRequest.model_validate(request).max_tokens == 0
+    with pytest.raises(ValidationError, match="0 only with echo"):
+        CompletionRequest.model_validate({"prompt": "Hi", "max_tokens": 0})
+    with pytest.raises(ValidationError, match="max_tokens"):
+        CompletionRequest.model_validate({"prompt": "Hi", "echo": True, "max_tokens": -1})
+
+
+@pytest.mark.parametrize("route", ["completions", "chat", "infer"])
+def test_16_stop_strings_are_taken_and_17_refused(route: str) -> None:
+    """lm-eval-harness sends every `until` string of a task: 5 were refused (at most 4)."""
+
+    def validate(count: int) -> object:
+        stops = [f"stop {i}" for i in range(count)]
+        if route == "completions":
+            return CompletionRequest.model_validate({"prompt": "Hi", "stop": stops})
+        if route == "chat":
+            return ChatCompletionRequest.model_validate({"messages": MESSAGES, "stop": stops})
+        return GenerateInferRequest.model_validate({"inputs": "Hi", "parameters": {"stop": stops}})
+
+    for count in (5, 16):
+        assert validate(count)
+    with pytest.raises(ValidationError, match="at most 16 items"):
+        validate(17)
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, StringConstraints
 
 from app.schemas import StrictModel
-from app.schemas_generation import ChatMessages
+from app.schemas_chat import ChatMessages
 from app.schemas_prompts import TokenId
 
 # Any text, the empty one too; constrained so that pydantic reads it as UTF-8: a lone

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from app.schemas_chat import MAX_CHAT_MESSAGES, MAX_CONTENT_PARTS
 from app.schemas_generation import (
-    MAX_CHAT_MESSAGES,
-    MAX_CONTENT_PARTS,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateInferRequest,

@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch.export.passes import move_to_device_pass
 
 from app.model_specs import ModelSpec, TensorSpec
 
@@ -66,8 +67,11 @@ def load_tensor_model(spec: ModelSpec, device: torch.device) -> TensorModel:
     kind = "torch.export program (.pt2)" if path.suffix == ".pt2" else "TorchScript file"
     try:
         if path.suffix == ".pt2":
-            program = torch.export.load(str(path))
-            module = program.module().to(device)
+            # Not `program.module().to(device)`: that moves parameters and buffers only,
+            # leaving lifted tensor constants and devices baked into the graph
+            # (`torch.arange(n, device=x.device)` traced on the CPU) where they were.
+            program = move_to_device_pass(torch.export.load(str(path)), device)
+            module = program.module()
         else:
             module = torch.jit.load(  # type: ignore[no-untyped-call]
                 str(path), map_location=device

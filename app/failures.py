@@ -86,6 +86,9 @@ _STICKY_DEVICE_ERRORS = (
     "the launch timed out and was terminated",
     "operation not supported on global/shared address space",
     "uncorrectable ECC error encountered",
+    # cudaErrorContained (226): an error the GPU contained (a hardware error, or
+    # a bad access of a peer's memory over NVLink); NCCL logs it as "Cuda failure 226".
+    "Invalid access of peer GPU memory over nvlink or a hardware error",
 )
 _ERROR_PREFIXES = ("CUDA error: ", "HIP error: ")
 

@@ -161,6 +161,14 @@ def test_a_sticky_cuda_error_loses_health_at_once_and_for_good() -> None:
     [
         (RuntimeError("CUDA error: unspecified launch failure"), True),  # torch before 2.8
         (RuntimeError("HIP error: an illegal memory access was encountered"), True),
+        # cudaErrorContained (226): a hardware error or a bad peer access over NVLink,
+        # contained by the GPU; "the process must be terminated and relaunched".
+        (
+            RuntimeError(
+                "CUDA error: Invalid access of peer GPU memory over nvlink or a hardware error"
+            ),
+            True,
+        ),
         (RuntimeError("the device fell over"), False),
         (RuntimeError("CUDA error: out of memory"), False),  # not sticky
         # A model's own exception whose text says so is not the runtime's.

@@ -165,13 +165,22 @@ class SlotPool(Generic[SlotT]):
         self._misses = 0
         self._acquire_waits = 0
 
-    def acquire(self, shape: BatchShape) -> tuple[SlotT, float]:
-        """A slot for `shape` and the seconds spent waiting for it (dispatcher threads only)."""
+    def acquire(
+        self, shape: BatchShape, stream: torch.cuda.Stream | None = None
+    ) -> tuple[SlotT, float]:
+        """A slot for `shape` and the seconds spent waiting for it (dispatcher threads only).
+
+        A miss's temporary slot is made on `stream`, the one its batch's copies and forward
+        pass run on (None: the thread's current stream): made on another stream (the
+        default), its device tensors' zero fills were unordered with the batch's
+        non-blocking copies in, and a late fill could zero the inputs after them; and the
+        caching allocator would hand it memory that was only free on that other stream."""
         with self._condition:
             free = self._free.get(shape)
             if free is None:
                 self._misses += 1
-                return self._make_slot(shape, True), 0.0
+                with torch.cuda.stream(stream):
+                    return self._make_slot(shape, True), 0.0
             if free:
                 return free.pop(), 0.0
             self._acquire_waits += 1

@@ -70,10 +70,12 @@ def run_in_slot(
     copy_in: Callable[[SlotT], object],
     run: Callable[[SlotT], object],
     copy_out: Callable[[SlotT], ResultT],
+    stream: torch.cuda.Stream | None,
 ) -> tuple[ResultT, SlotTimings]:
-    """Acquire a slot of `shape`, copy the batch in, run it, copy its result out (owned by
-    the caller) and release the slot, whatever happens; with the timings of each step."""
-    slot, waited = pool.acquire(shape)
+    """Acquire a slot of `shape` (a miss's made on `stream`, the one `run` uses: see
+    `SlotPool.acquire`), copy the batch in, run it, copy its result out (owned by the
+    caller) and release the slot, whatever happens; with the timings of each step."""
+    slot, waited = pool.acquire(shape, stream)
     try:
         started, waited_before = time.perf_counter(), thread_runqueue_wait_s()
         copy_in(slot)
@@ -164,6 +166,7 @@ def execute_batch(
         lambda slot: slot.write_inputs(token_ids, runner.pad_token_id),
         lambda slot: _run_on_slot(runner, slot, stream),
         lambda slot: slot.output_view[: len(token_ids)].copy(),
+        stream,
     )
     return BatchOutput(rows, timings, non_finite_rows(rows))
 

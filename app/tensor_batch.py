@@ -201,6 +201,7 @@ def execute_tensor_batch(
         lambda slot: slot.write_rows(rows),
         lambda slot: _run_on_slot(model, slot, stream),
         copy_out,
+        stream,
     )
     return TensorBatchOutput(answers, timings)
 

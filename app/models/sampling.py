@@ -55,10 +55,10 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
         log_total = torch.logsumexp(scaled, -1)
         # The most likely tokens (all those over a floor are): when they hold top_p of the
         # mass, the full sort's next token has top_p before it, so top-p's set lies within.
-        likely = scaled >= scaled.max() + math.log(TOP_P_FLOOR)
-        if int(likely.sum()) > TOP_P_BAND:  # a flat distribution: too many to sort
+        likely = torch.nonzero(scaled >= scaled.max() + math.log(TOP_P_FLOOR)).squeeze(-1)
+        if len(likely) > TOP_P_BAND:  # a flat distribution: too many to sort
             return _top_p_kept(scaled, log_total, params.top_p)
-        ids, values = _sorted(scaled, torch.nonzero(likely).squeeze(-1))
+        ids, values = _sorted(scaled, likely)
         if float((values - log_total).exp().sum()) < params.top_p + TOP_P_MARGIN:
             return _top_p_kept(scaled, log_total, params.top_p)  # its set may go past them
     if params.top_p < 1.0:

@@ -44,7 +44,13 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     Exact, and cheap for a large vocabulary: no sort without top-p; top-k sorts its k;
     top-p alone sorts the tokens over `TOP_P_FLOOR` when they are few and hold `top_p` of
     the mass, else finds its set in a few passes (`_top_p_kept`)."""
-    scaled = logits / max(params.temperature, 1e-5)
+    # Shifted so the most likely token's value is 0 before dividing: at a near-zero
+    # temperature the values reach millions, where float32's log-sum-exp rounds by a
+    # quarter and two tied tokens' masses summed to 0.94, not 1 (every shift-invariant
+    # step below, and `draw`, take the same set and draws).
+    top = logits.max()
+    shifted = logits - top if torch.isfinite(top) else logits
+    scaled = shifted / max(params.temperature, 1e-5)
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -89,7 +95,7 @@ def _top_p_kept(
     ids = torch.arange(len(scaled))
     values, probabilities = scaled, (scaled - log_total).exp()
     above = 0.0  # the mass of the tokens kept so far: all more likely than those left
-    kept = []
+    kept: list[torch.Tensor] = []
     while len(ids) > TOP_P_BAND:
         low, high = (float(bound) for bound in torch.aminmax(values))
         low = max(low, high - 128)  # exp underflows below: -inf logits join the lowest bin
@@ -99,6 +105,11 @@ def _top_p_kept(
         bins = ((values - low) * width).clamp_(0, TOP_P_BINS - 1).int()  # monotone in value
         mass = torch.bincount(bins, weights=probabilities.double(), minlength=TOP_P_BINS)
         suffix = mass.flip(0).cumsum(0).flip(0)  # each bin's mass and the mass over it
+        if above + float(suffix[0]) < top_p:
+            # Rounding left the whole mass short of top_p (top_p within float32's error of
+            # 1): every token has less before it, all stay. Cutting on would take the
+            # lowest bin each time, 128 scaled units a pass: thousands of passes.
+            return torch.cat([*kept, ids]), scaled[torch.cat([*kept, ids])]
         over = above + torch.cat([suffix[1:], torch.zeros(1, dtype=suffix.dtype)])
         cut = min(int((over >= top_p).sum()), TOP_P_BINS - 1)  # the lowest bin under top_p
         kept.append(ids[torch.nonzero(bins > cut).squeeze(-1)])

@@ -261,3 +261,49 @@ def test_the_cut_keeps_whole_bins_over_the_boundary_and_the_lowest_ids_of_its_ti
     assert _top_p_kept(scaled, log_total, 0.95)[0].tolist() == [0, 6, 1, 2, 3, 4, 5]
     assert _top_p_kept(scaled, log_total, 1.0)[0].tolist() == [0, 6, 1, 2, 3, 4, 5]
     assert _top_p_kept(scaled, log_total, 0.0)[0].tolist() == [0]
+
+
+def counted_bincounts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per torch.bincount call from now on (a pass of `_top_p_kept`'s cut)."""
+    calls: list[int] = []
+    real_bincount = torch.bincount
+
+    def counting_bincount(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real_bincount(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "bincount", counting_bincount)
+    return calls
+
+
+def test_a_near_zero_temperature_keeps_the_tied_top_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Temperature 1e-5 over bf16 logits whose top two tie: divided unshifted, the values
+    reached 2.5 million, float32's log-sum-exp rounded by a quarter, the two tokens' masses
+    summed to 0.94 < top_p, and top-p kept the whole vocabulary (the full sort's set is
+    the two), after 1,713 passes of the cut over it, seconds for one token."""
+    vocab = 32_000
+    logits = torch.linspace(-10, 24, vocab).to(torch.bfloat16).float()
+    logits[[5, 9]] = 25.0
+    params = SamplingParams(max_new_tokens=1, do_sample=True, temperature=1e-5, top_p=0.95)
+    passes = counted_bincounts(monkeypatch)
+    assert set(kept_tokens(logits, params)[0].tolist()) == reference_kept(logits, params)
+    assert reference_kept(logits, params) == {5, 9}
+    assert len(passes) <= 2
+
+
+def test_a_mass_short_of_top_p_keeps_every_token_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When rounding leaves the whole mass short of top_p (top_p within float32's error
+    of 1), every token has less than top_p before it: all are kept at once. The cut took
+    the lowest bin as the boundary's at every level, 128 scaled units a pass."""
+    monkeypatch.setattr(sampling, "TOP_P_BAND", 16)
+    scaled = torch.linspace(-50_000, 0, 4096)
+    short = torch.logsumexp(scaled, -1) + 0.1  # the masses now sum to e^-0.1 ~ 0.905
+    passes = counted_bincounts(monkeypatch)
+    ids, values = _top_p_kept(scaled, short, 0.95)
+    assert sorted(ids.tolist()) == list(range(4096))
+    assert torch.equal(values, scaled[ids])
+    assert len(passes) == 1

@@ -18,8 +18,9 @@ Text = Annotated[str, StringConstraints(min_length=0)]
 ModelName = Annotated[
     str | None,
     Field(
-        description="A served model with a tokenizer; left out, null or empty: the one "
-        "generate model served (a 400 where there are several or none)."
+        description="A served model with a tokenizer; left out, null or empty: "
+        "STEADY_DEFAULT_MODEL where it is set, else the one generate model served (a 400 "
+        "where there are several or none)."
     ),
 ]
 

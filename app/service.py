@@ -69,8 +69,8 @@ class UnknownModel(Exception):
 class WrongTask(Exception):
     """A request for a task the model does not do (a client's mistake: 400)."""
 
-    def __init__(self, model: str, task: str, wanted: str) -> None:
-        super().__init__(f"model {model!r} does {task!r}, not {wanted!r}")
+    def __init__(self, model: str, task: str, *wanted: str) -> None:
+        super().__init__(f"model {model!r} does {task!r}, not {' or '.join(map(repr, wanted))}")
 
 
 @dataclass  # not frozen: the request's code marks it as it ends

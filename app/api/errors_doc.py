@@ -11,12 +11,13 @@ _ERROR_WHEN = {
     "`dimensions` other than the model's width; "
     "generation asked of an embedding model, chat of a model without a chat template, or "
     "messages its template refuses, a stop string holding a special token's text beside "
-    "other text, a tokenizer route's `model` left out where not one generate model is "
-    "served (`invalid_request`); a prompt plus its new tokens over "
+    "other text, a tokenizer route's `model` left out where STEADY_DEFAULT_MODEL is unset "
+    "and not one generate model is served (`invalid_request`); a prompt plus its new tokens over "
     "what one sequence holds, or a prompt over it in characters (`context_length_exceeded`).",
     404: "Unknown model (`model_not_found`).",
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
-    "(`too_many_inputs`), an embedding input over the model's token limit "
+    "(`too_many_inputs`; /detokenize: over 131,072 token ids), an embedding input over the "
+    "model's token limit "
     "(`input_too_long`), or a "
     "generation needing more tokens than STEADY_RATE_LIMIT_BURST (`too_many_tokens`).",
     415: "A compressed body (`unsupported_content_encoding`): send it uncompressed.",
@@ -32,7 +33,8 @@ _ERROR_WHEN = {
     500: "A fault of the server's own (`internal_error`, `non_finite_output`), or a sticky "
     "CUDA error in the request's batch, which restarts the engine (`device_lost`: an input of "
     "the batch may have caused it; do not resend it unchanged).",
-    503: "Warming up or start-up failed (`not_ready`), the engine exited or stopped answering "
+    503: "Warming up or start-up failed (`not_ready`; a tokenizer route's generate model "
+    "until its engine has reported it), the engine exited or stopped answering "
     "with the request in it (`engine_lost`, retry), or draining (`draining`).",
     504: "The request's deadline (`timeout_ms`, else Envoy's x-envoy-expected-rq-timeout-ms, "
     "else STEADY_DEFAULT_TIMEOUT_MS) passed before its inputs were computed (`deadline`).",

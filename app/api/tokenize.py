@@ -11,8 +11,15 @@ No engine call and no admission: not shed, not charged to the token bucket, not 
 flight (a client such as lm-eval tokenizes every request before sending it, and a refusal
 here would fail the evaluation for capacity the engine still has). What bounds their cost is
 the body limit, the character limit a prompt has on the generation routes (context x
-MAX_CHARS_PER_TOKEN, refused before any tokenizer pass: 413 `input_too_long`), and the
-tokenizer pool, which takes every large text off the event loop.
+MAX_CHARS_PER_TOKEN, refused before any tokenizer pass: 413 `input_too_long`), /detokenize's
+MAX_DETOKENIZE_IDS (413 `too_many_inputs`, counted before its ids are validated), and the
+tokenizer pool, which takes every large input's tokenizer work off the event loop: encoding,
+`token_strs`, decoding. Parsing the body, rendering a chat template (its messages bounded
+as chat completions' are) and rendering the answer stay on the loop, as on every route.
+
+A generate model's `max_model_len` is what its engine reports (the KV-cache slot, the
+model's positions): until then /tokenize and /tokenizer_info answer 503 `not_ready` rather
+than the tokenizer's own, larger limit.
 """
 
 from __future__ import annotations
@@ -25,16 +32,16 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from app.admission import Rejected, RejectReason
-from app.api.common import body_document, json_body, render, validated
+from app.api.common import body_document, json_body, render, too_many_inputs, validated
 from app.api.errors import texts_as_sent, token_prompts_as_sent
 from app.api.errors_doc import CONNECTION_CAP, ERRORS
 from app.api.generate import generation_of
 from app.api.responses import service_of
-from app.generation.chat import TOKENIZER_CONFIG, ChatTemplate
+from app.generation.chat import ChatTemplate, tokenizer_configuration
 from app.generation.errors import ModelNotChosen, NoChatTemplate
 from app.generation.pipeline import check_vocabulary
 from app.generation.tokenizer import GenerationTokenizer
-from app.models.tokenizer import FastTokenizer, InputTooLong, read_json
+from app.models.tokenizer import FastTokenizer, InputTooLong
 from app.schemas_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -49,7 +56,26 @@ router = APIRouter()
 TOKENIZER_ROUTES = ("/tokenize", "/detokenize", "/tokenizer_info")
 # An id decodes to a few characters: the pool takes a list of ids as a text this long.
 _CHARS_PER_ID = 4
+# The most ids one /detokenize decodes: a 128k-token sequence, the longest context common
+# models serve. Counted in the raw body, before each id is validated on the event loop; more
+# is 413 `too_many_inputs` naming it (the body limit alone let ~500k through, decoding to
+# tens of MB).
+MAX_DETOKENIZE_IDS = 131_072
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# tokenizer_config.json's keys /tokenizer_info leaves out. Paths where the tokenizer was
+# saved (older transformers wrote the saving machine's absolute paths into `name_or_path`,
+# `tokenizer_file`, `special_tokens_map_file`), `auto_map` (the model repository's own code
+# to import, of no use to a client without its files) and `added_tokens_decoder` (every
+# added token: not configuration).
+_LEFT_OUT_KEYS = frozenset(
+    {
+        "name_or_path",
+        "tokenizer_file",
+        "special_tokens_map_file",
+        "auto_map",
+        "added_tokens_decoder",
+    }
+)
 _REFUSALS: dict[int | str, dict[str, object]] = {
     code: ERRORS[code] for code in (400, 404, 413, 422, 503)
 }
@@ -81,7 +107,7 @@ def _tokenizer(service: Service, model: str) -> FastTokenizer:
     (503 `not_ready`: start-up has not loaded it yet)."""
     task = service.model_task(model)
     if task not in ("embed", "generate"):
-        raise WrongTask(model, task, "embed' or 'generate")
+        raise WrongTask(model, task, "embed", "generate")
     tokenizer = service.tokenizers.get(model)
     if not isinstance(tokenizer, FastTokenizer):
         raise Rejected(RejectReason.NOT_READY, "the tokenizers are not loaded yet", 1.0)
@@ -89,10 +115,14 @@ def _tokenizer(service: Service, model: str) -> FastTokenizer:
 
 
 def _max_model_len(request: Request, model: str, tokenizer: FastTokenizer) -> int:
-    """What one sequence may hold: for a generate model what /v1/completions enforces."""
-    if isinstance(tokenizer, GenerationTokenizer):
-        return generation_of(request).context_limit(model)
-    return tokenizer.max_input_tokens
+    """What one sequence may hold: for a generate model what /v1/completions enforces,
+    which its engine reports (raises `Rejected`, 503 `not_ready`, until it has: the
+    tokenizer's own limit is larger than the KV-cache slot served)."""
+    if not isinstance(tokenizer, GenerationTokenizer):
+        return tokenizer.max_input_tokens
+    if service_of(request).model_info(model) is None:
+        raise Rejected(RejectReason.NOT_READY, "the engine has not reported the model yet", 1.0)
+    return generation_of(request).context_limit(model)
 
 
 def _refuse_over_characters(text: str, max_model_len: int) -> None:
@@ -132,12 +162,26 @@ async def tokenize(request: Request) -> Response:
     else:
         (text,) = texts_as_sent(request, "prompt", body.prompt)
     _refuse_over_characters(text, limit)
-    ids = await service.run_tokenizer(
-        len(text), request.state.server_timing, tokenizer.encode, text, body.add_special_tokens
+    ids, strs = await service.run_tokenizer(
+        len(text),
+        request.state.server_timing,
+        _encoded,
+        tokenizer,
+        text,
+        body.add_special_tokens,
+        body.return_token_strs,
     )
-    answer: dict[str, Any] = {"count": len(ids), "max_model_len": limit, "tokens": ids}
-    answer["token_strs"] = tokenizer.token_strs(ids) if body.return_token_strs else None
+    answer = {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
     return render(request, answer)
+
+
+def _encoded(
+    tokenizer: FastTokenizer, text: str, add_special_tokens: bool, with_strs: bool
+) -> tuple[list[int], list[str] | None]:
+    """The text's ids and, asked, their vocabulary entries: one call, so that the pool
+    takes both off the event loop for a large text (an entry is one Python call an id)."""
+    ids = tokenizer.encode(text, add_special_tokens)
+    return ids, tokenizer.token_strs(ids) if with_strs else None
 
 
 @router.post(
@@ -147,7 +191,14 @@ async def tokenize(request: Request) -> Response:
     openapi_extra=body_document(DetokenizeRequest),
 )
 async def detokenize(request: Request) -> Response:
-    body = validated(request, DetokenizeRequest, await json_body(request))
+    raw = await json_body(request)
+    if isinstance(raw, dict) and isinstance(ids_sent := raw.get("tokens"), list):
+        too_many = too_many_inputs(
+            request, len(ids_sent), "tokens", what="token ids", limit=MAX_DETOKENIZE_IDS
+        )
+        if too_many is not None:
+            return too_many
+    body = validated(request, DetokenizeRequest, raw)
     service = service_of(request)
     model = chosen_model(service, body.model)
     tokenizer = _tokenizer(service, model)
@@ -176,24 +227,26 @@ def _chat_template(tokenizer: FastTokenizer) -> ChatTemplate | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _config(path: Path) -> dict[str, Any]:
-    """A tokenizer_config.json, read once (it is the model's, unchanged while served)."""
-    return read_json(path)
+def _config(directory: Path) -> dict[str, Any]:
+    """The tokenizer's configuration with its special tokens map under it (as the chat
+    template reads it), read once (the model's, unchanged while served)."""
+    return tokenizer_configuration(directory)
 
 
 def _token_text(value: object) -> object:
-    """An AddedToken's dict as its text (transformers' `init_kwargs` hold the objects)."""
+    """An AddedToken's dict as its text (transformers' `init_kwargs` hold the objects), a
+    list's (`additional_special_tokens`) each."""
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
+    if isinstance(value, list):
+        return [_token_text(item) for item in value]
     return value
 
 
 def _info(tokenizer: FastTokenizer, max_model_len: int) -> dict[str, Any]:
-    config = _config(tokenizer.directory / TOKENIZER_CONFIG)
+    config = _config(tokenizer.directory)
     info: dict[str, Any] = {
-        key: _token_text(value)
-        for key, value in config.items()
-        if key != "added_tokens_decoder"  # every added token: not configuration
+        key: _token_text(value) for key, value in config.items() if key not in _LEFT_OUT_KEYS
     }
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     for key in _SPECIAL_TOKEN_KEYS:

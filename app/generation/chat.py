@@ -274,26 +274,33 @@ def _template_source(config: Mapping[str, Any], directory: Path) -> str | None:
     return None
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    found: object = json.loads(path.read_text()) if path.is_file() else {}
+    return found if isinstance(found, dict) else {}
+
+
+def tokenizer_configuration(directory: Path) -> dict[str, Any]:
+    """The tokenizer's configuration: tokenizer_config.json (empty without one) with
+    special_tokens_map.json's entries under it. Older tokenizer directories keep their
+    special tokens in special_tokens_map.json alone; transformers reads both,
+    tokenizer_config.json's winning where it holds a token (not where it holds null).
+    Read for the chat template's special tokens and for /tokenizer_info."""
+    config = _json_object(directory / TOKENIZER_CONFIG)
+    legacy = _json_object(directory / SPECIAL_TOKENS_MAP)
+    return {**config, **{key: value for key, value in legacy.items() if not config.get(key)}}
+
+
 def load_chat_template(
     directory: Path, special_token_texts: Collection[str] = ()
 ) -> ChatTemplate | None:
     """The model's chat template, or None when it has none, or one this renderer cannot
     compile (logged): completions must still be served, and chat gets its clear 400.
     `special_token_texts`: the tokenizer's special tokens, which no message may hold."""
-    config_path = directory / TOKENIZER_CONFIG
-    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = tokenizer_configuration(directory)
     source = _template_source(config, directory)
     if source is None:
         return None
-    # Older tokenizer directories keep their special tokens in special_tokens_map.json
-    # alone; transformers reads both, tokenizer_config.json's winning.
-    legacy_path = directory / SPECIAL_TOKENS_MAP
-    legacy: dict[str, Any] = json.loads(legacy_path.read_text()) if legacy_path.is_file() else {}
-    special = {
-        key: text
-        for key in _SPECIAL_TOKEN_KEYS
-        if (text := _token_text(config.get(key)) or _token_text(legacy.get(key)))
-    }
+    special = {key: text for key in _SPECIAL_TOKEN_KEYS if (text := _token_text(config.get(key)))}
     try:
         return ChatTemplate(source, special, special_token_texts)
     except jinja2.TemplateSyntaxError as error:

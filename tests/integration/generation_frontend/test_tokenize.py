@@ -7,6 +7,8 @@ chat template, and "plain", without) and an embedding model ("minilm")."""
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest_asyncio
 from fastapi import FastAPI
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from app.api import tokenize
 from app.main import create_app
 from app.model_specs import ModelSpec
 from app.service import MAX_CHARS_PER_TOKEN
@@ -226,3 +229,90 @@ async def test_the_routes_are_documented_as_they_answer(client: httpx.AsyncClien
         assert documented_valid(document, path, body) is valid, (path, body)
         response = await client.post(path, json=body)
         assert (response.status_code == 200) is valid, (path, body, response.text)
+
+
+async def test_default_model_s_precedence_is_documented(client: httpx.AsyncClient) -> None:
+    document = (await client.get("/openapi.json")).json()
+    model = document["components"]["schemas"]["TokenizeCompletionRequest"]["properties"]["model"]
+    assert "STEADY_DEFAULT_MODEL" in model["description"]
+    refused = document["paths"]["/tokenize"]["post"]["responses"]["400"]["description"]
+    assert "`model` left out where STEADY_DEFAULT_MODEL is unset" in refused
+
+
+async def test_a_generate_model_s_length_waits_for_its_engine(
+    app: FastAPI, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the engine reports, the tokenizer's limit is not what is served: 503."""
+    served = (await _tokens(client, {"prompt": "a"}))["max_model_len"]
+    monkeypatch.setattr(app.state.test_engine, "status", lambda: None)
+    early = await client.post("/tokenize", json={"model": "tiny", "prompt": "a"})
+    await _refused(early, 503, "not_ready", None)
+    info = await client.get("/tokenizer_info", params={"model": "tiny"})
+    await _refused(info, 503, "not_ready", None)
+    # Nothing else waits: an embedding model's limit is its tokenizer's, decoding has none.
+    assert (await client.get("/tokenizer_info", params={"model": "minilm"})).status_code == 200
+    back = await client.post("/detokenize", json={"model": "tiny", "tokens": [5]})
+    assert back.status_code == 200, back.text
+    monkeypatch.undo()
+    assert (await _tokens(client, {"prompt": "a"}))["max_model_len"] == served
+
+
+async def test_detokenize_s_ids_are_capped(client: httpx.AsyncClient) -> None:
+    cap = tokenize.MAX_DETOKENIZE_IDS
+    over = await client.post("/detokenize", json={"model": "tiny", "tokens": [5] * (cap + 1)})
+    assert over.status_code == 413, over.text[:200]
+    message = await _refused(over, 413, "too_many_inputs", "tokens")
+    assert message == f"{cap + 1} token ids; at most {cap} per request"
+    full = await client.post("/detokenize", json={"model": "tiny", "tokens": [5] * cap})
+    assert full.status_code == 200, full.text
+
+
+async def test_a_large_text_s_token_strs_are_built_off_the_loop(
+    app: FastAPI,
+    client: httpx.AsyncClient,
+    reference: PreTrainedTokenizerBase,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tokenizer = app.state.service.tokenizers["tiny"]
+    threads: list[str] = []
+
+    def recorded(ids: list[int]) -> list[str]:
+        threads.append(threading.current_thread().name)
+        return type(tokenizer).token_strs(tokenizer, ids)
+
+    monkeypatch.setattr(tokenizer, "token_strs", recorded)
+    text = "The quick brown fox jumps over the lazy dog. " * 100  # over the inline limit
+    answer = await _tokens(client, {"prompt": text, "return_token_strs": True})
+    assert answer["token_strs"] == reference.convert_ids_to_tokens(answer["tokens"])
+    assert threads and threads[0] != threading.main_thread().name, threads
+    small = await _tokens(client, {"prompt": "Hello world", "return_token_strs": True})
+    assert small["token_strs"] == reference.convert_ids_to_tokens(small["tokens"])
+
+
+@pytest.fixture(scope="module")
+def legacy_layout(tiny_causal_lm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's files with its special tokens moved from tokenizer_config.json to
+    special_tokens_map.json alone, as older tokenizer directories keep them."""
+    directory = tmp_path_factory.mktemp("legacy") / "tiny"
+    shutil.copytree(tiny_causal_lm, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    special = {key: config.pop(key) for key in ("bos_token", "eos_token", "pad_token")}
+    config_path.write_text(json.dumps(config))
+    (directory / "special_tokens_map.json").write_text(json.dumps(special))
+    return directory
+
+
+async def test_special_tokens_kept_only_in_the_map_are_answered(legacy_layout: Path) -> None:
+    reference = AutoTokenizer.from_pretrained(str(legacy_layout))
+    assert reference.eos_token  # transformers reads the map
+    settings = Settings(
+        engine="inprocess",
+        models=(ModelSpec(name="old", task="generate", source=str(legacy_layout)),),
+        spike_reports=False,
+    )
+    async with serving(create_app(settings, engine=ScriptedGenerator(settings))) as client:
+        info = (await client.get("/tokenizer_info")).json()
+    for key in ("eos_token", "bos_token", "pad_token"):
+        assert info[key] == getattr(reference, key), key
+    assert info["chat_template"] and "name_or_path" not in info

@@ -13,7 +13,8 @@ server accepts (schemathesis checks this in tests/e2e/test_openapi_e2e.py):
 - /infer's body is either request model (it is validated by the named model's task); each
   request's `model` is narrowed to the served models of its task (chat: generate models
   with a chat template), absent, null or "" (the default model) only where the default is
-  one; a route or /infer form that no served model answers is not documented;
+  one; a route or /infer form that no served model answers is not documented; the
+  tokenizer routes likewise (`openapi_tokenize.py`);
 
 - the fields the OpenAI routes read null as the default of (`NULL_MEANS_DEFAULT`) take null;
 - a streamed answer's chunk objects (`schemas_stream.py`) are components where its route is;
@@ -34,6 +35,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
+from app.api.openapi_tokenize import document_tokenizer_routes
 from app.generation.tokenizer import GenerationTokenizer
 from app.schemas import EmbeddingsRequest, InferRequest
 from app.schemas_generation import (
@@ -217,6 +219,7 @@ def install_openapi(app: FastAPI, service: Service) -> None:
             and tokenizer.chat_template is not None
         ]
         _document_tasks(document, tasks, chatting, service.settings.default_model_name)
+        document_tokenizer_routes(document, service, chatting, _narrow_model)
         for path, chunk in STREAMED_CHUNKS.items():  # what `streamed_answer` names
             if path in document["paths"]:
                 _add_component(components, chunk)

@@ -89,17 +89,35 @@ _TOKENIZE_BODY["requestBody"]["content"]["application/json"]["schema"] = {
 }
 
 
+def tokenizer_models(service: Service) -> list[str]:
+    """The served models with a tokenizer (an embed or generate model's; a tensor model has
+    none), in the order they are served."""
+    return [n for n in service.model_names() if service.model_task(n) in ("embed", "generate")]
+
+
+def default_tokenizer_model(service: Service) -> str | None:
+    """The model a tokenizer route serves when the request names none: STEADY_DEFAULT_MODEL
+    where it is set, else the one generate model served, else (no generate model) the one
+    model with a tokenizer; None where none of these picks one (then `model` is required,
+    as the OpenAPI document says: `openapi_tokenize.py`)."""
+    if service.settings.default_model:
+        return service.settings.default_model
+    generate = [n for n in service.model_names() if service.model_task(n) == "generate"]
+    if generate:
+        return generate[0] if len(generate) == 1 else None
+    served = tokenizer_models(service)
+    return served[0] if len(served) == 1 else None
+
+
 def chosen_model(service: Service, name: str | None) -> str:
-    """The model a tokenizer route serves: `name`, else STEADY_DEFAULT_MODEL where it is set,
-    else the one generate model served. Raises `UnknownModel` (404) or `ModelNotChosen`."""
+    """The model a tokenizer route serves: `name`, else `default_tokenizer_model`. Raises
+    `UnknownModel` (404) or `ModelNotChosen` (400: none named and no default)."""
     if name:
         return service.resolve_model(name)
-    if service.settings.default_model:
-        return service.resolve_model(service.settings.default_model)
-    generate = [n for n in service.model_names() if service.model_task(n) == "generate"]
-    if len(generate) != 1:
-        raise ModelNotChosen(generate)
-    return generate[0]
+    default = default_tokenizer_model(service)
+    if default is None:
+        raise ModelNotChosen(tokenizer_models(service))
+    return service.resolve_model(default)
 
 
 def _tokenizer(service: Service, model: str) -> FastTokenizer:

@@ -92,11 +92,12 @@ class TokenIdOutOfVocabulary(Exception):
 
 class ModelNotChosen(Exception):
     """A tokenizer route (/tokenize, /detokenize, /tokenizer_info) without `model` on a
-    server that does not serve exactly one generate model (400, `model`)."""
+    server where no model is the default for it (400, `model`): several generate models,
+    or no generate model and several with a tokenizer, and STEADY_DEFAULT_MODEL unset."""
 
-    def __init__(self, generate_models: list[str]) -> None:
-        served = ", ".join(generate_models) if generate_models else "none"
+    def __init__(self, models: list[str]) -> None:
+        served = ", ".join(models) if models else "none"
         super().__init__(
-            "model is required: this server serves more or fewer than one generate model "
-            f"(generate models: {served}); name one of its models"
+            "model is required: STEADY_DEFAULT_MODEL is unset and this server serves "
+            f"several models this route could serve ({served}); name one of them"
         )

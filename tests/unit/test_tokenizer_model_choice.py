@@ -1,6 +1,7 @@
 """Which model the tokenizer routes serve when `model` is left out (`api/tokenize.py`):
-STEADY_DEFAULT_MODEL where it is set, else the one generate model served, else a 400
-naming the generate models (lm-eval-harness probes /tokenizer_info without a model)."""
+STEADY_DEFAULT_MODEL where it is set, else the one generate model served, else (no generate
+model) the one model with a tokenizer, else a 400 naming the models (lm-eval-harness probes
+/tokenizer_info without a model)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,23 @@ def test_a_configured_default_is_chosen() -> None:
     assert chosen_model(cast(Service, served), None) == "plain"
 
 
-@pytest.mark.parametrize("models", [(TINY, PLAIN, EMBED), (EMBED,)])
-def test_no_single_generate_model_is_a_refusal_naming_them(models: tuple[ModelSpec, ...]) -> None:
-    with pytest.raises(
-        ModelNotChosen, match="generate models: " + ("tiny, plain" if len(models) > 1 else "none")
-    ):
+def test_without_a_generate_model_the_one_model_with_a_tokenizer_is_chosen() -> None:
+    """An embedding-only server answers /tokenize without `model` (the schemathesis run
+    found a 400 to a request its OpenAPI document called valid)."""
+    assert chosen_model(cast(Service, Served(EMBED)), None) == "minilm"
+
+
+@pytest.mark.parametrize(
+    ("models", "named"),
+    [
+        ((TINY, PLAIN, EMBED), "tiny, plain, minilm"),
+        ((EMBED, ModelSpec(name="other")), "minilm, other"),
+    ],
+)
+def test_no_single_candidate_is_a_refusal_naming_them(
+    models: tuple[ModelSpec, ...], named: str
+) -> None:
+    with pytest.raises(ModelNotChosen, match=f"could serve \\({named}\\)"):
         chosen_model(cast(Service, Served(*models)), None)
 
 

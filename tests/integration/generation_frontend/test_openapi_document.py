@@ -226,3 +226,28 @@ async def test_a_stream_is_documented_as_the_events_it_sends(
             validator.validate(event)
     assert "error" in sse_payloads(failed.content)[-1]
     assert sse_payloads(whole.content)[-1]["usage"]["completion_tokens"] > 0
+
+
+async def test_the_tokenizer_routes_are_served_as_the_document_says(
+    client: httpx.AsyncClient,
+) -> None:
+    """Two generate models and STEADY_DEFAULT_MODEL unset: the tokenizer routes have no
+    model to pick, so `model` is required; the chat form names only the model with a chat
+    template. The document called `model` optional everywhere (a 400 to a valid request,
+    which schemathesis found on an embedding-only server)."""
+    messages = CHAT["messages"]
+    bodies = [
+        ("/tokenize", {"prompt": "hi"}),
+        ("/tokenize", {"model": "minilm", "prompt": "hi"}),
+        ("/tokenize", {"model": "tiny", "messages": messages}),
+        ("/tokenize", {"model": "plain", "messages": messages}),
+        ("/tokenize", {"messages": messages}),
+        ("/detokenize", {"tokens": [1]}),
+        ("/detokenize", {"model": "plain", "tokens": [1]}),
+    ]
+    found = [(path, body, await disagreement(client, path, body)) for path, body in bodies]
+    assert [problem for problem in found if problem[2] is not None] == []
+    document = await published(client)
+    (parameter,) = document["paths"]["/tokenizer_info"]["get"]["parameters"]
+    assert parameter["required"] is True
+    assert (await client.get("/tokenizer_info")).status_code == 400

@@ -221,6 +221,7 @@ async def completions(request: Request) -> Response:
         _openai_sampling(body, body.max_tokens),
         echo=body.echo,
         prompt_logprobs=body.prompt_logprobs_asked(),
+        logprobs_end=True,
     )
     prepared = await _prepare(
         request, model, prompts, sampling, templated=False, timeout_ms=None, n=body.n

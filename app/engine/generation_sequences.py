@@ -15,7 +15,7 @@ import torch
 
 from app.engine.host import Emit, RequestTracer
 from app.engine.protocol import FinishReason, Output, SamplingParams, Submit, TokensOutput
-from app.engine.protocol_logprobs import TokenLogprobs
+from app.engine.protocol_logprobs import EndToken, TokenLogprobs
 from app.models.causal_lm import StepRow
 from app.models.logprobs import LogprobSink
 
@@ -46,6 +46,9 @@ class GenerationSequence:
     # after the prefill, until its first output sent carries them (then None again).
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_sent: bool = False
+    # The token that ended it at EOS (or a stop token id), not kept, with its log
+    # probabilities (`sampling.logprobs`): sent with its final output (`TokensOutput.end`).
+    end_token: EndToken | None = None
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None or self.sampling.prompt_logprobs is not None:
@@ -62,14 +65,16 @@ class GenerationSequence:
 
     def take(self, chosen: list[int], eos: frozenset[int]) -> tuple[list[int], FinishReason | None]:
         """Add the tokens a step (or a multi-step run) chose for it, up to EOS or one of its
-        `stop_token_ids` (either ends it as EOS, not kept) or its length; returns those kept
-        and why it ended, if it did."""
+        `stop_token_ids` (either ends it as EOS, not kept: with `logprobs`, it and its log
+        probabilities go to `end_token`) or its length; returns those kept and why it
+        ended, if it did."""
         fresh: list[int] = []
         finish: FinishReason | None = None
+        ending: int | None = None
         stop_ids = self.sampling.stop_token_ids
         for token in chosen:
             if token in eos or token in stop_ids:
-                finish = FinishReason.EOS
+                finish, ending = FinishReason.EOS, token
                 break
             fresh.append(token)
             if len(fresh) >= self.remaining:  # `generated` is extended below
@@ -84,6 +89,11 @@ class GenerationSequence:
         if sink is not None and self.sampling.logprobs is not None:
             first = len(self.prompt) + len(self.generated)
             self.token_logprobs.extend(sink.pop(first + i) for i in range(len(fresh)))
+            # The ending token's, at the position after the kept ones (the step that chose
+            # it wrote them there, as for any token).
+            ended = sink.pop(first + len(fresh), None) if ending is not None else None
+            if ending is not None and ended is not None:
+                self.end_token = EndToken(ending, ended)
         self.generated.extend(fresh)
         return fresh, finish
 
@@ -140,10 +150,13 @@ class GenerationSequence:
             logprobs = self.token_logprobs[len(self.token_logprobs) - len(token_ids) :]
             if self.streams:  # sent: no later output sends them again
                 self.token_logprobs = []
+        end = self.end_token if final else None
         return Output(
             self.request.request_id,
             final=final,
-            payload=TokensOutput(token_ids, len(self.prompt), finish, logprobs, prompt_logprobs),
+            payload=TokensOutput(
+                token_ids, len(self.prompt), finish, logprobs, prompt_logprobs, end
+            ),
             queue_s=started - self.arrived,
             compute_s=now - since,
             trace=tracer.finish(self.arrival_trace, None) if final else None,

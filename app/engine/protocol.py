@@ -5,7 +5,8 @@ messages, then either one whose `final` is true or one `Failure` (an embedding s
 final output or one failure; generation an output per dispatch while it streams, and a
 sequence past its deadline or in a failed step gets the outputs already made, then its
 failure). The client ends a stream at either. The payload is a tagged union: a new task
-adds a payload and an output type here, and its host in the engine and its route in the
+adds a payload and an output type here (generation's live in `protocol_generate.py`, imported
+here), and its host in the engine and its route in the
 front end (docs/ARCHITECTURE.md §9 lists the steps); the transport, shedding and admission
 stay as they are.
 
@@ -23,7 +24,10 @@ from enum import Enum
 import msgspec
 
 from app.engine.identity import request_reference
-from app.engine.protocol_logprobs import TokenLogprobs
+from app.engine.protocol_generate import FinishReason as FinishReason
+from app.engine.protocol_generate import GeneratePayload as GeneratePayload
+from app.engine.protocol_generate import SamplingParams as SamplingParams
+from app.engine.protocol_generate import TokensOutput as TokensOutput
 
 # The clock of every time a message carries (`deadline`, `published_at`): time.monotonic,
 # system-wide on Linux. A clock injected for tests times one process; never compare them.
@@ -34,40 +38,6 @@ class EmbedPayload(msgspec.Struct, frozen=True, tag="embed"):
     """Token ids of each input (the front end tokenized and checked them)."""
 
     token_ids: list[list[int]]
-
-
-class SamplingParams(msgspec.Struct, frozen=True):
-    """How one sequence picks its next tokens. `do_sample` false: greedy (argmax), the rest
-    ignored. `top_k` 0 and `top_p` 1.0 disable those filters. `seed` makes sampling
-    reproducible per request. Stop *strings* are the front end's: it detokenizes the stream,
-    and cancels the request once one appears; the engine stops at EOS, at one of
-    `stop_token_ids` (a stop string naming a special token, which text never shows; ended
-    as at EOS) or at `max_new_tokens`. `fit_to_deadline`: the client set no limit, and
-    `max_new_tokens` is the room its prompt leaves; the engine lowers it to what the
-    deadline leaves time for (the sequence then ends with `length`), instead of refusing a
-    request that might well stop at EOS soon."""
-
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    fit_to_deadline: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # alternatives per token (`protocol_logprobs.py`); None: off
-    prompt_logprobs: int | None = None  # the same per prompt token (completions' `echo`)
-
-
-class GeneratePayload(msgspec.Struct, frozen=True, tag="generate"):
-    """One prompt's token ids (the front end tokenized it, chat template applied) and how
-    to continue it. A request with several prompts is several `Submit`s. `stream` false:
-    nobody reads the text before the end (a whole answer, no stop strings to watch for),
-    so the engine sends only the final output, with every token."""
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stream: bool = True
 
 
 class TensorData(msgspec.Struct, frozen=True):
@@ -157,23 +127,6 @@ class EmbedOutput(msgspec.Struct, frozen=True, tag="embed"):
     rows: int
     width: int
     input_tokens: int
-
-
-class FinishReason(Enum):
-    EOS = "eos"  # EOS or one of `stop_token_ids` came (not included in token_ids)
-    LENGTH = "length"  # max_new_tokens reached
-
-
-class TokensOutput(msgspec.Struct, frozen=True, tag="tokens"):
-    """New token ids since the previous output of this request (possibly none in the final
-    one). The final output names why the sequence ended and counts its prompt tokens. The
-    first output sent carries `prompt_logprobs`, when asked: prompt tokens 1..L-1's."""
-
-    token_ids: list[int]
-    prompt_tokens: int
-    finish_reason: FinishReason | None = None  # set on the final output only
-    logprobs: list[TokenLogprobs] | None = None  # one per token id, when asked
-    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class TensorOutput(msgspec.Struct, frozen=True, tag="tensor"):

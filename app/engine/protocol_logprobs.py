@@ -22,3 +22,11 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+
+
+class EndToken(msgspec.Struct, frozen=True, array_like=True):
+    """The token that ended a sequence at EOS (or one of its `stop_token_ids`), which is not
+    kept as generated, and its log probabilities (`TokensOutput.end`)."""
+
+    token_id: int
+    logprobs: TokenLogprobs

@@ -10,6 +10,10 @@ sequence has now sent; `rest` every other one, at the sequence's end (its final 
 the piece cut before a stop string, carries every token counted in `completion_tokens`,
 the one that completed the stop string included, as vLLM reports them).
 
+A sequence that ended at EOS (or a stop token id) on a completions route lists that token
+last (`end`: `TokensOutput.end`), as OpenAI's legacy API and vLLM do; it shows no text, and
+begins at the text's end.
+
 Each token's `text_offset` is where its text begins in the sequence's text (tokens released
 together begin where their text does), at most the text's length (a token cut away with a
 stop string begins at its end). Front-end event loop thread; one instance per sequence.
@@ -40,6 +44,7 @@ class LogprobAligner:
         self._released: deque[tuple[TokenLogprob, int]] = deque()  # with their text's end
         self._produced = 0  # characters the detokenizer released
         self._sent = 0  # characters the sequence sent
+        self._end: tuple[int, TokenLogprobs] | None = None  # listed last by `rest`
 
     def skip(self, characters: int) -> None:
         """The sequence's text begins with `characters` the generated tokens' do not hold
@@ -67,6 +72,11 @@ class LogprobAligner:
             self._released.append((released, self._produced))
         del self._held[:completed]
 
+    def end(self, token_id: int, logprobs: TokenLogprobs) -> None:
+        """The token that ended the sequence at EOS (not in its text): `rest` lists it last,
+        at the text's end."""
+        self._end = (token_id, logprobs)
+
     def carried(self, text: str) -> tuple[TokenLogprob, ...]:
         """The sequence sends `text` next: the tokens whose text is now all sent."""
         self._sent += len(text)
@@ -80,8 +90,11 @@ class LogprobAligner:
         self._sent += len(text)
         last = [token for token, _ in self._released]
         last += [TokenLogprob(token_id, self._produced, lp) for token_id, lp in self._held]
+        if self._end is not None:
+            last.append(TokenLogprob(self._end[0], self._sent, self._end[1]))
         self._released.clear()
         self._held.clear()
+        self._end = None
         return tuple(
             token
             if token.text_offset <= self._sent

@@ -59,7 +59,9 @@ class Sampling:
     prompt leaves in a sequence (0: none, only with `echo`); `logprobs` set: each token's
     log probabilities and this many alternatives' (`SamplingParams.logprobs`); `echo`: each
     sequence's text begins with its prompt's, and with `prompt_logprobs` set, its log
-    probabilities with the prompt tokens' (`echo.py`)."""
+    probabilities with the prompt tokens' (`echo.py`); `logprobs_end`: a sequence ending at
+    EOS (or a stop token id) lists that token last in its log probabilities, not in its text
+    (completions', as OpenAI's legacy API and vLLM; chat and /infer list only text tokens)."""
 
     max_new_tokens: int | None
     do_sample: bool
@@ -71,6 +73,7 @@ class Sampling:
     logprobs: int | None = None
     echo: bool = False
     prompt_logprobs: int | None = None
+    logprobs_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +335,9 @@ class TextGeneration:
                 if stops is not None:
                     text += stops.flush()
                 assert isinstance(last.payload, TokensOutput)
+                end_token = last.payload.end
+                if aligner is not None and end_token is not None and prepared.sampling.logprobs_end:
+                    aligner.end(end_token.token_id, end_token.logprobs)
                 reason = _FINISH[last.payload.finish_reason or FinishReason.LENGTH]
                 ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated, choice)
                 yield last_events(index, text, ended, aligner)

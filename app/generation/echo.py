@@ -22,12 +22,17 @@ def echoed(
     special_ids: Collection[int],
     prompt_ids: Sequence[int],
     prompt_logprobs: Sequence[TokenLogprobs] | None,
+    asked: bool,
 ) -> tuple[str, tuple[TokenLogprob, ...]]:
-    """The prompt's text, and with `prompt_logprobs` (None: not asked) each prompt token
-    with its log probabilities (None for the first) and offset. Raises `TypeError` (a server
-    fault) for log probabilities that are not one per prompt token after the first."""
-    if prompt_logprobs is None:
+    """The prompt's text, and when the front end `asked` for them (`prompt_logprobs`, the
+    engine's) each prompt token with its log probabilities (None for the first) and offset.
+    Raises `TypeError` (a server fault, 500) for log probabilities asked and not sent (an
+    older engine drops the `SamplingParams` field it does not know: an echo without them
+    would be a 200 whose sums are empty) or not one per prompt token after the first."""
+    if not asked:
         return decode(list(prompt_ids)), ()
+    if prompt_logprobs is None:
+        raise TypeError("the engine sent no log probabilities of the prompt it was asked for")
     if len(prompt_logprobs) != len(prompt_ids) - 1:
         raise TypeError("the engine sent a prompt's log probabilities of another length")
     detokenizer = IncrementalDetokenizer(decode, (), special_ids)

@@ -295,6 +295,7 @@ class TextGeneration:
                                 tokenizer.special_token_ids,
                                 prompt_ids,
                                 payload.prompt_logprobs,
+                                asked=prepared.sampling.prompt_logprobs is not None,
                             )
                             if aligner is not None:
                                 aligner.skip(len(echo))

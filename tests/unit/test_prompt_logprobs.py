@@ -135,14 +135,16 @@ def test_the_echoed_prompt_s_offsets_and_its_first_token_s_null() -> None:
     """BOS (special, no text) begins at 0 with null log probabilities; each token after it
     where its text begins; generated tokens' offsets begin after the prompt's text."""
     prompt = [1, 10, 11, 12, 14]
-    text, tokens = echoed(_decode, {1}, prompt, [_lp(-1.0), _lp(-2.0), _lp(-3.0), _lp(-4.0)])
+    text, tokens = echoed(
+        _decode, {1}, prompt, [_lp(-1.0), _lp(-2.0), _lp(-3.0), _lp(-4.0)], asked=True
+    )
     assert text == "Hello w!"
     assert [t.token_id for t in tokens] == prompt
     assert [t.text_offset for t in tokens] == [0, 0, 3, 5, 7]
     assert tokens[0].logprobs is None and tokens[4].logprobs == _lp(-4.0)
-    assert echoed(_decode, {1}, prompt, None) == ("Hello w!", ())
+    assert echoed(_decode, {1}, prompt, None, asked=False) == ("Hello w!", ())
     with pytest.raises(TypeError):
-        echoed(_decode, {1}, prompt, [_lp(-1.0)])
+        echoed(_decode, {1}, prompt, [_lp(-1.0)], asked=True)
     aligner = LogprobAligner()
     aligner.skip(len(text))
     aligner.add(TokensOutput([13], 5, None, [_lp(-0.5)]), 0, "\u00e9")
@@ -162,3 +164,11 @@ def test_the_echoed_prompt_s_offsets_and_its_first_token_s_null() -> None:
     assert logprobs["top_logprobs"][0] is None
     assert logprobs["top_logprobs"][1:3] == [{"Hel": -0.1}, {"Hel": -0.1, "lo": -2.0}]
     assert logprobs["text_offset"] == [0, 0, 3, 5, 7, 8]
+
+
+def test_prompt_logprobs_asked_and_not_sent_are_a_server_fault() -> None:
+    """An older engine drops `SamplingParams.prompt_logprobs` (msgspec skips a field it does
+    not know) and sends none: the echo must not be a 200 without them (lm-eval would sum
+    nothing), but a 500, as tokens without their log probabilities are."""
+    with pytest.raises(TypeError, match="no log probabilities of the prompt"):
+        echoed(_decode, {1}, [1, 10, 11], None, asked=True)

@@ -152,3 +152,15 @@ async def test_chat_and_infer_name_the_tokens_and_their_alternatives(
         assert entry["top_logprobs"] == [
             {"token": text, "logprob": entry["logprob"], "bytes": list(raw)}
         ]
+
+
+async def test_echo_without_the_prompt_logprobs_asked_is_a_500(client: httpx.AsyncClient) -> None:
+    """The scripted engine, like an engine older than `SamplingParams.prompt_logprobs` (msgspec
+    drops a field it does not know), sends no prompt log probabilities: an echo asking for
+    them fails (500) rather than answer a 200 whose prompt entries are missing (lm-eval would
+    sum nothing). Echo without `logprobs` asks for none, and is answered."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "echo": True}
+    asked = await client.post("/v1/completions", json={**body, "logprobs": 1})
+    assert asked.status_code == 500, asked.text
+    plain = await client.post("/v1/completions", json=body)
+    assert plain.status_code == 200 and plain.json()["choices"][0]["text"].startswith(PROMPT)

@@ -31,13 +31,24 @@ class ContextTooLong(Exception):
     """A prompt plus the tokens asked for exceed what one sequence may hold (400). Its text
     names the prompt by index; the edge, which knows how it was sent, words it `described`."""
 
-    def __init__(self, index: int, prompt_tokens: int, new_tokens: int, limit: int) -> None:
+    def __init__(
+        self, index: int, prompt_tokens: int, new_tokens: int, limit: int, echo_only: bool = False
+    ) -> None:
+        """`echo_only`: the client asked for no new token (`max_tokens` 0, with `echo`), and
+        the engine still makes one (dropped), which the prompt leaves no room for."""
         self.index, self.sizes = index, (prompt_tokens, new_tokens, limit)
+        self.echo_only = echo_only
         super().__init__(self.described(f"prompt {index}"))
 
     def described(self, prompt: str) -> str:
         """The message, naming the prompt `prompt` (`the prompt`: one sent alone)."""
         prompt_tokens, new_tokens, limit = self.sizes
+        if self.echo_only:
+            return (
+                f"{prompt} has {prompt_tokens} tokens; echo with max_tokens 0 needs room for "
+                f"one token after the prompt (computed, then dropped); a sequence holds at "
+                f"most {limit} tokens (prompt + new tokens)"
+            )
         return (
             f"{prompt} has {prompt_tokens} tokens and asks for {new_tokens} more; a sequence "
             f"holds at most {limit} tokens (prompt + new tokens)"

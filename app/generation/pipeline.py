@@ -185,7 +185,8 @@ class TextGeneration:
             room = limit - len(ids)
             wanted = sampling.max_new_tokens if sampling.max_new_tokens is not None else room
             if wanted > room or room < 1:
-                raise ContextTooLong(index, len(ids), max(wanted, 1), limit)
+                echo_only = sampling.max_new_tokens == 0
+                raise ContextTooLong(index, len(ids), max(wanted, 1), limit, echo_only)
             # max_tokens 0 (echo): the engine makes one token, which `_sequence` drops.
             new_tokens.append(max(wanted, 1))
         charge = n * (sum(len(ids) for ids in prompt_ids) + sum(new_tokens))

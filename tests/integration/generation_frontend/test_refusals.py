@@ -90,6 +90,26 @@ async def test_a_prompt_and_new_tokens_over_the_sequence_limit_is_a_400_naming_i
     assert "at most 256 tokens" in error["message"]
 
 
+async def test_echo_with_max_tokens_0_at_the_limit_says_what_it_needs(
+    client: httpx.AsyncClient,
+) -> None:
+    """A prompt of exactly the limit with `max_tokens` 0 and `echo`: the client asked for no
+    new token, so the message must not say it asked for one ("asks for 1 more"); it says
+    that echo needs room for the one the engine makes (and drops). One token less fits."""
+    body = {"model": "tiny", "max_tokens": 0, "echo": True}
+    at_limit = await client.post("/v1/completions", json={**body, "prompt": [5] * 256})
+    assert at_limit.status_code == 400, at_limit.text
+    error = at_limit.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"] == (
+        "the prompt has 256 tokens; echo with max_tokens 0 needs room for one token after "
+        "the prompt (computed, then dropped); a sequence holds at most 256 tokens (prompt + "
+        "new tokens)"
+    )
+    fits = await client.post("/v1/completions", json={**body, "prompt": [5] * 255})
+    assert fits.status_code == 200, fits.text
+
+
 async def test_a_failure_mid_stream_is_an_error_event_then_done(
     client: httpx.AsyncClient, app: FastAPI
 ) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from app.engine.client import EngineUnavailable
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.generation.detokenize import IncrementalDetokenizer, WholeText
-from app.generation.echo import echoed
+from app.generation.echo import PromptEchoes, echoed
 from app.generation.errors import (
     ContextTooLong,
     NoChatTemplate,
@@ -217,8 +217,12 @@ class TextGeneration:
         `DeadlineExceeded`, `EngineRefused`, `BatchFailed`, `EngineUnavailable`). Close it
         (or cancel its task) to cancel the engine requests still running."""
         times = [_SequenceTime() for _ in range(prepared.sequences)]
+        tokenizer = self.tokenizer(prepared.model)
+        offsets = prepared.sampling.prompt_logprobs is not None
+        prompts = prepared.prompt_ids if prepared.sampling.echo else ()
+        echoes = PromptEchoes(self.service, tokenizer, prompts, offsets, timer)
         sequences = [
-            self._sequence(prepared, index, times[index], incremental)
+            self._sequence(prepared, index, times[index], incremental, echoes)
             for index in range(prepared.sequences)
         ]
         try:
@@ -234,6 +238,7 @@ class TextGeneration:
                         yield batch
                 outcome.ok()
         finally:
+            echoes.close()
             # The sequences ran side by side: the request's queue and compute phases are
             # those of the one that took longest, not their sum.
             slowest = max(times, key=lambda spent: spent.queue_s + spent.compute_s)
@@ -241,7 +246,12 @@ class TextGeneration:
             timer.add("compute", slowest.compute_s)
 
     async def _sequence(
-        self, prepared: PreparedGeneration, index: int, spent: _SequenceTime, incremental: bool
+        self,
+        prepared: PreparedGeneration,
+        index: int,
+        spent: _SequenceTime,
+        incremental: bool,
+        echoes: PromptEchoes,
     ) -> AsyncGenerator[list[GenerationEvent], None]:
         """Sequence `index` (choice `index % n` of prompt `index // n`): each batch of
         engine outputs (one or more tokens that arrived together) becomes at most one piece,
@@ -292,8 +302,7 @@ class TextGeneration:
                         first = False
                         if prepared.sampling.echo:
                             echo, tokens = echoed(
-                                tokenizer.decode,
-                                tokenizer.special_token_ids,
+                                await echoes.of(prompt),
                                 prompt_ids,
                                 payload.prompt_logprobs,
                                 asked=prepared.sampling.prompt_logprobs is not None,

@@ -16,7 +16,7 @@ from app.api.openai_logprobs import LogprobRender
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
 from app.engine.protocol_logprobs import TokenLogprobs
-from app.generation.echo import echoed
+from app.generation.echo import echo_text, echoed
 from app.generation.events import SequenceEnd
 from app.generation.logprobs import LogprobAligner
 from app.models.causal_lm import StepRow
@@ -135,16 +135,15 @@ def test_the_echoed_prompt_s_offsets_and_its_first_token_s_null() -> None:
     """BOS (special, no text) begins at 0 with null log probabilities; each token after it
     where its text begins; generated tokens' offsets begin after the prompt's text."""
     prompt = [1, 10, 11, 12, 14]
-    text, tokens = echoed(
-        _decode, {1}, prompt, [_lp(-1.0), _lp(-2.0), _lp(-3.0), _lp(-4.0)], asked=True
-    )
+    echo = echo_text(_decode, {1}, prompt, offsets=True)
+    text, tokens = echoed(echo, prompt, [_lp(-1.0), _lp(-2.0), _lp(-3.0), _lp(-4.0)], asked=True)
     assert text == "Hello w!"
     assert [t.token_id for t in tokens] == prompt
     assert [t.text_offset for t in tokens] == [0, 0, 3, 5, 7]
     assert tokens[0].logprobs is None and tokens[4].logprobs == _lp(-4.0)
-    assert echoed(_decode, {1}, prompt, None, asked=False) == ("Hello w!", ())
+    assert echoed(echo_text(_decode, {1}, prompt, False), prompt, None, False) == ("Hello w!", ())
     with pytest.raises(TypeError):
-        echoed(_decode, {1}, prompt, [_lp(-1.0)], asked=True)
+        echoed(echo, prompt, [_lp(-1.0)], asked=True)
     aligner = LogprobAligner()
     aligner.skip(len(text))
     aligner.add(TokensOutput([13], 5, None, [_lp(-0.5)]), 0, "\u00e9")
@@ -171,4 +170,4 @@ def test_prompt_logprobs_asked_and_not_sent_are_a_server_fault() -> None:
     not know) and sends none: the echo must not be a 200 without them (lm-eval would sum
     nothing), but a 500, as tokens without their log probabilities are."""
     with pytest.raises(TypeError, match="no log probabilities of the prompt"):
-        echoed(_decode, {1}, [1, 10, 11], None, asked=True)
+        echoed(echo_text(_decode, {1}, [1, 10, 11], True), [1, 10, 11], None, asked=True)

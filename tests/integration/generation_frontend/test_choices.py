@@ -108,3 +108,28 @@ async def test_n_over_its_cap_and_best_of_are_refused(
     assert response.status_code == 400, response.text
     assert words in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == ("best_of" if "best_of" in fields else "n")
+
+
+async def test_each_prompt_is_echoed_once_for_all_its_choices(
+    client: httpx.AsyncClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`echo` with n 3 and two prompts: each prompt's text is decoded once (the choices
+    share it), not once per choice; every choice still begins with its prompt's."""
+    tokenizer = app.state.service.tokenizers["tiny"]
+    # Longer than the detokenizer's context (5 tokens), which the generated text decodes.
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27, 28]]
+    decoded: list[list[int]] = []
+    decode = tokenizer.decode
+
+    def counting(ids: list[int]) -> str:
+        decoded.append(list(ids))
+        return str(decode(ids))
+
+    monkeypatch.setattr(tokenizer, "decode", counting)
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 2, "n": 3, "echo": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    texts = [choice["text"] for choice in response.json()["choices"]]
+    for index, text in enumerate(texts):
+        assert text.startswith(decode(prompts[index // 3]))
+    assert [ids for ids in decoded if ids in prompts] == prompts  # once each

@@ -383,14 +383,21 @@ class Service:
             raise EngineUnavailable("the engine's stream ended without an output")
 
     async def run_tokenizer(
-        self, chars: int, timer: PhaseTimer, work: Callable[[*Args], Result], *args: *Args
+        self,
+        chars: int,
+        timer: PhaseTimer | None,
+        work: Callable[[*Args], Result],
+        *args: *Args,
     ) -> Result:
         """`work(*args)` on the event loop when its input (`chars` characters) is small,
         else on the tokenizer pool, so a large input cannot stall the loop (then `timer`
-        notes the request's `tokenize` phase as off the loop). Event loop thread."""
+        notes the request's `tokenize` phase as off the loop; None: `work` is not the
+        request's tokenizing, e.g. an echo's decoding, and leaves its phases alone). Event
+        loop thread."""
         if chars <= INLINE_TOKENIZE_MAX_CHARS:
             return work(*args)
-        timer.off_loop.add("tokenize")
+        if timer is not None:
+            timer.off_loop.add("tokenize")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, work, *args)
 

@@ -27,7 +27,6 @@ from app.service import INLINE_TOKENIZE_MAX_CHARS
 if TYPE_CHECKING:
     from app.generation.tokenizer import GenerationTokenizer
     from app.service import Service
-    from app.timing import PhaseTimer
 
 
 # Prompts longer than this echo on the tokenizer pool, not the event loop: echoing with
@@ -113,13 +112,12 @@ class PromptEchoes:
         tokenizer: GenerationTokenizer,
         prompts: Sequence[Sequence[int]],
         offsets: bool,
-        timer: PhaseTimer,
     ) -> None:
         self._made = [
             asyncio.ensure_future(
                 service.run_tokenizer(
                     0 if len(ids) <= ECHO_INLINE_MAX_TOKENS else INLINE_TOKENIZE_MAX_CHARS + 1,
-                    timer,
+                    None,  # not the request's tokenizing: its `tokenize` phase ran on the loop
                     echo_text,
                     tokenizer.decode,
                     tokenizer.special_token_ids,

@@ -185,8 +185,9 @@ class TextGeneration:
             room = limit - len(ids)
             wanted = sampling.max_new_tokens if sampling.max_new_tokens is not None else room
             if wanted > room or room < 1:
-                echo_only = sampling.max_new_tokens == 0
-                raise ContextTooLong(index, len(ids), max(wanted, 1), limit, echo_only)
+                echo_only = sampling.max_new_tokens == 0  # asks for none: `wanted`, 0
+                asked = wanted if echo_only else max(wanted, 1)
+                raise ContextTooLong(index, len(ids), asked, limit, echo_only and room == 0)
             # max_tokens 0 (echo): the engine makes one token, which `_sequence` drops.
             new_tokens.append(max(wanted, 1))
         charge = n * (sum(len(ids) for ids in prompt_ids) + sum(new_tokens))
@@ -220,7 +221,7 @@ class TextGeneration:
         tokenizer = self.tokenizer(prepared.model)
         offsets = prepared.sampling.prompt_logprobs is not None
         prompts = prepared.prompt_ids if prepared.sampling.echo else ()
-        echoes = PromptEchoes(self.service, tokenizer, prompts, offsets, timer)
+        echoes = PromptEchoes(self.service, tokenizer, prompts, offsets)
         sequences = [
             self._sequence(prepared, index, times[index], incremental, echoes)
             for index in range(prepared.sequences)
@@ -347,8 +348,13 @@ class TextGeneration:
                     text += stops.flush()
                 assert isinstance(last.payload, TokensOutput)
                 end_token = last.payload.end
-                if aligner is not None and end_token is not None and prepared.sampling.logprobs_end:
-                    aligner.end(end_token.token_id, end_token.logprobs)
+                if aligner is not None and prepared.sampling.logprobs_end:
+                    if end_token is not None:
+                        aligner.end(end_token.token_id, end_token.logprobs)
+                    elif last.payload.finish_reason == FinishReason.EOS:
+                        # An engine of this version always sends it (`take`): an older one
+                        # does not, and lm-eval's `[:-1]` would cut the last prompt token.
+                        raise TypeError("the engine sent no end token with its log probabilities")
                 reason = _FINISH[last.payload.finish_reason or FinishReason.LENGTH]
                 ended = SequenceEnd(index, reason, last.payload.prompt_tokens, generated, choice)
                 yield last_events(index, text, ended, aligner)

@@ -33,11 +33,13 @@ class _Service:
 
     def __init__(self) -> None:
         self.sizes: list[int] = []
+        self.timers: list[PhaseTimer | None] = []
 
     async def run_tokenizer(
-        self, chars: int, timer: PhaseTimer, work: Callable[..., Any], *args: Any
+        self, chars: int, timer: PhaseTimer | None, work: Callable[..., Any], *args: Any
     ) -> Any:
         self.sizes.append(chars)
+        self.timers.append(timer)
         if chars <= INLINE_TOKENIZE_MAX_CHARS:
             return work(*args)
         return await asyncio.to_thread(work, *args)
@@ -47,7 +49,7 @@ async def test_each_prompt_is_echoed_once_for_all_its_choices() -> None:
     tokenizer, service = _Tokenizer(), _Service()
     short = [1, 5, 6, 7]
     long = list(range(2, ECHO_INLINE_MAX_TOKENS + 3))
-    echoes = PromptEchoes(service, tokenizer, [short, long], True, PhaseTimer())  # type: ignore[arg-type]
+    echoes = PromptEchoes(service, tokenizer, [short, long], True)  # type: ignore[arg-type]
     choices = await asyncio.gather(*(echoes.of(prompt) for prompt in (0, 0, 0, 1, 1, 1)))
     echoes.close()
     assert choices[0] is choices[1] is choices[2] and choices[3] is choices[5]
@@ -55,12 +57,15 @@ async def test_each_prompt_is_echoed_once_for_all_its_choices() -> None:
     assert choices[3] == echo_text(tokenizer.decode, {1}, long, True)
     # One echo each: the short one inline, the long one past the threshold, on the pool.
     assert service.sizes == [0, INLINE_TOKENIZE_MAX_CHARS + 1]
+    # Not the request's tokenizing: its `tokenize` phase (on the loop) is not marked off it,
+    # which the slow-request attribution would read as work the loop did not do.
+    assert service.timers == [None, None]
 
 
 async def test_a_choice_that_stops_waiting_leaves_its_siblings_echo() -> None:
     tokenizer, service = _Tokenizer(), _Service()
     long = list(range(2, ECHO_INLINE_MAX_TOKENS + 3))
-    echoes = PromptEchoes(service, tokenizer, [long], True, PhaseTimer())  # type: ignore[arg-type]
+    echoes = PromptEchoes(service, tokenizer, [long], True)  # type: ignore[arg-type]
     waiting = asyncio.ensure_future(echoes.of(0))
     await asyncio.sleep(0)
     waiting.cancel()
@@ -72,6 +77,25 @@ async def test_a_choice_that_stops_waiting_leaves_its_siblings_echo() -> None:
 
 async def test_no_echo_makes_nothing() -> None:
     service = _Service()
-    PromptEchoes(service, _Tokenizer(), (), False, PhaseTimer()).close()  # type: ignore[arg-type]
+    PromptEchoes(service, _Tokenizer(), (), False).close()  # type: ignore[arg-type]
     await asyncio.sleep(0)
     assert service.sizes == []
+
+
+async def test_work_on_the_pool_without_a_timer_marks_no_phase() -> None:
+    """`Service.run_tokenizer` marks the request's `tokenize` phase off the loop only for the
+    request's own tokenizing (a timer given), not for an echo's decoding (None)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.service import Service
+
+    class _Pooled:
+        _tokenize_pool = ThreadPoolExecutor(1)
+
+    timer = PhaseTimer()
+    big = INLINE_TOKENIZE_MAX_CHARS + 1
+    assert await Service.run_tokenizer(_Pooled(), big, None, len, "ab") == 2  # type: ignore[arg-type]
+    assert timer.off_loop == set()
+    assert await Service.run_tokenizer(_Pooled(), big, timer, len, "ab") == 2  # type: ignore[arg-type]
+    assert timer.off_loop == {"tokenize"}
+    _Pooled._tokenize_pool.shutdown()

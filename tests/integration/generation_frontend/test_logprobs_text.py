@@ -164,3 +164,21 @@ async def test_echo_without_the_prompt_logprobs_asked_is_a_500(client: httpx.Asy
     assert asked.status_code == 500, asked.text
     plain = await client.post("/v1/completions", json=body)
     assert plain.status_code == 200 and plain.json()["choices"][0]["text"].startswith(PROMPT)
+
+
+async def test_an_eos_end_without_its_token_is_a_500(
+    client: httpx.AsyncClient, app: FastAPI
+) -> None:
+    """The scripted engine, like an engine older than `TokensOutput.end`, ends a sequence at
+    EOS without the ending token: completions' logprobs would be one entry short (lm-eval's
+    `[:-1]` then cuts the last prompt token), so it fails (500) rather than answer a 200.
+    Without `logprobs` nothing is listed, and the answer stands."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 5}
+    engine_of(app).eos_after_tokens = 2
+    try:
+        asked = await client.post("/v1/completions", json={**body, "logprobs": 1})
+        plain = await client.post("/v1/completions", json=body)
+    finally:
+        engine_of(app).eos_after_tokens = None
+    assert asked.status_code == 500, asked.text
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "stop"

@@ -108,6 +108,12 @@ async def test_echo_with_max_tokens_0_at_the_limit_says_what_it_needs(
     )
     fits = await client.post("/v1/completions", json={**body, "prompt": [5] * 255})
     assert fits.status_code == 200, fits.text
+    # Too long alone: the plain message, asking for the 0 tokens the client asked for.
+    over = await client.post("/v1/completions", json={**body, "prompt": [5] * 300})
+    assert over.json()["error"]["message"] == (
+        "the prompt has 300 tokens and asks for 0 more; a sequence holds at most 256 tokens "
+        "(prompt + new tokens)"
+    )
 
 
 async def test_a_failure_mid_stream_is_an_error_event_then_done(

@@ -44,21 +44,21 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     Exact, and cheap for a large vocabulary: no sort without top-p; top-k sorts its k;
     top-p alone sorts the tokens over `TOP_P_FLOOR` when they are few and hold `top_p` of
     the mass, else finds its set in a few passes (`_top_p_kept`)."""
-    # Shifted so the most likely token's value is 0 before dividing: at a near-zero
-    # temperature the values reach millions, where float32's log-sum-exp rounds by a
-    # quarter and two tied tokens' masses summed to 0.94, not 1 (every shift-invariant
-    # step below, and `draw`, take the same set and draws).
-    top = logits.max()
-    shifted = logits - top if torch.isfinite(top) else logits
-    scaled = shifted / max(params.temperature, 1e-5)
+    scaled = logits / max(params.temperature, 1e-5)
     vocab = scaled.shape[-1]
+    # Top-p's masses come from values shifted so the most likely is 0: at a near-zero
+    # temperature the values reach millions, where float32's log-sum-exp rounds by a
+    # quarter, and two tied tokens' masses summed to 0.94, not 1 (every step, and `draw`,
+    # is shift-invariant; without top-p nothing sums masses, and nothing is shifted).
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k).values[-1]
         ids, values = _sorted(scaled, torch.nonzero(scaled >= kth).squeeze(-1))  # ties stay
+        values = _shifted(values, values[0])  # the k kept: most likely first
         log_total = torch.logsumexp(values, -1)
     elif params.top_p >= 1.0:
         return torch.arange(vocab), scaled
     else:
+        scaled = _shifted(scaled, scaled.max())  # in place: no second vocabulary's tensor
         log_total = torch.logsumexp(scaled, -1)
         # The most likely tokens (all those over a floor are): when they hold top_p of the
         # mass, the full sort's next token has top_p before it, so top-p's set lies within.
@@ -72,6 +72,16 @@ def kept_tokens(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
         kept = _top_p_count(values, log_total, params.top_p)
         values, ids = values[:kept], ids[:kept]
     return ids, values
+
+
+def _shifted(values: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """`values` less `top` (the largest of them, read before the subtraction), in place; as
+    they are when `top` is not finite (a value overflowed once divided by the temperature:
+    `draw` refuses the row)."""
+    largest = float(top)
+    if math.isfinite(largest):
+        values -= largest
+    return values
 
 
 def _sorted(scaled: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,8 @@ ModelName = Annotated[
     str | None,
     Field(
         description="A served model with a tokenizer; left out, null or empty: "
-        "STEADY_DEFAULT_MODEL where it is set, else the one generate model served (a 400 "
-        "where there are several or none)."
+        "STEADY_DEFAULT_MODEL where it is set, else the one generate model served, else (no "
+        "generate model) the one model with a tokenizer (a 400 where none of these picks one)."
     ),
 ]
 

@@ -249,7 +249,7 @@ async def _unknown_model(request: Request, error: Exception) -> Response:
 
 
 async def _wrong_task(request: Request, error: Exception) -> Response:
-    # And a tokenizer route's model left out where no single generate model is the default.
+    # And a tokenizer route's model left out where no model is picked (`ModelNotChosen`).
     return error_response(400, "invalid_request", str(error), "model")
 
 

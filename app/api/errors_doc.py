@@ -11,13 +11,15 @@ _ERROR_WHEN = {
     "`dimensions` other than the model's width; "
     "generation asked of an embedding model, chat of a model without a chat template, or "
     "messages its template refuses, a stop string holding a special token's text beside "
-    "other text, a tokenizer route's `model` left out where STEADY_DEFAULT_MODEL is unset "
-    "and not one generate model is served (`invalid_request`); a prompt plus its new tokens over "
+    "other text, a tokenizer route's `model` left out where no model is picked for it "
+    "(STEADY_DEFAULT_MODEL unset, and several generate models, or none and several models "
+    "with a tokenizer), /detokenize's id outside the vocabulary (`invalid_request`); a "
+    "prompt plus its new tokens over "
     "what one sequence holds, or a prompt over it in characters (`context_length_exceeded`).",
     404: "Unknown model (`model_not_found`).",
     413: "Body over STEADY_MAX_BODY_BYTES (`body_too_large`), too many inputs "
     "(`too_many_inputs`; /detokenize: over 131,072 token ids), an embedding input over the "
-    "model's token limit "
+    "model's token limit, or a /tokenize text over the generation routes' character limit "
     "(`input_too_long`), or a "
     "generation needing more tokens than STEADY_RATE_LIMIT_BURST (`too_many_tokens`).",
     415: "A compressed body (`unsupported_content_encoding`): send it uncompressed.",

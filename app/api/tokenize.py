@@ -4,8 +4,9 @@
 `POST /detokenize` and `GET /tokenizer_info`.
 
 Any model with a tokenizer is served, an embedding model's too (as vLLM serves any model's):
-/tokenize gives the ids the server itself would feed the model. `model` left out names the
-one generate model served (STEADY_DEFAULT_MODEL where it is set), else 400.
+/tokenize gives the ids the server itself would feed the model. `model` left out names
+STEADY_DEFAULT_MODEL where it is set, else the one generate model served, else (no generate
+model) the one model with a tokenizer, else 400 (`default_tokenizer_model`).
 
 No engine call and no admission: not shed, not charged to the token bucket, not counted in
 flight (a client such as lm-eval tokenizes every request before sending it, and a refusal

@@ -107,8 +107,10 @@ class ModelNotChosen(Exception):
     or no generate model and several with a tokenizer, and STEADY_DEFAULT_MODEL unset."""
 
     def __init__(self, models: list[str]) -> None:
-        served = ", ".join(models) if models else "none"
+        if not models:
+            super().__init__("no served model has a tokenizer")
+            return
         super().__init__(
             "model is required: STEADY_DEFAULT_MODEL is unset and this server serves "
-            f"several models this route could serve ({served}); name one of them"
+            f"several models this route could serve ({', '.join(models)}); name one of them"
         )

@@ -11,7 +11,7 @@ import pytest
 
 from app.api.tokenize import chosen_model
 from app.generation.errors import ModelNotChosen
-from app.model_specs import ModelSpec
+from app.model_specs import ModelSpec, TensorSpec
 from app.service import Service, UnknownModel
 from app.settings import Settings
 
@@ -71,3 +71,11 @@ def test_no_single_candidate_is_a_refusal_naming_them(
 def test_an_unknown_model_is_unknown() -> None:
     with pytest.raises(UnknownModel):
         chosen_model(cast(Service, Served(TINY)), "gpt-17")
+
+
+def test_no_model_with_a_tokenizer_is_said_so() -> None:
+    """A server of tensor models only: the message named "several models ... (none)"."""
+    x, y = (TensorSpec(name=name, datatype="FP32", shape=(-1, 2)) for name in "xy")
+    tensor = ModelSpec(name="t", task="tensor", source="/models/t.pt2", inputs=(x,), outputs=(y,))
+    with pytest.raises(ModelNotChosen, match=r"^no served model has a tokenizer$"):
+        chosen_model(cast(Service, Served(tensor)), None)

@@ -236,7 +236,7 @@ async def test_default_model_s_precedence_is_documented(client: httpx.AsyncClien
     model = document["components"]["schemas"]["TokenizeCompletionRequest"]["properties"]["model"]
     assert "STEADY_DEFAULT_MODEL" in model["description"]
     refused = document["paths"]["/tokenize"]["post"]["responses"]["400"]["description"]
-    assert "`model` left out where STEADY_DEFAULT_MODEL is unset" in refused
+    assert "`model` left out where no model is picked for it (STEADY_DEFAULT_MODEL unset" in refused
 
 
 async def test_a_generate_model_s_length_waits_for_its_engine(

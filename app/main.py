@@ -45,10 +45,11 @@ from app.engine.zmq_client import EngineAddresses, ZmqEngineClient
 from app.generation.pipeline import TextGeneration
 from app.metrics import LATENCY_BUCKETS_S, Metrics
 from app.probes import ProbeListener, probe_response
-from app.service import Service, TokenizerLoader, load_model_tokenizer
+from app.service import Service
 from app.settings import Settings
 from app.spikes.recorder import SlowRequestRecorder
 from app.telemetry.sampler import ProcessTelemetry
+from app.tokenizer_pool import TokenizerLoader, load_model_tokenizer
 
 if TYPE_CHECKING:
     from app.startup import RunnerLoader  # torch: only for the type

@@ -2,7 +2,7 @@
 the probes' verdicts, the served models, shedding from headers alone (the engine's
 published backlog, token bucket, in-flight cap), each request's admission and engine round
 trip (`begin` then `compute`: token bucket by cost -> send to the engine -> read its
-stream) and the tokenizer pool; `drain.py` drains it on shutdown.
+stream) and the tokenizer pool (`tokenizer_pool.py`); `drain.py` drains it on shutdown.
 
 The per-task pipelines call it: `embedding_service.py` (texts to vectors),
 `tensor_service.py` (tensors) and `generation/pipeline.py` (text generation).
@@ -19,7 +19,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar, TypeVarTuple
 
@@ -30,35 +29,24 @@ from app.engine.client import EngineClient, EngineRefused, EngineUnavailable
 from app.engine.protocol import EngineStatus, ModelInfo, OutputPayload, Payload, Submit
 from app.failures import DeadlineExceeded
 from app.gate import AdmissionGate
-from app.generation.tokenizer import load_generation_tokenizer
 from app.heap import freeze_startup_heap
 from app.metrics import Metrics
 from app.model_queues import shed_verdict
 from app.model_specs import ModelSpec
-from app.models.tokenizer import TextTokenizer, load_tokenizer
+from app.models.tokenizer import TextTokenizer
 from app.probes import Readiness, liveness, readiness
 from app.settings import Settings
 from app.timing import PhaseTimer
+from app.tokenizer_pool import TokenizerLoader, TokenizerPool, load_model_tokenizer
 
 log = logging.getLogger(__name__)
-
-# Tokenizing a few short texts takes tens of microseconds: less than the hop to a thread.
-# Larger requests go to the tokenizer pool so they cannot stall the event loop.
-INLINE_TOKENIZE_MAX_CHARS = 2048
 
 # A text longer than this many characters per allowed token is refused (or, with
 # truncation, cut) before tokenizing: a 1 MiB input must not cost a tokenizer pass.
 MAX_CHARS_PER_TOKEN = 32
 
-TokenizerLoader = Callable[[ModelSpec, int], TextTokenizer]
 Args = TypeVarTuple("Args")
 Result = TypeVar("Result")
-
-
-def load_model_tokenizer(spec: ModelSpec, largest_length_bucket: int) -> TextTokenizer:
-    if spec.task == "generate":
-        return load_generation_tokenizer(spec.source, spec.max_input_tokens)
-    return load_tokenizer(spec.source, largest_length_bucket, spec.max_input_tokens)
 
 
 class UnknownModel(Exception):
@@ -115,9 +103,7 @@ class Service:
             clock=clock,
         )
         self.tokenizers: dict[str, TextTokenizer] = {}
-        self._tokenize_pool = ThreadPoolExecutor(
-            max_workers=settings.tokenizer_threads, thread_name_prefix="steadyserve-tokenize"
-        )
+        self.tokenizer_pool = TokenizerPool(settings.tokenizer_threads)
         self._startup_error: str | None = None
         self._started = False  # tokenizers loaded and the engine connected
         self.drain = Drain(self.admission)  # stop admitting, wait until answered
@@ -389,19 +375,11 @@ class Service:
         work: Callable[[*Args], Result],
         *args: *Args,
     ) -> Result:
-        """`work(*args)` on the event loop when its input (`chars` characters) is small,
-        else on the tokenizer pool, so a large input cannot stall the loop (then `timer`
-        notes the request's `tokenize` phase as off the loop; None: `work` is not the
-        request's tokenizing, e.g. an echo's decoding, and leaves its phases alone). Event
-        loop thread."""
-        if chars <= INLINE_TOKENIZE_MAX_CHARS:
-            return work(*args)
-        if timer is not None:
-            timer.off_loop.add("tokenize")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, work, *args)
+        """`work(*args)` inline or on the tokenizer pool (`TokenizerPool.run`). Event loop
+        thread."""
+        return await self.tokenizer_pool.run(chars, timer, work, *args)
 
     # --- shutdown -----------------------------------------------------------------------
     async def stop(self) -> None:
         await self.engine.close()
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.tokenizer_pool.shutdown()

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from app.engine.protocol_logprobs import TokenLogprobs
 from app.generation.detokenize import Decode, IncrementalDetokenizer
 from app.generation.logprobs import TokenLogprob
-from app.service import INLINE_TOKENIZE_MAX_CHARS
+from app.tokenizer_pool import INLINE_TOKENIZE_MAX_CHARS
 
 if TYPE_CHECKING:
     from app.generation.tokenizer import GenerationTokenizer

@@ -78,7 +78,7 @@ def test_a_generation_front_end_never_imports_torch(tiny_causal_lm: Path) -> Non
         "from app.main import create_app\n"
         "from app.engine.zmq_client import EngineAddresses\n"
         "from app.generation.detokenize import IncrementalDetokenizer\n"
-        "from app.service import load_model_tokenizer\n"
+        "from app.tokenizer_pool import load_model_tokenizer\n"
         "from app.model_specs import ModelSpec\n"
         "from app.settings import Settings\n"
         f"spec = ModelSpec(name='tiny', task='generate', source={str(tiny_causal_lm)!r})\n"

@@ -80,7 +80,7 @@ def test_a_front_end_app_never_imports_torch() -> None:
         "import sys\n"
         "from app.main import create_app\n"
         "from app.engine.zmq_client import EngineAddresses\n"
-        "from app.service import load_model_tokenizer\n"
+        "from app.tokenizer_pool import load_model_tokenizer\n"
         "from app.settings import Settings\n"
         "settings = Settings()\n"
         "create_app(settings, engine_addresses=EngineAddresses('ipc:///x', 'ipc:///y'))\n"

@@ -13,8 +13,8 @@ from fastapi import FastAPI
 
 from app.engine.core import EngineCore
 from app.engine.protocol import Failure, FailureKind, FromEngine, Submit
-from app.service import INLINE_TOKENIZE_MAX_CHARS
 from app.timing import PhaseTimer
+from app.tokenizer_pool import INLINE_TOKENIZE_MAX_CHARS
 from tests.support.edge import SETTINGS, front_end
 
 

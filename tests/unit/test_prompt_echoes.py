@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from app.generation.echo import ECHO_INLINE_MAX_TOKENS, PromptEchoes, echo_text
-from app.service import INLINE_TOKENIZE_MAX_CHARS
 from app.timing import PhaseTimer
+from app.tokenizer_pool import INLINE_TOKENIZE_MAX_CHARS, TokenizerPool
 
 
 class _Tokenizer:
@@ -83,19 +83,12 @@ async def test_no_echo_makes_nothing() -> None:
 
 
 async def test_work_on_the_pool_without_a_timer_marks_no_phase() -> None:
-    """`Service.run_tokenizer` marks the request's `tokenize` phase off the loop only for the
+    """`TokenizerPool.run` marks the request's `tokenize` phase off the loop only for the
     request's own tokenizing (a timer given), not for an echo's decoding (None)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from app.service import Service
-
-    class _Pooled:
-        _tokenize_pool = ThreadPoolExecutor(1)
-
-    timer = PhaseTimer()
+    pool, timer = TokenizerPool(1), PhaseTimer()
     big = INLINE_TOKENIZE_MAX_CHARS + 1
-    assert await Service.run_tokenizer(_Pooled(), big, None, len, "ab") == 2  # type: ignore[arg-type]
+    assert await pool.run(big, None, len, "ab") == 2
     assert timer.off_loop == set()
-    assert await Service.run_tokenizer(_Pooled(), big, timer, len, "ab") == 2  # type: ignore[arg-type]
+    assert await pool.run(big, timer, len, "ab") == 2
     assert timer.off_loop == {"tokenize"}
-    _Pooled._tokenize_pool.shutdown()
+    pool.shutdown()

@@ -24,7 +24,8 @@ from typing import TypeVar
 
 import torch
 
-from app.settings import Settings, default_frontend_processes
+from app.settings import Settings
+from app.settings_rules import default_frontend_processes
 from app.telemetry.cgroup import available_cpus
 
 log = logging.getLogger(__name__)

@@ -7,14 +7,13 @@ then: nothing in steadyserve reads the environment at import time. The CLI build
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.model_specs import ModelSpec, ModelSpecs
-from app.settings_rules import inconsistency
+from app.settings_rules import default_frontend_processes, inconsistency, valid_networks
 
 Device = Literal["auto", "cpu", "cuda"]
 EngineMode = Literal["process", "inprocess"]
@@ -292,8 +291,15 @@ class Settings(BaseSettings):
     generate_max_batch_tokens: int = Field(
         default=2048,
         ge=2,
-        description="Prompt tokens prefilled in one step (joining rows x their longest prompt); "
-        "further joiners wait for the next step. At least generate_slot_tokens.",
+        description="Prompt tokens prefilled in one step (prompt rows x their longest chunk); "
+        "further joiners wait for the next step. At least one chunk.",
+    )
+    generate_prefill_chunk_tokens: int = Field(
+        default=128,
+        ge=1,
+        description="The most prompt tokens one sequence prefills in one step (chunked "
+        "prefill): a longer prompt takes a chunk a step beside the running decode rows, "
+        "which keep getting tokens, and chooses its first token with its last chunk.",
     )
     generate_steps_per_dispatch: int = Field(
         default=1,
@@ -369,9 +375,7 @@ class Settings(BaseSettings):
     @field_validator("trusted_proxies")
     @classmethod
     def _valid_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        # A typo must stop the server (not trust nobody, in silence); `10.0.0.1/8`, with
-        # host bits set, is refused rather than guessed at.
-        return tuple(str(ipaddress.ip_network(address.strip())) for address in value)
+        return valid_networks(value)
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -393,8 +397,3 @@ class Settings(BaseSettings):
         if self.engine == "inprocess":
             return 1
         return self.frontend_workers or default_frontend_processes(cpus)
-
-
-def default_frontend_processes(cpus: int) -> int:
-    """Front ends when `frontend_workers` is unset: half the CPUs, at least 1, at most 8."""
-    return max(1, min(8, cpus // 2))

@@ -3,10 +3,22 @@ alone and the whole still unservable). Pure; `Settings` applies them when it is 
 
 from __future__ import annotations
 
+import ipaddress
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from app.settings import Settings
+
+
+def default_frontend_processes(cpus: int) -> int:
+    """Front ends when `frontend_workers` is unset: half the CPUs, at least 1, at most 8."""
+    return max(1, min(8, cpus // 2))
+
+
+def valid_networks(value: tuple[str, ...]) -> tuple[str, ...]:
+    """`trusted_proxies` as networks. A typo must stop the server (not trust nobody, in
+    silence); `10.0.0.1/8`, with host bits set, is refused rather than guessed at."""
+    return tuple(str(ipaddress.ip_network(address.strip())) for address in value)
 
 
 def inconsistency(settings: Settings) -> str | None:
@@ -71,9 +83,11 @@ def inconsistency(settings: Settings) -> str | None:
             "generation is charged its prompt + max_new_tokens, all a slot's room when "
             "max_tokens is left out, and a charge over the burst is refused (413)"
         )
-    if settings.generate_max_batch_tokens < settings.generate_slot_tokens:
+    chunk = min(settings.generate_prefill_chunk_tokens, settings.generate_slot_tokens)
+    if settings.generate_max_batch_tokens < chunk:
         return (
-            "generate_max_batch_tokens must hold one full slot (generate_slot_tokens), "
-            "so every admitted prompt can be prefilled"
+            "generate_max_batch_tokens must hold one prefill chunk (the smaller of "
+            "generate_prefill_chunk_tokens and generate_slot_tokens), so every admitted "
+            "prompt can be prefilled"
         )
     return None

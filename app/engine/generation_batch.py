@@ -60,20 +60,22 @@ class SequenceTable:
 
     def join(self, max_batch_tokens: int, now: float) -> list[GenerationSequence]:
         """Waiting sequences that take free slots for the next step, oldest first, while the
-        prefill (rows x longest prompt) fits `max_batch_tokens`."""
+        step's prompt rows (rows x longest chunk: those still prefilling, then the joiners'
+        first chunks) fit `max_batch_tokens`; the first prompt row always runs."""
         joiners: list[GenerationSequence] = []
-        longest = 0
+        prefilling = [s.next_chunk() for s in self.running.values() if s.prefilling]
+        rows, longest = len(prefilling), max(prefilling, default=0)
         while self.waiting and self.slots.free > 0:
             candidate = self.waiting[0]
-            longer = max(longest, len(candidate.prompt))
-            if joiners and longer * (len(joiners) + 1) > max_batch_tokens:
+            longer = max(longest, candidate.next_chunk())
+            if rows and longer * (rows + 1) > max_batch_tokens:
                 break
             self.waiting.popleft()
             candidate.slot = self.slots.take()
             candidate.started = now
             self.running[candidate.slot] = candidate
             joiners.append(candidate)
-            longest = longer
+            rows, longest = rows + 1, longer
         if joiners:
             self.changed()
         return joiners
@@ -84,12 +86,13 @@ class SequenceTable:
 
     def _forecast(self) -> tuple[int, int]:
         """Steps before a sequence queued now gets a slot (`steps_until_start`), and before
-        every sequence could end: the longest running one's remaining tokens, or the last
-        waiting one's, started once a slot frees (no later than one queued now). Simulated
+        every sequence could end: the longest running one's remaining steps, or the last
+        waiting one's, started once a slot frees (no later than one queued now). A sequence's
+        steps are its tokens left and its prefill's extra chunks (`steps_left`). Simulated
         once after each change (`changed`)."""
         if self._steps is None:
-            running = [seq.remaining for seq in self.running.values()]
-            waiting = [seq.sampling.max_new_tokens for seq in self.waiting]
+            running = [seq.steps_left() for seq in self.running.values()]
+            waiting = [seq.steps_left() for seq in self.waiting]
             until_a_slot = steps_until_start(running, self.slots.free, waiting)
             steps = max(running, default=0)
             if waiting:

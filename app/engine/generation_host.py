@@ -1,15 +1,16 @@
 """The `generate` task in the engine: continuous batching over the preallocated KV cache.
 
 Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), joins the
-running batch at the next step with its prompt (prefill), then gets one token per step until
-EOS or `max_new_tokens`; each dispatch streams the new tokens as an `Output`, the last one
-`final` with its `FinishReason` (a request that does not stream gets only that last one,
-with every token). A sequence that fails (its deadline passed, its prompt or its step
-failed: `generation_triage.py`) gets the outputs it was already given, then one `Failure`
-instead of a final output. Sequences join and leave between dispatches; a dispatch is one
-prefill forward for the joiners and one batched decode forward for the rest, run on a
-dispatcher compute thread inside one of the compute slots every model shares, so embedding
-batches and generation steps interleave without oversubscribing the CPU/GPU.
+running batch at the next step with its prompt (prefill: a chunk of at most
+`generate_prefill_chunk_tokens` a step, the last choosing its first token), then gets one
+token per step until EOS or `max_new_tokens`; each dispatch streams the new tokens as an
+`Output`, the last one `final` with its `FinishReason` (a request that does not stream gets
+only that last one, with every token). A sequence that fails (its deadline passed, its
+prompt or its step failed: `generation_triage.py`) gets the outputs it was already given,
+then one `Failure` instead of a final output. Sequences join and leave between dispatches; a
+dispatch is one prefill forward for the joiners and one batched decode forward for the rest,
+run on a dispatcher compute thread inside one of the compute slots every model shares, so
+embedding batches and generation steps interleave without oversubscribing the CPU/GPU.
 
 With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
 to that many decode steps in a row (`generation_steps.py`; `steps_for` stops at a sequence's
@@ -30,7 +31,7 @@ import asyncio
 import logging
 
 from app.admission import RETRY_AFTER_UNKNOWN_S, Rejected, RejectReason
-from app.engine import kv_slots
+from app.engine import generation_reports, kv_slots
 from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
@@ -66,6 +67,7 @@ class GenerationHost:
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
+        self._chunk_tokens = settings.generate_prefill_chunk_tokens
         # Outputs of the last step, sent while the next one computes; kept here (each as it
         # is made) so that a loop that fails in between, or while handling the step, still
         # sends them (those sequences are done).
@@ -137,8 +139,10 @@ class GenerationHost:
                 load.backlog_s or RETRY_AFTER_UNKNOWN_S,
             )
         sampling = payload.sampling
-        # Without a client-set limit it needs time for one token: `submit` fits the rest.
+        # Without a client-set limit it needs time for one token: `submit` fits the rest;
+        # a prompt over a chunk takes a step more per chunk before its first token.
         planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
+        planned += self._prefill_steps(len(payload.prompt_ids))
         spd, step_s = self._steps_per_dispatch, self._step_s
         price = kv_slots.step_price(self.name, load.works, load.workers, step_s, spd)
         verdict = kv_slots.start_verdict(
@@ -170,6 +174,8 @@ class GenerationHost:
             _, wait_s, price = admitted
         else:
             wait_s, price = self._slot_wait_seconds(), kv_slots.StepPrice(self._step_s)
+        # Its prefill's extra chunks come before its tokens, as a wait would.
+        wait_s += price.seconds(self._prefill_steps(len(payload.prompt_ids)))
         sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price)
         sequence = GenerationSequence(
             request=request,
@@ -181,6 +187,7 @@ class GenerationHost:
             arrived=self._context.clock(),
             done=asyncio.get_running_loop().create_future(),
             arrival_trace=self._context.tracer.arrive(len(self._batch.waiting)),
+            chunk_tokens=self._chunk_tokens,
         )
         self._batch.queue(sequence)
         if self._batch.slots.free > 0:
@@ -193,6 +200,10 @@ class GenerationHost:
         # Submit and Cancel read in one turn) never reaches the coroutine's own code.
         task.add_done_callback(lambda done: self._drop(sequence) if done.cancelled() else None)
         return task
+
+    def _prefill_steps(self, prompt_tokens: int) -> int:
+        """Steps a prompt of `prompt_tokens` prefills before the one choosing its token."""
+        return max(0, -(-prompt_tokens // self._chunk_tokens) - 1)
 
     async def _answer(self, sequence: GenerationSequence) -> None:
         """Lives as long as the sequence; cancelling it (client gone) drops it (`submit`)."""
@@ -276,9 +287,10 @@ class GenerationHost:
             sequence.emit(output)
 
     def _next_step(self) -> list[GenerationSequence]:
-        """The next step's sequences: those joining now (prefill), then those decoding."""
+        """The next step's sequences: those joining now (their prompt's first chunk), then
+        the running ones (the next chunk of a prompt being prefilled, or a decode row)."""
         joiners = self._batch.join(self._max_batch_tokens, self._context.clock())
-        return joiners + [s for s in self._batch.running.values() if s.generated]
+        return joiners + [s for s in self._batch.running.values() if s not in joiners]
 
     def _expire(self, now: float) -> None:
         """Sequences their deadline ends (`GenerationSequence.deadline_end`) end now: past it,
@@ -324,6 +336,9 @@ class GenerationHost:
                 continue
             if broken:
                 chosen = chosen[: chosen.index(NO_TOKEN)]
+            sequence.chunk_computed()  # a prompt chunk's row: its tokens are in its slot
+            if sequence.prefilling:  # not its prompt's last chunk: no token, no output
+                continue
             if sequence.first_token_at is None and chosen:
                 sequence.first_token_at = now
                 self._first_token_histogram.observe(now - sequence.arrived)
@@ -371,26 +386,10 @@ class GenerationHost:
 
     # --- gauges, reports, shutdown -----------------------------------------------------
     def refresh_gauges(self) -> None:
-        metrics = self._context.metrics
-        metrics.kv_cache_usage.labels(self.name).set(
-            self._batch.slots.held / self._batch.slots.capacity
-        )
-        metrics.sequences.labels(self.name, "running").set(len(self._batch.running))
-        metrics.sequences.labels(self.name, "waiting").set(len(self._batch.waiting))
+        generation_reports.refresh_gauges(self._context.metrics, self.name, self._batch)
 
     def debug_report(self) -> dict[str, object]:
-        """The cache's size and use, and the step time admission predicts with."""
-        shape = self.runner.cache.shape
-        return {
-            "task": "generate",
-            "kv_cache_bytes": self.runner.cache.bytes_allocated,
-            "slots": shape.slots,
-            "slot_tokens": shape.slot_tokens,
-            "slots_held": self._batch.slots.held,
-            "running": len(self._batch.running),
-            "waiting": len(self._batch.waiting),
-            "step_ms": round(self._step_s * 1000, 3),
-        }
+        return generation_reports.debug_report(self.runner, self._batch, self._step_s)
 
     async def close(self) -> None:
         """Finish the running and waiting sequences, then stop the loop."""

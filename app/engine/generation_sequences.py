@@ -31,6 +31,10 @@ class GenerationSequence:
     arrived: float
     done: asyncio.Future[None]
     arrival_trace: object | None
+    # The most prompt tokens one step prefills (`generate_prefill_chunk_tokens`): a longer
+    # prompt is prefilled a chunk a step, `prefilled` counting those in its slot.
+    chunk_tokens: int = 1 << 30
+    prefilled: int = 0
     slot: int | None = None
     started: float | None = None  # joined the batch
     first_token_at: float | None = None
@@ -55,13 +59,37 @@ class GenerationSequence:
             self.logprob_sink = {}
 
     def _prefilled(self) -> bool:
-        """Its prefill just ran: its first `take`."""
+        """Its prefill (its last chunk) just ran: its first `take` (the host takes no
+        tokens after a non-final chunk, which has none)."""
         fresh = not self.generated and not self.prompt_logprobs_sent
         return fresh and self.prompt_logprobs is None
 
     @property
+    def prefilling(self) -> bool:
+        """Part of its prompt is not in its slot yet: its next row is a prompt chunk."""
+        return self.prefilled < len(self.prompt)
+
+    def next_chunk(self) -> int:
+        """Prompt tokens its next row feeds (0 once prefilled)."""
+        return min(self.chunk_tokens, len(self.prompt) - self.prefilled)
+
+    def chunk_computed(self) -> None:
+        """Its row's step ran: a prompt chunk is now in its slot (none for a decode row)."""
+        self.prefilled += self.next_chunk()
+
+    def prefill_steps(self) -> int:
+        """Steps before the one that chooses its first token: its prompt's chunks but the
+        last (which chooses it)."""
+        return max(0, -(-(len(self.prompt) - self.prefilled) // self.chunk_tokens) - 1)
+
+    @property
     def remaining(self) -> int:
         return self.sampling.max_new_tokens - len(self.generated)
+
+    def steps_left(self) -> int:
+        """Steps until it reaches its length: its tokens left and its prefill's extra
+        chunks (`prefill_steps`)."""
+        return self.remaining + self.prefill_steps()
 
     def take(self, chosen: list[int], eos: frozenset[int]) -> tuple[list[int], FinishReason | None]:
         """Add the tokens a step (or a multi-step run) chose for it, up to EOS or one of its
@@ -118,11 +146,21 @@ class GenerationSequence:
         return (self.last_token_at - self.first_token_at) / (produced - 1)
 
     def row(self) -> StepRow:
-        """Its part of the next step: the prompt, or its last token at its position."""
+        """Its part of the next step: its prompt's next chunk at its positions (the chunk
+        that ends the prompt chooses its first token; one before it names the token after
+        it instead: `StepRow.next_prompt_token`), or its last token at its position. A step
+        run again (a failed step's triage) gets the same row: `prefilled` moves on only
+        when its step's tokens are taken (`chunk_computed`)."""
         assert self.slot is not None
         sink = self.logprob_sink
-        if not self.generated:
-            return StepRow(self.slot, self.prompt, 0, self.sampling, self.generator, sink)
+        if self.prefilling:
+            start = self.prefilled
+            end = start + self.next_chunk()
+            following = self.prompt[end] if end < len(self.prompt) else None
+            chunk = self.prompt if start == 0 and following is None else self.prompt[start:end]
+            return StepRow(
+                self.slot, chunk, start, self.sampling, self.generator, sink, True, following
+            )
         position = len(self.prompt) + len(self.generated) - 1
         fed = self.generated[-1:]
         return StepRow(self.slot, fed, position, self.sampling, self.generator, sink)
@@ -164,12 +202,12 @@ class GenerationSequence:
 
 
 def steps_for(sequences: Iterable[GenerationSequence], per_dispatch: int) -> int:
-    """Decode steps the next dispatch may run: one when a sequence joins (its prefill);
-    else up to `per_dispatch`, and no step past the one at which a sequence reaches its
-    length (its slot then frees for a waiting one, as with single steps)."""
+    """Decode steps the next dispatch may run: one while a sequence prefills (a chunk of its
+    prompt); else up to `per_dispatch`, and no step past the one at which a sequence reaches
+    its length (its slot then frees for a waiting one, as with single steps)."""
     steps = per_dispatch
     for sequence in sequences:
-        if not sequence.generated:
+        if sequence.prefilling:
             return 1
         steps = min(steps, sequence.remaining)
     return max(steps, 1)

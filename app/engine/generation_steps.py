@@ -1,6 +1,7 @@
 """Running generation steps of one causal LM: each dispatch once a compute slot every model
-shares is free, on a dispatcher compute thread (the prefill rows in one forward, the decode
-rows in another), and the warm-up shapes that precede serving.
+shares is free, on a dispatcher compute thread (the prefill rows, whole prompts or chunks of
+them, in one forward, the decode rows in another), and the warm-up shapes that precede
+serving.
 
 A dispatch is one step, or several decode steps in a row (multi-step decoding: each row's
 chosen token is fed back on the compute thread, with no turn of the event loop between
@@ -83,7 +84,12 @@ class StepRunner:
 
     # --- warm-up ------------------------------------------------------------------------
     def _prefill_lengths(self) -> list[int]:
-        longest = self.runner.max_sequence_tokens - 1
+        """Each length bucket under the longest prompt row a step runs: a prompt's chunk
+        (`generate_prefill_chunk_tokens`), at most the longest prompt."""
+        longest = min(
+            self.runner.max_sequence_tokens - 1,
+            self._context.settings.generate_prefill_chunk_tokens,
+        )
         lengths = [b for b in self._context.settings.length_buckets if b < longest]
         return [*lengths, longest]
 
@@ -105,7 +111,8 @@ class StepRunner:
         total, done = self.warmup_total, 0
         filler = self.runner.pad_token_id
         for length in self._prefill_lengths():
-            await self.run([StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0))])
+            row = StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0), prefill=True)
+            await self.run([row])
             done += 1
             shape_done(done, total)
         step: list[StepRow] = []
@@ -135,7 +142,7 @@ class StepRunner:
         its compute time is charged to the busy time, also when it fails; and health hears
         nothing of a metered step that raises: its caller triages it (`take_slot`, `rerun`),
         then tells health the verdict (`release`)."""
-        if steps > 1 and any(row.start == 0 for row in rows):
+        if steps > 1 and any(row.prefill for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         slots = self._context.slots
         slots.take(self)
@@ -210,7 +217,8 @@ class StepRunner:
                 self._busy.inc(time.perf_counter() - started)
 
     def _forwards(self, rows: Sequence[StepRow], steps: int, started: float) -> StepResult:
-        """Compute thread: the prefill rows in one forward, the decode rows in another; with
+        """Compute thread: the prefill rows (`StepRow.prefill`) in one forward, the decode
+        rows in another; a prompt's non-final chunk gets no token (an empty list); with
         `steps` > 1, further decode steps on each row's chosen token."""
         while self._slots_to_clear:
             self.runner.cache.clear_slot(self._slots_to_clear.pop())
@@ -220,14 +228,15 @@ class StepRunner:
             return StepResult(
                 [chosen[row.slot] for row in rows], time.perf_counter() - started, forwards
             )
-        prefill = [row for row in rows if row.start == 0]  # a decode row starts past its prompt
+        prefill = [row for row in rows if row.prefill]  # prompts and chunks of them
         # In slot order: consecutive slots read the cache as a view instead of a copy.
-        decode = sorted((row for row in rows if row.start > 0), key=lambda row: row.slot)
+        decode = sorted((row for row in rows if not row.prefill), key=lambda row: row.slot)
         single: dict[int, list[int]] = {}
         for group in (prefill, decode):
             if group:
                 for row, token in zip(group, self.runner.step(group), strict=True):
-                    single[row.slot] = [token]
+                    # A prompt's non-final chunk chooses no token (`StepRow.chooses`).
+                    single[row.slot] = [token] if row.chooses else []
         return StepResult([single[row.slot] for row in rows], time.perf_counter() - started, 1)
 
     def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:

@@ -1,29 +1,29 @@
 """A failed generation step, blamed narrowly: which of its sequences failed it.
 
-A step runs the joiners' prefill and the other sequences' decode in one dispatch
-(`generation_steps.py`), so one prompt the model throws on, or an out-of-memory while
-prefilling one long prompt, failed every sequence of the step, and the step counted toward
-the engine's ill health. So a failed step is triaged (`batch_triage.triage`, the embedding
-path's): its decode rows run again without the joiners, as its known-good row (they
-computed the step before; their keys and values are intact, as a prefill writes the
-joiners' slots alone, and a decode step rewrites the positions it writes), then each
-joiner's prefill alone, shortest prompt first. A joiner that fails alone is its prompt's
-fault once the server was seen computing (400, its slot zeroed); the rest get their tokens
-as from the step. Out of memory is retried this way too (each run needs less than the
-step: `alone_after_allocation_failure`), a prompt that runs out alone failing as the
-server's (500), as do the longer ones after it; a lost device (`failures.device_lost`) is
-not retried: every sequence fails as `lost_device.step_failure` answers it (500
-`device_lost`). When even the decode rows fail, the server is
-failing: every sequence fails (500), none run again.
+A step runs the joiners' prefill (whole prompts, or a chunk of a long one: chunked prefill)
+and the other sequences' decode in one dispatch (`generation_steps.py`), so one prompt the
+model throws on, or an out-of-memory while prefilling one long prompt, failed every sequence
+of the step, and the step counted toward the engine's ill health. So a failed step is
+triaged (`batch_triage.triage`, the embedding path's): its decode rows run again without the
+joiners, as its known-good row (they computed the step before; their keys and values are
+intact, as a prefill writes the joiners' slots alone, and a decode step rewrites the
+positions it writes), then each joiner's prefill alone, shortest chunk first. A joiner that
+fails alone is its prompt's fault once the server was seen computing (400, its slot zeroed);
+the rest get their tokens as from the step. Out of memory is retried this way too (each run
+needs less than the step: `alone_after_allocation_failure`), a prompt that runs out alone
+failing as the server's (500), as do the longer ones after it; a lost device
+(`failures.device_lost`) is not retried: every sequence fails as `lost_device.step_failure`
+answers it (500 `device_lost`). When even the decode rows fail, the server is failing: every
+sequence fails (500), none run again.
 
 The triage takes a compute slot in turn, as the next step would, and holds it for its runs
 (`StepRunner.take_slot`, `rerun`); health hears of the step once, after it
 (`StepRunner.release`): of what failed the server's way, or, when only prompts were at
-fault, of a success. A sequence past its deadline, cancelled or gone
-is not run again: the step loop expires it (504) or lets it join the next step. A sampled
-sequence's retried step draws what the failed one would have (a step that raises puts its
-generators back: `StepRunner._compute`), so a seeded request gives the tokens it gives
-without the failure. Event loop thread only.
+fault, of a success. A sequence past its deadline, cancelled or gone is not run again: the
+step loop expires it (504) or lets it join the next step. A sampled sequence's retried step
+draws what the failed one would have (a step that raises puts its generators back:
+`StepRunner._compute`), so a seeded request gives the tokens it gives without the failure.
+Event loop thread only.
 """
 
 from __future__ import annotations
@@ -95,13 +95,17 @@ class StepTriage:
     async def _triage(
         self, sequences: list[GenerationSequence], error: Exception
     ) -> Exception | None:
-        decoders = [s for s in sequences if s.generated and self._waits(s)]
+        # Prompt rows (a whole prompt or a chunk of one) are the joiners; a chunk's rerun
+        # rewrites the positions the failed step wrote.
+        decoders = [s for s in sequences if not s.prefilling and self._waits(s)]
         joiners = sorted(
-            (s for s in sequences if not s.generated and self._batch.is_running(s)),
-            key=lambda s: len(s.prompt),
+            (s for s in sequences if s.prefilling and self._batch.is_running(s)),
+            key=lambda s: s.next_chunk(),
         )
         for sequence in sequences:  # the failed prefill may have left anything in its slot,
-            if not sequence.generated:  # also one cancelled meanwhile: zeroed before reuse
+            # also one cancelled meanwhile: zeroed before reuse. A later chunk's slot holds
+            # its earlier chunks, which its rerun reads: zeroed only if it no longer runs.
+            if sequence.prefilling and (sequence.prefilled == 0 or not self._waits(sequence)):
                 self._clear(sequence)
         tokens: dict[GenerationSequence, list[int]] = {}
 
@@ -126,6 +130,9 @@ class StepTriage:
         for decoder in decoders:
             if decoder not in tokens:  # its known-good run failed: the server's
                 self._fail_servers(decoder, verdict.server_error or error)
+        for sequence in joiners:  # a later chunk not run again (gone or past its deadline:
+            if sequence.prefilled > 0 and sequence not in tokens:  # it fails next turn)
+                self._clear(sequence)
         return verdict.server_error
 
     def _clear(self, sequence: GenerationSequence) -> None:

@@ -1,10 +1,11 @@
 """Any Hugging Face causal LM, run step by step over the preallocated slot cache.
 
 `CausalLMRunner.step` computes one forward for a set of rows, each in its own cache slot at
-its own positions: a prompt (prefill) or the last chosen token (decode). Rows of different
-lengths are right-padded; the padding's keys and values go to the cache's sink, never into a
-slot (`kv_cache.py`), so nothing a row reads depends on its padding. Engine process only;
-`step` runs on compute threads, one at a time per runner (the cache is the runner's).
+its own positions: a prompt or a chunk of one (prefill) or the last chosen token (decode).
+Rows of different lengths are right-padded; the padding's keys and values go to the cache's
+sink, never into a slot (`kv_cache.py`), so nothing a row reads depends on its padding.
+Engine process only; `step` runs on compute threads, one at a time per runner (the cache is
+the runner's).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
-from app.models.sampling import choose_tokens
+from app.models.sampling import NOT_CHOSEN, choose_tokens
 from app.models.source import local_directory
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,16 @@ SLIDING_ATTENTION = "sliding_attention"
 
 @dataclass(frozen=True, slots=True)
 class StepRow:
-    """One sequence's part of a step: its slot, the tokens fed now (the prompt, or the last
-    chosen token), the cache position of the first, and how its next token is chosen; with
-    `sampling.logprobs` set, where the chosen token's log probabilities go (its sequence's,
-    by position: `logprobs.record_logprobs`)."""
+    """One sequence's part of a step: its slot, the tokens fed now (its prompt or a chunk of
+    it, or the last chosen token), the cache position of the first, and how its next token
+    is chosen; with `sampling.logprobs` set, where the chosen token's log probabilities go
+    (its sequence's, by position: `logprobs.record_logprobs`). `prefill`: its tokens are
+    its prompt's (from `start`), so it runs with the other prompt rows, not the decode rows,
+    and records their log probabilities when `sampling.prompt_logprobs` asks. A chunk that
+    is not its prompt's last (chunked prefill) names the prompt's token after it
+    (`next_prompt_token`): such a row chooses no token (`step` gives it `NOT_CHOSEN`: no
+    generator draw, no log probabilities of a chosen token), and its last position's prompt
+    log probability is that token's."""
 
     slot: int
     token_ids: Sequence[int]
@@ -45,6 +52,13 @@ class StepRow:
     sampling: SamplingParams
     generator: torch.Generator
     logprobs: LogprobSink | None = None
+    prefill: bool = False
+    next_prompt_token: int | None = None
+
+    @property
+    def chooses(self) -> bool:
+        """It wants a token from this step (all rows but a prompt's non-final chunk)."""
+        return self.next_prompt_token is None
 
 
 def _token_ids(value: object) -> frozenset[int]:
@@ -301,10 +315,21 @@ class CausalLMRunner:
                 picked = hidden[torch.arange(len(rows), device=self.device), last]
             for index, row in enumerate(rows):
                 top = row.sampling.prompt_logprobs
-                if row.start == 0 and top is not None and row.logprobs is not None:
-                    own = hidden[index, : len(row.token_ids) - 1]
+                if row.prefill and top is not None and row.logprobs is not None:
+                    # Positions start+1.. of the chunk; a non-final chunk's last position
+                    # predicts the next chunk's first token.
+                    fed = list(row.token_ids)
+                    if row.next_prompt_token is not None:
+                        fed.append(row.next_prompt_token)
+                    own = hidden[index, : len(fed) - 1]
                     record_prompt_logprobs(
-                        own, row.token_ids, top, row.logprobs, self._head_logits, self.vocab_size
+                        own,
+                        fed,
+                        top,
+                        row.logprobs,
+                        self._head_logits,
+                        self.vocab_size,
+                        first=row.start,
                     )
             return self._head_logits(picked)
 
@@ -324,14 +349,24 @@ class CausalLMRunner:
         return logits.float()
 
     def step(self, rows: Sequence[StepRow]) -> list[int]:
-        """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite, and
-        the log probabilities of those whose rows asked (compute threads only, one step at
-        a time)."""
+        """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite, or
+        `NOT_CHOSEN` for a row that chooses none (a non-final prefill chunk: no draw from its
+        generator), and the log probabilities of those whose rows asked (compute threads
+        only, one step at a time)."""
         logits = self.logits(rows)
-        chosen = choose_tokens(
-            logits, [row.sampling for row in rows], [row.generator for row in rows]
+        choosing = [index for index, row in enumerate(rows) if row.chooses]
+        if len(choosing) < len(rows):
+            if not choosing:
+                return [NOT_CHOSEN] * len(rows)
+            logits = logits[torch.tensor(choosing, device=logits.device)]
+        picked = [rows[index] for index in choosing]
+        tokens = choose_tokens(
+            logits, [row.sampling for row in picked], [row.generator for row in picked]
         )
-        record_logprobs(logits, rows, chosen)
+        record_logprobs(logits, picked, tokens)
+        chosen = [NOT_CHOSEN] * len(rows)
+        for index, token in zip(choosing, tokens, strict=True):
+            chosen[index] = token
         return chosen
 
 

@@ -6,7 +6,9 @@ one log-softmax over their logits, one top-k and two copies of the results to th
 
 A prompt's own log probabilities (`SamplingParams.prompt_logprobs`, completions' `echo`)
 come from the prefill's hidden states (`record_prompt_logprobs`): the head over every prompt
-position but the last, in chunks of at most `PROMPT_CHUNK_ELEMENTS` logits.
+position but the last, in chunks of at most `PROMPT_CHUNK_ELEMENTS` logits (a prompt
+prefilled in chunks over several steps: each chunk's positions, its last predicting the
+next chunk's first token).
 
 Pure torch; called on compute threads, after `sampling.choose_tokens`.
 """
@@ -55,6 +57,7 @@ def record_prompt_logprobs(
     logits_of: Callable[[torch.Tensor], torch.Tensor],
     vocabulary: int,
     chunk_elements: int = PROMPT_CHUNK_ELEMENTS,
+    first: int = 0,
 ) -> None:
     """Put prompt token p's log probabilities (p = 1..len-1: the log-softmax of the logits
     after position p - 1, gathered at token p) and the `top` most likely tokens' in `sink` at
@@ -73,7 +76,9 @@ def record_prompt_logprobs(
         log_probabilities = torch.log_softmax(logits_of(hidden[start:end]).float(), dim=-1)
         own, top_ids, top_values = _best(log_probabilities, targets[start:end], top)
         for offset, logprob in enumerate(own):
-            sink[start + offset + 1] = TokenLogprobs(logprob, top_ids[offset], top_values[offset])
+            sink[first + start + offset + 1] = TokenLogprobs(
+                logprob, top_ids[offset], top_values[offset]
+            )
 
 
 def record_logprobs(logits: torch.Tensor, rows: Sequence[StepRow], chosen: list[int]) -> None:

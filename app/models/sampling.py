@@ -160,6 +160,10 @@ NO_TOKEN = -1
 or every logit -inf): the model's arithmetic broke down (an fp16 overflow), so no token can
 be chosen; the generation host fails that sequence instead of emitting garbage."""
 
+NOT_CHOSEN = -2
+"""`CausalLMRunner.step`'s answer for a row that chooses no token: a prompt's chunk that is
+not its last (chunked prefill, `StepRow.next_prompt_token`)."""
+
 
 def choose_tokens(
     logits: torch.Tensor,

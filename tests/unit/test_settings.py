@@ -228,3 +228,17 @@ def test_the_serve_flags_a_command_line_sets_are_read_by_the_servers_parser() ->
     for refused in (["serve", "--bogus"], ["serve", "--port", "x"], ["settings"], []):
         with pytest.raises(CommandLineError):
             serve_command_overrides(refused)
+
+
+def test_the_prefill_budget_must_hold_a_chunk_not_a_whole_slot() -> None:
+    """Chunked prefill: a step prefills a chunk of each prompt, so the batch budget may be
+    below the slot size (it had to hold a whole slot before), but not below a chunk."""
+    fits = Settings(
+        generate_slot_tokens=4096,
+        generate_max_batch_tokens=512,
+        generate_prefill_chunk_tokens=256,
+        rate_limit_burst=40_000,
+    )
+    assert fits.generate_max_batch_tokens == 512
+    with pytest.raises(ValidationError, match="one prefill chunk"):
+        Settings(generate_max_batch_tokens=100, generate_prefill_chunk_tokens=128)

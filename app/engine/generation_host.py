@@ -142,12 +142,12 @@ class GenerationHost:
         # Without a client-set limit it needs time for one token: `submit` fits the rest;
         # a prompt over a chunk takes a step more per chunk before its first token.
         planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
-        planned += self._prefill_steps(len(payload.prompt_ids))
+        chunks = self._prefill_steps(len(payload.prompt_ids))
         spd, step_s = self._steps_per_dispatch, self._step_s
         price = kv_slots.step_price(self.name, load.works, load.workers, step_s, spd)
         verdict = kv_slots.start_verdict(
             wait_s=load.backlog_s,  # compute slots' turns, a KV-cache slot's: as published
-            generate_s=price.seconds(planned),  # the other models' turns between its steps
+            generate_s=price.seconds(planned, chunks),  # the other models' turns between steps
             deadline=request.deadline,
             now=load.now,
             max_queue_delay_s=load.max_queue_delay_s,
@@ -175,7 +175,7 @@ class GenerationHost:
         else:
             wait_s, price = self._slot_wait_seconds(), kv_slots.StepPrice(self._step_s)
         # Its prefill's extra chunks come before its tokens, as a wait would.
-        wait_s += price.seconds(self._prefill_steps(len(payload.prompt_ids)))
+        wait_s += price.seconds(0, self._prefill_steps(len(payload.prompt_ids)))
         sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price)
         sequence = GenerationSequence(
             request=request,
@@ -322,9 +322,8 @@ class GenerationHost:
         """Give each sequence its new tokens (one output with all of them, for a sequence that
         streams), and end those at EOS (not sent) or at their length, freeing their slots for
         the next step (zeroed if its logits broke down, also for one that left during the
-        step). The outputs go to the outbox as they are made: a sequence that ended is no
-        longer the loop's, so should anything fail later in this step, only the outbox
-        (sent by `_supervised_loop`) still answers it."""
+        step). Outputs go to the outbox as they are made: an ended sequence is no longer the
+        loop's; should this step fail later, only the outbox (`_supervised_loop`) answers it."""
         now = self._context.clock()
         eos = self.runner.eos_token_ids
         outbox = self._outbox  # empty: sent before the step was awaited
@@ -338,6 +337,8 @@ class GenerationHost:
                 chosen = chosen[: chosen.index(NO_TOKEN)]
             sequence.chunk_computed()  # a prompt chunk's row: its tokens are in its slot
             if sequence.prefilling:  # not its prompt's last chunk: no token, no output
+                if broken:  # its chunk's logits broke down: fail it, zero its slot
+                    self._fail_non_finite(sequence)
                 continue
             if sequence.first_token_at is None and chosen:
                 sequence.first_token_at = now

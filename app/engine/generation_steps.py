@@ -236,7 +236,8 @@ class StepRunner:
             if group:
                 for row, token in zip(group, self.runner.step(group), strict=True):
                     # A prompt's non-final chunk chooses no token (`StepRow.chooses`).
-                    single[row.slot] = [token] if row.chooses else []
+                    # A non-final chunk has no token, unless its logits broke (NO_TOKEN).
+                    single[row.slot] = [token] if row.chooses or token == NO_TOKEN else []
         return StepResult([single[row.slot] for row in rows], time.perf_counter() - started, 1)
 
     def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:

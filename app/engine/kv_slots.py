@@ -138,10 +138,12 @@ class StepPrice:
     turns_s: float = 0.0
     steps_per_dispatch: int = 1
 
-    def seconds(self, tokens: int) -> float:
-        """The time `tokens` steps take."""
-        turns = min(-(-tokens // self.steps_per_dispatch) * self.turn_s, self.turns_s)
-        return tokens * self.step_s + turns
+    def seconds(self, tokens: int, prefill_steps: int = 0) -> float:
+        """The time `tokens` decode steps take, after `prefill_steps` prompt chunks' steps
+        (a dispatch each: nothing runs several steps while a sequence prefills)."""
+        dispatches = -(-tokens // self.steps_per_dispatch) + prefill_steps
+        turns = min(dispatches * self.turn_s, self.turns_s)
+        return (tokens + prefill_steps) * self.step_s + turns
 
     def tokens_within(self, seconds: float, room: int) -> int:
         """The most steps (at most `room`) that take no more than `seconds`; `room` while no

@@ -24,7 +24,7 @@ from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
 from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
-from app.models.sampling import NOT_CHOSEN, choose_tokens
+from app.models.sampling import NO_TOKEN, NOT_CHOSEN, choose_tokens
 from app.models.source import local_directory
 
 log = logging.getLogger(__name__)
@@ -351,20 +351,27 @@ class CausalLMRunner:
     def step(self, rows: Sequence[StepRow]) -> list[int]:
         """Each row's next token, or `NO_TOKEN` for a row whose logits are not finite, or
         `NOT_CHOSEN` for a row that chooses none (a non-final prefill chunk: no draw from its
-        generator), and the log probabilities of those whose rows asked (compute threads
-        only, one step at a time)."""
+        generator; `NO_TOKEN` too when its logits are not finite, for its slot now holds
+        what broke them), and the log probabilities of those whose rows asked (compute
+        threads only, one step at a time)."""
         logits = self.logits(rows)
+        chosen = [NOT_CHOSEN] * len(rows)
+        resting = [index for index, row in enumerate(rows) if not row.chooses]
+        if resting:
+            # As `choose_tokens` judges a row: its maximum (NaN propagates) must be finite.
+            rested = logits[torch.tensor(resting, device=logits.device)].max(dim=-1).values
+            for index, finite in zip(resting, torch.isfinite(rested).tolist(), strict=True):
+                chosen[index] = NOT_CHOSEN if finite else NO_TOKEN
         choosing = [index for index, row in enumerate(rows) if row.chooses]
+        if not choosing:
+            return chosen
         if len(choosing) < len(rows):
-            if not choosing:
-                return [NOT_CHOSEN] * len(rows)
             logits = logits[torch.tensor(choosing, device=logits.device)]
         picked = [rows[index] for index in choosing]
         tokens = choose_tokens(
             logits, [row.sampling for row in picked], [row.generator for row in picked]
         )
         record_logprobs(logits, picked, tokens)
-        chosen = [NOT_CHOSEN] * len(rows)
         for index, token in zip(choosing, tokens, strict=True):
             chosen[index] = token
         return chosen

@@ -146,3 +146,13 @@ def test_a_price_counts_the_turns_left_after_those_the_wait_counted() -> None:
     assert (price.step_s, price.turn_s, price.steps_per_dispatch) == (0.01, 0.05, 1)
     assert price.turns_s == pytest.approx(0.15)
     assert step_price("tiny", None, 2, 0.01, 1) == StepPrice(0.01)
+
+
+def test_prompt_chunks_cost_a_dispatch_each_whatever_the_steps_per_dispatch() -> None:
+    """Nothing runs several steps while a sequence prefills (`steps_for`): each of a long
+    prompt's extra chunk steps is a dispatch, and pays the other models' turn. Counted
+    with the decode steps, 8 chunks at 4 steps a dispatch paid 2 turns instead of 8."""
+    four = StepPrice(0.01, turn_s=0.1, turns_s=5.0, steps_per_dispatch=4)
+    assert four.seconds(8, prefill_steps=8) == pytest.approx(16 * 0.01 + (2 + 8) * 0.1)
+    assert four.seconds(0, prefill_steps=3) == pytest.approx(3 * 0.01 + 3 * 0.1)
+    assert four.seconds(8) == pytest.approx(8 * 0.01 + 2 * 0.1)  # decode alone: as before

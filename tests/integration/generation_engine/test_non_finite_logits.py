@@ -204,3 +204,48 @@ async def test_a_sequence_cancelled_in_the_step_its_logits_broke_still_has_its_s
         await engine.close()
     assert short.token_ids == short_tokens  # in the broken one's slot, beside the long one
     assert long_done.token_ids == long_tokens
+
+
+async def test_a_non_final_chunk_with_nan_logits_fails_its_sequence_and_zeroes_its_slot(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunked prefill, chunks of 8: the second chunk of a 30-token prompt computes NaN
+    logits. A non-final chunk chooses no token, so nothing looked at them: the sequence went
+    on (and one that left before its last chunk left what broke them in a free slot, for the
+    next occupant). Now it fails (500) at that chunk and its slot is zeroed."""
+    settings = settings_for(tiny_causal_lm, warmup=False, generate_prefill_chunk_tokens=8)
+    engine = await started(settings)
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    logits = host.runner.logits
+
+    def overflowing(rows: Sequence[StepRow]) -> torch.Tensor:
+        computed = logits(rows).clone()
+        for index, row in enumerate(rows):
+            if row.prefill and row.start == 8:
+                computed[index] = float("nan")
+        return computed
+
+    cleared: list[int] = []
+    clear_slot: Callable[[int], None] = host.runner.cache.clear_slot
+
+    def recording_clear(slot: int) -> None:
+        cleared.append(slot)
+        clear_slot(slot)
+
+    monkeypatch.setattr(host.runner, "logits", overflowing)
+    monkeypatch.setattr(host.runner.cache, "clear_slot", recording_clear)
+    try:
+        request = Submit(
+            engine.next_request_id(),
+            "tiny",
+            time.monotonic() + 60,
+            GeneratePayload(list(range(3, 33)), SamplingParams(max_new_tokens=4)),
+        )
+        with pytest.raises(BatchFailed, match="not finite"):
+            await collect(engine.stream(request))
+        after = await generate(engine, [1, 40, 41], SamplingParams(max_new_tokens=2))
+        assert after.token_ids  # the next forward ran: the slot was zeroed before it
+        assert cleared, "the broken chunk's slot was not zeroed"
+    finally:
+        await engine.close()

@@ -40,9 +40,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.dispatcher import configure_torch_threads, engine_thread_plan
-from app.engine.process import EngineAddresses
-from app.engine.supervisor import EngineSupervisor
-from app.engine.zmq_client import ZmqEngineClient
 from app.model_specs import ModelSpec
 from app.models.base import resolve_device, resolve_dtype
 from app.settings import Settings
@@ -51,6 +48,7 @@ from loadtest.generation_phases import (
     MODEL_NAME,
     Phase,
     cb_manager,
+    engine_process,
     engine_wave,
     http_stream_wave,
     http_wave,
@@ -89,24 +87,14 @@ async def engine_only(
     """The engine process as served (default settings), driven over ZeroMQ."""
     settings = served_settings(directory)
     new, rounds = options.new_tokens, options.rounds
-    with tempfile.TemporaryDirectory(prefix="genbench-") as run_dir:
-        addresses = EngineAddresses.in_directory(Path(run_dir))
-        client = ZmqEngineClient(addresses)
-        supervisor = EngineSupervisor(settings, addresses)
-        await client.start()
-        supervisor.start()
-        try:
-            await client.wait_ready(120)
-            await engine_wave(client, prompts[:2], 4, "warm-up")
-            name = f"steadyserve engine process (ZeroMQ), {len(prompts)} at once"
-            waves = [await engine_wave(client, prompts, new, name) for _ in range(rounds)]
-            many = [prompts[i % len(prompts)] for i in range(options.overload * len(prompts))]
-            name = f"engine process, {options.overload}x overload ({len(many)} at once)"
-            overload = await engine_wave(client, many, new, name)
-            return {"steadyserve": pooled(waves), "overload": overload}
-        finally:
-            await supervisor.stop()
-            await client.close()
+    async with engine_process(settings) as client:
+        await engine_wave(client, prompts[:2], 4, "warm-up")
+        name = f"steadyserve engine process (ZeroMQ), {len(prompts)} at once"
+        waves = [await engine_wave(client, prompts, new, name) for _ in range(rounds)]
+        many = [prompts[i % len(prompts)] for i in range(options.overload * len(prompts))]
+        name = f"engine process, {options.overload}x overload ({len(many)} at once)"
+        overload = await engine_wave(client, many, new, name)
+        return {"steadyserve": pooled(waves), "overload": overload}
 
 
 def over_http(directory: Path, texts: list[str], options: argparse.Namespace) -> dict[str, Phase]:

@@ -16,8 +16,9 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,11 @@ import torch
 from transformers import PreTrainedModel
 
 from app.admission import Rejected
+from app.engine.process import EngineAddresses
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
+from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import ZmqEngineClient
+from app.settings import Settings
 from loadtest.httpclient import ConnectionPool
 from loadtest.localserver import free_port
 from loadtest.proctree import stop_process
@@ -361,3 +365,21 @@ def transformers_serve(
         yield base
     finally:
         stop_process(process)
+
+
+@contextlib.asynccontextmanager
+async def engine_process(settings: Settings) -> AsyncIterator[ZmqEngineClient]:
+    """The engine process as `steadyserve serve` supervises it (`settings`), ready, and a
+    ZeroMQ client connected to it (no HTTP front end); stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="engine-bench-") as run_dir:
+        addresses = EngineAddresses.in_directory(Path(run_dir))
+        client = ZmqEngineClient(addresses)
+        supervisor = EngineSupervisor(settings, addresses)
+        await client.start()
+        supervisor.start()
+        try:
+            await client.wait_ready(120)
+            yield client
+        finally:
+            await supervisor.stop()
+            await client.close()

@@ -32,12 +32,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from app.engine.process import EngineAddresses
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
-from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import ZmqEngineClient
 from loadtest.generation_bench import served_settings
-from loadtest.generation_phases import MODEL_NAME, make_prompts
+from loadtest.generation_phases import MODEL_NAME, engine_process, make_prompts
 from loadtest.stats import nearest_rank
 from loadtest.tiny_causal_lm import build_tiny_causal_lm
 
@@ -113,30 +111,18 @@ async def one_round(
         }
     )
     result = Round(chunk)
-    with tempfile.TemporaryDirectory(prefix="prefill-stall-") as run_dir:
-        addresses = EngineAddresses.in_directory(Path(run_dir))
-        client = ZmqEngineClient(addresses)
-        supervisor = EngineSupervisor(settings, addresses)
-        await client.start()
-        supervisor.start()
-        try:
-            await client.wait_ready(120)
-            await _stream(client, longs[0], 2)  # warm: one long prompt, alone
-            await asyncio.gather(*(_stream(client, p, 4) for p in streams))
-            done = asyncio.Event()
-            feeder = asyncio.create_task(_long_prompts(client, longs, done, result))
-            await asyncio.sleep(0.05)  # the first long prompt is in flight
-            answers = await asyncio.gather(
-                *(_stream(client, p, options.new_tokens) for p in streams)
-            )
-            done.set()
-            await feeder
-            for arrivals in answers:
-                result.stream_tokens += len(arrivals)
-                result.gaps_ms += [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
-        finally:
-            await supervisor.stop()
-            await client.close()
+    async with engine_process(settings) as client:
+        await _stream(client, longs[0], 2)  # warm: one long prompt, alone
+        await asyncio.gather(*(_stream(client, p, 4) for p in streams))
+        done = asyncio.Event()
+        feeder = asyncio.create_task(_long_prompts(client, longs, done, result))
+        await asyncio.sleep(0.05)  # the first long prompt is in flight
+        answers = await asyncio.gather(*(_stream(client, p, options.new_tokens) for p in streams))
+        done.set()
+        await feeder
+        for arrivals in answers:
+            result.stream_tokens += len(arrivals)
+            result.gaps_ms += [(b - a) * 1000 for a, b in itertools.pairwise(arrivals)]
     return result
 
 

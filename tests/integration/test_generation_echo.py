@@ -21,11 +21,9 @@ import pytest_asyncio
 import torch
 from transformers import PreTrainedModel
 
-from app.main import create_app
 from loadtest.tiny_causal_lm import CORPUS
 from tests.support.generation import load_reference, sse_payloads
-from tests.support.generation_api import settings_for
-from tests.support.listening import listening
+from tests.support.generation_api import ENGINE_MODES, served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -38,20 +36,11 @@ def reference(tiny_causal_lm: Path) -> tuple[Any, PreTrainedModel]:
     return load_reference(tiny_causal_lm)
 
 
-@pytest_asyncio.fixture(
-    scope="module", loop_scope="module", params=[("process", 1), ("inprocess", 4)]
-)
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=ENGINE_MODES)
 async def base_url(
     request: pytest.FixtureRequest, tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path
 ) -> AsyncIterator[str]:
-    engine, steps = request.param
-    settings = settings_for(
-        tiny_causal_lm,
-        tiny_causal_lm_without_chat_template,
-        engine,
-        generate_steps_per_dispatch=steps,
-    )
-    async with listening(create_app(settings)) as url:
+    async with served(request.param, tiny_causal_lm, tiny_causal_lm_without_chat_template) as url:
         yield url
 
 

@@ -24,11 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from app.main import create_app
 from loadtest.tiny_causal_lm import CORPUS
 from tests.support.generation import load_reference, sse_payloads
-from tests.support.generation_api import settings_for
-from tests.support.listening import listening
+from tests.support.generation_api import ENGINE_MODES, served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -60,17 +58,11 @@ def reference(eos_model: Path) -> tuple[Any, PreTrainedModel]:
     return load_reference(eos_model)
 
 
-@pytest_asyncio.fixture(
-    scope="module", loop_scope="module", params=[("process", 1), ("inprocess", 4)]
-)
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=ENGINE_MODES)
 async def base_url(
     request: pytest.FixtureRequest, eos_model: Path, tiny_causal_lm_without_chat_template: Path
 ) -> AsyncIterator[str]:
-    engine, steps = request.param
-    settings = settings_for(
-        eos_model, tiny_causal_lm_without_chat_template, engine, generate_steps_per_dispatch=steps
-    )
-    async with listening(create_app(settings)) as url:
+    async with served(request.param, eos_model, tiny_causal_lm_without_chat_template) as url:
         yield url
 
 

@@ -116,6 +116,9 @@ class SequenceTable:
         if not self:
             return ModelWork(0.0, 0.0, 0.0, turns=0)
         until_a_slot, steps = self._forecast()
+        # A long prompt's chunks make every dispatch one step until it is in (`steps_for`).
+        if any(sequence.prefill_steps() for sequence in self.running.values()):
+            steps_per_dispatch = 1
         return ModelWork(
             running_s=0.0,
             queued_s=0.0,

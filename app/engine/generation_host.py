@@ -174,9 +174,8 @@ class GenerationHost:
             _, wait_s, price = admitted
         else:
             wait_s, price = self._slot_wait_seconds(), kv_slots.StepPrice(self._step_s)
-        # Its prefill's extra chunks come before its tokens, as a wait would.
-        wait_s += price.seconds(0, self._prefill_steps(len(payload.prompt_ids)))
-        sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price)
+        chunks = self._prefill_steps(len(payload.prompt_ids))  # before its tokens, one price
+        sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price, chunks)
         sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),

@@ -145,19 +145,20 @@ class StepPrice:
         turns = min(dispatches * self.turn_s, self.turns_s)
         return (tokens + prefill_steps) * self.step_s + turns
 
-    def tokens_within(self, seconds: float, room: int) -> int:
-        """The most steps (at most `room`) that take no more than `seconds`; `room` while no
-        step time is known yet."""
+    def tokens_within(self, seconds: float, room: int, prefill_steps: int = 0) -> int:
+        """The most decode steps (at most `room`) that, after `prefill_steps` prompt chunks'
+        steps, take no more than `seconds` (`seconds`, whose turns' cap counts both once);
+        `room` while no step time is known yet."""
         if self.step_s <= 0 or seconds <= 0:
             return room if self.step_s <= 0 else 0
-        # While the others' turns last each dispatch pays one; past them, steps alone.
-        per_step = self.step_s + self.turn_s / self.steps_per_dispatch
-        tokens = int(seconds / per_step)
-        if tokens * (per_step - self.step_s) > self.turns_s:
-            tokens = int((seconds - self.turns_s) / self.step_s)
-        while tokens > 0 and self.seconds(tokens) > seconds:  # whole dispatches: round down
-            tokens -= 1
-        return max(0, min(room, tokens))
+        low, high = 0, min(room, int(seconds / self.step_s))  # steps alone: an upper bound
+        while low < high:  # `seconds` grows with the steps: the largest that fits
+            middle = (low + high + 1) // 2
+            if self.seconds(middle, prefill_steps) <= seconds:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
 
 def step_price(
@@ -185,20 +186,30 @@ def step_price(
     )
 
 
-def tokens_within(time_left_s: float, wait_s: float, price: StepPrice, room: int) -> int:
+def tokens_within(
+    time_left_s: float, wait_s: float, price: StepPrice, room: int, prefill_steps: int = 0
+) -> int:
     """New tokens (at most `room`) a sequence starting after `wait_s` can generate within
-    `DEADLINE_FIT_SHARE` of `time_left_s`, its steps priced at `price`."""
-    return price.tokens_within((time_left_s - wait_s) * DEADLINE_FIT_SHARE, room)
+    `DEADLINE_FIT_SHARE` of `time_left_s`, after `prefill_steps` prompt chunks' steps, its
+    steps priced at `price`."""
+    budget = (time_left_s - wait_s) * DEADLINE_FIT_SHARE
+    return price.tokens_within(budget, room, prefill_steps)
 
 
 def fitted_sampling(
-    sampling: SamplingParams, time_left_s: float, wait_s: float, price: StepPrice
+    sampling: SamplingParams,
+    time_left_s: float,
+    wait_s: float,
+    price: StepPrice,
+    prefill_steps: int = 0,
 ) -> SamplingParams:
     """`sampling`, its `max_new_tokens` lowered to what the deadline leaves time for when the
-    client set no limit (`fit_to_deadline`; at least one token)."""
+    client set no limit (`fit_to_deadline`; at least one token), its prompt's extra chunk
+    steps (`prefill_steps`) first."""
     if not sampling.fit_to_deadline:
         return sampling
-    fitted = tokens_within(time_left_s, wait_s, price, sampling.max_new_tokens)
+    room = sampling.max_new_tokens
+    fitted = tokens_within(time_left_s, wait_s, price, room, prefill_steps)
     return msgspec.structs.replace(sampling, max_new_tokens=max(1, fitted))
 
 

@@ -156,3 +156,13 @@ def test_prompt_chunks_cost_a_dispatch_each_whatever_the_steps_per_dispatch() ->
     assert four.seconds(8, prefill_steps=8) == pytest.approx(16 * 0.01 + (2 + 8) * 0.1)
     assert four.seconds(0, prefill_steps=3) == pytest.approx(3 * 0.01 + 3 * 0.1)
     assert four.seconds(8) == pytest.approx(8 * 0.01 + 2 * 0.1)  # decode alone: as before
+
+
+def test_a_long_prompt_s_chunks_share_the_other_models_turns_with_its_tokens() -> None:
+    """The other models' turns left (0.3 s here) are paid once, by the prompt's 3 extra chunk
+    steps and its tokens together: 0.03 + 0.3 + 67 x 0.01 fits 1 s. Priced as a wait
+    first (0.33 s) and then fitted from zero, they were paid twice: 37 tokens."""
+    price = StepPrice(0.01, turn_s=0.1, turns_s=0.3)
+    assert price.tokens_within(1.0, 500, prefill_steps=3) == 67
+    assert price.seconds(67, 3) <= 1.0 < price.seconds(68, 3)
+    assert price.tokens_within(1.0, 50, prefill_steps=3) == 50  # at most the room

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from app.main import create_app
 from loadtest.tiny_causal_lm import CORPUS
-from tests.support.generation import load_reference, reference_greedy, sse_payloads
+from tests.support.generation import reference_greedy, sse_payloads
 from tests.support.generation_api import SLOT_TOKENS, settings_for
 from tests.support.listening import listening
 
@@ -42,11 +42,6 @@ class Expected:
     text: str
     completion_tokens: int
     finish_reason: str  # OpenAI's: "stop" at EOS, "length" at max_new_tokens
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_causal_lm: Path) -> tuple[Any, PreTrainedModel]:
-    return load_reference(tiny_causal_lm)
 
 
 def expected_greedy(

@@ -22,18 +22,13 @@ import torch
 from transformers import PreTrainedModel
 
 from loadtest.tiny_causal_lm import CORPUS
-from tests.support.generation import load_reference, sse_payloads
+from tests.support.generation import sse_payloads
 from tests.support.generation_api import ENGINE_MODES, served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPTS = [CORPUS[0][:15], CORPUS[3][:40], CORPUS[5], CORPUS[8][:9]]
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_causal_lm: Path) -> tuple[Any, PreTrainedModel]:
-    return load_reference(tiny_causal_lm)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=ENGINE_MODES)

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from loadtest.tiny_causal_lm import CORPUS
-from tests.support.generation import load_reference, reference_greedy, sse_payloads
+from tests.support.generation import reference_greedy, sse_payloads
 from tests.support.generation_api import ENGINE_MODES, served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -33,11 +33,6 @@ PROMPTS = [CORPUS[0][:15], CORPUS[3][:40], CORPUS[5], CORPUS[8][:9]]
 NEW_TOKENS = [12, 7, 16, 10]
 TOLERANCE = 1e-4
 BYTES = {character: byte for byte, character in bytes_to_unicode().items()}
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_causal_lm: Path) -> tuple[Any, PreTrainedModel]:
-    return load_reference(tiny_causal_lm)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=ENGINE_MODES)

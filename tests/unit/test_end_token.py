@@ -6,25 +6,20 @@ cut the continuation's last token."""
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import pytest
-import torch
 
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.protocol import (
     FinishReason,
-    GeneratePayload,
     Output,
-    SamplingParams,
-    Submit,
     TokensOutput,
     decode_from_engine,
     encode,
 )
 from app.engine.protocol_logprobs import EndToken, TokenLogprobs
 from app.generation.logprobs import LogprobAligner
+from tests.support.stand_in_sequence import stand_in_sequence
 
 EOS = frozenset({2})
 
@@ -35,19 +30,7 @@ class _Tracer:
 
 
 def _sequence(stop_token_ids: tuple[int, ...] = ()) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=8, logprobs=1, stop_token_ids=stop_token_ids)
-    return GenerationSequence(
-        request=Submit(1, "tiny", 1e12, GeneratePayload([1, 5, 9], sampling)),
-        prompt=[1, 5, 9],
-        sampling=sampling,
-        streams=True,
-        emit=lambda message: None,
-        generator=torch.Generator(),
-        arrived=0.0,
-        done=asyncio.get_running_loop().create_future(),
-        arrival_trace=None,
-        slot=0,
-    )
+    return stand_in_sequence(8, stop_token_ids=stop_token_ids, logprobs=1, prompt=(1, 5, 9), slot=0)
 
 
 def _lp(value: float) -> TokenLogprobs:

@@ -5,7 +5,6 @@ offsets and null first entry (`echo.py`, the completion render)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
 import pytest
@@ -14,13 +13,14 @@ import torch
 from app.api.openai_format import Reply, whole
 from app.api.openai_logprobs import LogprobRender
 from app.engine.generation_sequences import GenerationSequence
-from app.engine.protocol import GeneratePayload, SamplingParams, Submit, TokensOutput
+from app.engine.protocol import TokensOutput
 from app.engine.protocol_logprobs import TokenLogprobs
 from app.generation.echo import echo_text, echoed
 from app.generation.events import SequenceEnd
 from app.generation.logprobs import LogprobAligner
 from app.models.causal_lm import StepRow
 from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
+from tests.support.stand_in_sequence import stand_in_sequence
 
 EOS = frozenset({2})
 VOCABULARY = 50
@@ -64,18 +64,8 @@ def test_a_one_token_prompt_has_none() -> None:
 
 
 def _sequence(prompt: Sequence[int], logprobs: int | None, streams: bool) -> GenerationSequence:
-    sampling = SamplingParams(max_new_tokens=4, logprobs=logprobs, prompt_logprobs=1)
-    return GenerationSequence(
-        request=Submit(1, "tiny", 1e12, GeneratePayload(list(prompt), sampling)),
-        prompt=list(prompt),
-        sampling=sampling,
-        streams=streams,
-        emit=lambda message: None,
-        generator=torch.Generator(),
-        arrived=0.0,
-        done=asyncio.get_running_loop().create_future(),
-        arrival_trace=None,
-        slot=0,
+    return stand_in_sequence(
+        4, logprobs=logprobs, prompt=prompt, prompt_logprobs=1, streams=streams, slot=0
     )
 
 

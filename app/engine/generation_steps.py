@@ -93,6 +93,14 @@ class StepRunner:
         lengths = [b for b in self._context.settings.length_buckets if b < longest]
         return [*lengths, longest]
 
+    def _late_chunks(self) -> list[tuple[int, int]]:
+        """The (start, length) of the longest prompt's chunks after its first (chunked
+        prefill): each attends over the chunks before it, shapes the first chunk's lengths
+        do not warm (its first chunk is `_prefill_lengths`' last)."""
+        longest = self.runner.max_sequence_tokens - 1
+        chunk = self._context.settings.generate_prefill_chunk_tokens
+        return [(start, min(chunk, longest - start)) for start in range(chunk, longest, chunk)]
+
     def _decode_batches(self) -> list[int]:
         slots = self.runner.cache.shape.slots
         sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
@@ -102,16 +110,28 @@ class StepRunner:
     def warmup_total(self) -> int:
         if not self._context.settings.warmup:
             return 0
-        return len(self._prefill_lengths()) + len(self._decode_batches())
+        shapes = self._prefill_lengths(), self._late_chunks(), self._decode_batches()
+        return sum(len(kind) for kind in shapes)
 
     async def warm_up(self, shape_done: ShapeDone) -> float:
-        """Prefill one prompt of each length bucket, then decode steps of every batch size
-        up to all slots; returns the seconds of one more step with every slot decoding, run
-        warm (the first run of a shape pays its set-up), the first step-time estimate."""
+        """Prefill one prompt of each length bucket, then the longest prompt's later chunks,
+        then decode steps of every batch size up to all slots; returns the seconds of one
+        more step with every slot decoding, run warm (the first run of a shape pays its
+        set-up), the first step-time estimate."""
         total, done = self.warmup_total, 0
         filler = self.runner.pad_token_id
         for length in self._prefill_lengths():
             row = StepRow(0, [filler] * length, 0, _GREEDY, new_generator(0), prefill=True)
+            await self.run([row])
+            done += 1
+            shape_done(done, total)
+        longest = self.runner.max_sequence_tokens - 1
+        for start, length in self._late_chunks():
+            following = None if start + length >= longest else filler  # the last chooses
+            fed = [filler] * length
+            row = StepRow(
+                0, fed, start, _GREEDY, new_generator(0), prefill=True, next_prompt_token=following
+            )
             await self.run([row])
             done += 1
             shape_done(done, total)

@@ -23,7 +23,7 @@ class SequenceTable:
         # `_forecast`'s steps, simulated once per change (`changed`): every admission of
         # any model and every status (each 5 ms) read them, a heap over the running
         # sequences and a push and pop for each of up to `generate_max_waiting` waiting.
-        self._steps: tuple[int, int] | None = None
+        self._steps: tuple[int, int, bool] | None = None
 
     def changed(self) -> None:
         """Its sequences moved: one queued, joined or left, or a step's tokens were
@@ -84,12 +84,13 @@ class SequenceTable:
         """Predicted steps before a sequence queued now gets a slot."""
         return self._forecast()[0]
 
-    def _forecast(self) -> tuple[int, int]:
+    def _forecast(self) -> tuple[int, int, bool]:
         """Steps before a sequence queued now gets a slot (`steps_until_start`), and before
         every sequence could end: the longest running one's remaining steps, or the last
-        waiting one's, started once a slot frees (no later than one queued now). A sequence's
-        steps are its tokens left and its prefill's extra chunks (`steps_left`). Simulated
-        once after each change (`changed`)."""
+        waiting one's, started once a slot frees (no later than one queued now); and whether
+        a running one still has extra prefill chunks. A sequence's steps are its tokens left
+        and its prefill's extra chunks (`steps_left`). Simulated once after each change
+        (`changed`)."""
         if self._steps is None:
             running = [seq.steps_left() for seq in self.running.values()]
             waiting = [seq.steps_left() for seq in self.waiting]
@@ -97,7 +98,8 @@ class SequenceTable:
             steps = max(running, default=0)
             if waiting:
                 steps = max(steps, until_a_slot + max(waiting))
-            self._steps = (until_a_slot, steps)
+            chunking = any(seq.prefill_steps() for seq in self.running.values())
+            self._steps = (until_a_slot, steps, chunking)
         return self._steps
 
     def at_cap(self, max_waiting: int) -> bool:
@@ -115,9 +117,8 @@ class SequenceTable:
         for), every dispatch until then a turn of each other model (`batches_ahead`)."""
         if not self:
             return ModelWork(0.0, 0.0, 0.0, turns=0)
-        until_a_slot, steps = self._forecast()
-        # A long prompt's chunks make every dispatch one step until it is in (`steps_for`).
-        if any(sequence.prefill_steps() for sequence in self.running.values()):
+        until_a_slot, steps, chunking = self._forecast()
+        if chunking:  # a long prompt's chunks make every dispatch one step (`steps_for`)
             steps_per_dispatch = 1
         return ModelWork(
             running_s=0.0,

@@ -6,6 +6,7 @@ answers are those of before (prompt i drawn with `prompt_seed(seed, i)`)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,9 @@ import pytest
 import pytest_asyncio
 
 from app.generation.seeds import prompt_seed, sequence_seed
-from app.main import create_app
 from loadtest.tiny_causal_lm import CORPUS
 from tests.support.generation import sse_payloads
-from tests.support.generation_api import settings_for
-from tests.support.listening import listening
+from tests.support.generation_api import IN_PROCESS, served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,9 +27,10 @@ SAMPLED = {"model": "tiny", "max_tokens": 12, "temperature": 1.8, "seed": 11}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def base_url(tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path) -> Any:
-    settings = settings_for(tiny_causal_lm, tiny_causal_lm_without_chat_template, "inprocess")
-    async with listening(create_app(settings)) as url:
+async def base_url(
+    tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path
+) -> AsyncIterator[str]:
+    async with served(IN_PROCESS, tiny_causal_lm, tiny_causal_lm_without_chat_template) as url:
         yield url
 
 

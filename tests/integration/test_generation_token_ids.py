@@ -15,10 +15,8 @@ import pytest
 import pytest_asyncio
 
 from app.generation.tokenizer import GenerationTokenizer, load_generation_tokenizer
-from app.main import create_app
 from tests.support.generation import sse_payloads
-from tests.support.generation_api import SLOT_TOKENS, settings_for
-from tests.support.listening import listening
+from tests.support.generation_api import IN_PROCESS, SLOT_TOKENS, served
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,8 +33,7 @@ def tokenizer(tiny_causal_lm: Path) -> GenerationTokenizer:
 async def base_url(
     tiny_causal_lm: Path, tiny_causal_lm_without_chat_template: Path
 ) -> AsyncIterator[str]:
-    settings = settings_for(tiny_causal_lm, tiny_causal_lm_without_chat_template, "inprocess")
-    async with listening(create_app(settings)) as url:
+    async with served(IN_PROCESS, tiny_causal_lm, tiny_causal_lm_without_chat_template) as url:
         yield url
 
 

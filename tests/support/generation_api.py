@@ -29,6 +29,7 @@ def settings_for(tiny: Path, plain: Path, engine: str, **overrides: object) -> S
 # The engine in its own process, one step a dispatch; and in the front end's process, four
 # steps a dispatch (multi-step decoding).
 ENGINE_MODES = [("process", 1), ("inprocess", 4)]
+IN_PROCESS = ("inprocess", 1)  # the tests of the front end's work: the engine in process
 
 
 @asynccontextmanager

@@ -175,14 +175,7 @@ def test_a_confident_step_does_not_sort_the_vocabulary(monkeypatch: pytest.Monke
         for top_p in (0.0, 0.9, 0.95)
     ]
     expected = [reference_kept(logits, params) for logits, params in cases]  # full sorts
-    sorted_sizes: list[int] = []
-    real_sort = torch.sort
-
-    def recording_sort(values: torch.Tensor, *args: object, **kwargs: object) -> object:
-        sorted_sizes.append(values.shape[-1])
-        return real_sort(values, *args, **kwargs)  # type: ignore[call-overload]
-
-    monkeypatch.setattr(torch, "sort", recording_sort)
+    sorted_sizes = recorded_sorts(monkeypatch)
     kept = [set(kept_tokens(logits, params)[0].tolist()) for logits, params in cases]
     assert kept == expected
     assert sorted_sizes and max(sorted_sizes) < vocab

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from app.engine.protocol import SamplingParams
 from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
+from app.models.direct_decoder import DirectDecoder
 from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
 from app.models.sampling import NO_TOKEN, NOT_CHOSEN, choose_tokens
@@ -156,7 +157,10 @@ class CausalLMRunner:
         dtype: torch.dtype,
         slots: int,
         slot_tokens: int,
+        direct: bool = True,
     ) -> None:
+        """`direct`: run the decoder's forward written out (`direct_decoder.py`) where it
+        reproduces the model; False always runs the model's own."""
         self.name = name
         self.device = device
         self.dtype = dtype
@@ -203,6 +207,8 @@ class CausalLMRunner:
             head_dim=int(head_dim),
         )
         self.cache = SlotKVCache(shape, dtype, device)
+        layer_kinds = getattr(config, "layer_types", None) or [default_type] * layers
+        self._direct = DirectDecoder.build(self.model, layer_kinds) if direct else None
         # Reused every step: key positions for masks and prompt positions, and the mask's
         # two values (0 where a query may attend, the dtype's lowest where it may not).
         self._key_positions = torch.arange(self.max_sequence_tokens, device=device)
@@ -246,12 +252,12 @@ class CausalLMRunner:
             masks[layer_type] = mask.unsqueeze(1)
         return masks
 
-    def _attention_mask(
-        self, positions: torch.Tensor, kv_length: int
+    @staticmethod
+    def _transformers_mask(
+        masks: dict[str, torch.Tensor],
     ) -> torch.Tensor | dict[str, torch.Tensor]:
         """One 4-D mask, which every model takes as prepared; a mask per layer type only
         for models with sliding-window layers (those take a {layer type: mask} mapping)."""
-        masks = self._masks(positions, kv_length)
         if len(masks) == 1:
             return next(iter(masks.values()))
         return masks
@@ -301,13 +307,17 @@ class CausalLMRunner:
         input_ids, positions, kv_length = self._plan(rows)
         query = input_ids.shape[1]
         with torch.inference_mode():
-            hidden = self._base(
-                input_ids=input_ids,
-                attention_mask=self._attention_mask(positions, kv_length),
-                position_ids=positions,
-                use_cache=True,
-                **{self._cache_argument: self.cache},
-            ).last_hidden_state
+            masks = self._masks(positions, kv_length)
+            if self._direct is not None:
+                hidden = self._direct(input_ids, positions, masks, self.cache)
+            else:
+                hidden = self._base(
+                    input_ids=input_ids,
+                    attention_mask=self._transformers_mask(masks),
+                    position_ids=positions,
+                    use_cache=True,
+                    **{self._cache_argument: self.cache},
+                ).last_hidden_state
             if all(len(row.token_ids) == query for row in rows):
                 picked = hidden[:, -1]  # every row's last token is the last column: a view
             else:

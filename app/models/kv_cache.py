@@ -25,6 +25,7 @@ positions the step attends to, not the whole slots.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,11 @@ class SlotKVCache(Cache):
         )
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         self.plan = StepPlan(empty, empty, 0)
+
+    @property
+    def slot_layers(self) -> Sequence[SlotLayer]:
+        """Each layer's slots, in layer order."""
+        return self._slot_layers
 
     def clear_slot(self, slot: int) -> None:
         """Zero `slot`'s keys and values in every layer (compute threads only). Stale entries

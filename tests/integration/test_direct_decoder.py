@@ -1,0 +1,186 @@
+"""The decoder forward written out (`app/models/direct_decoder.py`) computes what the model's
+own forward computes: over prefill with right-padded rows in scattered slots, then decode
+steps, its logits match the model's own (through the same runner, `direct=False`) for Llama
+(with and without biases, grouped and not), Mistral with a sliding window and Qwen2 (one
+layer full, one windowed), in float32 and bf16; greedy tokens are equal. Models it does not
+reproduce run their own forward, untouched; the fused projections are the model's only copy
+of those weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from app.engine.protocol import SamplingParams
+from app.models.causal_lm import CausalLMRunner, StepRow
+from app.models.direct_decoder import DirectDecoder
+from app.models.sampling import new_generator
+
+COMMON = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.3,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33, 34]]
+SLOTS = [3, 1, 2]  # out of order: the cache is read by index, not as a view
+STEPS = 12
+Build = Callable[[], PreTrainedModel]
+
+BUILDS: dict[str, Build] = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**COMMON)),
+    "llama-biases-no-gqa": lambda: LlamaForCausalLM(
+        LlamaConfig(**{**COMMON, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True)
+    ),
+    "llama-rope-scaled": lambda: LlamaForCausalLM(
+        LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    ),
+    "mistral-window": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    # Layer 0 full attention, layer 1 a 6-token window: each layer takes its own mask.
+    "qwen2-mixed-window": lambda: Qwen2ForCausalLM(
+        Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    ),
+}
+
+
+def saved(build: Build, directory: Path) -> Path:
+    torch.manual_seed(0)
+    model = build().eval()
+    # Biases start at zero: random ones, so a bias left out or misplaced shows.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+def runner(directory: Path, dtype: torch.dtype, direct: bool) -> CausalLMRunner:
+    built = CausalLMRunner("m", str(directory), torch.device("cpu"), dtype, 4, 64, direct)
+    assert (built._direct is not None) == direct
+    return built
+
+
+def steps(model: CausalLMRunner) -> list[tuple[torch.Tensor, list[int]]]:
+    """Each step's logits and greedy tokens: the prompts prefilled together, then decodes
+    fed each row's own greedy token."""
+    greedy = SamplingParams(max_new_tokens=STEPS + 1)
+    generator = new_generator(0)
+    rows = [
+        StepRow(slot, prompt, 0, greedy, generator, prefill=True)
+        for slot, prompt in zip(SLOTS, PROMPTS, strict=True)
+    ]
+    starts = [len(prompt) for prompt in PROMPTS]
+    seen = []
+    for _ in range(STEPS):
+        logits = model.logits(rows)
+        tokens = logits.argmax(dim=-1).tolist()
+        seen.append((logits, tokens))
+        rows = [
+            StepRow(slot, [token], start, greedy, generator)
+            for slot, token, start in zip(SLOTS, tokens, starts, strict=True)
+        ]
+        starts = [start + 1 for start in starts]
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_logits_match_the_models_own_forward_in_float32(name: str, tmp_path: Path) -> None:
+    directory = saved(BUILDS[name], tmp_path)
+    own = steps(runner(directory, torch.float32, direct=False))
+    direct = steps(runner(directory, torch.float32, direct=True))
+    for (own_logits, own_tokens), (direct_logits, direct_tokens) in zip(own, direct, strict=True):
+        # Summation order within a fused projection aside, the arithmetic is the same.
+        torch.testing.assert_close(direct_logits, own_logits, rtol=1e-5, atol=1e-5)
+        assert direct_tokens == own_tokens
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_greedy_tokens_match_in_bf16(name: str, tmp_path: Path) -> None:
+    directory = saved(BUILDS[name], tmp_path)
+    own = steps(runner(directory, torch.bfloat16, direct=False))
+    direct = steps(runner(directory, torch.bfloat16, direct=True))
+    for (own_logits, own_tokens), (direct_logits, direct_tokens) in zip(own, direct, strict=True):
+        torch.testing.assert_close(direct_logits, own_logits, rtol=2e-2, atol=2e-2)
+        assert direct_tokens == own_tokens
+
+
+def test_fused_projections_are_the_models_only_copy(tmp_path: Path) -> None:
+    directory = saved(BUILDS["qwen2"], tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.inference_mode():
+        before = model(ids).logits
+    decoder = DirectDecoder.build(model, ["full_attention"] * 2)
+    assert decoder is not None
+    for layer, built in zip(model.model.layers, decoder._layers, strict=True):
+        fused = built.qkv_weight.untyped_storage().data_ptr()
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            assert linear.weight.untyped_storage().data_ptr() == fused
+        assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == (
+            built.gate_up_weight.untyped_storage().data_ptr()
+        )
+    with torch.inference_mode():
+        after = model(ids).logits
+    assert torch.equal(before, after)  # the model's own forward reads the same weights
+
+
+class _NotPlainLinear(nn.Linear):
+    """Stands for a quantized linear: an `nn.Linear` subclass computing something else."""
+
+
+def _quantized_llama() -> PreTrainedModel:
+    model = LlamaForCausalLM(LlamaConfig(**COMMON))
+    plain = model.model.layers[1].mlp.down_proj
+    swapped = _NotPlainLinear(plain.in_features, plain.out_features, bias=False)
+    swapped.weight = plain.weight
+    model.model.layers[1].mlp.down_proj = swapped
+    return model
+
+
+def _eager_llama() -> PreTrainedModel:
+    return LlamaForCausalLM(LlamaConfig(**COMMON, attn_implementation="eager"))
+
+
+REFUSED: dict[str, Build] = {
+    "gemma2: another model type": lambda: Gemma2ForCausalLM(Gemma2Config(**COMMON)),
+    "qwen3: query and key norms": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON)),
+    "eager attention": _eager_llama,
+    "a linear subclass": _quantized_llama,
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_models_it_does_not_reproduce_keep_their_own_forward_untouched(case: str) -> None:
+    torch.manual_seed(0)
+    model = REFUSED[case]().eval()
+    weights = {name: tensor.data_ptr() for name, tensor in model.state_dict().items()}
+    layers = len(model.model.layers)
+    assert DirectDecoder.build(model, ["full_attention"] * layers) is None
+    assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == weights

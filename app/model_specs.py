@@ -99,6 +99,13 @@ class ModelSpec(BaseModel):
         description="Token limit per input; defaults to the model's, capped by the largest "
         "length bucket.",
     )
+    forward: Literal["auto", "transformers"] = Field(
+        default="auto",
+        description="`generate` task: `auto` runs Llama, Mistral and Qwen2 through "
+        "steadyserve's written-out decoder forward (the model's arithmetic, fewer Python "
+        "calls a step) and any other model through its own; `transformers` always runs the "
+        "model's own forward.",
+    )
     inputs: tuple[TensorSpec, ...] = Field(
         default=(), description="`tensor` task: the model's inputs, in call order."
     )
@@ -124,6 +131,8 @@ class ModelSpec(BaseModel):
                 )
         elif self.inputs or self.outputs:
             raise ValueError(f"{self.name}: only a tensor model declares inputs and outputs")
+        if self.forward != "auto" and self.task != "generate":
+            raise ValueError(f"{self.name}: only a generate model chooses its forward")
         return self
 
 

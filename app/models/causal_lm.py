@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,6 +21,12 @@ from transformers import AutoModelForCausalLM
 from app.engine.protocol import SamplingParams
 from app.model_specs import ModelSpec
 from app.models.base import resolve_dtype
+from app.models.causal_lm_config import (
+    logits_scaling_divides,
+    refuse_unsupported_attention,
+    token_ids,
+    uniform_rope_positions,
+)
 from app.models.direct_decoder import DirectDecoder
 from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
@@ -62,88 +67,6 @@ class StepRow:
         return self.next_prompt_token is None
 
 
-def _token_ids(value: object) -> frozenset[int]:
-    if value is None:
-        return frozenset()
-    if isinstance(value, int):
-        return frozenset({value})
-    if isinstance(value, (list, tuple)):
-        return frozenset(int(v) for v in value)
-    raise ValueError(f"unexpected token id setting {value!r}")
-
-
-def _refuse_unsupported_attention(name: str, config: Any) -> None:
-    """Raise `ValueError` for attention the slot cache cannot serve, naming it, instead of
-    an IndexError deep in warm-up: ALiBi (Bloom, MPT, Falcon with `alibi`) takes a 2-D mask
-    where every step here passes a 4-D one, and Falcon's multi-query layout keeps one KV
-    head where its config names every attention head."""
-    model_type = getattr(config, "model_type", "")
-    alibi = getattr(config, "alibi", False) or model_type in ("bloom", "mpt")
-    if alibi:
-        raise ValueError(f"{name}: ALiBi attention ({model_type}) is not served")
-    multi_query = getattr(config, "multi_query", False)
-    if (
-        model_type == "falcon"
-        and multi_query
-        and not getattr(config, "new_decoder_architecture", False)
-    ):
-        raise ValueError(f"{name}: Falcon's multi-query attention is not served")
-
-
-# What a model type's own forward does with a `logits_scaling` in its config: the Granite
-# family divides its logits by it (MiniCPM3 its hidden states, before a head without bias:
-# the same), HyperCLOVA X multiplies ("unlike GraniteConfig"). transformers' sources are
-# checked against these (tests/unit/test_logits_scaling.py).
-LOGITS_SCALING_DIVIDES = frozenset(
-    {
-        "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoeshared",
-        "granitemoehybrid", "minicpm3",
-    }
-)  # fmt: skip
-LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
-
-
-def logits_scaling_divides(name: str, config: Any) -> tuple[float, bool]:
-    """The model's `logits_scaling` (1.0 without one) and whether its forward divides the
-    head's output by it (else multiplies). A model type not known to do either, with one
-    other than 1, is refused (`ValueError`): its logits' scale, which sampling reads, would
-    be a guess."""
-    scaling = float(getattr(config, "logits_scaling", None) or 1.0)
-    model_type = getattr(config, "model_type", "")
-    if scaling == 1.0 or model_type in LOGITS_SCALING_DIVIDES:
-        return scaling, True
-    if model_type in LOGITS_SCALING_MULTIPLIES:
-        return scaling, False
-    raise ValueError(
-        f"{name}: logits_scaling {scaling} of model type {model_type!r}: not known to divide "
-        "or multiply its logits, not served"
-    )
-
-
-def _uniform_rope_positions(config: Any) -> int:
-    """The most positions a batch may hold while every row is rotated alike: longrope and
-    dynamic RoPE pick their frequencies from the longest position in the forward, so past
-    the model's original context one long row would change every other row's tokens (Phi-3
-    and 4 mini, MiniCPM3). Unbounded for any other RoPE."""
-    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    kinds: list[Mapping[str, Any]] = []
-    if isinstance(parameters, Mapping):
-        nested = [v for v in parameters.values() if isinstance(v, Mapping)]
-        kinds = nested or [parameters]
-    for kind in kinds:
-        rope_type = kind.get("rope_type") or kind.get("type")
-        if rope_type in ("longrope", "dynamic"):
-            original = kind.get("original_max_position_embeddings") or getattr(
-                config, "original_max_position_embeddings", None
-            )
-            if original:
-                log.info(
-                    "%s RoPE: sequences capped at its original %d positions", rope_type, original
-                )
-                return int(original)
-    return 1 << 30
-
-
 class CausalLMRunner:
     """`AutoModelForCausalLM` with its slot cache (`kv_cache.py`), allocated at load."""
 
@@ -171,7 +94,7 @@ class CausalLMRunner:
         config = self.model.config.get_text_config()
         generation = self.model.generation_config
         # EOS as model.generate sees it: the generation config's, else the model config's.
-        self.eos_token_ids = _token_ids(generation.eos_token_id) or _token_ids(
+        self.eos_token_ids = token_ids(generation.eos_token_id) or token_ids(
             getattr(config, "eos_token_id", None)
         )
         self.vocab_size = int(config.vocab_size)
@@ -187,8 +110,8 @@ class CausalLMRunner:
             else min(in_vocabulary, default=0)
         )
         positions = int(getattr(config, "max_position_embeddings", slot_tokens) or slot_tokens)
-        self.max_sequence_tokens = min(slot_tokens, positions, _uniform_rope_positions(config))
-        _refuse_unsupported_attention(name, config)
+        self.max_sequence_tokens = min(slot_tokens, positions, uniform_rope_positions(config))
+        refuse_unsupported_attention(name, config)
         layers = int(config.num_hidden_layers)
         self._window: int | None = getattr(config, "sliding_window", None)
         # Without per-layer types, a configured window applies to every layer (Mistral).
@@ -209,6 +132,10 @@ class CausalLMRunner:
         self.cache = SlotKVCache(shape, dtype, device)
         layer_kinds = getattr(config, "layer_types", None) or [default_type] * layers
         self._direct = DirectDecoder.build(self.model, layer_kinds) if direct else None
+        if self._direct is not None and device.type == "cuda":
+            # The unfused weights' blocks, cached by the allocator, cannot hold the larger
+            # fused ones: hand them back rather than hold both copies' memory.
+            torch.cuda.empty_cache()
         # Reused every step: key positions for masks and prompt positions, and the mask's
         # two values (0 where a query may attend, the dtype's lowest where it may not).
         self._key_positions = torch.arange(self.max_sequence_tokens, device=device)
@@ -394,4 +321,5 @@ def load_causal_lm(
     (compute thread: it reads or downloads the files and touches the device)."""
     directory = local_directory(spec.source)
     dtype = resolve_dtype(spec.dtype, device, directory)
-    return CausalLMRunner(spec.name, str(directory), device, dtype, slots, slot_tokens)
+    direct = spec.forward == "auto"
+    return CausalLMRunner(spec.name, str(directory), device, dtype, slots, slot_tokens, direct)

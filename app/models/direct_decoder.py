@@ -60,6 +60,7 @@ class _Layer:
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
     qkv_sizes: tuple[int, int, int]  # heads: query, key, value
+    groups: int  # query heads per key/value head
     out_weight: torch.Tensor
     out_bias: torch.Tensor | None
     scaling: float
@@ -83,6 +84,29 @@ def _rms_norm(hidden: torch.Tensor, norm: _Norm) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+    groups: int,
+) -> torch.Tensor:
+    """SDPA as transformers' `sdpa_attention_forward` runs it under a mask: with grouped
+    key/value heads, one query's heads as rows of its group (decode) or the keys and values
+    repeated (prefill). Not SDPA's `enable_gqa`: with a mask, CUDA serves that only with its
+    math kernel (float32 scores of every row x head x query x key)."""
+    rows, heads, length, width = query.shape
+    if groups > 1:
+        if length == 1:
+            query = query.reshape(rows, heads // groups, groups, width)
+        else:
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+    attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    return attended.reshape(rows, heads, length, values.shape[-1])
 
 
 def _plain_linears(module: nn.Module, names: Sequence[str]) -> list[nn.Linear] | None:
@@ -168,6 +192,7 @@ def _layer(layer: Any, kind: str, head_dim: int) -> _Layer:
             key.out_features // head_dim,
             value.out_features // head_dim,
         ),
+        groups=query.out_features // key.out_features,
         out_weight=out.weight,
         out_bias=out.bias,
         scaling=float(attention.scaling),
@@ -227,6 +252,10 @@ class DirectDecoder:
             return f"model type {model_type!r} not reproduced"
         if getattr(config, "_attn_implementation", None) != "sdpa":
             return f"attention implementation {getattr(config, '_attn_implementation', None)}"
+        if model_type == "mistral" and getattr(config, "layer_types", None) is not None:
+            # Mistral's own code windows every layer whatever `layer_types` says; the masks
+            # here follow `layer_types`.
+            return "mistral with layer_types"
         if getattr(config, "hidden_act", "silu") != "silu":
             return f"activation {config.hidden_act}"
         base = model.base_model
@@ -269,13 +298,8 @@ class DirectDecoder:
             query_states = query_states * cos + _rotate_half(query_states) * sin
             key_states = key_states * cos + _rotate_half(key_states) * sin
             keys, values = slots.update(key_states, value_states)
-            attended = F.scaled_dot_product_attention(
-                query_states,
-                keys,
-                values,
-                attn_mask=masks[layer.kind],
-                scale=layer.scaling,
-                enable_gqa=layer.qkv_sizes[0] != layer.qkv_sizes[1],
+            attended = _attend(
+                query_states, keys, values, masks[layer.kind], layer.scaling, layer.groups
             )
             merged = attended.transpose(1, 2).reshape(rows, query, -1)
             hidden = hidden + F.linear(merged, layer.out_weight, layer.out_bias)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -30,7 +32,8 @@ from transformers import (
 )
 
 from app.engine.protocol import SamplingParams
-from app.models.causal_lm import CausalLMRunner, StepRow
+from app.model_specs import ModelSpec
+from app.models.causal_lm import CausalLMRunner, StepRow, load_causal_lm
 from app.models.direct_decoder import DirectDecoder
 from app.models.sampling import new_generator
 
@@ -48,7 +51,8 @@ COMMON = {
     "pad_token_id": 0,
 }
 PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33, 34]]
-SLOTS = [3, 1, 2]  # out of order: the cache is read by index, not as a view
+SCATTERED = [3, 1, 2]  # out of order: the cache is read by index
+CONSECUTIVE = [0, 1, 2]  # read as a view of the cache
 STEPS = 12
 Build = Callable[[], PreTrainedModel]
 
@@ -62,6 +66,8 @@ BUILDS: dict[str, Build] = {
     ),
     "mistral-window": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6)),
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
+    # Heads wider than hidden / heads: projections of 128 from a width of 64.
+    "qwen2-head-dim-32": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, head_dim=32)),
     # Layer 0 full attention, layer 1 a 6-token window: each layer takes its own mask.
     "qwen2-mixed-window": lambda: Qwen2ForCausalLM(
         Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
@@ -87,14 +93,16 @@ def runner(directory: Path, dtype: torch.dtype, direct: bool) -> CausalLMRunner:
     return built
 
 
-def steps(model: CausalLMRunner) -> list[tuple[torch.Tensor, list[int]]]:
+def steps(
+    model: CausalLMRunner, slots: list[int] = SCATTERED
+) -> list[tuple[torch.Tensor, list[int]]]:
     """Each step's logits and greedy tokens: the prompts prefilled together, then decodes
     fed each row's own greedy token."""
     greedy = SamplingParams(max_new_tokens=STEPS + 1)
     generator = new_generator(0)
     rows = [
         StepRow(slot, prompt, 0, greedy, generator, prefill=True)
-        for slot, prompt in zip(SLOTS, PROMPTS, strict=True)
+        for slot, prompt in zip(slots, PROMPTS, strict=True)
     ]
     starts = [len(prompt) for prompt in PROMPTS]
     seen = []
@@ -104,17 +112,20 @@ def steps(model: CausalLMRunner) -> list[tuple[torch.Tensor, list[int]]]:
         seen.append((logits, tokens))
         rows = [
             StepRow(slot, [token], start, greedy, generator)
-            for slot, token, start in zip(SLOTS, tokens, starts, strict=True)
+            for slot, token, start in zip(slots, tokens, starts, strict=True)
         ]
         starts = [start + 1 for start in starts]
     return seen
 
 
+@pytest.mark.parametrize("slots", [SCATTERED, CONSECUTIVE], ids=["scattered", "consecutive"])
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_logits_match_the_models_own_forward_in_float32(name: str, tmp_path: Path) -> None:
+def test_logits_match_the_models_own_forward_in_float32(
+    name: str, slots: list[int], tmp_path: Path
+) -> None:
     directory = saved(BUILDS[name], tmp_path)
-    own = steps(runner(directory, torch.float32, direct=False))
-    direct = steps(runner(directory, torch.float32, direct=True))
+    own = steps(runner(directory, torch.float32, direct=False), slots)
+    direct = steps(runner(directory, torch.float32, direct=True), slots)
     for (own_logits, own_tokens), (direct_logits, direct_tokens) in zip(own, direct, strict=True):
         # Summation order within a fused projection aside, the arithmetic is the same.
         torch.testing.assert_close(direct_logits, own_logits, rtol=1e-5, atol=1e-5)
@@ -164,6 +175,20 @@ def _quantized_llama() -> PreTrainedModel:
     return model
 
 
+def _llama_with_attention_norms() -> PreTrainedModel:
+    """A part the written-out attention does not compute (as Qwen3's q_norm), on a type it
+    otherwise reproduces."""
+    model = LlamaForCausalLM(LlamaConfig(**COMMON))
+    model.model.layers[0].self_attn.q_norm = nn.LayerNorm(16)
+    return model
+
+
+def _mistral_with_layer_types() -> PreTrainedModel:
+    # Mistral's own code windows every layer whatever `layer_types` says.
+    layer_types = ["full_attention", "sliding_attention"]
+    return MistralForCausalLM(MistralConfig(**COMMON, sliding_window=6, layer_types=layer_types))
+
+
 def _eager_llama() -> PreTrainedModel:
     return LlamaForCausalLM(LlamaConfig(**COMMON, attn_implementation="eager"))
 
@@ -173,6 +198,8 @@ REFUSED: dict[str, Build] = {
     "qwen3: query and key norms": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON)),
     "eager attention": _eager_llama,
     "a linear subclass": _quantized_llama,
+    "an extra attention part": _llama_with_attention_norms,
+    "mistral with layer_types": _mistral_with_layer_types,
 }
 
 
@@ -184,3 +211,47 @@ def test_models_it_does_not_reproduce_keep_their_own_forward_untouched(case: str
     layers = len(model.model.layers)
     assert DirectDecoder.build(model, ["full_attention"] * layers) is None
     assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == weights
+
+
+def test_grouped_heads_never_reach_sdpa_as_enable_gqa(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a mask, CUDA's SDPA serves `enable_gqa` only in its math kernel: a decode's
+    query heads go in as rows of their group, a prefill's keys repeated (transformers'
+    own SDPA path), and the logits are the same."""
+    directory = saved(BUILDS["qwen2"], tmp_path)  # 4 query heads over 2 key/value heads
+    own = steps(runner(directory, torch.float32, direct=False))
+    calls: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, object]]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls.append((tuple(query.shape), tuple(key.shape), dict(kwargs)))
+        return sdpa(query, key, *args, **kwargs)
+
+    direct_runner = runner(directory, torch.float32, direct=True)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
+    direct = steps(direct_runner)
+    assert calls and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
+    prefill, decode = calls[0], calls[-1]
+    assert prefill[0][1] == prefill[1][1] == 4  # keys repeated to the query's heads
+    assert decode[0][1:3] == (2, 2)  # (rows, key/value heads, heads per group, width)
+    for (own_logits, _), (direct_logits, _) in zip(own, direct, strict=True):
+        torch.testing.assert_close(direct_logits, own_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_spec_chooses_the_models_own_forward(tmp_path: Path) -> None:
+    directory = saved(BUILDS["qwen2"], tmp_path)
+    device = torch.device("cpu")
+    chosen = {
+        forward: load_causal_lm(
+            ModelSpec(name="m", task="generate", source=str(directory), forward=forward),
+            device,
+            2,
+            32,
+        )
+        for forward in ("auto", "transformers")
+    }
+    assert chosen["auto"]._direct is not None
+    assert chosen["transformers"]._direct is None
+    with pytest.raises(ValidationError, match="only a generate model chooses its forward"):
+        ModelSpec(name="e", task="embed", forward="transformers")

@@ -15,7 +15,7 @@ import transformers
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from app.models.causal_lm import (
+from app.models.causal_lm_config import (
     LOGITS_SCALING_DIVIDES,
     LOGITS_SCALING_MULTIPLIES,
     logits_scaling_divides,

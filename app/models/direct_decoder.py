@@ -86,6 +86,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def sdpa_takes_grouped_heads(device: torch.device) -> bool:
+    """Whether attention hands grouped key/value heads to SDPA as they are (`enable_gqa`):
+    on a CPU, whose fused kernel takes them under a mask (49 us a layer against 84 for the
+    packed form, 32 decode rows of the tiny Qwen2, bf16; docs/BENCHMARKS.md Session 21).
+    Not on CUDA, which serves `enable_gqa` with a mask only in its math kernel (float32
+    scores of every row x head x query x key)."""
+    return device.type == "cpu"
+
+
 def _attend(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -93,18 +102,22 @@ def _attend(
     mask: torch.Tensor,
     scaling: float,
     groups: int,
+    grouped_in_sdpa: bool,
 ) -> torch.Tensor:
-    """SDPA as transformers' `sdpa_attention_forward` runs it under a mask: with grouped
-    key/value heads, one query's heads as rows of its group (decode) or the keys and values
-    repeated (prefill). Not SDPA's `enable_gqa`: with a mask, CUDA serves that only with its
-    math kernel (float32 scores of every row x head x query x key)."""
+    """Scaled dot-product attention under `mask`, `groups` query heads per key/value head:
+    as they are where `grouped_in_sdpa`, else as transformers' `sdpa_attention_forward`
+    sends them under a mask: a decode query's heads as rows of their group, a prefill's keys
+    and values repeated to the query's heads."""
+    if groups == 1 or grouped_in_sdpa:
+        return F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=groups > 1
+        )
     rows, heads, length, width = query.shape
-    if groups > 1:
-        if length == 1:
-            query = query.reshape(rows, heads // groups, groups, width)
-        else:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
+    if length == 1:
+        query = query.reshape(rows, heads // groups, groups, width)
+    else:
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
     attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     return attended.reshape(rows, heads, length, values.shape[-1])
 
@@ -221,6 +234,7 @@ class DirectDecoder:
         self._layers = tuple(layers)
         self._norm = norm
         self._head_dim = head_dim
+        self.grouped_in_sdpa = sdpa_takes_grouped_heads(embedding.device)
 
     @classmethod
     def build(cls, model: Any, layer_kinds: Sequence[str]) -> DirectDecoder | None:
@@ -299,7 +313,13 @@ class DirectDecoder:
             key_states = key_states * cos + _rotate_half(key_states) * sin
             keys, values = slots.update(key_states, value_states)
             attended = _attend(
-                query_states, keys, values, masks[layer.kind], layer.scaling, layer.groups
+                query_states,
+                keys,
+                values,
+                masks[layer.kind],
+                layer.scaling,
+                layer.groups,
+                self.grouped_in_sdpa,
             )
             merged = attended.transpose(1, 2).reshape(rows, query, -1)
             hidden = hidden + F.linear(merged, layer.out_weight, layer.out_bias)

@@ -34,7 +34,7 @@ from transformers import (
 from app.engine.protocol import SamplingParams
 from app.model_specs import ModelSpec
 from app.models.causal_lm import CausalLMRunner, StepRow, load_causal_lm
-from app.models.direct_decoder import DirectDecoder
+from app.models.direct_decoder import DirectDecoder, sdpa_takes_grouped_heads
 from app.models.sampling import new_generator
 
 COMMON = {
@@ -213,12 +213,16 @@ def test_models_it_does_not_reproduce_keep_their_own_forward_untouched(case: str
     assert {name: tensor.data_ptr() for name, tensor in model.state_dict().items()} == weights
 
 
-def test_grouped_heads_never_reach_sdpa_as_enable_gqa(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("grouped_in_sdpa", [True, False], ids=["cpu-form", "cuda-form"])
+def test_grouped_heads_reach_sdpa_in_the_form_the_device_serves_fast(
+    grouped_in_sdpa: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a mask, CUDA's SDPA serves `enable_gqa` only in its math kernel: a decode's
-    query heads go in as rows of their group, a prefill's keys repeated (transformers'
-    own SDPA path), and the logits are the same."""
+    """A CPU takes grouped heads into SDPA as they are (`enable_gqa`); CUDA serves that
+    under a mask only in its math kernel, so there a decode's query heads go in as rows of
+    their group and a prefill's keys repeated (transformers' own SDPA path). Either form
+    gives the model's own logits."""
+    assert sdpa_takes_grouped_heads(torch.device("cpu"))
+    assert not sdpa_takes_grouped_heads(torch.device("cuda"))
     directory = saved(BUILDS["qwen2"], tmp_path)  # 4 query heads over 2 key/value heads
     own = steps(runner(directory, torch.float32, direct=False))
     calls: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, object]]] = []
@@ -229,12 +233,18 @@ def test_grouped_heads_never_reach_sdpa_as_enable_gqa(
         return sdpa(query, key, *args, **kwargs)
 
     direct_runner = runner(directory, torch.float32, direct=True)
+    assert direct_runner._direct is not None
+    direct_runner._direct.grouped_in_sdpa = grouped_in_sdpa  # as on the device named
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     direct = steps(direct_runner)
-    assert calls and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
     prefill, decode = calls[0], calls[-1]
-    assert prefill[0][1] == prefill[1][1] == 4  # keys repeated to the query's heads
-    assert decode[0][1:3] == (2, 2)  # (rows, key/value heads, heads per group, width)
+    if grouped_in_sdpa:
+        assert all(kwargs.get("enable_gqa") for _, _, kwargs in calls)
+        assert prefill[1][1] == decode[1][1] == 2
+    else:
+        assert calls and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
+        assert prefill[0][1] == prefill[1][1] == 4  # keys repeated to the query's heads
+        assert decode[0][1:3] == (2, 2)  # (rows, key/value heads, heads per group, width)
     for (own_logits, _), (direct_logits, _) in zip(own, direct, strict=True):
         torch.testing.assert_close(direct_logits, own_logits, rtol=1e-5, atol=1e-5)
 

@@ -183,6 +183,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.prefix_reused_tokens = Counter(
+            "steadyserve_generate_prefix_reused_tokens",
+            "Prompt tokens a joining sequence found resident in its KV-cache slot and did not"
+            " prefill (prefix reuse), by model.",
+            ["model"],
+            registry=r,
+        )
         self.kv_cache_usage = Gauge(
             "steadyserve_kv_cache_usage_ratio",
             "Fraction of a generate model's KV-cache slots held by sequences.",

@@ -16,8 +16,8 @@ from app.model_queues import ModelWork
 
 
 class SequenceTable:
-    def __init__(self, slots: int) -> None:
-        self.slots = SlotTable(slots)
+    def __init__(self, slots: int, reuse: bool = False) -> None:
+        self.slots = SlotTable(slots, reuse)
         self.waiting: deque[GenerationSequence] = deque()
         self.running: dict[int, GenerationSequence] = {}  # by slot
         # `_forecast`'s steps, simulated once per change (`changed`): every admission of
@@ -55,23 +55,28 @@ class SequenceTable:
         if not self.is_running(sequence):
             return False
         del self.running[sequence.slot]
-        self.slots.give(sequence.slot)
+        self.slots.give(sequence.slot, sequence.resident())
         return True
 
     def join(self, max_batch_tokens: int, now: float) -> list[GenerationSequence]:
         """Waiting sequences that take free slots for the next step, oldest first, while the
         step's prompt rows (rows x longest chunk: those still prefilling, then the joiners'
-        first chunks) fit `max_batch_tokens`; the first prompt row always runs."""
+        first chunks, past the prompt tokens each reuses) fit `max_batch_tokens`; the first
+        prompt row always runs. A joiner takes the slot `SlotTable.choose` picks for its
+        prompt, `prefilled` the tokens it reuses there."""
         joiners: list[GenerationSequence] = []
         prefilling = [s.next_chunk() for s in self.running.values() if s.prefilling]
         rows, longest = len(prefilling), max(prefilling, default=0)
         while self.waiting and self.slots.free > 0:
             candidate = self.waiting[0]
-            longer = max(longest, candidate.next_chunk())
+            slot, reused = self.slots.choose(candidate.prompt, candidate.sampling)
+            chunk = min(candidate.chunk_tokens, len(candidate.prompt) - reused)
+            longer = max(longest, chunk)
             if rows and longer * (rows + 1) > max_batch_tokens:
                 break
             self.waiting.popleft()
-            candidate.slot = self.slots.take()
+            candidate.slot = self.slots.take(slot)
+            candidate.prefilled = reused
             candidate.started = now
             self.running[candidate.slot] = candidate
             joiners.append(candidate)

@@ -63,7 +63,7 @@ class GenerationHost:
         self.runner = runner
         self._context = context
         settings = context.settings
-        self._batch = SequenceTable(runner.cache.shape.slots)
+        self._batch = SequenceTable(runner.cache.shape.slots, settings.generate_prefix_reuse)
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
@@ -77,7 +77,7 @@ class GenerationHost:
         self._admitted: tuple[Submit, float, kv_slots.StepPrice] | None = None
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
-        self._steps = StepRunner(runner, context, self._wakeup)
+        self._steps = StepRunner(runner, context, self._wakeup, self._batch.slots.forget)
         self._triage = StepTriage(
             self._steps, self._batch, self._emit_failure, self._advance, context
         )
@@ -86,6 +86,7 @@ class GenerationHost:
         # Labelled once: these are touched for every token.
         self._tokens_counter = context.metrics.output_tokens.labels(self.name)
         self._first_token_histogram = context.metrics.time_to_first_token.labels(self.name)
+        self._reused_counter = context.metrics.prefix_reused_tokens.labels(self.name)
 
     # --- status -------------------------------------------------------------------------
     def info(self) -> ModelInfo:
@@ -142,7 +143,7 @@ class GenerationHost:
         # Without a client-set limit it needs time for one token: `submit` fits the rest;
         # a prompt over a chunk takes a step more per chunk before its first token.
         planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
-        chunks = self._prefill_steps(len(payload.prompt_ids))
+        chunks = kv_slots.prefill_steps(len(payload.prompt_ids), self._chunk_tokens)
         spd, step_s = self._steps_per_dispatch, self._step_s
         price = kv_slots.step_price(self.name, load.works, load.workers, step_s, spd)
         verdict = kv_slots.start_verdict(
@@ -174,7 +175,8 @@ class GenerationHost:
             _, wait_s, price = admitted
         else:
             wait_s, price = self._slot_wait_seconds(), kv_slots.StepPrice(self._step_s)
-        chunks = self._prefill_steps(len(payload.prompt_ids))  # before its tokens, one price
+        # Its prompt's chunks before its tokens, one price (as `admit`'s).
+        chunks = kv_slots.prefill_steps(len(payload.prompt_ids), self._chunk_tokens)
         sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price, chunks)
         sequence = GenerationSequence(
             request=request,
@@ -199,10 +201,6 @@ class GenerationHost:
         # Submit and Cancel read in one turn) never reaches the coroutine's own code.
         task.add_done_callback(lambda done: self._drop(sequence) if done.cancelled() else None)
         return task
-
-    def _prefill_steps(self, prompt_tokens: int) -> int:
-        """Steps a prompt of `prompt_tokens` prefills before the one choosing its token."""
-        return max(0, -(-prompt_tokens // self._chunk_tokens) - 1)
 
     async def _answer(self, sequence: GenerationSequence) -> None:
         """Lives as long as the sequence; cancelling it (client gone) drops it (`submit`)."""
@@ -234,6 +232,7 @@ class GenerationHost:
                 return
             except Exception as error:
                 self._context.slots.withdraw(self._steps)
+                self._batch.slots.forget_all()  # whatever a step in flight left in them
                 self._context.record_batch(error)
                 self._send_outbox()
                 failed = self._batch.everyone()
@@ -289,6 +288,8 @@ class GenerationHost:
         """The next step's sequences: those joining now (their prompt's first chunk), then
         the running ones (the next chunk of a prompt being prefilled, or a decode row)."""
         joiners = self._batch.join(self._max_batch_tokens, self._context.clock())
+        if reused := sum(joiner.prefilled for joiner in joiners):  # resident in their slots
+            self._reused_counter.inc(reused)
         return joiners + [s for s in self._batch.running.values() if s not in joiners]
 
     def _expire(self, now: float) -> None:
@@ -310,12 +311,8 @@ class GenerationHost:
             self._fail(sequence, FailureKind.DEADLINE, passed)
 
     def _record_step(self, result: StepResult) -> None:
-        seconds = result.step_s
-        self._step_s = (
-            seconds
-            if self._step_s == 0
-            else (1 - STEP_TIME_SMOOTHING) * self._step_s + STEP_TIME_SMOOTHING * seconds
-        )
+        old, new, weight = self._step_s, result.step_s, STEP_TIME_SMOOTHING
+        self._step_s = new if old == 0 else (1 - weight) * old + weight * new
 
     def _advance(self, sequences: list[GenerationSequence], tokens: list[list[int]]) -> None:
         """Give each sequence its new tokens (one output with all of them, for a sequence that
@@ -331,6 +328,8 @@ class GenerationHost:
             if not self._batch.is_running(sequence):  # cancelled or expired while it ran
                 if broken and sequence.slot is not None:  # its slot, free, holds NaN: zero it
                     self._steps.clear_slot(sequence.slot)
+                elif sequence.slot is not None:  # its row wrote its slot all the same
+                    self._batch.slots.wrote(sequence.slot, sequence.resident_after(chosen))
                 continue
             if broken:
                 chosen = chosen[: chosen.index(NO_TOKEN)]

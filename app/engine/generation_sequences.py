@@ -53,6 +53,7 @@ class GenerationSequence:
     # The token that ended it at EOS (or a stop token id), not kept, with its log
     # probabilities (`sampling.logprobs`): sent with its final output (`TokensOutput.end`).
     end_token: EndToken | None = None
+    chose_end: bool = False  # a step chose its ending token (EOS, a stop id): never fed
 
     def __post_init__(self) -> None:
         if self.sampling.logprobs is not None or self.sampling.prompt_logprobs is not None:
@@ -82,6 +83,25 @@ class GenerationSequence:
         last (which chooses it)."""
         return max(0, -(-(len(self.prompt) - self.prefilled) // self.chunk_tokens) - 1)
 
+    def resident(self) -> tuple[int, ...]:
+        """The tokens whose keys and values its taken steps wrote in its slot (positions
+        0..n-1): its prompt's computed chunks (those reused included), then the tokens its
+        decode rows fed: each kept token but the last, which only an ending token's step
+        fed (the ending token itself never is)."""
+        if self.prefilling:
+            return tuple(self.prompt[: self.prefilled])
+        fed = len(self.generated) - 1 + self.chose_end
+        return (*self.prompt, *self.generated[: max(fed, 0)])
+
+    def resident_after(self, chosen: list[int]) -> tuple[int, ...]:
+        """`resident` once its row of a step that chose `chosen` for it has run, the step
+        having run on after it left (its tokens are never taken): its chunk; or its last
+        token and each one the row chose but the last (a multi-step run feeds each chosen
+        token to the next step, and a row stops at its ending token)."""
+        if self.prefilling:
+            return tuple(self.prompt[: self.prefilled + self.next_chunk()])
+        return (*self.prompt, *self.generated, *chosen[:-1])
+
     @property
     def remaining(self) -> int:
         return self.sampling.max_new_tokens - len(self.generated)
@@ -103,6 +123,7 @@ class GenerationSequence:
         for token in chosen:
             if token in eos or token in stop_ids:
                 finish, ending = FinishReason.EOS, token
+                self.chose_end = True
                 break
             fresh.append(token)
             if len(fresh) >= self.remaining:  # `generated` is extended below

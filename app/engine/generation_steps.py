@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from app.engine.host import EngineContext, ShapeDone
@@ -50,10 +50,17 @@ class StepResult:
 
 class StepRunner:
     def __init__(
-        self, runner: CausalLMRunner, context: EngineContext, wakeup: asyncio.Event
+        self,
+        runner: CausalLMRunner,
+        context: EngineContext,
+        wakeup: asyncio.Event,
+        forget: Callable[[int], None] = lambda slot: None,
     ) -> None:
-        """`wakeup` is set whenever a shared compute slot is given back (the host's)."""
+        """`wakeup` is set whenever a shared compute slot is given back (the host's);
+        `forget(slot)` is told of each slot `clear_slot` zeroes (nothing there is resident:
+        `SlotTable.forget`)."""
         self.runner = runner
+        self._forget = forget
         self._context = context
         self.clock = context.clock  # the one requests' deadlines are on
         self._wakeup = wakeup
@@ -76,6 +83,7 @@ class StepRunner:
         """Have `slot`'s cache zeroed on the compute thread before the next forward (event
         loop thread, between steps): its occupant's keys or values were not finite."""
         self._slots_to_clear.append(slot)
+        self._forget(slot)
 
     def sequence_waits(self) -> None:
         """A sequence now waits for a slot (any thread): the multi-step run in flight ends

@@ -107,6 +107,9 @@ class StepTriage:
             # its earlier chunks, which its rerun reads: zeroed only if it no longer runs.
             if sequence.prefilling and (sequence.prefilled == 0 or not self._waits(sequence)):
                 self._clear(sequence)
+        for sequence in sequences:  # a failed step's slots hold nothing reusable
+            if sequence.slot is not None:  # (`SlotTable.forget`), also a free one's
+                self._batch.slots.forget(sequence.slot)
         tokens: dict[GenerationSequence, list[int]] = {}
 
         async def run(group: Sequence[GenerationSequence]) -> StepResult:

@@ -306,11 +306,13 @@ class DirectDecoder:
             normed = _rms_norm(hidden, layer.attention_norm)
             projected = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
             heads = projected.view(split).transpose(1, 2)  # (rows, heads, query, dim)
-            query_states, key_states, value_states = torch.split(
-                heads, list(layer.qkv_sizes), dim=1
-            )
-            query_states = query_states * cos + _rotate_half(query_states) * sin
-            key_states = key_states * cos + _rotate_half(key_states) * sin
+            query_heads, kv_heads = layer.qkv_sizes[0], layer.qkv_sizes[1]
+            # The query and key heads are adjacent: one rotation for both (element by
+            # element the same arithmetic as rotating each).
+            rotating = heads[:, : query_heads + kv_heads]
+            rotated = rotating * cos + _rotate_half(rotating) * sin
+            query_states, key_states = rotated[:, :query_heads], rotated[:, query_heads:]
+            value_states = heads[:, query_heads + kv_heads :]
             keys, values = slots.update(key_states, value_states)
             attended = _attend(
                 query_states,
@@ -325,6 +327,6 @@ class DirectDecoder:
             hidden = hidden + F.linear(merged, layer.out_weight, layer.out_bias)
             normed = _rms_norm(hidden, layer.mlp_norm)
             gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            gate, up = torch.split(gate_up, layer.intermediate, dim=-1)
+            gate, up = gate_up[..., : layer.intermediate], gate_up[..., layer.intermediate :]
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
         return _rms_norm(hidden, self._norm)

@@ -11,7 +11,8 @@ import contextlib
 from collections import deque
 
 from app.engine.generation_sequences import GenerationSequence
-from app.engine.kv_slots import SlotTable, steps_until_start
+from app.engine.kv_slots import steps_until_start
+from app.engine.slot_table import SlotTable
 from app.model_queues import ModelWork
 
 

@@ -18,8 +18,9 @@ length), interrupted by an arrival that could take a free slot or a cancel, and 
 row's EOS while a sequence waits for a slot (also one that arrived during the run); a
 deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
 
-A cancelled (client gone) or expired sequence gives its slot back at once: its stale keys
-are never read (`kv_cache.py`; a slot is zeroed only after non-finite logits). The host does
+A cancelled (client gone) or expired sequence gives its slot back at once: its keys are
+read again only as a later prompt's reused prefix (`slot_table.py`; a slot is zeroed only
+after non-finite logits). The host does
 admission and the step loop; waiting and slots are `generation_batch.py`'s, running a step
 `generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s. Event loop
 thread only; steps and warm-up run on dispatcher compute threads.

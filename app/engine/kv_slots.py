@@ -1,6 +1,6 @@
-"""Pure policy of the generation task's KV cache: which slots are free and which prompt
-tokens each holds (prefix reuse), whether a request can ever fit, and how long a new
-sequence would wait for a slot.
+"""Pure policy of the generation task's KV cache: whether a request can ever fit, and how
+long a new sequence would wait for a slot (which slots are free and what each holds:
+`slot_table.py`).
 
 No torch, no asyncio, no clock: the generation host (event loop thread) calls these with its
 own numbers, and unit tests call them directly.
@@ -9,7 +9,7 @@ own numbers, and unit tests call them directly.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,115 +19,6 @@ from app.admission import DelayEstimate, Rejected, RejectReason, delay_verdict
 from app.engine.protocol import GeneratePayload, SamplingParams
 from app.engine.protocol_logprobs import MAX_TOP_LOGPROBS
 from app.model_queues import ModelWork
-
-# The fewest resident tokens a joining sequence reuses (one vLLM block): a shorter reuse
-# saves next to nothing and would change the rounding of short prompts.
-MIN_REUSED_TOKENS = 16
-
-
-def shared_prefix(resident: tuple[int, ...], prompt: tuple[int, ...]) -> int:
-    """How many leading tokens `resident` and `prompt` share: tuple slices compared in C,
-    a binary search of them (a slice of each length at most log2 of the prompt's times)."""
-    length = min(len(resident), len(prompt))
-    if resident[:length] == prompt[:length]:
-        return length
-    low, high = 0, length  # resident[:low] matches, resident[:high] does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        if resident[:middle] == prompt[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
-
-
-class SlotTable:
-    """The cache's slots, each free or held by one sequence. Lowest free slot first, so a
-    light load keeps to the first rows; but with `reuse`, a joining prompt takes the free
-    slot whose resident tokens (those whose keys and values a slot's last occupant wrote,
-    positions 0..n-1: `give`) share its longest prefix, and starts past them (`choose`).
-    Event loop thread only."""
-
-    def __init__(self, slots: int, reuse: bool = False) -> None:
-        self.capacity = slots
-        self.reuse = reuse
-        self._free = list(range(slots))
-        heapq.heapify(self._free)
-        self._resident: list[tuple[int, ...]] = [()] * slots
-        # Slots zeroed (`forget`) since taken: their holder's tokens are not resident.
-        self._spoiled: set[int] = set()
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def held(self) -> int:
-        return self.capacity - len(self._free)
-
-    def resident(self, slot: int) -> tuple[int, ...]:
-        return self._resident[slot]
-
-    def choose(self, prompt: Sequence[int], sampling: SamplingParams) -> tuple[int, int]:
-        """The free slot a sequence of `prompt` takes, and how many of its prompt tokens are
-        resident there already (reused: it starts past them). The longest shared prefix
-        wins, ties to the lowest slot, capped at all but the prompt's last token (a step
-        must feed one for its logits); below `MIN_REUSED_TOKENS`, none, and the lowest free
-        slot. Never for a request of prompt log probabilities (those positions must be
-        computed), nor without `reuse`."""
-        if not self._free:
-            raise RuntimeError("no KV-cache slot is free")
-        lowest = self._free[0]
-        cap = len(prompt) - 1
-        if not self.reuse or sampling.prompt_logprobs is not None or cap < MIN_REUSED_TOKENS:
-            return lowest, 0
-        wanted = tuple(prompt)
-        head = wanted[:MIN_REUSED_TOKENS]
-        best_slot, best = lowest, 0
-        for slot in sorted(self._free):
-            resident = self._resident[slot]
-            if resident[:MIN_REUSED_TOKENS] != head:  # the cheap test first
-                continue
-            shared = min(shared_prefix(resident, wanted), cap)
-            if shared > best:
-                best_slot, best = slot, shared
-        return (best_slot, best) if best >= MIN_REUSED_TOKENS else (lowest, 0)
-
-    def take(self, slot: int | None = None) -> int:
-        """Hold `slot` (free), or the lowest free slot."""
-        if not self._free:
-            raise RuntimeError("no KV-cache slot is free")
-        if slot is None:
-            slot = heapq.heappop(self._free)
-        else:
-            self._free.remove(slot)  # ValueError if it is not free
-            heapq.heapify(self._free)
-        self._spoiled.discard(slot)
-        return slot
-
-    def give(self, slot: int, resident: tuple[int, ...] = ()) -> None:
-        """Free `slot`, `resident` the tokens whose keys and values its holder's steps wrote
-        there (none if it was zeroed meanwhile: `forget`)."""
-        if slot in self._free or not 0 <= slot < self.capacity:
-            raise ValueError(f"slot {slot} is not held")
-        self._resident[slot] = () if slot in self._spoiled else resident
-        heapq.heappush(self._free, slot)
-
-    def wrote(self, slot: int, resident: tuple[int, ...]) -> None:
-        """A step that ran after its holder left (cancelled, expired) wrote `resident` in
-        the free `slot`; ignored for a held or zeroed one."""
-        if slot in self._free and slot not in self._spoiled:
-            self._resident[slot] = resident
-
-    def forget(self, slot: int) -> None:
-        """`slot` is zeroed or may hold anything (a failed step): nothing there is resident,
-        neither now nor, if held, when its holder gives it back."""
-        self._resident[slot] = ()
-        self._spoiled.add(slot)
-
-    def forget_all(self) -> None:
-        for slot in range(self.capacity):
-            self.forget(slot)
 
 
 class SequenceLimits(Protocol):

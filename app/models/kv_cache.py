@@ -4,7 +4,9 @@ Each layer keeps keys and values of shape (slots, kv_heads, slot_tokens, head_di
 model's dtype (half precision on CUDA). A sequence owns one slot for its whole life; a step
 writes each row's new keys at that row's own positions and reads back its slot. Nothing is
 allocated per request: a finished sequence's slot is reused as it is, since a row only ever
-attends to positions it wrote itself (stale entries past them are masked).
+attends to positions written for its own tokens (stale entries past them are masked): by
+itself, or, for a prompt's reused prefix, by the slot's last holder, whose tokens there
+were the same (`app/engine/slot_table.py`).
 
 `SlotKVCache` plugs into a Hugging Face model as its `cache`; `plan_step` is called before
 each forward (the calling compute thread owns the cache for the forward's duration).

@@ -8,7 +8,6 @@ import pytest
 
 from app.admission import RejectReason
 from app.engine.kv_slots import (
-    SlotTable,
     StepPrice,
     payload_problem,
     start_verdict,
@@ -16,6 +15,7 @@ from app.engine.kv_slots import (
     steps_until_start,
 )
 from app.engine.protocol import GeneratePayload, SamplingParams
+from app.engine.slot_table import SlotTable
 from app.model_queues import ModelWork
 
 

@@ -1,4 +1,4 @@
-"""Prefix reuse in the KV-cache slots (`kv_slots.SlotTable`, pure): a joining prompt takes
+"""Prefix reuse in the KV-cache slots (`slot_table.SlotTable`, pure): a joining prompt takes
 the free slot whose resident tokens share its longest prefix and starts past them; and which
 tokens a sequence leaves resident in its slot (`GenerationSequence.resident`), exactly those
 whose keys and values its steps wrote. Before prefix reuse, `take` gave the lowest free slot
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from app.engine.generation_batch import SequenceTable
-from app.engine.kv_slots import MIN_REUSED_TOKENS, SlotTable, shared_prefix
 from app.engine.protocol import SamplingParams
+from app.engine.slot_table import MIN_REUSED_TOKENS, SlotTable, block_chain
 from tests.support.stand_in_sequence import stand_in_sequence
 
 GREEDY = SamplingParams(max_new_tokens=4)
@@ -27,11 +27,13 @@ def table_with(*residues: tuple[int, ...]) -> SlotTable:
     return table
 
 
-def test_shared_prefix_counts_the_leading_tokens_in_common() -> None:
-    assert shared_prefix((1, 2, 3, 4), (1, 2, 9)) == 2
-    assert shared_prefix((1, 2), (1, 2, 3)) == 2
-    assert shared_prefix((), (1,)) == 0
-    assert shared_prefix(tuple(range(500)), (*range(333), -1)) == 333
+def test_block_hashes_name_prefixes() -> None:
+    tokens = tuple(range(100))
+    chain = block_chain(tokens, 3)
+    assert len(chain) == 3
+    assert block_chain((*tokens[:40], -1), 2) == chain[:2]  # the same first 32 tokens
+    assert block_chain((*tokens[:20], -1, *tokens[21:]), 3)[1:] != chain[1:]  # one differs
+    assert block_chain((*tokens[:20], -1, *tokens[21:]), 3)[0] == chain[0]
 
 
 def test_the_slot_sharing_the_longest_prefix_wins() -> None:
@@ -159,3 +161,30 @@ async def test_a_step_that_ran_after_its_sequence_left_counts_what_its_row_fed()
     # A multi-step run fed 5, then each chosen token but the last (or its EOS).
     assert sequence.resident_after([6, 7, 8]) == (*PROMPT, 5, 6, 7)
     assert sequence.resident_after([6, 2]) == (*PROMPT, 5, 6)
+
+
+def test_reusing_nothing_takes_a_slot_that_holds_nothing_before_one_holding_a_prefix() -> None:
+    """Else a stranger's prompt took the lowest slot and wrote over the prefix the next
+    request of a shared-prefix client would have reused."""
+    stranger = tuple(range(500, 540))
+    table = table_with(PROMPT[:40], (), PROMPT[:30])
+    assert table.choose(stranger, GREEDY) == (1, 0)
+    assert table.choose(stranger[:5], GREEDY) == (1, 0)  # too short to reuse: the same
+    assert table_with(PROMPT[:40], PROMPT[:30]).choose(stranger, GREEDY) == (0, 0)
+
+
+def test_a_taken_or_forgotten_slot_is_no_longer_found_by_its_blocks() -> None:
+    table = table_with(PROMPT[:40], PROMPT[:35])
+    assert table.choose(PROMPT, GREEDY) == (0, 40)
+    assert table.take(0) == 0
+    assert table.choose(PROMPT, GREEDY) == (1, 35)
+    table.forget(1)
+    assert table.choose(PROMPT, GREEDY) == (1, 0)
+    table.give(0, PROMPT[:20])  # its new holder's tokens replace its old ones
+    assert table.choose(PROMPT, GREEDY) == (0, 20)
+
+
+def test_a_block_hash_collision_is_not_taken_for_a_shared_prefix() -> None:
+    table = table_with(PROMPT[:40], ())
+    table._resident[0] = (-1,) * 40  # as if other tokens had hashed alike
+    assert table.choose(PROMPT, GREEDY) == (1, 0)

@@ -11,7 +11,12 @@ from app.settings import Settings
 def settings_table() -> str:
     """Every setting as a Markdown table (the README's copy is checked against this)."""
     rows = ["| environment variable | default | meaning |", "|---|---|---|"]
-    for name, field in Settings.model_fields.items():
+    # Settings' own fields first, in their order, then those it inherits (the generation
+    # task's, `settings_generation.py`), which pydantic would list first.
+    own = [name for name in Settings.model_fields if name in Settings.__annotations__]
+    inherited = [name for name in Settings.model_fields if name not in own]
+    for name in own + inherited:
+        field = Settings.model_fields[name]
         default = field.get_default(call_default_factory=True)
         if isinstance(default, tuple):
             default = list(default)

@@ -47,11 +47,14 @@ def _common_length(held: tuple[int, ...], wanted: tuple[int, ...]) -> int:
 
 
 class SlotTable:
-    """The cache's slots, each free or held by one sequence. Lowest free slot first, so a
-    light load keeps to the first rows; with `reuse`, a joining prompt takes the free slot
-    whose resident tokens share its longest prefix and starts past them, and one reusing
-    nothing takes the lowest free slot that holds nothing, before any that holds a prefix
-    a later prompt may want (`choose`). Event loop thread only."""
+    """The cache's slots, each free or held by one sequence. Without `reuse`, the lowest
+    free slot, so a light load keeps to the first rows (read as a view, not copied:
+    `kv_cache.py`). With it, a joining prompt takes the free slot whose resident tokens
+    share its longest prefix and starts past them; one reusing nothing takes the lowest
+    free slot holding nothing, else the one given back longest ago, as vLLM evicts its
+    least recently used blocks: a hot prefix outlives strangers' prompts (`choose`), at the
+    price of scattered rows, whose keys and values each layer copies. Event loop thread
+    only."""
 
     def __init__(self, slots: int, reuse: bool = False) -> None:
         self.capacity = slots
@@ -64,6 +67,9 @@ class SlotTable:
         self._index: dict[int, set[int]] = {}
         # Slots zeroed (`forget`) since taken: their holder's tokens are not resident.
         self._spoiled: set[int] = set()
+        # When each slot was last given back (a count of `give`s): the eviction order.
+        self._given_at = [0] * slots
+        self._gives = 0
 
     @property
     def free(self) -> int:
@@ -82,7 +88,7 @@ class SlotTable:
         wins, ties to the lowest slot, capped at all but the prompt's last token (a step
         must feed one for its logits); below `MIN_REUSED_TOKENS`, none. Never for a request
         of prompt log probabilities (those positions must be computed), nor without
-        `reuse`. Reusing nothing, the lowest free slot holding nothing, else the lowest."""
+        `reuse`. Reusing nothing, `_spare`'s."""
         if not self._free:
             raise RuntimeError("no KV-cache slot is free")
         cap = len(prompt) - 1
@@ -115,12 +121,14 @@ class SlotTable:
         return best_slot, reused
 
     def _spare(self) -> int:
-        """The lowest free slot that holds nothing, else the lowest free slot."""
-        if self.reuse:
-            empty = [slot for slot in self._free if not self._resident[slot]]
-            if empty:
-                return min(empty)
-        return self._free[0]
+        """For a sequence reusing nothing: the lowest free slot (without `reuse`); else the
+        lowest holding nothing, else the one given back longest ago."""
+        if not self.reuse:
+            return self._free[0]
+        empty = [slot for slot in self._free if not self._resident[slot]]
+        if empty:
+            return min(empty)
+        return min(self._free, key=lambda slot: (self._given_at[slot], slot))
 
     def take(self, slot: int | None = None) -> int:
         """Hold `slot` (free), or the lowest free slot."""
@@ -141,6 +149,8 @@ class SlotTable:
         if slot in self._free or not 0 <= slot < self.capacity:
             raise ValueError(f"slot {slot} is not held")
         heapq.heappush(self._free, slot)
+        self._gives += 1
+        self._given_at[slot] = self._gives
         self._record(slot, () if slot in self._spoiled else resident)
 
     def wrote(self, slot: int, resident: tuple[int, ...]) -> None:

@@ -170,7 +170,24 @@ def test_reusing_nothing_takes_a_slot_that_holds_nothing_before_one_holding_a_pr
     table = table_with(PROMPT[:40], (), PROMPT[:30])
     assert table.choose(stranger, GREEDY) == (1, 0)
     assert table.choose(stranger[:5], GREEDY) == (1, 0)  # too short to reuse: the same
-    assert table_with(PROMPT[:40], PROMPT[:30]).choose(stranger, GREEDY) == (0, 0)
+    assert table_with(PROMPT[:40], PROMPT[:30]).choose(stranger, GREEDY) == (0, 0)  # given first
+
+
+def test_a_hot_prefix_outlives_strangers_once_every_slot_holds_something() -> None:
+    """With no empty slot, a stranger takes the slot given back longest ago: a client
+    whose requests share a system prompt, alternating with strangers, keeps reusing it
+    (the lowest free slot was the one it had just given back, so a stranger overwrote it
+    every time and it never reused anything)."""
+    table = table_with((9,) * 20, (8,) * 20, (7,) * 20)  # every slot holds something
+    system = PROMPT
+    for turn in range(4):
+        slot, reused = table.choose(system, GREEDY)
+        assert reused == (0 if turn == 0 else 59)
+        table.give(table.take(slot), system[:59])
+        stranger = tuple(range(1000 + 100 * turn, 1040 + 100 * turn))
+        slot, reused = table.choose(stranger, GREEDY)
+        assert reused == 0
+        table.give(table.take(slot), stranger[:39])
 
 
 def test_a_taken_or_forgotten_slot_is_no_longer_found_by_its_blocks() -> None:

@@ -12,7 +12,7 @@ module-by-module forward: the query, key and value projections are one matrix pr
 so are the gate and up projections (the modules' weights become views into the fused
 tensors, so the model holds one copy); each output element is still the dot product of the
 same row and column, so results differ at most by the summation order within one (bf16:
-equal here; float32: ~1e-6 of the hidden state's scale), which
+equal here; float32: logits within ~1e-5), which
 tests/integration/test_direct_decoder.py bounds against the model's own forward.
 
 `DirectDecoder.build` returns None for any model it does not reproduce: another model type,

@@ -37,21 +37,9 @@ from transformers import (
 from app.engine.protocol import SamplingParams
 from app.models.causal_lm import CausalLMRunner, StepRow
 from app.models.sampling import new_generator
+from tests.support.small_decoders import PROMPTS, SMALL_DECODER
 
-COMMON = {
-    "vocab_size": 300,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "initializer_range": 0.3,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-PROMPTS = [[1, 5, 6, 7, 8, 9, 10, 11, 12], [1, 20, 21], [1, 30, 31, 32, 33, 34]]
+COMMON = SMALL_DECODER
 NEW_TOKENS = 16
 
 

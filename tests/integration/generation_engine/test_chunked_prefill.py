@@ -9,7 +9,6 @@ a prompt was one row of all its tokens: the chunk checks fail on that code."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ from tests.support.generation_engine import (
     started,
     submit,
 )
+from tests.support.held_step import held_step
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -208,41 +208,26 @@ async def test_a_cancel_mid_prefill_frees_the_slot_at_once(tiny_causal_lm: Path)
     engine = await chunked_engine(tiny_causal_lm, CHUNK, generate_slots=1)
     core, host = engine.core, engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
-    real_step = host.runner.step
-    calls = 0
-    in_second_chunk = threading.Event()
-    let_it_go = threading.Event()
-
-    def held_in_the_second_chunk(rows: Sequence[StepRow]) -> list[int]:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            in_second_chunk.set()
-            let_it_go.wait(timeout=60)
-        return real_step(rows)
-
-    host.runner.step = held_in_the_second_chunk  # type: ignore[method-assign]
     try:
-        request = submit(engine, list(range(3, 63)), SamplingParams(max_new_tokens=5))
-        answers: list[object] = []
-        core.submit(b"front", request, answers.append)
-        assert await asyncio.to_thread(in_second_chunk.wait, 60)
-        sequence = next(iter(host._batch.running.values()))
-        assert sequence.prefilled == CHUNK and sequence.prefilling
-        core.cancel(b"front", request.request_id)
-        for _ in range(1000):
-            report = (await engine.debug("pool"))["tiny"]
-            if report["slots_held"] == 0:  # type: ignore[index]
-                break
-            await asyncio.sleep(0)
-        assert report["slots_held"] == 0, report  # type: ignore[index]
-        assert not let_it_go.is_set()  # freed while its chunk was still computing
-        let_it_go.set()
+        with held_step(host.runner, at=2) as second_chunk:
+            request = submit(engine, list(range(3, 63)), SamplingParams(max_new_tokens=5))
+            answers: list[object] = []
+            core.submit(b"front", request, answers.append)
+            assert await asyncio.to_thread(second_chunk.reached.wait, 60)
+            sequence = next(iter(host._batch.running.values()))
+            assert sequence.prefilled == CHUNK and sequence.prefilling
+            core.cancel(b"front", request.request_id)
+            for _ in range(1000):
+                report = (await engine.debug("pool"))["tiny"]
+                if report["slots_held"] == 0:  # type: ignore[index]
+                    break
+                await asyncio.sleep(0)
+            assert report["slots_held"] == 0, report  # type: ignore[index]
+            assert not second_chunk.released.is_set()  # freed while its chunk computed
         after = await generate(engine, [1, 40, 41], SamplingParams(max_new_tokens=3))
         assert after.prompt_tokens == 3 and after.token_ids
         assert answers == []  # a cancelled sequence is answered nothing
     finally:
-        let_it_go.set()
         await engine.close()
 
 

@@ -9,7 +9,6 @@ the reused-tokens metric did not exist: every test here fails there."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from tests.support.generation_engine import (
     started,
     submit,
 )
+from tests.support.held_step import held_step
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -145,35 +145,23 @@ async def test_a_cancel_mid_prefill_leaves_the_chunks_its_steps_wrote(
     engine, host = await engine_with(
         tiny_causal_lm, generate_slots=1, generate_prefill_chunk_tokens=8
     )
-    real_step = host.runner.step
-    calls = 0
-    in_second_chunk, let_it_go = threading.Event(), threading.Event()
-
-    def held_in_the_second_chunk(rows: Sequence[StepRow]) -> list[int]:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            in_second_chunk.set()
-            let_it_go.wait(timeout=60)
-        return real_step(rows)
-
-    host.runner.step = held_in_the_second_chunk  # type: ignore[method-assign]
     slots = host._batch.slots
     try:
-        request = submit(engine, long_prompt, SamplingParams(max_new_tokens=5))
-        engine.core.submit(b"front", request, lambda message: None)
-        assert await asyncio.to_thread(in_second_chunk.wait, 60)
-        engine.core.cancel(b"front", request.request_id)
-        for _ in range(1000):
-            if slots.free == 1:
-                break
-            await asyncio.sleep(0)
-        assert slots.resident(0) == tuple(long_prompt[:8])  # its taken chunk, so far
-        let_it_go.set()
-        for _ in range(1000):
-            if slots.resident(0) != tuple(long_prompt[:8]):
-                break
-            await asyncio.sleep(0.01)
+        with held_step(host.runner, at=2) as second_chunk:
+            request = submit(engine, long_prompt, SamplingParams(max_new_tokens=5))
+            engine.core.submit(b"front", request, lambda message: None)
+            assert await asyncio.to_thread(second_chunk.reached.wait, 60)
+            engine.core.cancel(b"front", request.request_id)
+            for _ in range(1000):
+                if slots.free == 1:
+                    break
+                await asyncio.sleep(0)
+            assert slots.resident(0) == tuple(long_prompt[:8])  # its taken chunk, so far
+            second_chunk.release()
+            for _ in range(1000):
+                if slots.resident(0) != tuple(long_prompt[:8]):
+                    break
+                await asyncio.sleep(0.01)
         assert slots.resident(0) == tuple(long_prompt[:16])  # and the one computing then
         sharing = [*long_prompt[:30], *ids[90:95]]
         before = reused(engine)
@@ -181,7 +169,6 @@ async def test_a_cancel_mid_prefill_leaves_the_chunks_its_steps_wrote(
         assert result.token_ids == expected_greedy(model, sharing, 6).token_ids
         assert reused(engine) == before + 16
     finally:
-        let_it_go.set()
         await engine.close()
 
 

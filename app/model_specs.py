@@ -101,10 +101,10 @@ class ModelSpec(BaseModel):
     )
     forward: Literal["auto", "transformers"] = Field(
         default="auto",
-        description="`generate` task: `auto` runs Llama, Mistral and Qwen2 through "
-        "steadyserve's written-out decoder forward (the model's arithmetic, fewer Python "
-        "calls a step) and any other model through its own; `transformers` always runs the "
-        "model's own forward.",
+        description="`generate` task: `auto` runs Llama, Mistral and Qwen2 (SDPA attention, "
+        "plain linears) through steadyserve's written-out decoder forward (the model's "
+        "arithmetic, fewer Python calls a step; the log says which ran) and any other model "
+        "through its own; `transformers` always runs the model's own forward.",
     )
     inputs: tuple[TensorSpec, ...] = Field(
         default=(), description="`tensor` task: the model's inputs, in call order."

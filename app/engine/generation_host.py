@@ -19,11 +19,11 @@ row's EOS while a sequence waits for a slot (also one that arrived during the ru
 deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
 
 A cancelled (client gone) or expired sequence gives its slot back at once: its keys are
-read again only as a later prompt's reused prefix (`slot_table.py`; a slot is zeroed only
-after non-finite logits). The host does
-admission and the step loop; waiting and slots are `generation_batch.py`'s, running a step
-`generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s. Event loop
-thread only; steps and warm-up run on dispatcher compute threads.
+read again only as a later prompt's reused prefix (`slot_table.py`; a slot is zeroed after
+non-finite logits or a failed prefill; a failed step's slots are not reused). The host
+does admission and the step loop; waiting and slots are `generation_batch.py`'s, running
+a step `generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s.
+Event loop thread only; steps and warm-up run on dispatcher compute threads.
 """
 
 from __future__ import annotations

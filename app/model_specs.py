@@ -101,7 +101,7 @@ class ModelSpec(BaseModel):
     )
     forward: Literal["auto", "transformers"] = Field(
         default="auto",
-        description="`generate` task: `auto` runs Llama, Mistral and Qwen2 (SDPA attention, "
+        description="`generate` task: `auto` runs Llama, Mistral, Qwen2 and Qwen3 (SDPA, "
         "plain linears) through steadyserve's written-out decoder forward (the model's "
         "arithmetic, fewer Python calls a step; the log says which ran) and any other model "
         "through its own; `transformers` always runs the model's own forward.",

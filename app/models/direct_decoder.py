@@ -1,5 +1,5 @@
-"""A Llama-family decoder's forward (Llama, Mistral, Qwen2) written out as its tensor
-operations, over the slot cache.
+"""A Llama-family decoder's forward (Llama, Mistral, Qwen2, Qwen3) written out as its
+tensor operations, over the slot cache.
 
 Why: at a decode step's sizes a small model's forward through transformers is mostly Python
 (module calls, keyword plumbing, output records, mask preparation): the tiny Qwen2 of the
@@ -7,17 +7,17 @@ tests, 32 rows decoding, bf16, one thread, took 1.50 ms a step through `Qwen2Mod
 and 0.80 ms here (docs/BENCHMARKS.md, session 21). The arithmetic is the model's own: the
 same embedding, RMSNorm in float32 then the weight in the model's dtype, the model's own
 rotary-embedding module (so every RoPE type it knows), scaled-dot-product attention with the
-runner's additive masks, the SiLU-gated MLP, the final norm. Two things differ from the
-module-by-module forward: the query, key and value projections are one matrix product, and
-so are the gate and up projections (the modules' weights become views into the fused
-tensors, so the model holds one copy); each output element is still the dot product of the
-same row and column, so results differ at most by the summation order within one (bf16:
-equal here; float32: logits within ~1e-5), which
+runner's additive masks (Qwen3's query and key heads normed first), the SiLU-gated MLP, the
+final norm. Two things differ from the module-by-module forward: the query, key and value
+projections are one matrix product, and so are the gate and up projections (the modules'
+weights become views into the fused tensors, so the model holds one copy); each output
+element is still the dot product of the same row and column, so results differ at most by
+the summation order within one (bf16: equal here; float32: logits within ~1e-5), which
 tests/integration/test_direct_decoder.py bounds against the model's own forward.
 
 `DirectDecoder.build` returns None for any model it does not reproduce: another model type,
 attention other than SDPA (eager attention computes its softmax differently), or modules
-other than the plain ones this file computes (quantized linears, Qwen3's query/key norms);
+other than the plain ones this file computes (quantized linears, another model's norms);
 those run the model's own forward. Compute threads only, one forward at a time per cache.
 """
 
@@ -37,13 +37,18 @@ from app.models.kv_cache import SlotKVCache
 log = logging.getLogger(__name__)
 
 # Model types whose decoder layer is exactly: RMSNorm (float32, then weight x input dtype),
-# attention (q/k/v/o linears, rotate-half RoPE, no norms inside), residual, RMSNorm, SiLU-
-# gated MLP, residual; embedding unscaled, final RMSNorm. Read against transformers'
-# modeling_llama, modeling_mistral and modeling_qwen2 (5.x).
-REPRODUCED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# attention (q/k/v/o linears, rotate-half RoPE, no norms inside but Qwen3's per-head query
+# and key norms), residual, RMSNorm, SiLU-gated MLP, residual; embedding unscaled, final
+# RMSNorm. Read against transformers' modeling_llama, modeling_mistral, modeling_qwen2 and
+# modeling_qwen3 (5.x).
+REPRODUCED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Model types whose attention also norms each query and key head (RMSNorm over the head's
+# width) before its rotation: Qwen3, otherwise Qwen2 (modeling_qwen3).
+HEAD_NORM_MODEL_TYPES = frozenset({"qwen3"})
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_HEAD_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
@@ -60,6 +65,8 @@ class _Layer:
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
     qkv_sizes: tuple[int, int, int]  # heads: query, key, value
+    query_norm: _Norm | None  # each query head's (Qwen3), before its rotation
+    key_norm: _Norm | None
     groups: int  # query heads per key/value head
     out_weight: torch.Tensor
     out_bias: torch.Tensor | None
@@ -161,12 +168,15 @@ def _head_dim(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
-def _layer_refusal(layer: Any, head_dim: int) -> str | None:
-    """Why the decoder layer is not one this file computes, or None."""
+def _layer_refusal(layer: Any, head_dim: int, head_norms: bool) -> str | None:
+    """Why the decoder layer is not one this file computes, or None; `head_norms`: its
+    attention norms each query and key head (and has no other parts)."""
     if set(dict(layer.named_children())) != _LAYER_PARTS:
         return f"decoder layer parts {sorted(dict(layer.named_children()))}"
     attention, mlp = layer.self_attn, layer.mlp
-    if set(dict(attention.named_children())) != _ATTENTION_PARTS:
+    if set(dict(attention.named_children())) != _ATTENTION_PARTS | (
+        _HEAD_NORMS if head_norms else set()
+    ):
         return f"attention parts {sorted(dict(attention.named_children()))}"
     if set(dict(mlp.named_children())) != _MLP_PARTS:
         return f"MLP parts {sorted(dict(mlp.named_children()))}"
@@ -176,8 +186,11 @@ def _layer_refusal(layer: Any, head_dim: int) -> str | None:
     feeds = _plain_linears(mlp, ("gate_proj", "up_proj", "down_proj"))
     if projections is None or feeds is None:
         return "linears of another kind"
-    if _norm(layer.input_layernorm) is None or _norm(layer.post_attention_layernorm) is None:
-        return f"norm {type(layer.input_layernorm).__name__}"
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if head_norms:
+        norms += [attention.q_norm, attention.k_norm]
+    if any(_norm(norm) is None for norm in norms):
+        return f"norms {[type(norm).__name__ for norm in norms]}"
     if getattr(attention, "head_dim", head_dim) != head_dim:
         return "per-layer head sizes"
     for group in (projections[:3], feeds[:2]):
@@ -186,7 +199,7 @@ def _layer_refusal(layer: Any, head_dim: int) -> str | None:
     return None
 
 
-def _layer(layer: Any, kind: str, head_dim: int) -> _Layer:
+def _layer(layer: Any, kind: str, head_dim: int, head_norms: bool) -> _Layer:
     """The tensors of a layer `_layer_refusal` passed, its projections fused."""
     attention, mlp = layer.self_attn, layer.mlp
     query, key, value, out = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
@@ -197,6 +210,8 @@ def _layer(layer: Any, kind: str, head_dim: int) -> _Layer:
     assert attention_norm is not None and mlp_norm is not None  # `_layer_refusal` checked
     return _Layer(
         kind=kind,
+        query_norm=_norm(attention.q_norm) if head_norms else None,
+        key_norm=_norm(attention.k_norm) if head_norms else None,
         attention_norm=attention_norm,
         qkv_weight=qkv_weight,
         qkv_bias=qkv_bias,
@@ -249,7 +264,7 @@ class DirectDecoder:
         base = model.base_model
         head_dim = _head_dim(model.config)
         layers = [
-            _layer(layer, kind, head_dim)
+            _layer(layer, kind, head_dim, model_type in HEAD_NORM_MODEL_TYPES)
             for layer, kind in zip(base.layers, layer_kinds, strict=True)
         ]
         norm = _norm(base.norm)
@@ -282,7 +297,7 @@ class DirectDecoder:
             return f"final norm {type(base.norm).__name__}"
         head_dim = _head_dim(config)
         for layer in base.layers:
-            reason = _layer_refusal(layer, head_dim)
+            reason = _layer_refusal(layer, head_dim, model_type in HEAD_NORM_MODEL_TYPES)
             if reason is not None:
                 return reason
         return None
@@ -310,6 +325,11 @@ class DirectDecoder:
             # The query and key heads are adjacent: one rotation for both (element by
             # element the same arithmetic as rotating each).
             rotating = heads[:, : query_heads + kv_heads]
+            if layer.query_norm is not None and layer.key_norm is not None:
+                # Qwen3: each query and key head normed over its width, then rotated.
+                query_part = _rms_norm(rotating[:, :query_heads], layer.query_norm)
+                key_part = _rms_norm(rotating[:, query_heads:], layer.key_norm)
+                rotating = torch.cat((query_part, key_part), dim=1)
             rotated = rotating * cos + _rotate_half(rotating) * sin
             query_states, key_states = rotated[:, :query_heads], rotated[:, query_heads:]
             value_states = heads[:, query_heads + kv_heads :]

@@ -1,10 +1,10 @@
 """The decoder forward written out (`app/models/direct_decoder.py`) computes what the model's
 own forward computes: over prefill with right-padded rows in scattered slots, then decode
 steps, its logits match the model's own (through the same runner, `direct=False`) for Llama
-(with and without biases, grouped and not), Mistral with a sliding window and Qwen2 (one
-layer full, one windowed), in float32 and bf16; greedy tokens are equal. Models it does not
-reproduce run their own forward, untouched; the fused projections are the model's only copy
-of those weights."""
+(with and without biases, grouped and not), Mistral with a sliding window, Qwen2 (one
+layer full, one windowed) and Qwen3 (its query and key heads normed), in float32 and bf16;
+greedy tokens are equal. Models it does not reproduce run their own forward, untouched; the
+fused projections are the model's only copy of those weights."""
 
 from __future__ import annotations
 
@@ -56,6 +56,8 @@ BUILDS: dict[str, Build] = {
     "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON)),
     # Heads wider than hidden / heads: projections of 128 from a width of 64.
     "qwen2-head-dim-32": lambda: Qwen2ForCausalLM(Qwen2Config(**COMMON, head_dim=32)),
+    # Query and key heads normed before their rotation; biases on every attention projection.
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32, attention_bias=True)),
     # Layer 0 full attention, layer 1 a 6-token window: each layer takes its own mask.
     "qwen2-mixed-window": lambda: Qwen2ForCausalLM(
         Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1)
@@ -66,11 +68,14 @@ BUILDS: dict[str, Build] = {
 def saved(build: Build, directory: Path) -> Path:
     torch.manual_seed(0)
     model = build().eval()
-    # Biases start at zero: random ones, so a bias left out or misplaced shows.
+    # Biases start at zero and norms' weights at one: random ones, so one left out or
+    # misplaced shows.
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, 0.3)
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.normal_(1.0, 0.3)
     model.save_pretrained(directory)
     return directory
 
@@ -121,7 +126,7 @@ def test_logits_match_the_models_own_forward_in_float32(
         assert direct_tokens == own_tokens
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_greedy_tokens_match_in_bf16(name: str, tmp_path: Path) -> None:
     directory = saved(BUILDS[name], tmp_path)
     own = steps(runner(directory, torch.bfloat16, direct=False))
@@ -165,8 +170,8 @@ def _quantized_llama() -> PreTrainedModel:
 
 
 def _llama_with_attention_norms() -> PreTrainedModel:
-    """A part the written-out attention does not compute (as Qwen3's q_norm), on a type it
-    otherwise reproduces."""
+    """A part the written-out attention does not compute (a query norm on a Llama, whose
+    own forward never calls it), on a type it otherwise reproduces."""
     model = LlamaForCausalLM(LlamaConfig(**COMMON))
     model.model.layers[0].self_attn.q_norm = nn.LayerNorm(16)
     return model
@@ -184,7 +189,6 @@ def _eager_llama() -> PreTrainedModel:
 
 REFUSED: dict[str, Build] = {
     "gemma2: another model type": lambda: Gemma2ForCausalLM(Gemma2Config(**COMMON)),
-    "qwen3: query and key norms": lambda: Qwen3ForCausalLM(Qwen3Config(**COMMON)),
     "eager attention": _eager_llama,
     "a linear subclass": _quantized_llama,
     "an extra attention part": _llama_with_attention_norms,

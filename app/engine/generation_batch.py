@@ -77,7 +77,7 @@ class SequenceTable:
                 break
             self.waiting.popleft()
             candidate.slot = self.slots.take(slot)
-            candidate.prefilled = reused
+            candidate.prefilled = candidate.reused = reused
             candidate.started = now
             self.running[candidate.slot] = candidate
             joiners.append(candidate)

@@ -289,8 +289,6 @@ class GenerationHost:
         """The next step's sequences: those joining now (their prompt's first chunk), then
         the running ones (the next chunk of a prompt being prefilled, or a decode row)."""
         joiners = self._batch.join(self._max_batch_tokens, self._context.clock())
-        if reused := sum(joiner.prefilled for joiner in joiners):  # resident in their slots
-            self._reused_counter.inc(reused)
         return joiners + [s for s in self._batch.running.values() if s not in joiners]
 
     def _expire(self, now: float) -> None:
@@ -334,7 +332,8 @@ class GenerationHost:
                 continue
             if broken:
                 chosen = chosen[: chosen.index(NO_TOKEN)]
-            sequence.chunk_computed()  # a prompt chunk's row: its tokens are in its slot
+            if reused := sequence.chunk_computed():  # a prompt chunk's row: in its slot now
+                self._reused_counter.inc(reused)  # its first step ran on what it reused
             if sequence.prefilling:  # not its prompt's last chunk: no token, no output
                 if broken:  # its chunk's logits broke down: fail it, zero its slot
                     self._fail_non_finite(sequence)

@@ -35,6 +35,7 @@ class GenerationSequence:
     # prompt is prefilled a chunk a step, `prefilled` counting those in its slot.
     chunk_tokens: int = 1 << 30
     prefilled: int = 0
+    reused: int = 0  # of `prefilled`, found resident in its slot at join, until counted
     slot: int | None = None
     started: float | None = None  # joined the batch
     first_token_at: float | None = None
@@ -74,9 +75,13 @@ class GenerationSequence:
         """Prompt tokens its next row feeds (0 once prefilled)."""
         return min(self.chunk_tokens, len(self.prompt) - self.prefilled)
 
-    def chunk_computed(self) -> None:
-        """Its row's step ran: a prompt chunk is now in its slot (none for a decode row)."""
+    def chunk_computed(self) -> int:
+        """Its row's step ran: a prompt chunk is now in its slot (none for a decode row).
+        Returns the prompt tokens it found resident in its slot at join (`reused`), once,
+        after its first step: those served it only if that step ran."""
+        counted, self.reused = self.reused, 0
         self.prefilled += self.next_chunk()
+        return counted
 
     def prefill_steps(self) -> int:
         """Steps before the one that chooses its first token: its prompt's chunks but the

@@ -240,3 +240,31 @@ async def test_a_failed_step_s_slots_hold_nothing_reusable(
         assert reused(engine) == before + 40
     finally:
         await engine.close()
+
+
+async def test_reused_tokens_count_only_once_a_step_ran_on_them(
+    tiny_causal_lm: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """A joiner reusing 40 tokens whose step fails, and fails again when triage reruns it
+    alone, is failed: no step ran on what it reused, so the counter does not move (it
+    counted at join, whatever happened next)."""
+    tokenizer, _ = reference
+    ids = corpus_ids(tokenizer)
+    first, second = ([*ids[:40], *ids[start : start + 6]] for start in (60, 80))
+    engine, host = await engine_with(tiny_causal_lm, generate_slots=1)
+    real_step = host.runner.step
+
+    def failing_past_the_prefix(rows: Sequence[StepRow]) -> list[int]:
+        if any(row.prefill and row.start == 40 for row in rows):
+            raise RuntimeError("injected")
+        return real_step(rows)
+
+    try:
+        await generate(engine, first, SamplingParams(max_new_tokens=4))
+        host.runner.step = failing_past_the_prefix  # type: ignore[method-assign]
+        before = reused(engine)
+        with pytest.raises(BatchFailed):
+            await generate(engine, second, SamplingParams(max_new_tokens=6))
+        assert reused(engine) == before
+    finally:
+        await engine.close()

@@ -72,6 +72,7 @@ bench: setup-bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.frontend_cost --path /v1/embeddings
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.batch_bench --lines $(BATCH_BENCH_LINES)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.generation_bench
+	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.prefix_reuse_bench
 	HF_HUB_OFFLINE=1 $(BIN)/python -m loadtest.v2_bench
 
 check-config: setup

@@ -1,6 +1,6 @@
 """Prefix reuse's measurement: what `generate_prefix_reuse` (app/engine/slot_table.py) buys
-when prompts share a long prefix, and what it costs when they share none. Not part of
-`make bench`, not a test.
+when prompts share a long prefix, and what it costs when they share none. A step of
+`make bench` (after the generation bench), not a test.
 
 The engine process over ZeroMQ, as the generation bench drives it (`served_settings`,
 `engine_process`, `engine_wave`), serving the tiny random-weight causal LM (`--hidden`,

@@ -368,9 +368,12 @@ def transformers_serve(
 
 
 @contextlib.asynccontextmanager
-async def engine_process(settings: Settings) -> AsyncIterator[ZmqEngineClient]:
-    """The engine process as `steadyserve serve` supervises it (`settings`), ready, and a
-    ZeroMQ client connected to it (no HTTP front end); stopped on exit."""
+async def supervised_engine(
+    settings: Settings,
+) -> AsyncIterator[tuple[ZmqEngineClient, EngineSupervisor]]:
+    """The engine process as `steadyserve serve` supervises it (`settings`), ready, a
+    ZeroMQ client connected to it (no HTTP front end), and its supervisor (restarts);
+    stopped on exit."""
     with tempfile.TemporaryDirectory(prefix="engine-bench-") as run_dir:
         addresses = EngineAddresses.in_directory(Path(run_dir))
         client = ZmqEngineClient(addresses)
@@ -379,7 +382,14 @@ async def engine_process(settings: Settings) -> AsyncIterator[ZmqEngineClient]:
         supervisor.start()
         try:
             await client.wait_ready(120)
-            yield client
+            yield client, supervisor
         finally:
             await supervisor.stop()
             await client.close()
+
+
+@contextlib.asynccontextmanager
+async def engine_process(settings: Settings) -> AsyncIterator[ZmqEngineClient]:
+    """`supervised_engine`'s client alone."""
+    async with supervised_engine(settings) as (client, _):
+        yield client

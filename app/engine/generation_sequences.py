@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from app.engine.host import Emit, RequestTracer
+from app.engine.kv_slots import prefill_steps
 from app.engine.protocol import FinishReason, Output, SamplingParams, Submit, TokensOutput
 from app.engine.protocol_logprobs import EndToken, TokenLogprobs
 from app.models.causal_lm import StepRow
@@ -86,7 +87,7 @@ class GenerationSequence:
     def prefill_steps(self) -> int:
         """Steps before the one that chooses its first token: its prompt's chunks but the
         last (which chooses it)."""
-        return max(0, -(-(len(self.prompt) - self.prefilled) // self.chunk_tokens) - 1)
+        return prefill_steps(len(self.prompt) - self.prefilled, self.chunk_tokens)
 
     def resident(self) -> tuple[int, ...]:
         """The tokens whose keys and values its taken steps wrote in its slot (positions

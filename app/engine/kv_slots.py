@@ -94,8 +94,9 @@ def steps_until_start(
 
 
 def prefill_steps(prompt_tokens: int, chunk_tokens: int) -> int:
-    """Steps a prompt of `prompt_tokens` prefills before the one choosing its token (all
-    of it: one joining may reuse some in its slot, but which slot it takes is not known)."""
+    """Steps `prompt_tokens` still to prefill take before the one choosing the first token:
+    a waiting request's whole prompt (one joining may reuse some in its slot, but which
+    slot it takes is not known), a running sequence's rest (`GenerationSequence`)."""
     return max(0, -(-prompt_tokens // chunk_tokens) - 1)
 
 

@@ -15,13 +15,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.admission import Rejected, RejectReason
-from app.engine.process import EngineAddresses
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
-from app.engine.supervisor import EngineSupervisor
 from app.engine.zmq_client import ZmqEngineClient
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.model_specs import ModelSpec
 from app.settings import Settings
+from loadtest.generation_phases import supervised_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.asyncio]
 
@@ -52,14 +51,7 @@ async def test_a_killed_generation_engine_is_replaced(
         engine_restart_backoff_s=(0.2, 1.0),
         max_queue_delay_ms=10_000,
     )
-    addresses = EngineAddresses.in_directory(tmp_path / "sockets")
-    (tmp_path / "sockets").mkdir()
-    client = ZmqEngineClient(addresses)
-    supervisor = EngineSupervisor(settings, addresses)
-    await client.start()
-    supervisor.start()
-    try:
-        await client.wait_ready(120)
+    async with supervised_engine(settings) as (client, supervisor):
         status = client.status()
         assert status is not None and status.models["tiny"].task == "generate"
         first_pid = status.pid
@@ -95,6 +87,3 @@ async def test_a_killed_generation_engine_is_replaced(
             + outputs[1].payload.token_ids
             + outputs[2].payload.token_ids
         )  # type: ignore[union-attr]
-    finally:
-        await supervisor.stop()
-        await client.close()

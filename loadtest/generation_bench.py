@@ -183,7 +183,8 @@ def served_by_transformers(
 
 
 # --- report --------------------------------------------------------------------------
-def _ms(value: float | None) -> str:
+def ms_text(value: float | None) -> str:
+    """Milliseconds for a report table: one decimal, "-" for none."""
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -195,9 +196,9 @@ def table(phases: list[Phase]) -> str:
     for p in phases:
         rows.append(
             f"| {p.name} | {p.requests} | {p.refused + p.errors} | {p.tokens} | {p.seconds:.3f} "
-            f"| {p.tokens_per_s:.0f} | {_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)}"
+            f"| {p.tokens_per_s:.0f} | {ms_text(p.ttft_p50_ms)} / {ms_text(p.ttft_p99_ms)}"
             f"{p99_sample_note(len(p.ttft_ms))} "
-            f"| {_ms(p.tpot_p50_ms)} |"
+            f"| {ms_text(p.tpot_p50_ms)} |"
         )
     return "\n".join(rows)
 

@@ -42,7 +42,7 @@ from transformers import AutoTokenizer
 from app.engine.zmq_client import ZmqEngineClient
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.metrics_render import render_processes
-from loadtest.generation_bench import served_settings
+from loadtest.generation_bench import ms_text, served_settings
 from loadtest.generation_phases import Phase, engine_process, engine_wave, make_prompts, pooled
 from loadtest.tiny_causal_lm import build_tiny_causal_lm
 
@@ -160,10 +160,6 @@ async def one_engine(
 
 
 # --- report --------------------------------------------------------------------------
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def _ratio(on: float | None, off: float | None) -> float | None:
     return on / off if on and off else None
 
@@ -195,7 +191,7 @@ def report(results: dict[tuple[str, bool], list[Phase]], prefix_tokens: int) -> 
             prefilled = _prefilled(waves)
             rows.append(
                 f"| {workload} | {'on' if reuse else 'off'} | {len(waves)} "
-                f"| {p.tokens_per_s:.0f} | {_ms(p.ttft_p50_ms)} / {_ms(p.ttft_p99_ms)} "
+                f"| {p.tokens_per_s:.0f} | {ms_text(p.ttft_p50_ms)} / {ms_text(p.ttft_p99_ms)} "
                 f"| {'-' if prefilled is None else f'{prefilled:.0f}'} |"
             )
         if True in summary and False in summary:

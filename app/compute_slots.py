@@ -14,7 +14,7 @@ only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 
 class ComputeSlots:
@@ -23,10 +23,17 @@ class ComputeSlots:
         self.free = capacity
         self._line: list[Hashable] = []  # claimants waiting for a slot, first come first
         self._listeners: list[asyncio.Event] = []
+        self._claim_listeners: list[Callable[[], None]] = []
 
     def listen(self, wakeup: asyncio.Event) -> None:
         """`wakeup` is set whenever a slot is given back or the line moves."""
         self._listeners.append(wakeup)
+
+    def on_claim(self, callback: Callable[[], None]) -> None:
+        """`callback()` is called whenever a claimant gets in line: whoever holds a slot
+        for a run of several steps (`generation_steps.py`) ends it after its current step,
+        so the line waits for one step, not a whole run."""
+        self._claim_listeners.append(callback)
 
     def available(self, claimant: Hashable) -> bool:
         """Whether `claimant` may take a slot now: one is free for each claimant ahead of
@@ -38,6 +45,8 @@ class ComputeSlots:
         """`claimant` has work ready and no slot: it is next after those already waiting."""
         if claimant not in self._line:
             self._line.append(claimant)
+            for callback in self._claim_listeners:
+                callback()
 
     def withdraw(self, claimant: Hashable) -> None:
         """`claimant` has nothing ready any more (its inputs expired or were cancelled, its

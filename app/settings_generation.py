@@ -39,12 +39,15 @@ class GenerationSettings(BaseSettings):
         "which keep getting tokens, and chooses its first token with its last chunk.",
     )
     generate_steps_per_dispatch: int = Field(
-        default=1,
+        default=16,
         ge=1,
         description="Decode steps one generate model runs per compute dispatch when no "
-        "sequence joins (multi-step decoding; 1: off): each sequence's tokens of those steps "
-        "go out in one message; an arrival or a cancel ends the run after its current step, "
-        "an expired deadline is noticed when the run ends.",
+        "sequence joins (multi-step decoding; 1: off), the compute thread feeding each "
+        "chosen token back while the event loop takes the last step's: a streamed sequence "
+        "gets each token as its step ends, the others their run's tokens as it ends. An "
+        "arrival that can take a slot, a cancel, an expired streamed sequence or another "
+        "model in line for the compute slots ends the run after its current step; a "
+        "sequence that does not stream is noticed past its deadline when the run ends.",
     )
     generate_max_waiting: int = Field(
         default=64,

@@ -24,7 +24,7 @@ class SequenceTable:
         # `_forecast`'s steps, simulated once per change (`changed`): every admission of
         # any model and every status (each 5 ms) read them, a heap over the running
         # sequences and a push and pop for each of up to `generate_max_waiting` waiting.
-        self._steps: tuple[int, int, bool] | None = None
+        self._steps: tuple[int, int] | None = None
 
     def changed(self) -> None:
         """Its sequences moved: one queued, joined or left, or a step's tokens were
@@ -90,13 +90,12 @@ class SequenceTable:
         """Predicted steps before a sequence queued now gets a slot."""
         return self._forecast()[0]
 
-    def _forecast(self) -> tuple[int, int, bool]:
+    def _forecast(self) -> tuple[int, int]:
         """Steps before a sequence queued now gets a slot (`steps_until_start`), and before
         every sequence could end: the longest running one's remaining steps, or the last
-        waiting one's, started once a slot frees (no later than one queued now); and whether
-        a running one still has extra prefill chunks. A sequence's steps are its tokens left
-        and its prefill's extra chunks (`steps_left`). Simulated once after each change
-        (`changed`)."""
+        waiting one's, started once a slot frees (no later than one queued now). A
+        sequence's steps are its tokens left and its prefill's extra chunks (`steps_left`).
+        Simulated once after each change (`changed`)."""
         if self._steps is None:
             running = [seq.steps_left() for seq in self.running.values()]
             waiting = [seq.steps_left() for seq in self.waiting]
@@ -104,8 +103,7 @@ class SequenceTable:
             steps = max(running, default=0)
             if waiting:
                 steps = max(steps, until_a_slot + max(waiting))
-            chunking = any(seq.prefill_steps() for seq in self.running.values())
-            self._steps = (until_a_slot, steps, chunking)
+            self._steps = (until_a_slot, steps)
         return self._steps
 
     def at_cap(self, max_waiting: int) -> bool:
@@ -114,24 +112,23 @@ class SequenceTable:
         waiting = len(self.waiting)
         return waiting >= max_waiting and self.slots.free <= waiting
 
-    def work(self, step_s: float, steps_per_dispatch: int, max_waiting: int) -> ModelWork:
-        """Its work on the compute slots: a dispatch of `steps_per_dispatch` steps a turn (a
-        slot is held a dispatch at a time) while it has sequences, for as many turns as they
-        take at most: until the longest running one ends, or the last waiting one does,
-        started once a slot frees for it (no later than one queued now). A sequence queued
-        now waits for a slot (`own_wait_s`: steps of `step_s`, which no other model waits
-        for), every dispatch until then a turn of each other model (`batches_ahead`)."""
+    def work(self, step_s: float, max_waiting: int) -> ModelWork:
+        """Its work on the compute slots: a step a turn while it has sequences (another
+        model in line ends a multi-step run after its current step: `ComputeSlots.on_claim`),
+        for as many turns as they take at most: until the longest running one ends, or the
+        last waiting one does, started once a slot frees for it (no later than one queued
+        now). A sequence queued now waits for a slot (`own_wait_s`: steps of `step_s`, which
+        no other model waits for), every step until then a turn of each other model
+        (`batches_ahead`)."""
         if not self:
             return ModelWork(0.0, 0.0, 0.0, turns=0)
-        until_a_slot, steps, chunking = self._forecast()
-        if chunking:  # a long prompt's chunks make every dispatch one step (`steps_for`)
-            steps_per_dispatch = 1
+        until_a_slot, steps = self._forecast()
         return ModelWork(
             running_s=0.0,
             queued_s=0.0,
-            next_batch_s=step_s * steps_per_dispatch,
-            batches_ahead=-(-until_a_slot // steps_per_dispatch),
-            turns=-(-steps // steps_per_dispatch),
+            next_batch_s=step_s,
+            batches_ahead=until_a_slot,
+            turns=steps,
             own_wait_s=until_a_slot * step_s,
             at_cap=self.at_cap(max_waiting),
         )

@@ -3,7 +3,7 @@
 Each request is one sequence. It waits for a free cache slot (`kv_slots.py`), joins the
 running batch at the next step with its prompt (prefill: a chunk of at most
 `generate_prefill_chunk_tokens` a step, the last choosing its first token), then gets one
-token per step until EOS or `max_new_tokens`; each dispatch streams the new tokens as an
+token per step until EOS or `max_new_tokens`; each step streams the new tokens as an
 `Output`, the last one `final` with its `FinishReason` (a request that does not stream gets
 only that last one, with every token). A sequence that fails (its deadline passed, its
 prompt or its step failed: `generation_triage.py`) gets the outputs it was already given,
@@ -12,17 +12,20 @@ dispatch is one prefill forward for the joiners and one batched decode forward f
 run on a dispatcher compute thread inside one of the compute slots every model shares, so
 embedding batches and generation steps interleave without oversubscribing the CPU/GPU.
 
-With `generate_steps_per_dispatch` > 1 (default 1: off), a dispatch nobody joins runs up
-to that many decode steps in a row (`generation_steps.py`; `steps_for` stops at a sequence's
-length), interrupted by an arrival that could take a free slot or a cancel, and ended by a
-row's EOS while a sequence waits for a slot (also one that arrived during the run); a
-deadline is checked between dispatches, so an expiry is noticed up to that many steps late.
+With `generate_steps_per_dispatch` > 1 (default 16), a dispatch nobody joins runs up to
+that many decode steps in a row (`generation_runs.py`; `steps_for` stops at a sequence's
+length), handing each step over as it ends while the next computes
+(`generation_hand_over.py`: a streamed sequence's tokens each step, the others' as the run
+ends), interrupted by an arrival that could take a free slot, a cancel, an expiry or another
+model in line for the compute slots, and ended by a row's EOS while a sequence waits for a
+slot (also one that arrived during the run).
 
 A cancelled (client gone) or expired sequence gives its slot back at once: its keys are
 read again only as a later prompt's reused prefix (`slot_table.py`; a slot is zeroed after
 non-finite logits or a failed prefill; a failed step's slots are not reused). The host
-does admission and the step loop; waiting and slots are `generation_batch.py`'s, running
-a step `generation_steps.py`'s, a sequence and its outputs `generation_sequences.py`'s.
+runs the step loop; admission is `generation_admission.py`'s, waiting and slots
+`generation_batch.py`'s, running a step `generation_steps.py`'s, a sequence and its outputs
+`generation_sequences.py`'s.
 Event loop thread only; steps and warm-up run on dispatcher compute threads.
 """
 
@@ -31,9 +34,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from app.admission import RETRY_AFTER_UNKNOWN_S, Rejected, RejectReason
+from app.admission import Rejected, RejectReason
 from app.engine import generation_reports, kv_slots
+from app.engine.generation_admission import GenerationAdmission
 from app.engine.generation_batch import SequenceTable
+from app.engine.generation_hand_over import StepHandOver
 from app.engine.generation_sequences import GenerationSequence, steps_for
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.generation_triage import StepTriage
@@ -48,7 +53,7 @@ from app.engine.protocol import (
     Output,
     Submit,
 )
-from app.model_queues import ModelWork, naming
+from app.model_queues import ModelWork
 from app.models.causal_lm import CausalLMRunner
 from app.models.sampling import NO_TOKEN, new_generator
 
@@ -65,6 +70,7 @@ class GenerationHost:
         self._context = context
         settings = context.settings
         self._batch = SequenceTable(runner.cache.shape.slots, settings.generate_prefix_reuse)
+        self._admission = GenerationAdmission(runner, self._batch, settings)
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
         self._steps_per_dispatch = settings.generate_steps_per_dispatch
@@ -74,8 +80,6 @@ class GenerationHost:
         # sends them (those sequences are done).
         self._outbox: list[tuple[GenerationSequence, Output]] = []
         self._step_s = 0.0  # smoothed seconds per step while busy
-        # What `admit` let in last, its wait and its steps' price, for `submit` (next).
-        self._admitted: tuple[Submit, float, kv_slots.StepPrice] | None = None
         self._wakeup = asyncio.Event()
         context.slots.listen(self._wakeup)
         self._steps = StepRunner(runner, context, self._wakeup, self._batch.slots.forget)
@@ -83,6 +87,7 @@ class GenerationHost:
             self._steps, self._batch, self._emit_failure, self._advance, context
         )
         self._loop_task: asyncio.Task[None] | None = None
+        self._hand_over = StepHandOver(self._advance, self._between_steps, self._steps.interrupt)
         self._closing = False
         # Labelled once: these are touched for every token.
         self._tokens_counter = context.metrics.output_tokens.labels(self.name)
@@ -115,7 +120,7 @@ class GenerationHost:
 
     def work(self, now: float) -> ModelWork:
         """Its sequences' turns on the compute slots (`SequenceTable.work`)."""
-        return self._batch.work(self._step_s, self._steps_per_dispatch, self._max_waiting)
+        return self._batch.work(self._step_s, self._max_waiting)
 
     queues_batches = False  # a generate request queues no batch (`work`): no `batch_cost`
 
@@ -127,36 +132,7 @@ class GenerationHost:
 
     # --- requests -----------------------------------------------------------------------
     def admit(self, request: Submit, load: EngineLoad) -> Rejected | None:
-        payload = request.payload
-        if not isinstance(payload, GeneratePayload):
-            return None  # refused as a bad request by `submit`
-        if kv_slots.payload_problem(payload, self.runner) is not None:
-            return None  # likewise
-        if self._batch.at_cap(self._max_waiting):  # as its published queue says (`work`)
-            return Rejected(
-                RejectReason.QUEUE,
-                f"model {self.name!r}: {len(self._batch.waiting)} sequences wait for a "
-                f"KV-cache slot (cap generate_max_waiting={self._max_waiting})",
-                # 0 until a step is measured (no warm-up): unknown, yet a 429 says when.
-                load.backlog_s or RETRY_AFTER_UNKNOWN_S,
-            )
-        sampling = payload.sampling
-        # Without a client-set limit it needs time for one token: `submit` fits the rest;
-        # a prompt over a chunk takes a step more per chunk before its first token.
-        planned = 1 if sampling.fit_to_deadline else sampling.max_new_tokens
-        chunks = kv_slots.prefill_steps(len(payload.prompt_ids), self._chunk_tokens)
-        spd, step_s = self._steps_per_dispatch, self._step_s
-        price = kv_slots.step_price(self.name, load.works, load.workers, step_s, spd)
-        verdict = kv_slots.start_verdict(
-            wait_s=load.backlog_s,  # compute slots' turns, a KV-cache slot's: as published
-            generate_s=price.seconds(planned, chunks),  # the other models' turns between steps
-            deadline=request.deadline,
-            now=load.now,
-            max_queue_delay_s=load.max_queue_delay_s,
-        )
-        if verdict is None:
-            self._admitted = (request, load.backlog_s, price)
-        return naming(self.name, verdict)
+        return self._admission.admit(request, load, self._step_s)
 
     def submit(self, request: Submit, emit: Emit) -> asyncio.Task[None] | None:
         payload = request.payload
@@ -169,16 +145,8 @@ class GenerationHost:
             emit(Failure(request.request_id, FailureKind.BAD_REQUEST, problem))
             return None
         time_left = request.deadline - self._context.clock()
-        # Planned against the wait it was admitted on, the other models' turns included
-        # (a KV-cache slot's alone let a flood elsewhere run it to its deadline, cut short).
-        admitted, self._admitted = self._admitted, None
-        if admitted is not None and admitted[0] is request:
-            _, wait_s, price = admitted
-        else:
-            wait_s, price = self._slot_wait_seconds(), kv_slots.StepPrice(self._step_s)
-        # Its prompt's chunks before its tokens, one price (as `admit`'s).
-        chunks = kv_slots.prefill_steps(len(payload.prompt_ids), self._chunk_tokens)
-        sampling = kv_slots.fitted_sampling(payload.sampling, time_left, wait_s, price, chunks)
+        slot_wait_s = self._slot_wait_seconds()
+        sampling = self._admission.fitted(request, payload, time_left, slot_wait_s, self._step_s)
         sequence = GenerationSequence(
             request=request,
             prompt=list(payload.prompt_ids),
@@ -207,12 +175,14 @@ class GenerationHost:
         """Lives as long as the sequence; cancelling it (client gone) drops it (`submit`)."""
         await asyncio.shield(sequence.done)
 
-    def _drop(self, sequence: GenerationSequence) -> None:
-        """Forget a sequence wherever it is and give its slot back; no answer follows."""
+    def _drop(self, sequence: GenerationSequence, row_ended: bool = False) -> None:
+        """Forget a sequence wherever it is and give its slot back; no answer follows.
+        `row_ended`: its row ended itself in the step that chose its last token (EOS, a stop
+        id, its length: a run stops computing it, `StepRunner._decode_run`)."""
         if not sequence.done.done():
             sequence.done.set_result(None)
-        if self._batch.remove(sequence):
-            # Stop computing its row: a waiting sequence may take the slot at once.
+        if self._batch.remove(sequence) and (not row_ended or self._batch.waiting):
+            # Stop computing its row, or let a waiting sequence take the slot at once.
             self._steps.interrupt()
         self._wakeup.set()
 
@@ -260,6 +230,13 @@ class GenerationHost:
                     steps_for(sequences, self._steps_per_dispatch),
                     # A row ending at EOS frees a slot a waiting sequence can take at once.
                     end_on_eos=bool(self._batch.waiting),
+                    listener=self._hand_over.listener(sequences),
+                    # A client that streams sees each token as it is made; the others'
+                    # tokens of a run are taken as it ends (a turn of this loop a step
+                    # competes with the compute thread's for the interpreter).
+                    each_step=frozenset(
+                        s.slot for s in sequences if s.streams and s.slot is not None
+                    ),
                 )
                 if sequences
                 else None
@@ -274,11 +251,20 @@ class GenerationHost:
             try:
                 result = await step
             except Exception as error:  # blamed narrowly, on its slot (`generation_triage.py`)
+                self._hand_over.raise_failure()
+                self._hand_over.take_last()  # a failed run's steps before the failure
                 log.exception("%s: generation step failed; triaging it", self.name)
                 await self._triage.answer(sequences, error)
                 continue
+            self._hand_over.raise_failure()
             self._record_step(result)
-            self._advance(sequences, result.tokens)
+            self._hand_over.take_last()
+
+    def _between_steps(self) -> None:
+        """A run's step was taken (`_advance`) while the next one computes: send its
+        outputs, and end the sequences a deadline ends now."""
+        self._expire(self._context.clock())
+        self._send_outbox()
 
     def _send_outbox(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -346,7 +332,8 @@ class GenerationHost:
                 sequence.last_token_at = now
                 self._tokens_counter.inc(len(fresh))
             if finish is not None:
-                outbox.append((sequence, self._finish(sequence, fresh, finish, now)))
+                ended = self._finish(sequence, fresh, finish, now, row_ended=True)
+                outbox.append((sequence, ended))
             elif broken:
                 if fresh and sequence.streams:  # its earlier outputs were sent: these now
                     sequence.emit(sequence.output(fresh, None, now, self._context.tracer))
@@ -373,14 +360,20 @@ class GenerationHost:
         self._fail(sequence, FailureKind.FAILED, broke)
 
     def _finish(
-        self, sequence: GenerationSequence, token_ids: list[int], reason: FinishReason, now: float
+        self,
+        sequence: GenerationSequence,
+        token_ids: list[int],
+        reason: FinishReason,
+        now: float,
+        row_ended: bool = False,
     ) -> Output:
-        """End the sequence (its slot is free from now) and return its final output."""
+        """End the sequence (its slot is free from now) and return its final output
+        (`row_ended`: as `_drop`'s)."""
         if (per_token := sequence.time_per_output_token()) is not None:
             self._context.metrics.time_per_output_token.labels(self.name).observe(per_token)
         sent = token_ids if sequence.streams else sequence.generated
         output = sequence.output(sent, reason, now, self._context.tracer)
-        self._drop(sequence)
+        self._drop(sequence, row_ended)
         return output
 
     # --- gauges, reports, shutdown -----------------------------------------------------

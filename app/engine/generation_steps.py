@@ -6,16 +6,22 @@ serving.
 A dispatch is one step, or several decode steps in a row (multi-step decoding: each row's
 chosen token is fed back on the compute thread, with no turn of the event loop between
 steps; a row that chose EOS leaves the run, as it would leave the batch between single
-steps). `interrupt` (any thread) ends a multi-step run after its current step;
-`sequence_waits` (any thread) makes a row's EOS end it, as a sequence waiting when it started
-does.
+steps). A serving dispatch hands each step's tokens to its `StepListener` on the event loop
+thread as that step ends (`loop.call_soon_threadsafe`, so in order, and all before the
+dispatch's task completes), while the compute thread goes on with the next step: the loop
+takes a step's tokens and sends them while the next one computes, instead of the compute
+thread waiting for the loop between steps. `interrupt` (any thread) ends a multi-step run
+after its current step, as does another claimant joining the line for the compute slots
+(`ComputeSlots.on_claim`); `sequence_waits` (any thread) makes a row's EOS end it, as a
+sequence waiting when it started does.
 
 A dispatch holds one shared compute slot from its start to its end, so embedding batches and
 generation steps interleave without oversubscribing the CPU/GPU; a failed one's triage
 (`generation_triage.py`) takes one again for its runs (`take_slot`, `rerun`, `release`).
-A dispatch that raises leaves its sampled rows' generators as they were before it (each
-row's state is kept as it starts, 1-3 us a row, and put back): a rerun draws what the
-failed dispatch would have, so a seeded request's tokens do not depend on a failure.
+A step that raises leaves its sampled rows' generators as they were before it (each
+row's state is kept as the step starts, 1-3 us a row, and put back; the steps of a run
+before it were handed over): a rerun draws what the failed step would have, so a seeded
+request's tokens do not depend on a failure.
 `StepRunner` is used on the engine's event loop thread; `_compute` runs on a compute thread.
 """
 
@@ -26,7 +32,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from app.engine.generation_runs import HandOver, decode_run, drawing
 from app.engine.host import EngineContext, ShapeDone
 from app.engine.protocol import SamplingParams
 from app.failures import device_lost
@@ -38,7 +46,8 @@ _GREEDY = SamplingParams(max_new_tokens=1)
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    # Each row's chosen tokens, in the rows' order (EOS or NO_TOKEN ends a list).
+    # Each row's chosen tokens, in the rows' order (EOS or NO_TOKEN ends a list); empty
+    # lists when the dispatch handed its steps to a `StepListener` as they ended.
     tokens: list[list[int]]
     compute_s: float
     steps: int  # forwards run one after another (multi-step decoding: up to the steps asked)
@@ -46,6 +55,14 @@ class StepResult:
     @property
     def step_s(self) -> float:
         return self.compute_s / max(self.steps, 1)
+
+
+class StepListener(Protocol):
+    def __call__(self, slots: list[int], tokens: list[list[int]], continuing: bool) -> None:
+        """One step of a dispatch ended (event loop thread): the rows it computed, by slot,
+        and each one's chosen tokens (one; none for a prompt's non-final chunk; `NO_TOKEN`
+        for broken logits); `continuing`: the compute thread runs the next step of the
+        same dispatch now."""
 
 
 class StepRunner:
@@ -73,6 +90,7 @@ class StepRunner:
         # Slots to zero before the next forward (`clear_slot`): appended on the loop thread
         # between steps, taken on the compute thread when the next step starts.
         self._slots_to_clear: list[int] = []
+        context.slots.on_claim(self.interrupt)  # another's turn ends a run (`start`)
 
     def interrupt(self) -> None:
         """End the multi-step run in flight after its current step (any thread): something
@@ -160,18 +178,29 @@ class StepRunner:
         return await self.start(rows, metered=False)
 
     def start(
-        self, rows: list[StepRow], steps: int = 1, end_on_eos: bool = False, metered: bool = True
+        self,
+        rows: list[StepRow],
+        steps: int = 1,
+        end_on_eos: bool = False,
+        metered: bool = True,
+        listener: StepListener | None = None,
+        each_step: frozenset[int] = frozenset(),
     ) -> asyncio.Task[StepResult]:
         """Take a shared compute slot (one must be free) and run one step on a compute
         thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
         fewer if every row chooses EOS (with `end_on_eos`, or once `sequence_waits` is called,
-        any row: a sequence waits for the slot it frees) or `interrupt` is called; the slot is
-        given back when it ends, and health hears how it ended. `metered` (all but warm-up):
-        its compute time is charged to the busy time, also when it fails; and health hears
-        nothing of a metered step that raises: its caller triages it (`take_slot`, `rerun`),
-        then tells health the verdict (`release`)."""
+        any row: a sequence waits for the slot it frees) or `interrupt` is called or another
+        claimant gets in line for a compute slot; the slot is given back when it ends, and
+        health hears how it ended. With a `listener`, the step's tokens go to it (the
+        result's lists are then empty): in a run, those of the rows in `each_step`'s slots
+        as each step ends, the others' as the run ends. `metered` (all but warm-up): its compute
+        time is charged to the busy time, also when it fails; and health hears nothing of a
+        metered step that raises: its caller triages it (`take_slot`, `rerun`), then tells
+        health the verdict (`release`)."""
         if steps > 1 and any(row.prefill for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
+        if steps > 1 and listener is None:
+            raise ValueError("a multi-step run hands its steps to a listener")
         slots = self._context.slots
         slots.take(self)
         self._interrupted.clear()
@@ -179,12 +208,18 @@ class StepRunner:
             self._end_on_eos.set()
         else:
             self._end_on_eos.clear()
+        hand_over = None
+        if listener is not None:
+            loop = asyncio.get_running_loop()
+
+            def hand_over(slots: list[int], tokens: list[list[int]], continuing: bool) -> None:
+                loop.call_soon_threadsafe(listener, slots, tokens, continuing)
 
         async def step() -> StepResult:
             failure: BaseException | None = None
             try:
                 return await self._context.dispatcher.run_compute(
-                    self._compute, rows, steps, metered
+                    self._compute, rows, steps, metered, hand_over, each_step
                 )
             except BaseException as error:
                 failure = error
@@ -223,80 +258,68 @@ class StepRunner:
         self._context.slots.give()
         self._context.record_batch(failure)
 
-    def _compute(self, rows: Sequence[StepRow], steps: int, metered: bool) -> StepResult:
+    def _compute(
+        self,
+        rows: Sequence[StepRow],
+        steps: int,
+        metered: bool,
+        hand_over: HandOver | None = None,
+        each_step: frozenset[int] = frozenset(),
+    ) -> StepResult:
         """Compute thread: the dispatch (`_forwards`), its time charged to the busy time as
-        it ends, whether it returned or raised, when `metered`; one that raises puts its
-        sampled rows' generators back as they were before it."""
+        it ends, whether it returned or raised, when `metered`; a step that raises puts its
+        sampled rows' generators back as they were before it (`generation_runs.drawing`)."""
         self._context.before_batch()
         started = time.perf_counter()
-        # Each sampled row's generator as it was (greedy rows draw nothing): a rerun of this
-        # dispatch's rows must draw as it would have, else a seeded sample depends on a failure.
-        drawn = [
-            (row.generator, row.generator.get_state()) for row in rows if row.sampling.do_sample
-        ]
         try:
-            return self._forwards(rows, steps, started)
-        except BaseException:
-            for generator, state in drawn:
-                generator.set_state(state)
-            raise
+            return self._forwards(rows, steps, started, hand_over, each_step)
         finally:
             if metered:
                 self._busy.inc(time.perf_counter() - started)
 
-    def _forwards(self, rows: Sequence[StepRow], steps: int, started: float) -> StepResult:
+    def _forwards(
+        self,
+        rows: Sequence[StepRow],
+        steps: int,
+        started: float,
+        hand_over: HandOver | None,
+        each_step: frozenset[int],
+    ) -> StepResult:
         """Compute thread: the prefill rows (`StepRow.prefill`) in one forward, the decode
         rows in another; a prompt's non-final chunk gets no token (an empty list); with
-        `steps` > 1, further decode steps on each row's chosen token."""
+        `steps` > 1, further decode steps on each row's chosen token (`decode_run`, which
+        hands over `each_step`'s rows' tokens as each step ends). The tokens go to
+        `hand_over`, when given, else into the result."""
         while self._slots_to_clear:
             self.runner.cache.clear_slot(self._slots_to_clear.pop())
-        if steps > 1:
-            chosen = self._decode_run(rows, steps)
-            forwards = max((len(tokens) for tokens in chosen.values()), default=0)
-            return StepResult(
-                [chosen[row.slot] for row in rows], time.perf_counter() - started, forwards
+        if steps > 1 and hand_over is not None:  # `start` sees to it
+            forwards = decode_run(
+                self.runner,
+                rows,
+                steps,
+                hand_over,
+                each_step,
+                self._interrupted,
+                self._end_on_eos,
             )
+            return StepResult([[] for _ in rows], time.perf_counter() - started, forwards)
         prefill = [row for row in rows if row.prefill]  # prompts and chunks of them
         # In slot order: consecutive slots read the cache as a view instead of a copy.
         decode = sorted((row for row in rows if not row.prefill), key=lambda row: row.slot)
         single: dict[int, list[int]] = {}
-        for group in (prefill, decode):
-            if group:
-                for row, token in zip(group, self.runner.step(group), strict=True):
-                    # A prompt's non-final chunk chooses no token (`StepRow.chooses`).
-                    # A non-final chunk has no token, unless its logits broke (NO_TOKEN).
-                    single[row.slot] = [token] if row.chooses or token == NO_TOKEN else []
-        return StepResult([single[row.slot] for row in rows], time.perf_counter() - started, 1)
-
-    def _decode_run(self, rows: Sequence[StepRow], steps: int) -> dict[int, list[int]]:
-        """Up to `steps` decode steps, each feeding every row the token it just chose (the
-        same rows, positions and generator draws as single steps); a row that chose EOS or
-        one of its `stop_token_ids` (or got `NO_TOKEN`: its logits broke down) stops, as
-        does the run when `interrupt` is called, or, while a sequence waits for a slot
-        (`end_on_eos`, `sequence_waits`), after the step in which any row chose EOS.
-        Each row's tokens, by slot."""
-        eos = self.runner.eos_token_ids
-        active = sorted(rows, key=lambda row: row.slot)  # slot order: see `_compute`
-        chosen: dict[int, list[int]] = {row.slot: [] for row in rows}
-        for step in range(steps):
-            if step and self._interrupted.is_set():
-                break
-            following: list[StepRow] = []
-            for row, token in zip(active, self.runner.step(active), strict=True):
-                chosen[row.slot].append(token)
-                ends = token in eos or token in row.sampling.stop_token_ids
-                if not ends and token != NO_TOKEN:
-                    following.append(
-                        StepRow(
-                            row.slot,
-                            (token,),
-                            row.start + 1,
-                            row.sampling,
-                            row.generator,
-                            row.logprobs,
-                        )
-                    )
-            if not following or (len(following) < len(active) and self._end_on_eos.is_set()):
-                break
-            active = following
-        return chosen
+        put_back = drawing(rows)
+        try:
+            for group in (prefill, decode):
+                if group:
+                    for row, token in zip(group, self.runner.step(group), strict=True):
+                        # A prompt's non-final chunk chooses no token (`StepRow.chooses`),
+                        # unless its logits broke (NO_TOKEN).
+                        single[row.slot] = [token] if row.chooses or token == NO_TOKEN else []
+        except BaseException:
+            put_back()
+            raise
+        tokens = [single[row.slot] for row in rows]
+        if hand_over is not None:
+            hand_over([row.slot for row in rows], tokens, False)
+            tokens = [[] for _ in rows]
+        return StepResult(tokens, time.perf_counter() - started, 1)

@@ -108,22 +108,20 @@ DEADLINE_FIT_SHARE = 0.9
 @dataclass(frozen=True, slots=True)
 class StepPrice:
     """What a sequence's steps cost in time once it runs: `step_s` of its own compute each,
-    and, for each dispatch of `steps_per_dispatch` steps, a turn of every other model with
-    work (`turn_s`: their next batches, divided among the compute slots, as `model_queues`
-    counts them), those turns `turns_s` in all at most (the other models' work beyond what
-    the sequence's wait already counted)."""
+    and, for each step, a turn of every other model with work (`turn_s`: their next
+    batches, divided among the compute slots, as `model_queues` counts them: another model
+    in line ends a multi-step run after its current step, `ComputeSlots.on_claim`), those
+    turns `turns_s` in all at most (the other models' work beyond what the sequence's wait
+    already counted)."""
 
     step_s: float
     turn_s: float = 0.0
     turns_s: float = 0.0
-    steps_per_dispatch: int = 1
 
     def seconds(self, tokens: int, prefill_steps: int = 0) -> float:
-        """The time `tokens` decode steps take, after `prefill_steps` prompt chunks' steps
-        (a dispatch each: nothing runs several steps while a sequence prefills)."""
-        dispatches = -(-tokens // self.steps_per_dispatch) + prefill_steps
-        turns = min(dispatches * self.turn_s, self.turns_s)
-        return (tokens + prefill_steps) * self.step_s + turns
+        """The time `tokens` decode steps take, after `prefill_steps` prompt chunks' steps."""
+        steps = tokens + prefill_steps
+        return steps * self.step_s + min(steps * self.turn_s, self.turns_s)
 
     def tokens_within(self, seconds: float, room: int, prefill_steps: int = 0) -> int:
         """The most decode steps (at most `room`) that, after `prefill_steps` prompt chunks'
@@ -146,15 +144,13 @@ def step_price(
     works: Mapping[str, ModelWork] | None,
     workers: int,
     step_s: float,
-    steps_per_dispatch: int,
 ) -> StepPrice:
-    """`model`'s steps priced with the other models' turns between its dispatches, from
-    every model's work as admission saw it (`works`; None: steps alone): each other model
-    with work takes a turn before each dispatch, for its turns left after those the wait
-    counted (`model_queues.wait_ahead`: before each of `model`'s dispatches ahead, and
-    one more)."""
+    """`model`'s steps priced with the other models' turns between them, from every model's
+    work as admission saw it (`works`; None: steps alone): each other model with work takes
+    a turn before each step, for its turns left after those the wait counted
+    (`model_queues.wait_ahead`: before each of `model`'s steps ahead, and one more)."""
     if not works:
-        return StepPrice(step_s, steps_per_dispatch=steps_per_dispatch)
+        return StepPrice(step_s)
     own = works.get(model)
     counted = own.batches_ahead + 1 if own is not None else 1
     others = [w for name, w in works.items() if name != model and w.turns > 0]
@@ -162,7 +158,6 @@ def step_price(
         step_s,
         turn_s=sum(w.next_batch_s for w in others) / workers,
         turns_s=sum(max(0, w.turns - counted) * w.next_batch_s for w in others) / workers,
-        steps_per_dispatch=steps_per_dispatch,
     )
 
 

@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from app.engine.core import EngineCore
 from app.engine.generation_host import GenerationHost
+from app.engine.generation_steps import StepResult
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import (
     FinishReason,
@@ -123,3 +124,19 @@ def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
     config["eos_token_id"] = [config["eos_token_id"], stop]
     config_path.write_text(json.dumps(config))
     return directory
+
+
+def record_runs(engine: InProcessEngine, model: str = "tiny") -> list[int]:
+    """The decode steps each of `model`'s generation dispatches ran (1: a single step;
+    more: a multi-step run), in order, as its host records their times."""
+    host = engine.core.hosts[model]
+    assert isinstance(host, GenerationHost)
+    runs: list[int] = []
+    record = host._record_step
+
+    def recording(result: StepResult) -> None:
+        runs.append(result.steps)
+        record(result)
+
+    host._record_step = recording  # type: ignore[method-assign]
+    return runs

@@ -58,3 +58,18 @@ def test_standing_puts_a_claimant_in_line_only_while_it_waits() -> None:
     slots.stand("b", waiting=False)  # its work expired: out of the line
     slots.give()
     assert slots.available("c") and not slots.available("b")
+
+
+def test_a_claimant_getting_in_line_is_told_to_whoever_holds_a_slot_for_a_run() -> None:
+    """A generation run holds its slot for several steps: the holder hears of each new
+    claimant in line (and ends its run after its current step), not of one already there."""
+    slots = ComputeSlots(1)
+    heard: list[str] = []
+    slots.on_claim(lambda: heard.append("claim"))
+    slots.take("generation")
+    slots.claim("embedding")
+    slots.claim("embedding")  # already in line: nothing new to hear
+    slots.stand("other", waiting=False)  # not waiting: not in line
+    assert heard == ["claim"]
+    slots.stand("other", waiting=True)
+    assert heard == ["claim", "claim"]

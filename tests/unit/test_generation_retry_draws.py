@@ -55,21 +55,26 @@ async def tiny_engine(
     return engine, host
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_multi_step_run_failing_after_its_first_draw_reruns_that_draw(
-    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
-    """The run's second forward fails: its first step had drawn, and its rerun (the triage's
-    known-good decode row) drew the next number instead."""
+    """The run's second forward fails: its first step had drawn (and was handed over), and
+    the rerun of the failed step (the triage's known-good decode row) must draw what it
+    would have: the generator as the failed step found it, not as the run did, nor as the
+    failed step left it. A sequence that does not stream gets a run's tokens as it ends:
+    those of the steps before the failure must still reach it."""
     engine, host = await tiny_engine(tiny_causal_lm, generate_steps_per_dispatch=4)
     try:
-        unfailed = (await generate(engine, DECODING, SAMPLED)).token_ids
+        unfailed = (await generate(engine, DECODING, SAMPLED, stream)).token_ids
         calls = failing_once(host, monkeypatch, lambda calls: len(calls) == 3)
-        retried = (await generate(engine, DECODING, SAMPLED)).token_ids
+        retried = (await generate(engine, DECODING, SAMPLED, stream)).token_ids
     finally:
         await engine.close()
-    # The premise: a prefill, then a run whose first step is what the triage ran again.
+    # The premise: a prefill, then a run whose second step failed and was run again.
     assert calls[0] == [(tuple(DECODING), 0)] and calls[1][0][1] > 0
-    assert calls[3] == calls[1], "the rerun is the failed run's first step"
+    assert calls[2][0][1] == calls[1][0][1] + 1
+    assert calls[3] == calls[2], "the rerun is the failed step"
     assert len(unfailed) == 12
     assert retried == unfailed
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import torch
 
-from app.engine.generation_steps import StepRunner
 from app.engine.protocol import FinishReason, SamplingParams
 from app.models.causal_lm import StepRow
+from tests.support.decode_runs import HandOvers, run_decode
 from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 EOS = frozenset({2})
@@ -49,13 +48,29 @@ async def test_a_stop_token_ends_it_as_eos_does_and_is_not_kept() -> None:
 def test_a_multi_step_run_ends_a_row_at_its_stop_token() -> None:
     """As at EOS: the row chose its last token; the other rows run on."""
     runner = _ScriptedRunner({0: [7, 9, 8, 8], 1: [5, 5, 5, 5]})
-    steps = StepRunner(runner, _context(), asyncio.Event())  # type: ignore[arg-type]
     stops = SamplingParams(max_new_tokens=10, stop_token_ids=(9,))
     rows = [
         StepRow(0, (4,), 3, stops, torch.Generator()),
         StepRow(1, (4,), 3, SamplingParams(max_new_tokens=10), torch.Generator()),
     ]
-    assert steps._decode_run(rows, 4) == {0: [7, 9], 1: [5, 5, 5, 5]}
+    assert run_decode(runner, rows, 4) == {0: [7, 9], 1: [5, 5, 5, 5]}
+
+
+def test_a_run_hands_streamed_rows_over_each_step_and_the_others_as_it_ends() -> None:
+    """Slot 0 streams: each of its tokens goes over as its step ends, the run going on;
+    slot 1's come in one hand-over with the last step's, which says the run ended."""
+    runner = _ScriptedRunner({0: [7, 8, 9], 1: [5, 6, 4]})
+    rows = [
+        StepRow(0, (4,), 3, SamplingParams(max_new_tokens=10), torch.Generator()),
+        StepRow(1, (4,), 3, SamplingParams(max_new_tokens=10), torch.Generator()),
+    ]
+    handed: HandOvers = []
+    run_decode(runner, rows, 3, each_step=frozenset({0}), handed=handed)
+    assert handed == [
+        ([0], [[7]], True),
+        ([0], [[8]], True),
+        ([0, 1], [[9], [5, 6, 4]], False),
+    ]
 
 
 class _ScriptedRunner:

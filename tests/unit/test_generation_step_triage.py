@@ -21,6 +21,7 @@ from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import GeneratePayload, SamplingParams, Submit
 from app.failures import BatchFailed, DeadlineExceeded, DeviceLost
 from app.models.causal_lm import StepRow
+from app.settings import Settings
 from tests.support.generation_engine import (
     collect,
     generate,
@@ -36,6 +37,14 @@ HEALTHY = [1, 44, 45]
 POISON = [1, 60, 61, 62, 63]  # the model throws on it
 LONGEST = [1, *range(100, 112)]
 TOKENS = SamplingParams(max_new_tokens=12)
+
+
+def single_steps(tiny_causal_lm: Path) -> Settings:
+    """One step a dispatch: the joiners, submitted once DECODING has its first token, join
+    a step in which it decodes (a multi-step run could finish it first on a busy machine,
+    its loop turns going to the hand-overs)."""
+    return settings_for(tiny_causal_lm, warmup=False, generate_steps_per_dispatch=1)
+
 
 Fails = Callable[[Sequence[StepRow]], BaseException | None]
 Calls = list[list[tuple[tuple[int, ...], int]]]
@@ -102,7 +111,7 @@ async def test_a_prompt_the_model_throws_on_fails_alone_beside_decoding_sequence
 ) -> None:
     """The poison prompt's prefill failed the step: the sequence decoding in it and the
     healthy prompt joining with it failed too (500), and health counted a failure."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     try:
@@ -129,7 +138,7 @@ async def test_joiners_that_fail_together_are_prefilled_alone(
     """Without a sequence decoding (no known-good rows): a joiner that computes alone shows
     the server computes, so the poison prompt is its own fault; the other joiner is
     answered."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     try:
@@ -159,7 +168,7 @@ async def test_a_prefill_out_of_memory_prefills_its_joiners_one_at_a_time(
 ) -> None:
     """Out of memory prefilling several prompts at once: each alone fits. Every sequence of
     the step failed (500) and health counted it."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     try:
@@ -184,7 +193,7 @@ async def test_a_poison_prompt_in_a_step_out_of_memory_is_its_own_fault(
     """The joiners are prefilled alone after the step ran out of memory: the poison prompt
     failing alone is its own fault (400), not the server's out of memory (500, with the
     longer joiner after it never run), and the others are served."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
 
@@ -216,7 +225,7 @@ async def test_a_prompt_out_of_memory_alone_fails_as_the_server_s_and_alone(
 ) -> None:
     """A prompt too long for the memory left fails (500: the server's, counted once), the
     shorter joiner and the decoding sequence beside it go on."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     try:
@@ -239,7 +248,7 @@ async def test_a_step_failed_on_the_server_s_side_answers_no_exception_text(
     """The 500's message says what failed, that it is the server's fault, and the request's
     reference, under which the engine's log holds the exception's text; the text itself (the
     model's words: anything) stays in that log. It was `generation step failed: <text>`."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     words = "CUDA out of memory. Tried to allocate 2.00 GiB; the model's own words"
@@ -267,7 +276,7 @@ async def test_a_lost_device_is_not_retried(
 ) -> None:
     """A sticky CUDA error leaves the context unusable: nothing runs again after it, every
     sequence of the step fails (500) and health hears of it once."""
-    engine = await started(settings_for(tiny_causal_lm, warmup=False))
+    engine = await started(single_steps(tiny_causal_lm))
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
     lost = RuntimeError("CUDA error: an illegal memory access was encountered")

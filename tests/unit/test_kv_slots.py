@@ -121,16 +121,12 @@ def test_the_deadline_must_hold_the_wait_and_the_generation() -> None:
 
 
 def test_steps_are_priced_with_the_other_models_turns_between_them() -> None:
-    """Each dispatch pays a turn of the other models while they have turns left; past
-    them, steps alone; whole dispatches."""
+    """Each step pays a turn of the other models while they have turns left (one in line
+    ends a multi-step run after its current step); past them, steps alone."""
     assert StepPrice(0.01).tokens_within(0.405, 200) == 40
     assert StepPrice(0.01, turn_s=0.1, turns_s=5.0).tokens_within(0.405, 200) == 3
     # One turn left: it is paid once, then steps alone (0.3 + 0.1 <= 0.405).
     assert StepPrice(0.01, turn_s=0.1, turns_s=0.1).tokens_within(0.405, 200) == 30
-    # Four steps a dispatch: a turn for each started four (10 steps: 3 turns, 0.4 s).
-    four = StepPrice(0.01, turn_s=0.1, turns_s=5.0, steps_per_dispatch=4)
-    assert four.tokens_within(0.405, 200) == 10
-    assert four.seconds(10) == pytest.approx(0.4)
     assert StepPrice(0.0).tokens_within(1.0, 7) == 7  # no step time yet: the room
     assert StepPrice(0.01).tokens_within(-1.0, 7) == 0
 
@@ -141,21 +137,19 @@ def test_a_price_counts_the_turns_left_after_those_the_wait_counted() -> None:
         "minilm": ModelWork(0.0, 1.0, 0.1, turns=5),
         "idle": ModelWork(0.0, 0.0, 0.0, turns=0),
     }
-    price = step_price("tiny", works, 2, 0.01, 1)
+    price = step_price("tiny", works, 2, 0.01)
     # The wait counted 2 of minilm's 5 turns: 3 left, each 0.1 s over 2 compute slots.
-    assert (price.step_s, price.turn_s, price.steps_per_dispatch) == (0.01, 0.05, 1)
+    assert (price.step_s, price.turn_s) == (0.01, 0.05)
     assert price.turns_s == pytest.approx(0.15)
-    assert step_price("tiny", None, 2, 0.01, 1) == StepPrice(0.01)
+    assert step_price("tiny", None, 2, 0.01) == StepPrice(0.01)
 
 
-def test_prompt_chunks_cost_a_dispatch_each_whatever_the_steps_per_dispatch() -> None:
-    """Nothing runs several steps while a sequence prefills (`steps_for`): each of a long
-    prompt's extra chunk steps is a dispatch, and pays the other models' turn. Counted
-    with the decode steps, 8 chunks at 4 steps a dispatch paid 2 turns instead of 8."""
-    four = StepPrice(0.01, turn_s=0.1, turns_s=5.0, steps_per_dispatch=4)
-    assert four.seconds(8, prefill_steps=8) == pytest.approx(16 * 0.01 + (2 + 8) * 0.1)
-    assert four.seconds(0, prefill_steps=3) == pytest.approx(3 * 0.01 + 3 * 0.1)
-    assert four.seconds(8) == pytest.approx(8 * 0.01 + 2 * 0.1)  # decode alone: as before
+def test_prompt_chunks_cost_a_step_and_a_turn_each_as_tokens_do() -> None:
+    """Each of a long prompt's extra chunk steps pays a step and the other models' turn, as
+    a decode step does."""
+    price = StepPrice(0.01, turn_s=0.1, turns_s=5.0)
+    assert price.seconds(8, prefill_steps=8) == pytest.approx(16 * 0.01 + 16 * 0.1)
+    assert price.seconds(0, prefill_steps=3) == pytest.approx(3 * 0.01 + 3 * 0.1)
 
 
 def test_a_long_prompt_s_chunks_share_the_other_models_turns_with_its_tokens() -> None:

@@ -62,18 +62,18 @@ async def test_the_prefill_budget_counts_the_chunks_of_those_still_prefilling() 
     assert table.join(32, 0.0) == []  # 2 still prefill: a third row would be 48 tokens
 
 
-async def test_its_published_work_is_a_step_a_dispatch_while_one_prefills() -> None:
-    """Four steps a dispatch, but nothing runs several steps while a sequence prefills
-    (`steps_for`): its published turn is one step, and each step a turn. Published as four
-    steps a turn, the other models' predicted waits counted up to 4x its real dispatch."""
+async def test_its_published_work_is_a_step_a_turn_prefilling_or_decoding() -> None:
+    """Another model in line ends a multi-step run after its current step: whether a
+    sequence prefills (its chunks) or decodes, the published turn is one step, and each of
+    its steps a turn."""
     table = SequenceTable(1)
     table.queue(long(20, 8, max_new_tokens=5))
     table.join(1000, 0.0)
-    prefilling = table.work(0.01, 4, max_waiting=8)
+    prefilling = table.work(0.01, max_waiting=8)
     assert prefilling.next_batch_s == 0.01 and prefilling.turns == 7
     running = next(iter(table.running.values()))
     while running.prefilling:
         running.chunk_computed()
     table.changed()
-    decoding = table.work(0.01, 4, max_waiting=8)
-    assert decoding.next_batch_s == 0.04 and decoding.turns == 2  # 5 steps: 2 dispatches
+    decoding = table.work(0.01, max_waiting=8)
+    assert decoding.next_batch_s == 0.01 and decoding.turns == 5

@@ -5,19 +5,17 @@ ids."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from app.engine.generation_steps import StepRunner
 from app.engine.protocol import FinishReason, SamplingParams, TokensOutput
 from app.engine.protocol_logprobs import TokenLogprobs
 from app.models.causal_lm import StepRow
 from app.models.logprobs import LogprobSink, record_logprobs
 from app.models.sampling import NO_TOKEN
+from tests.support.decode_runs import run_decode
 from tests.support.stand_in_sequence import stand_in_sequence as sequence
 
 EOS = frozenset({2})
@@ -84,13 +82,8 @@ def test_a_multi_step_run_carries_each_row_s_sink_to_its_later_steps() -> None:
             seen.extend((r.start, r.logprobs) for r in rows)
             return [5 for _ in rows]
 
-    context = SimpleNamespace(
-        metrics=SimpleNamespace(dispatcher_busy=SimpleNamespace(labels=lambda name: None)),
-        clock=lambda: 0.0,
-    )
-    steps = StepRunner(Runner(), context, asyncio.Event())  # type: ignore[arg-type]
     asking = row(0, 1, start=3)
-    assert steps._decode_run([asking], 3) == {0: [5, 5, 5]}
+    assert run_decode(Runner(), [asking], 3) == {0: [5, 5, 5]}
     assert [start for start, _ in seen] == [3, 4, 5]
     assert all(sink is asking.logprobs for _, sink in seen)
 

@@ -56,9 +56,9 @@ def record_dispatches(engine: InProcessEngine) -> list[list[tuple[int, int, int]
     dispatches: list[list[tuple[int, int, int]]] = []
     real = steps._forwards
 
-    def recording(rows: Sequence[StepRow], count: int, started_at: float):  # type: ignore[no-untyped-def]
+    def recording(rows: Sequence[StepRow], *rest: object):  # type: ignore[no-untyped-def]
         dispatches.append([(row.slot, len(row.token_ids), row.start) for row in rows])
-        return real(rows, count, started_at)
+        return real(rows, *rest)  # type: ignore[arg-type]
 
     steps._forwards = recording  # type: ignore[method-assign]
     return dispatches

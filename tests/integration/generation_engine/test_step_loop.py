@@ -27,6 +27,7 @@ from tests.support.generation_engine import (
     collect,
     expected_greedy,
     generate,
+    record_runs,
     settings_for,
     started,
     submit,
@@ -57,6 +58,7 @@ async def test_eos_ends_the_sequence_without_the_token(
     engine = await started(
         settings_for(directory, warmup=False, generate_steps_per_dispatch=steps_per_dispatch)
     )
+    runs = record_runs(engine)
     try:
         result, next_to_it = await asyncio.gather(
             generate(engine, prompt, SamplingParams(max_new_tokens=10)),
@@ -67,8 +69,8 @@ async def test_eos_ends_the_sequence_without_the_token(
     assert result.token_ids == plain[:5]
     assert result.finish_reason is FinishReason.EOS
     assert next_to_it.token_ids == beside
-    if steps_per_dispatch > 1:  # the last output is a run's tokens up to EOS
-        assert result.sizes[-1] >= 2, result.sizes
+    if steps_per_dispatch > 1:  # EOS came inside a run: a prefill, then a run past it
+        assert runs[:2] == [1, 8], runs
 
 
 @pytest.mark.parametrize("steps_per_dispatch", [1, 8])
@@ -124,6 +126,7 @@ def assert_the_run_was_cut_at_the_first_eos(
     results: tuple[Generated, Generated, Generated],
     stopped: list[int],
     beside: list[int],
+    runs: list[int],
 ) -> None:
     """The first sequence stopped at EOS, the second went on beside it in a run cut at that
     step (the prefill, then the first's 5th decode step: not one of 8 steps), and the third
@@ -131,14 +134,15 @@ def assert_the_run_was_cut_at_the_first_eos(
     first, second, third = results
     assert first.finish_reason is FinishReason.EOS and first.token_ids == stopped
     assert second.token_ids == beside
-    assert second.sizes[:2] == (1, 5), second.sizes
+    assert runs[:2] == [1, 5], runs
     assert third.token_ids == expected_greedy(model, THIRD_PROMPT, 4).token_ids
 
 
 async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_lm: Path) -> None:
-    """24 sequences (greedy and seeded sampling, different prompts and lengths) through 8
-    slots, so sequences join, finish and wait: 5 decode steps per dispatch give every
-    sequence exactly the tokens one step per dispatch gives, in fewer outputs."""
+    """24 sequences (greedy and seeded sampling, different prompts and lengths, half of
+    them streamed) through 8 slots, so sequences join, finish and wait: 5 decode steps per
+    dispatch give every sequence exactly the tokens one step per dispatch gives, and the
+    same outputs: a streamed one an output a token, the others one output."""
     prompts = [[1, *range(40 + i, 40 + i + 3 + i % 9)] for i in range(24)]
     samplings = [
         SamplingParams(max_new_tokens=6 + (i * 5) % 23)
@@ -148,12 +152,18 @@ async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_
         )
         for i in range(24)
     ]
+    streams = [i % 2 == 0 for i in range(24)]
     results: dict[int, list[Generated]] = {}
+    runs: dict[int, list[int]] = {}
     for steps in (1, 5):
         engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=steps))
+        runs[steps] = record_runs(engine)
         try:
             results[steps] = await asyncio.gather(
-                *(generate(engine, p, s) for p, s in zip(prompts, samplings, strict=True))
+                *(
+                    generate(engine, p, s, stream)
+                    for p, s, stream in zip(prompts, samplings, streams, strict=True)
+                )
             )
             assert (await engine.debug("pool"))["tiny"]["slots_held"] == 0  # type: ignore[index]
         finally:
@@ -161,9 +171,11 @@ async def test_multi_step_decoding_gives_the_tokens_of_single_steps(tiny_causal_
     for single, multi in zip(results[1], results[5], strict=True):
         assert multi.token_ids == single.token_ids
         assert multi.finish_reason is single.finish_reason
-    assert all(size <= 1 for result in results[1] for size in result.sizes)
-    assert any(size > 1 for result in results[5] for size in result.sizes), "runs happened"
-    assert sum(r.outputs for r in results[5]) < sum(r.outputs for r in results[1])
+        assert multi.sizes == single.sizes
+    assert max(runs[1]) == 1 and max(runs[5]) == 5, "runs happened"
+    streamed = [r for r, stream in zip(results[5], streams, strict=True) if stream]
+    assert all(size <= 1 for r in streamed for size in r.sizes)
+    assert all(r.outputs == 1 for r, stream in zip(results[5], streams, strict=True) if not stream)
 
 
 async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
@@ -177,13 +189,12 @@ async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
     first_expected = expected_greedy(model, first_prompt, 160)
     assert len(first_expected.token_ids) == 160, "no EOS: the runs are long"
     engine = await started(settings_for(tiny_causal_lm, generate_steps_per_dispatch=60))
+    runs = record_runs(engine)
     try:
         stream = engine.stream(submit(engine, first_prompt, SamplingParams(max_new_tokens=160)))
-        head = [await anext(stream)]  # the prefill, a single step, then a 60-step run
-        while len(head[-1].payload.token_ids) == 1:  # type: ignore[union-attr]
-            head.append(await anext(stream))
-        assert len(head[-1].payload.token_ids) == 60, len(head)  # type: ignore[union-attr]
-        # The next run (up to 60 steps) computes now; this arrival must cut it short.
+        # The prefill (a single step), then a 60-step run streaming a token a step.
+        head = [await anext(stream) for _ in range(3)]
+        assert runs == [1], "the run computes now; this arrival must cut it short"
         second = asyncio.create_task(
             generate(engine, second_prompt, SamplingParams(max_new_tokens=10))
         )
@@ -193,7 +204,7 @@ async def test_an_arrival_interrupts_a_multi_step_run_and_joins(
         await engine.close()
     head_tokens = [t for o in head for t in o.payload.token_ids]  # type: ignore[union-attr]
     assert head_tokens + rest.token_ids == first_expected.token_ids
-    assert rest.sizes[0] < 60, f"the run in flight went on to its end: {rest.sizes}"
+    assert runs[1] < 60, f"the run in flight went on to its end: {runs}"
     assert joined.token_ids == expected_greedy(model, second_prompt, 10).token_ids
 
 
@@ -206,6 +217,7 @@ async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits
     engine, stopped, beside = await two_slot_engine_where_only_the_first_stops(
         tmp_path / "eos", model
     )
+    runs = record_runs(engine)
     try:
         first, second, third = await asyncio.gather(
             generate(engine, EOS_PROMPT, SamplingParams(max_new_tokens=10)),
@@ -214,7 +226,7 @@ async def test_a_multi_step_run_ends_when_a_row_ends_at_eos_and_a_sequence_waits
         )
     finally:
         await engine.close()
-    assert_the_run_was_cut_at_the_first_eos(model, (first, second, third), stopped, beside)
+    assert_the_run_was_cut_at_the_first_eos(model, (first, second, third), stopped, beside, runs)
 
 
 async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_it(
@@ -232,6 +244,7 @@ async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_i
     )
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
+    runs = record_runs(engine)
     loop = asyncio.get_running_loop()
     late: list[asyncio.Task[Generated]] = []
     submitted = threading.Event()
@@ -267,7 +280,7 @@ async def test_a_multi_step_run_ends_at_eos_for_a_sequence_that_arrived_during_i
         third = await late[0]
     finally:
         await engine.close()
-    assert_the_run_was_cut_at_the_first_eos(model, (first, second, third), stopped, beside)
+    assert_the_run_was_cut_at_the_first_eos(model, (first, second, third), stopped, beside, runs)
 
 
 async def test_a_loop_failing_between_steps_still_sends_the_last_steps_outputs(

@@ -1,0 +1,152 @@
+"""A multi-step run hands each step's tokens to the event loop as the step ends, while the
+compute thread runs the next: a client that streams sees each token as it is made, not a
+run's worth at its end (a first token whose text is an incomplete character waited a whole
+run to show: the late first tokens of multi-step decoding over HTTP); a run yields the
+compute slots after one step when another model gets in line for them; and a failure while
+taking a run's step fails the loop's sequences instead of leaving them unanswered."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedModel
+
+from app.engine.generation_host import GenerationHost
+from app.engine.generation_sequences import GenerationSequence
+from app.engine.protocol import SamplingParams, TokensOutput
+from app.models.causal_lm import StepRow
+from tests.support.generation import generate_settings
+from tests.support.generation_engine import (
+    SLOT_TOKENS,
+    SLOTS,
+    collect,
+    expected_greedy,
+    generate,
+    record_runs,
+    settings_for,
+    started,
+    submit,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPT = [1, 50, 60, 70, 80]
+STEP_WAIT_S = 60.0  # a bound on a wait for the other thread, never reached when it works
+HEAD_WAIT_S = 10.0  # likewise, for a streamed token (a failure here takes this long)
+
+
+async def test_a_run_streams_each_token_as_its_step_ends(
+    tiny_causal_lm: Path,
+    reference: tuple[AutoTokenizer, PreTrainedModel],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 60-step run whose 4th step is held in the model: the client has the prefill's
+    token and the run's first three before the held step ends."""
+    _, model = reference
+    engine = await started(
+        settings_for(tiny_causal_lm, warmup=False, generate_steps_per_dispatch=60)
+    )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    real_step, forwards = host.runner.step, 0
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold_the_runs_fourth_step(rows: Sequence[StepRow]) -> list[int]:
+        nonlocal forwards
+        forwards += 1
+        if forwards == 5:  # the prefill, then the run's steps 1-3 ran
+            held.set()
+            let_go.wait(STEP_WAIT_S)
+        return real_step(rows)
+
+    monkeypatch.setattr(host.runner, "step", hold_the_runs_fourth_step)
+    runs = record_runs(engine)
+    try:
+        stream = engine.stream(submit(engine, PROMPT, SamplingParams(max_new_tokens=20)))
+        # Without hand-overs a run's tokens come at its end, after the held step: never.
+        head = [await asyncio.wait_for(anext(stream), HEAD_WAIT_S) for _ in range(4)]
+        assert await asyncio.to_thread(held.wait, STEP_WAIT_S), "the run went on"
+        let_go.set()
+        rest = await collect(stream)
+    finally:
+        let_go.set()
+        await engine.close()
+    head_tokens = [t for o in head for t in o.payload.token_ids]  # type: ignore[union-attr]
+    assert head_tokens + rest.token_ids == expected_greedy(model, PROMPT, 20).token_ids
+    assert all(isinstance(o.payload, TokensOutput) and not o.final for o in head)
+    assert runs[:2] == [1, 19], runs  # the prefill, then one run to the sequence's length
+
+
+async def test_another_models_claim_ends_a_run_after_its_current_step(
+    tiny_causal_lm: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """Two generate models share one compute slot: a request to the second, arriving while
+    the first runs a 60-step run, gets in line, and the run ends after its current step
+    (it held the slot for the whole run: a model beside a long generation waited it out),
+    and both get model.generate's tokens."""
+    _, model = reference
+    settings = generate_settings(
+        {"tiny": tiny_causal_lm, "other": tiny_causal_lm},
+        slots=SLOTS,
+        slot_tokens=SLOT_TOKENS,
+        engine="inprocess",
+        warmup=False,
+        dispatcher_threads=1,
+        generate_steps_per_dispatch=60,
+    )
+    engine = await started(settings)
+    runs = record_runs(engine)
+    other_prompt = [1, 44, 45]
+    try:
+        stream = engine.stream(submit(engine, PROMPT, SamplingParams(max_new_tokens=150)))
+        head = [await anext(stream) for _ in range(3)]  # the prefill, then the run streams
+        assert runs == [1], "the first run computes now"
+        other = submit(engine, other_prompt, SamplingParams(max_new_tokens=10))
+        other = type(other)(other.request_id, "other", other.deadline, other.payload)
+        joined = asyncio.create_task(collect(engine.stream(other)))
+        rest = await collect(stream)
+        beside = await joined
+    finally:
+        await engine.close()
+    head_tokens = [t for o in head for t in o.payload.token_ids]  # type: ignore[union-attr]
+    assert head_tokens + rest.token_ids == expected_greedy(model, PROMPT, 150).token_ids
+    assert beside.token_ids == expected_greedy(model, other_prompt, 10).token_ids
+    assert runs[1] < 60, f"the run went on with the other model in line: {runs}"
+
+
+async def test_a_failure_taking_a_runs_step_fails_the_loops_sequences(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taking a step's tokens (`_advance`) raises inside a run (a bug of the server's): the
+    loop's sequences fail with a 500 naming the generation loop, as when the loop itself
+    fails, and the engine serves the next request."""
+    engine = await started(
+        settings_for(tiny_causal_lm, warmup=False, generate_steps_per_dispatch=60)
+    )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    real_advance, calls = host._advance, 0
+
+    def advance_failing_in_the_run(
+        sequences: list[GenerationSequence], tokens: list[list[int]]
+    ) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the prefill's, the run's first step's, then this one
+            raise RuntimeError("a bug while taking a step")
+        real_advance(sequences, tokens)
+
+    monkeypatch.setattr(host._hand_over, "_advance", advance_failing_in_the_run)
+    try:
+        request = submit(engine, PROMPT, SamplingParams(max_new_tokens=40))
+        with pytest.raises(Exception) as failed:
+            await asyncio.wait_for(collect(engine.stream(request)), STEP_WAIT_S)
+        after = await generate(engine, [1, 44, 45], SamplingParams(max_new_tokens=5))
+    finally:
+        await engine.close()
+    assert "generation loop" in str(failed.value) and "RuntimeError" in str(failed.value)
+    assert len(after.token_ids) == 5

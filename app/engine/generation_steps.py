@@ -128,22 +128,48 @@ class StepRunner:
         return [(start, min(chunk, longest - start)) for start in range(chunk, longest, chunk)]
 
     def _decode_batches(self) -> list[int]:
+        """Every batch size up to all slots on a CPU (oneDNN builds a matrix product's
+        primitive per input shape: a decode step of a size warm-up skipped would pay 3-4 ms
+        of set-up, `token_buckets.py`); 1, 2, 4, ... and all slots on CUDA, whose kernels
+        are chosen per shape, not built."""
         slots = self.runner.cache.shape.slots
+        if self.runner.device.type == "cpu":
+            return list(range(1, slots + 1))
         sizes = [1 << i for i in range(slots.bit_length()) if 1 << i < slots]
         return [*sizes, slots]
+
+    def _bucket_prefills(self) -> list[tuple[int, int]]:
+        """(rows, tokens a row) of a prefill at each token bucket the direct decoder pads a
+        prefill step to on a CPU (`CausalLMRunner.prefill_buckets`) that the single-row
+        prefills before them do not reach: up to the largest step (`generate_max_batch_tokens`,
+        rows of at most a chunk). None elsewhere."""
+        settings = self._context.settings
+        row_tokens = min(
+            self.runner.max_sequence_tokens - 1, settings.generate_prefill_chunk_tokens
+        )
+        singles = [*self._prefill_lengths(), *(length for _, length in self._late_chunks())]
+        warmed = {self.runner.linear_tokens(length) for length in singles}
+        step_tokens = max(settings.generate_max_batch_tokens, row_tokens)
+        return self.runner.prefill_buckets(row_tokens, step_tokens, warmed)
 
     @property
     def warmup_total(self) -> int:
         if not self._context.settings.warmup:
             return 0
-        shapes = self._prefill_lengths(), self._late_chunks(), self._decode_batches()
+        shapes = (
+            self._prefill_lengths(),
+            self._late_chunks(),
+            self._bucket_prefills(),
+            self._decode_batches(),
+        )
         return sum(len(kind) for kind in shapes)
 
     async def warm_up(self, shape_done: ShapeDone) -> float:
         """Prefill one prompt of each length bucket, then the longest prompt's later chunks,
-        then decode steps of every batch size up to all slots; returns the seconds of one
-        more step with every slot decoding, run warm (the first run of a shape pays its
-        set-up), the first step-time estimate."""
+        then (CPU, direct decoder) a prefill at each token bucket the linears run on, then
+        decode steps of every batch size up to all slots (CUDA: powers of two and all
+        slots); returns the seconds of one more step with every slot decoding, run warm (the
+        first run of a shape pays its set-up), the first step-time estimate."""
         total, done = self.warmup_total, 0
         filler = self.runner.pad_token_id
         for length in self._prefill_lengths():
@@ -159,6 +185,13 @@ class StepRunner:
                 0, fed, start, _GREEDY, new_generator(0), prefill=True, next_prompt_token=following
             )
             await self.run([row])
+            done += 1
+            shape_done(done, total)
+        for rows, length in self._bucket_prefills():
+            fed = [filler] * length
+            await self.run(
+                [StepRow(s, fed, 0, _GREEDY, new_generator(0), prefill=True) for s in range(rows)]
+            )
             done += 1
             shape_done(done, total)
         step: list[StepRow] = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from app.models.kv_cache import CacheShape, SlotKVCache
 from app.models.logprobs import LogprobSink, record_logprobs, record_prompt_logprobs
 from app.models.sampling import NO_TOKEN, NOT_CHOSEN, choose_tokens
 from app.models.source import local_directory
+from app.models.token_buckets import bucket_prefills, padded_tokens
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,28 @@ class CausalLMRunner:
             shape.slot_tokens,
             self.cache.bytes_allocated / 2**20,
         )
+
+    def linear_tokens(self, tokens: int) -> int:
+        """The row count a step of `tokens` (rows x query) runs its linears on: bucketed over
+        the slot count by the direct decoder on a CPU (`token_buckets.py`), else itself."""
+        if self._direct is None or not self._direct.pads_tokens:
+            return tokens
+        return padded_tokens(tokens, self.cache.shape.slots)
+
+    def prefill_buckets(
+        self, row_tokens: int, step_tokens: int, warmed: Collection[int]
+    ) -> list[tuple[int, int]]:
+        """A prefill (rows, tokens a row) for each bucket `linear_tokens` gives a prefill step
+        of at most `row_tokens` a row and `step_tokens` in all (rows x longest) but those in
+        `warmed`: none where nothing is padded (CUDA; the model's own forward, whose prefill
+        shapes are the steps' own, any number)."""
+        if self._direct is None or not self._direct.pads_tokens:
+            return []
+        slots = self.cache.shape.slots
+        shapes = bucket_prefills(slots, slots, row_tokens, step_tokens)
+        return [
+            shape for shape in shapes if padded_tokens(shape[0] * shape[1], slots) not in warmed
+        ]
 
     def _masks(self, positions: torch.Tensor, kv_length: int) -> dict[str, torch.Tensor]:
         """Additive masks (rows, 1, query, keys): a query sees its row's keys up to its own

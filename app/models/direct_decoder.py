@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.models.kv_cache import SlotKVCache
+from app.models.token_buckets import padded_tokens, pads_tokens
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class DirectDecoder:
         self._norm = norm
         self._head_dim = head_dim
         self.grouped_in_sdpa = sdpa_takes_grouped_heads(embedding.device)
+        self.pads_tokens = pads_tokens(embedding.device)
 
     @classmethod
     def build(cls, model: Any, layer_kinds: Sequence[str]) -> DirectDecoder | None:
@@ -311,16 +313,25 @@ class DirectDecoder:
     ) -> torch.Tensor:
         """Hidden states (rows, query, width) after the final norm of `input_ids` (rows,
         query) at `positions`, each layer reading and writing its slots as `cache`'s plan
-        says, attending under `masks[layer kind]`. Inside `inference_mode`."""
+        says, attending under `masks[layer kind]`. Inside `inference_mode`.
+
+        The linears run on the rows x query tokens flattened, where `pads_tokens` padded
+        with zero rows to `padded_tokens`' bucket over the cache's slot count; attention,
+        the cache and the result see the real tokens alone (a matrix product's output row
+        is its input row's: the padding changes no real row's value)."""
         rows, query = input_ids.shape
-        hidden = F.embedding(input_ids, self._embedding)
-        cos, sin = self._rotary(hidden, positions)
+        tokens = rows * query
+        padded = padded_tokens(tokens, cache.shape.slots) if self.pads_tokens else tokens
+        embedded = F.embedding(input_ids.reshape(tokens), self._embedding)
+        cos, sin = self._rotary(embedded, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # over the heads
+        hidden = embedded if padded == tokens else F.pad(embedded, (0, 0, 0, padded - tokens))
+        merged: torch.Tensor | None = None  # the padded attention output, its padding zero
         split = (rows, query, -1, self._head_dim)
         for layer, slots in zip(self._layers, cache.slot_layers, strict=True):
             normed = _rms_norm(hidden, layer.attention_norm)
             projected = F.linear(normed, layer.qkv_weight, layer.qkv_bias)
-            heads = projected.view(split).transpose(1, 2)  # (rows, heads, query, dim)
+            heads = projected[:tokens].view(split).transpose(1, 2)  # (rows, heads, query, dim)
             query_heads, kv_heads = layer.qkv_sizes[0], layer.qkv_sizes[1]
             # The query and key heads are adjacent: one rotation for both (element by
             # element the same arithmetic as rotating each).
@@ -342,11 +353,16 @@ class DirectDecoder:
                 layer.scaling,
                 layer.groups,
                 self.grouped_in_sdpa,
-            )
-            merged = attended.transpose(1, 2).reshape(rows, query, -1)
+            ).transpose(1, 2)  # (rows, query, heads, dim)
+            if padded == tokens:
+                merged = attended.reshape(tokens, -1)
+            else:
+                if merged is None:
+                    merged = hidden.new_zeros(padded, attended.shape[2] * attended.shape[3])
+                merged[:tokens].view(attended.shape).copy_(attended)
             hidden = hidden + F.linear(merged, layer.out_weight, layer.out_bias)
             normed = _rms_norm(hidden, layer.mlp_norm)
             gate_up = F.linear(normed, layer.gate_up_weight, layer.gate_up_bias)
             gate, up = gate_up[..., : layer.intermediate], gate_up[..., layer.intermediate :]
             hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
-        return _rms_norm(hidden, self._norm)
+        return _rms_norm(hidden[:tokens], self._norm).view(rows, query, -1)

@@ -36,6 +36,7 @@ from app.model_specs import ModelSpec
 from app.models.causal_lm import CausalLMRunner, StepRow, load_causal_lm
 from app.models.direct_decoder import DirectDecoder, sdpa_takes_grouped_heads
 from app.models.sampling import new_generator
+from app.models.token_buckets import padded_tokens
 from tests.support.small_decoders import PROMPTS, SMALL_DECODER
 
 COMMON = SMALL_DECODER
@@ -134,6 +135,62 @@ def test_greedy_tokens_match_in_bf16(name: str, tmp_path: Path) -> None:
     for (own_logits, own_tokens), (direct_logits, direct_tokens) in zip(own, direct, strict=True):
         torch.testing.assert_close(direct_logits, own_logits, rtol=2e-2, atol=2e-2)
         assert direct_tokens == own_tokens
+
+
+# (rows, longest prompt) of a prefill over a 4-slot cache: its rows x longest tokens at the
+# slot count (unpadded), and over it at and past token buckets (padded to 6, 8, 12, 16, 32
+# and 48 rows for the linears).
+CROSSING = [(2, 2), (1, 5), (2, 3), (1, 7), (3, 3), (1, 13), (4, 7), (3, 11)]
+
+
+def prefill_then_decode(model: CausalLMRunner, prompts: list[list[int]]) -> tuple[Any, ...]:
+    """The prompts' prefill logits, the next decode step's, the cache's slots after them,
+    and the row counts of the prefill's linears but the head's."""
+    greedy = SamplingParams(max_new_tokens=2)
+    fed = [
+        StepRow(slot, prompt, 0, greedy, new_generator(0), prefill=True)
+        for slot, prompt in zip([3, 0, 2, 1], prompts, strict=False)
+    ]
+    linear_rows: list[int] = []
+    linear = torch.nn.functional.linear
+
+    def recorded(x: torch.Tensor, *args: Any) -> Any:
+        linear_rows.append(x.numel() // x.shape[-1])
+        return linear(x, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "linear", recorded)
+        prefill = model.logits(fed)
+    following = [
+        StepRow(row.slot, [token], len(row.token_ids), greedy, row.generator)
+        for row, token in zip(fed, prefill.argmax(dim=-1).tolist(), strict=True)
+    ]
+    decode = model.logits(following)
+    cache = [(layer.keys.clone(), layer.values.clone()) for layer in model.cache.slot_layers]
+    return prefill, decode, cache, set(linear_rows[:-1])
+
+
+@pytest.mark.parametrize(("rows", "longest"), CROSSING)
+def test_a_prefill_padded_to_a_token_bucket_computes_the_unpadded_forward(
+    rows: int, longest: int, tmp_path: Path
+) -> None:
+    """On a CPU the linears run on rows x longest tokens padded to a bucket; the logits and
+    every slot of the cache (the padding's rows written nowhere) are the model's own
+    forward's, and so are the next decode step's logits."""
+    directory = saved(BUILDS["qwen2"], tmp_path)
+    generator = torch.Generator().manual_seed(rows * 100 + longest)
+    lengths = [longest - (index % 2) * (longest // 2) for index in range(rows)]
+    prompts = [torch.randint(3, 300, (n,), generator=generator).tolist() for n in lengths]
+    own = prefill_then_decode(runner(directory, torch.float32, direct=False), prompts)
+    direct = prefill_then_decode(runner(directory, torch.float32, direct=True), prompts)
+    tokens = rows * longest
+    assert own[3] == {tokens}
+    assert direct[3] == {tokens if tokens <= 4 else padded_tokens(tokens, 4)}
+    for own_logits, direct_logits in zip(own[:2], direct[:2], strict=True):
+        torch.testing.assert_close(direct_logits, own_logits, rtol=1e-4, atol=1e-4)
+    for (own_keys, own_values), (keys, values) in zip(own[2], direct[2], strict=True):
+        torch.testing.assert_close(keys, own_keys, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(values, own_values, rtol=1e-4, atol=1e-4)
 
 
 def test_fused_projections_are_the_models_only_copy(tmp_path: Path) -> None:

@@ -269,7 +269,13 @@ class CausalLMRunner:
                     **{self._cache_argument: self.cache},
                 ).last_hidden_state
             if all(len(row.token_ids) == query for row in rows):
-                picked = hidden[:, -1]  # every row's last token is the last column: a view
+                # Every row's last token is the last column. Copied out of the strided view:
+                # on a CPU, oneDNN builds a matrix product per input layout too, and the
+                # head's input must be the decode steps' (rows, width), whose sizes warm-up
+                # ran, not a new row stride per prompt length.
+                picked = hidden[:, -1]
+                if query > 1:  # (`contiguous` keeps a single row's stride)
+                    picked = picked.clone(memory_format=torch.contiguous_format)
             else:
                 last = torch.tensor([len(row.token_ids) - 1 for row in rows], device=self.device)
                 picked = hidden[torch.arange(len(rows), device=self.device), last]

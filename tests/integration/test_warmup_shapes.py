@@ -2,7 +2,8 @@
 `app/models/token_buckets.py`): on a CPU, oneDNN builds a primitive per input shape, and the
 first linear of a new row count pays 200-1100 us. Serving's steps (decode batches of any
 size up to the slots, prefills of random rows x chunk lengths within
-`generate_max_batch_tokens`) run their linears only on (rows, weight) shapes warm-up ran;
+`generate_max_batch_tokens`) run their linears only on (rows, row stride, weight) shapes
+warm-up ran;
 the tiny causal LM, bf16, on the direct decoder. No timings asserted."""
 
 from __future__ import annotations
@@ -25,17 +26,21 @@ from app.models.sampling import new_generator
 from app.settings import Settings
 
 GREEDY = SamplingParams(max_new_tokens=1)
-Shape = tuple[int, tuple[int, ...]]  # a linear's input rows and its weight's shape
+# A linear's input rows, the stride between them (oneDNN builds a primitive per layout too)
+# and its weight's shape.
+Shape = tuple[int, int, tuple[int, ...]]
 
 
 @contextmanager
 def linear_shapes() -> Iterator[set[Shape]]:
-    """The (rows, weight shape) of every `F.linear` (the head's too) while open."""
+    """The (rows, row stride, weight shape) of every `F.linear` (the head's too) while
+    open."""
     seen: set[Shape] = set()
     linear = torch.nn.functional.linear
 
     def recorded(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> Any:
-        seen.add((x.numel() // x.shape[-1], tuple(weight.shape)))
+        stride = x.stride(-2) if x.dim() > 1 else x.shape[-1]
+        seen.add((x.numel() // x.shape[-1], stride, tuple(weight.shape)))
         return linear(x, weight, *args)
 
     with pytest.MonkeyPatch.context() as patch:

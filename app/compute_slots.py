@@ -35,6 +35,11 @@ class ComputeSlots:
         so the line waits for one step, not a whole run."""
         self._claim_listeners.append(callback)
 
+    def line_waits(self) -> bool:
+        """Whether a claimant is in line: whoever takes a slot now for a run of several
+        steps ends it after its first (`on_claim` told it of no one already in line)."""
+        return bool(self._line)
+
     def available(self, claimant: Hashable) -> bool:
         """Whether `claimant` may take a slot now: one is free for each claimant ahead of
         it in the line, and one more for it."""

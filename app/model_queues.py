@@ -13,7 +13,7 @@ are not ahead of it: judged on the whole engine's backlog, a flood on one model 
 request for any other refused 429 `queue`, however idle that model was; counting one batch
 of each, whatever M's own queue, admitted requests whose real wait was a multiple of the
 budget when two models were flooded. A generate model's input also waits for a KV-cache
-slot (`own_wait_s`: its running sequences' steps, each dispatch a turn of the others). With
+slot (`own_wait_s`: its running sequences' steps, each step a turn of the others). With
 one model served this is the whole engine's backlog, as before.
 
 Which of M's batches are ahead depends on the input's length bucket: in its own bucket it

@@ -2,7 +2,8 @@
 (`StepRunner.start`'s listener), for one generate model's host.
 
 Within a multi-step run, a step's tokens are taken at once (`advance`), then `between_steps`
-(the outputs sent, deadlines checked) while the compute thread runs the next step. The
+(the outputs sent, deadlines checked but for the sequences whose tokens the compute thread
+still holds) while the compute thread runs the next step. The
 dispatch's last step is kept for the host's loop to take once the dispatch is over
 (`take_last`), in the turn that starts the next dispatch and then sends the outputs, so no
 cancel or failure handled in between comes between an output made and sent. A failure while
@@ -25,18 +26,25 @@ class StepHandOver:
     def __init__(
         self,
         advance: Advance,
-        between_steps: Callable[[], None],
+        between_steps: Callable[[set[GenerationSequence]], None],
         interrupt: Callable[[], None],
     ) -> None:
+        """`between_steps(held)` runs after a step taken within a run; `held`: the run's
+        sequences whose tokens the compute thread holds until the run ends (those that do
+        not stream), which must not be ended meanwhile on what was taken so far."""
         self._advance = advance
         self._between_steps = between_steps
         self._interrupt = interrupt
         self._failure: Exception | None = None
         self._last: tuple[list[GenerationSequence], list[list[int]]] | None = None
 
-    def listener(self, sequences: list[GenerationSequence]) -> StepListener:
-        """The listener of a dispatch of `sequences` (each in its slot)."""
+    def listener(
+        self, sequences: list[GenerationSequence], each_step: frozenset[int]
+    ) -> StepListener:
+        """The listener of a dispatch of `sequences` (each in its slot), those in
+        `each_step`'s slots handed over each step (`StepRunner.start`)."""
         by_slot = {sequence.slot: sequence for sequence in sequences}
+        held = {s for s in sequences if s.slot not in each_step}
 
         def took(slots: list[int], tokens: list[list[int]], continuing: bool) -> None:
             stepped = [by_slot[slot] for slot in slots]
@@ -47,7 +55,8 @@ class StepHandOver:
                 return
             try:
                 self._advance(stepped, tokens)
-                self._between_steps()
+                held.difference_update(stepped)  # handed over as it left the run
+                self._between_steps(held)
             except Exception as failure:
                 self._failure = failure
                 self._interrupt()

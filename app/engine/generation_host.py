@@ -178,7 +178,7 @@ class GenerationHost:
     def _drop(self, sequence: GenerationSequence, row_ended: bool = False) -> None:
         """Forget a sequence wherever it is and give its slot back; no answer follows.
         `row_ended`: its row ended itself in the step that chose its last token (EOS, a stop
-        id, its length: a run stops computing it, `StepRunner._decode_run`)."""
+        id, its length: a run stops computing it, `generation_runs.decode_run`)."""
         if not sequence.done.done():
             sequence.done.set_result(None)
         if self._batch.remove(sequence) and (not row_ended or self._batch.waiting):
@@ -224,19 +224,18 @@ class GenerationHost:
             if not sequences:  # else `start` takes the slot, leaving the line
                 has_work = bool(self._batch)
                 slots.stand(self._steps, waiting=has_work and not available)
+            # A client that streams sees each token as it is made; the others' tokens of a
+            # run are taken as it ends (a turn of this loop a step competes with the compute
+            # thread's for the interpreter).
+            each_step = frozenset(s.slot for s in sequences if s.streams and s.slot is not None)
             step = (
                 self._steps.start(
                     [s.row() for s in sequences],
                     steps_for(sequences, self._steps_per_dispatch),
                     # A row ending at EOS frees a slot a waiting sequence can take at once.
                     end_on_eos=bool(self._batch.waiting),
-                    listener=self._hand_over.listener(sequences),
-                    # A client that streams sees each token as it is made; the others'
-                    # tokens of a run are taken as it ends (a turn of this loop a step
-                    # competes with the compute thread's for the interpreter).
-                    each_step=frozenset(
-                        s.slot for s in sequences if s.streams and s.slot is not None
-                    ),
+                    listener=self._hand_over.listener(sequences, each_step),
+                    each_step=each_step,
                 )
                 if sequences
                 else None
@@ -253,6 +252,7 @@ class GenerationHost:
             except Exception as error:  # blamed narrowly, on its slot (`generation_triage.py`)
                 self._hand_over.raise_failure()
                 self._hand_over.take_last()  # a failed run's steps before the failure
+                self._send_outbox()  # answers complete before it wait for no triage
                 log.exception("%s: generation step failed; triaging it", self.name)
                 await self._triage.answer(sequences, error)
                 continue
@@ -260,10 +260,11 @@ class GenerationHost:
             self._record_step(result)
             self._hand_over.take_last()
 
-    def _between_steps(self) -> None:
+    def _between_steps(self, held: set[GenerationSequence]) -> None:
         """A run's step was taken (`_advance`) while the next one computes: send its
-        outputs, and end the sequences a deadline ends now."""
-        self._expire(self._context.clock())
+        outputs, and end the sequences a deadline ends now, but those whose tokens of the
+        run the compute thread holds (`held`: checked when the run ends, with them)."""
+        self._expire(self._context.clock(), held)
         self._send_outbox()
 
     def _send_outbox(self) -> None:
@@ -277,11 +278,14 @@ class GenerationHost:
         joiners = self._batch.join(self._max_batch_tokens, self._context.clock())
         return joiners + [s for s in self._batch.running.values() if s not in joiners]
 
-    def _expire(self, now: float) -> None:
-        """Sequences their deadline ends (`GenerationSequence.deadline_end`) end now: past it,
-        they fail (504) and free their slots; fitted to it, with `length`. The tokens they
-        were given in the last step go out first (a stream ends at its failure)."""
+    def _expire(self, now: float, sparing: set[GenerationSequence] | None = None) -> None:
+        """Sequences their deadline ends (`GenerationSequence.deadline_end`) end now, but
+        those `sparing` names: past it, they fail (504) and free their slots; fitted to it,
+        with `length`. The tokens they were given in the last step go out first (a stream
+        ends at its failure)."""
         sequences = self._batch.everyone()
+        if sparing:
+            sequences = [s for s in sequences if s not in sparing]
         ending = [(s, end) for s in sequences if (end := s.deadline_end(now, self._step_s))]
         if ending:
             self._send_outbox()

@@ -45,8 +45,9 @@ def decode_run(
     does the run once `interrupted` is set, or, while `end_on_eos` is set (a sequence
     waits for a slot), after the step in which any row chose EOS. The tokens of the rows
     in `each_step`'s slots go to `hand_over` as each step ends (their clients see each
-    token as it is made); the others' as the run ends, or before a failed step raises
-    (what was computed is kept). Returns the steps run."""
+    token as it is made); the others' as the run ends, as the row leaves it (its sequence
+    ends then), or before a failed step raises (what was computed is kept). Returns the
+    steps run."""
     eos = runner.eos_token_ids
     active = sorted(rows, key=lambda row: row.slot)  # slot order: see `StepRunner._forwards`
     held: dict[int, list[int]] = {}  # by slot: tokens of rows not in `each_step`
@@ -63,13 +64,17 @@ def decode_run(
         now_slots: list[int] = []
         now_tokens: list[list[int]] = []
         for row, token in zip(active, chosen, strict=True):
+            ends = token in eos or token in row.sampling.stop_token_ids
+            leaves = ends or token == NO_TOKEN
             if row.slot in each_step:
                 now_slots.append(row.slot)
                 now_tokens.append([token])
             else:
                 held.setdefault(row.slot, []).append(token)
-            ends = token in eos or token in row.sampling.stop_token_ids
-            if not ends and token != NO_TOKEN:
+                if leaves:  # its sequence ends now: its answer waits for no later step
+                    now_slots.append(row.slot)
+                    now_tokens.append(held.pop(row.slot))
+            if not leaves:
                 following.append(
                     StepRow(
                         row.slot,

@@ -236,7 +236,10 @@ class StepRunner:
             raise ValueError("a multi-step run hands its steps to a listener")
         slots = self._context.slots
         slots.take(self)
-        self._interrupted.clear()
+        if slots.line_waits():  # another waits for a slot: one step, then its turn
+            self._interrupted.set()
+        else:
+            self._interrupted.clear()
         if end_on_eos:
             self._end_on_eos.set()
         else:

@@ -21,8 +21,9 @@ The triage takes a compute slot in turn, as the next step would, and holds it fo
 (`StepRunner.release`): of what failed the server's way, or, when only prompts were at
 fault, of a success. A sequence past its deadline, cancelled or gone is not run again: the
 step loop expires it (504) or lets it join the next step. A sampled sequence's retried step
-draws what the failed one would have (a step that raises puts its generators back:
-`StepRunner._compute`), so a seeded request gives the tokens it gives without the failure.
+draws what the failed one would have (a step that raises puts its generators back as it
+found them: `generation_runs.drawing`), so a seeded request gives the tokens it gives
+without the failure.
 Event loop thread only.
 """
 

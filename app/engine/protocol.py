@@ -2,7 +2,7 @@
 
 A request is (id, model, deadline, payload); its answer is a *stream*: zero or more `Output`
 messages, then either one whose `final` is true or one `Failure` (an embedding sends one
-final output or one failure; generation an output per dispatch while it streams, and a
+final output or one failure; generation an output per step while it streams, and a
 sequence past its deadline or in a failed step gets the outputs already made, then its
 failure). The client ends a stream at either. The payload is a tagged union: a new task
 adds a payload and an output type here (generation's live in `protocol_generate.py`, imported

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from app.compute_slots import ComputeSlots
 from app.engine.generation_steps import StepResult, StepRunner
 from app.engine.protocol import SamplingParams
 from app.models.causal_lm import CausalLMRunner, StepRow
@@ -54,6 +55,7 @@ def step_runner(runner: CausalLMRunner, settings: Settings) -> StepRunner:
         settings=settings,
         clock=lambda: 0.0,
         metrics=SimpleNamespace(dispatcher_busy=SimpleNamespace(labels=lambda name: None)),
+        slots=ComputeSlots(1),
     )
     steps = StepRunner(runner, context, asyncio.Event())  # type: ignore[arg-type]
 

@@ -73,3 +73,7 @@ def test_a_claimant_getting_in_line_is_told_to_whoever_holds_a_slot_for_a_run() 
     assert heard == ["claim"]
     slots.stand("other", waiting=True)
     assert heard == ["claim", "claim"]
+    assert slots.line_waits()  # whoever takes a slot now for a run: one step
+    slots.withdraw("embedding")
+    slots.withdraw("other")
+    assert not slots.line_waits()

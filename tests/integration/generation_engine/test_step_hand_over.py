@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,12 +17,15 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from app.engine.generation_host import GenerationHost
 from app.engine.generation_sequences import GenerationSequence
-from app.engine.protocol import SamplingParams, TokensOutput
+from app.engine.generation_steps import StepResult
+from app.engine.inprocess import InProcessEngine
+from app.engine.protocol import FinishReason, SamplingParams, TokensOutput
 from app.models.causal_lm import StepRow
 from tests.support.generation import generate_settings
 from tests.support.generation_engine import (
     SLOT_TOKENS,
     SLOTS,
+    Generated,
     collect,
     expected_greedy,
     generate,
@@ -30,11 +33,14 @@ from tests.support.generation_engine import (
     settings_for,
     started,
     submit,
+    tiny_model_that_also_ends_at,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPT = [1, 50, 60, 70, 80]
+# The first stops at EOS (a token greedy decoding gives it 6th); the second never does.
+EOS_PROMPT, BESIDE_PROMPT = [1, 50, 60, 70], [1, 40, 41, 42]
 STEP_WAIT_S = 60.0  # a bound on a wait for the other thread, never reached when it works
 HEAD_WAIT_S = 10.0  # likewise, for a streamed token (a failure here takes this long)
 
@@ -86,8 +92,10 @@ async def test_another_models_claim_ends_a_run_after_its_current_step(
 ) -> None:
     """Two generate models share one compute slot: a request to the second, arriving while
     the first runs a 60-step run, gets in line, and the run ends after its current step
-    (it held the slot for the whole run: a model beside a long generation waited it out),
-    and both get model.generate's tokens."""
+    (it held the slot for the whole run: a model beside a long generation waited it out);
+    while the second has sequences, each of the first's dispatches is a step or so, also
+    one started with the second already in line (no claim then tells it to end); both get
+    model.generate's tokens."""
     _, model = reference
     settings = generate_settings(
         {"tiny": tiny_causal_lm, "other": tiny_causal_lm},
@@ -100,6 +108,9 @@ async def test_another_models_claim_ends_a_run_after_its_current_step(
     )
     engine = await started(settings)
     runs = record_runs(engine)
+    other_host = engine.core.hosts["other"]
+    assert isinstance(other_host, GenerationHost)
+    beside_the_other = record_runs_while(engine, lambda: bool(other_host._batch))
     other_prompt = [1, 44, 45]
     try:
         stream = engine.stream(submit(engine, PROMPT, SamplingParams(max_new_tokens=150)))
@@ -116,6 +127,89 @@ async def test_another_models_claim_ends_a_run_after_its_current_step(
     assert head_tokens + rest.token_ids == expected_greedy(model, PROMPT, 150).token_ids
     assert beside.token_ids == expected_greedy(model, other_prompt, 10).token_ids
     assert runs[1] < 60, f"the run went on with the other model in line: {runs}"
+    # Those ended while the other had sequences, but the run its arrival cut short: one
+    # step each (a few at most, should its loop's claim come a step late).
+    assert len(beside_the_other) > 5 and max(beside_the_other[1:]) <= 3, beside_the_other
+
+
+async def test_a_run_started_with_another_claimant_in_line_stops_after_a_step(
+    tiny_causal_lm: Path,
+) -> None:
+    """Two compute slots, another claimant already in line for one (no claim comes during
+    the run to end it): each dispatch is one step; out of line, the run goes on."""
+    engine = await started(
+        settings_for(
+            tiny_causal_lm, warmup=False, dispatcher_threads=2, generate_steps_per_dispatch=60
+        )
+    )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    runs = record_runs(engine)
+    slots = host._context.slots
+    try:
+        slots.claim("a batch of another model")  # in line before the run starts
+        lined = await generate(engine, PROMPT, SamplingParams(max_new_tokens=8))
+        in_line = list(runs)
+        slots.withdraw("a batch of another model")
+        alone = await generate(engine, PROMPT, SamplingParams(max_new_tokens=8))
+    finally:
+        await engine.close()
+    assert lined.token_ids == alone.token_ids
+    assert in_line == [1] * 8, in_line
+    assert runs[8:] == [1, 7], runs
+
+
+def record_runs_while(engine: InProcessEngine, condition: Callable[[], bool]) -> list[int]:
+    """The steps of each of "tiny"'s dispatches that ended while `condition()` held."""
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    runs: list[int] = []
+    record = host._record_step
+
+    def recording(result: StepResult) -> None:
+        if condition():
+            runs.append(result.steps)
+        record(result)
+
+    host._record_step = recording  # type: ignore[method-assign]
+    return runs
+
+
+async def test_a_sequence_that_does_not_stream_is_answered_as_its_row_leaves_the_run(
+    tmp_path: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
+) -> None:
+    """A sequence that does not stream stops at EOS at its 6th token inside a 60-step run
+    beside one that streams: its answer comes as its row leaves the run, before its
+    neighbour's 9th token, not when the run ends with the neighbour's 12th (its tokens were
+    held to the run's end, and a deadline check between steps saw it without them)."""
+    _, model = reference
+    stopped, beside = EOS_PROMPT, BESIDE_PROMPT
+    plain = expected_greedy(model, stopped, 10).token_ids
+    stop = plain[5]
+    assert stop not in plain[:5]
+    assert stop not in expected_greedy(model, beside, 12).token_ids, "only the first stops"
+    directory = tiny_model_that_also_ends_at(tmp_path / "eos", stop)
+    engine = await started(settings_for(directory, warmup=False, generate_steps_per_dispatch=60))
+    events: list[str] = []
+
+    async def streamed() -> None:
+        request = submit(engine, beside, SamplingParams(max_new_tokens=12))
+        async for output in engine.stream(request):
+            assert isinstance(output.payload, TokensOutput)
+            events.extend("token" for _ in output.payload.token_ids)
+
+    async def whole() -> Generated:
+        result = await generate(engine, stopped, SamplingParams(max_new_tokens=10), False)
+        events.append("answer")
+        return result
+
+    try:
+        answer, _ = await asyncio.gather(whole(), streamed())
+    finally:
+        await engine.close()
+    assert answer.token_ids == plain[:5] and answer.finish_reason is FinishReason.EOS
+    assert events.count("token") == 12
+    assert events.index("answer") < 9, events
 
 
 async def test_a_failure_taking_a_runs_step_fails_the_loops_sequences(

@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedModel
 
 from app.engine.generation_host import GenerationHost
+from app.engine.generation_sequences import GenerationSequence
 from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import FinishReason, GeneratePayload, SamplingParams, Submit
 from app.models.causal_lm import StepRow
@@ -100,10 +101,10 @@ async def test_a_sequence_its_deadline_ends_is_timed_to_its_last_token(
     engine, host, clock = await engine_on_forward_clock(tiny_causal_lm, monkeypatch)
     expire = host._expire
 
-    def late_turn(now: float) -> None:
+    def late_turn(now: float, sparing: set[GenerationSequence] | None = None) -> None:
         if any(len(s.generated) == 3 for s in host._batch.everyone()) and clock.now < START + 30:
             clock.now += 30.0
-        expire(clock.now)
+        expire(clock.now, sparing)
 
     monkeypatch.setattr(host, "_expire", late_turn)
     sampling = SamplingParams(max_new_tokens=SLOT_TOKENS - 4, fit_to_deadline=True)

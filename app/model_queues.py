@@ -55,8 +55,8 @@ class BatchCost:
 class ModelWork:
     """One model's work now, in compute seconds on one slot (not divided among slots):
     what is left of its running batches, its queued inputs run in full batches, and the
-    batch (or generation dispatch) it would run next when it has work ready, else 0; and
-    in turns on the compute slots: its batches (dispatches) an input queued for it now
+    batch (or generation step) it would run next when it has work ready, else 0; and
+    in turns on the compute slots: its batches (steps) an input queued for it now
     waits behind (`batches_ahead`: each is a turn of every other model; in whichever
     length bucket the input queues, the least: see above), and those its work
     takes at most (`turns`: no other model's input waits for more of them). A generate

@@ -149,7 +149,8 @@ class Settings(GenerationSettings):
     stuck_compute_s: float = Field(
         default=60.0,
         gt=0,
-        description="A ready engine process whose oldest compute (a batch, a generation step) "
+        description="A ready engine process whose oldest compute (a batch, a generation "
+        "dispatch of up to STEADY_GENERATE_STEPS_PER_DISPATCH steps) "
         "has run this long is killed by the supervisor and restarted with backoff: a wedged "
         "GPU or a driver call that never returns leaves its event loop publishing a live "
         "status while nothing is answered. Far above the slowest batch or step, and at least "
@@ -277,7 +278,10 @@ class Settings(GenerationSettings):
 
     # --- start-up and shutdown ---------------------------------------------------------
     warmup: bool = Field(
-        default=True, description="Run every (length bucket x batch bucket) shape before ready."
+        default=True,
+        description="Run every shape serving meets before ready: each (length bucket x batch "
+        "bucket) of an embedding or tensor model; a generate model's prefills and decode "
+        "steps (every batch size on CPU).",
     )
     cuda_alloc_conf: str = Field(
         default="expandable_segments:True",

@@ -44,7 +44,8 @@ class GenerationSettings(BaseSettings):
         description="Decode steps one generate model runs per compute dispatch when no "
         "sequence joins (multi-step decoding; 1: off), the compute thread feeding each "
         "chosen token back while the event loop takes the last step's: a streamed sequence "
-        "gets each token as its step ends, the others their run's tokens as it ends. An "
+        "gets each token as its step ends, the others their run's tokens as it ends or as "
+        "their row leaves it (EOS, a stop id). An "
         "arrival that can take a slot, a cancel, an expired streamed sequence or another "
         "model in line for the compute slots ends the run after its current step; a "
         "sequence that does not stream is noticed past its deadline when the run ends.",

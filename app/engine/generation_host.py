@@ -16,9 +16,9 @@ With `generate_steps_per_dispatch` > 1 (default 16), a dispatch nobody joins run
 that many decode steps in a row (`generation_runs.py`; `steps_for` stops at a sequence's
 length), handing each step over as it ends while the next computes
 (`generation_hand_over.py`: a streamed sequence's tokens each step, the others' as the run
-ends), interrupted by an arrival that could take a free slot, a cancel, an expiry or another
-model in line for the compute slots, and ended by a row's EOS while a sequence waits for a
-slot (also one that arrived during the run).
+ends or their row leaves it), interrupted by an arrival that could take a free slot, a
+cancel, an expiry or another model in line for the compute slots, and ended by a row's EOS
+while a sequence waits for a slot (also one that arrived during the run).
 
 A cancelled (client gone) or expired sequence gives its slot back at once: its keys are
 read again only as a later prompt's reused prefix (`slot_table.py`; a slot is zeroed after
@@ -304,11 +304,12 @@ class GenerationHost:
         self._step_s = new if old == 0 else (1 - weight) * old + weight * new
 
     def _advance(self, sequences: list[GenerationSequence], tokens: list[list[int]]) -> None:
-        """Give each sequence its new tokens (one output with all of them, for a sequence that
-        streams), and end those at EOS (not sent) or at their length, freeing their slots for
-        the next step (zeroed if its logits broke down, also for one that left during the
-        step). Outputs go to the outbox as they are made: an ended sequence is no longer the
-        loop's; should this step fail later, only the outbox (`_supervised_loop`) answers it."""
+        """Give each sequence its new tokens (one output with them, for a sequence that streams: a
+        step's token), and end those at EOS (not sent) or at their length, freeing their
+        slots for the next step (zeroed if its logits broke down, also for one that left
+        during the step). Outputs go to the outbox as they are made: an ended sequence is no
+        longer the loop's; should this step fail later, only the outbox (`_supervised_loop`)
+        answers it."""
         now = self._context.clock()
         eos = self.runner.eos_token_ids
         outbox = self._outbox  # empty: sent before the step was awaited

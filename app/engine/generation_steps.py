@@ -129,7 +129,7 @@ class StepRunner:
 
     def _decode_batches(self) -> list[int]:
         """Every batch size up to all slots on a CPU (oneDNN builds a matrix product's
-        primitive per input shape: a decode step of a size warm-up skipped would pay 3-4 ms
+        primitive per input shape: a decode step of a size warm-up skipped would pay 2-3 ms
         of set-up, `token_buckets.py`); 1, 2, 4, ... and all slots on CUDA, whose kernels
         are chosen per shape, not built."""
         slots = self.runner.cache.shape.slots
@@ -219,17 +219,17 @@ class StepRunner:
         listener: StepListener | None = None,
         each_step: frozenset[int] = frozenset(),
     ) -> asyncio.Task[StepResult]:
-        """Take a shared compute slot (one must be free) and run one step on a compute
-        thread, or with `steps` > 1 (decode rows only) up to that many decode steps in a row,
-        fewer if every row chooses EOS (with `end_on_eos`, or once `sequence_waits` is called,
-        any row: a sequence waits for the slot it frees) or `interrupt` is called or another
+        """Take a shared compute slot (one must be free) and run one step on a compute thread, or
+        with `steps` > 1 (decode rows only) up to that many decode steps in a row, fewer if
+        every row chooses EOS (with `end_on_eos`, or once `sequence_waits` is called, any
+        row: a sequence waits for the slot it frees) or `interrupt` is called or another
         claimant gets in line for a compute slot; the slot is given back when it ends, and
         health hears how it ended. With a `listener`, the step's tokens go to it (the
         result's lists are then empty): in a run, those of the rows in `each_step`'s slots
-        as each step ends, the others' as the run ends. `metered` (all but warm-up): its compute
-        time is charged to the busy time, also when it fails; and health hears nothing of a
-        metered step that raises: its caller triages it (`take_slot`, `rerun`), then tells
-        health the verdict (`release`)."""
+        as each step ends, the others' as the run ends or their row leaves it. `metered`
+        (all but warm-up): its compute time is charged to the busy time, also when it fails;
+        and health hears nothing of a metered step that raises: its caller triages it
+        (`take_slot`, `rerun`), then tells health the verdict (`release`)."""
         if steps > 1 and any(row.prefill for row in rows):
             raise ValueError("only decode rows run several steps per dispatch")
         if steps > 1 and listener is None:

@@ -62,7 +62,7 @@ GAUGE_INTERVAL_S = 0.25
 
 # A model's published wait (`ModelQueue.backlog_s`) is sent again only once it moved more
 # than the larger of these since it was last sent: a decoding generate model's next
-# dispatch, from its step time averaged over every step, is in every other model's wait,
+# step, from its step time averaged over every step, is in every other model's wait,
 # and had a status sent at every tick (~200 a second) with nothing else changed. Front ends'
 # figure is off by at most that (2 ms of a 100 ms budget) until a status is sent.
 WAIT_TOLERANCE_S = 0.001

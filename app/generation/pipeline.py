@@ -320,9 +320,9 @@ class TextGeneration:
                         generated += len(payload.token_ids)
                         token_ids.extend(payload.token_ids)
                         continue
-                    # Token by token: an output of several steps' tokens (multi-step
-                    # decoding) may reach the stop with its first; those after it are
-                    # neither sent nor counted.
+                    # Token by token: an output of several tokens (a whole answer's, or a
+                    # run's handed over at once) may reach the stop with its first; those
+                    # after it are neither sent nor counted.
                     # (A final output without tokens still flushes what the detokenizer holds.)
                     pieces = [[token] for token in payload.token_ids] or [[]]
                     for position, piece in enumerate(pieces):

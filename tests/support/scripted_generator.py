@@ -59,7 +59,7 @@ class ScriptedGenerator(AlwaysReadyEngine):
         self.eos_after_tokens: int | None = None  # set: sequences end (EOS) after this many
         self.outputs_per_turn = 1  # outputs delivered together before the reader runs
         self.compute_s_per_output = 0.0  # the compute each output reports
-        self.tokens_per_output = 1  # tokens each output carries (multi-step decoding: k)
+        self.tokens_per_output = 1  # tokens each output carries (a run's handed over at once)
 
     def model_info(self, spec: ModelSpec) -> ModelInfo:
         # As the real engine reports them: an embedding's width, a generate model's vocabulary.

@@ -1,5 +1,5 @@
 """`steadyserve_time_per_output_token_seconds`, on a clock that moves one second per forward
-(the tiny random-weight causal LM, one step per dispatch): a sequence's mean time between
+(the tiny random-weight causal LM, its default steps per dispatch): a sequence's mean time between
 its tokens runs from its first kept token to its last, whether it ends at EOS (chosen one
 step after its last kept token, and not kept) or by its deadline (noticed between steps,
 after its last token)."""

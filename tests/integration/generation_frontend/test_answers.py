@@ -193,8 +193,8 @@ async def test_outputs_that_arrive_together_are_one_piece_with_the_same_text_and
 async def test_a_stop_reached_inside_a_multi_token_output_counts_only_the_tokens_before_it(
     client: httpx.AsyncClient, app: FastAPI
 ) -> None:
-    """With multi-step decoding an output carries several tokens: a stop reached by the
-    first counted the rest in `completion_tokens`, though their text was never sent."""
+    """An output may carry several tokens (a run's, handed over at once): a stop reached by
+    the first counted the rest in `completion_tokens`, though their text was never sent."""
     engine = engine_of(app)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 200, "stop": [" over"]}
     usages = []

@@ -18,16 +18,20 @@ BATCH_BENCH_LINES ?= 100000
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
-# Which constraints file the venv was installed with, rewritten only when it changes: a
-# file given after the venv was made may be older than its stamp, and a switch back to the
-# CPU one as well, so its timestamp alone would keep the torch build installed before.
-$(VENV)/.torch-constraints: FORCE | $(BIN)/python
-	@echo '$(abspath $(TORCH_CONSTRAINTS))' | cmp -s - $@ || echo '$(abspath $(TORCH_CONSTRAINTS))' > $@
+# The runtime stamp holds the constraints file the venv was installed with; another one
+# (a file given after the venv was made may be older than the stamp, and a switch back to
+# the CPU one as well) installs again, decided by the stamp's content when make reads this
+# file: a stamp rewritten on a switch could share its timestamp with the install's on a
+# coarse clock and look current, keeping the torch build installed before.
+INSTALLED_WITH := $(shell cat $(VENV)/.runtime-installed 2>/dev/null)
+ifneq ($(INSTALLED_WITH),$(abspath $(TORCH_CONSTRAINTS)))
+$(VENV)/.runtime-installed: FORCE
+endif
 
-$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) $(LOCK_CONSTRAINTS) $(VENV)/.torch-constraints | $(BIN)/python
+$(VENV)/.runtime-installed: pyproject.toml $(TORCH_CONSTRAINTS) $(LOCK_CONSTRAINTS) | $(BIN)/python
 	$(BIN)/pip install -q --upgrade -c $(LOCK_CONSTRAINTS) pip
 	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -c $(LOCK_CONSTRAINTS) -e .
-	touch $@
+	echo '$(abspath $(TORCH_CONSTRAINTS))' > $@
 
 $(VENV)/.dev-installed: $(VENV)/.runtime-installed $(LOCK_CONSTRAINTS)
 	$(BIN)/pip install -q -c $(TORCH_CONSTRAINTS) -c $(LOCK_CONSTRAINTS) -e '.[dev]'

@@ -2,8 +2,10 @@
 compute thread runs the next: a client that streams sees each token as it is made, not a
 run's worth at its end (a first token whose text is an incomplete character waited a whole
 run to show: the late first tokens of multi-step decoding over HTTP); a run yields the
-compute slots after one step when another model gets in line for them; and a failure while
-taking a run's step fails the loop's sequences instead of leaving them unanswered."""
+compute slots after one step when another model gets in line for them, or was in line when
+it started; a sequence that does not stream is answered as its row leaves the run, not when
+the run ends; and a failure while taking a run's step fails the loop's sequences instead of
+leaving them unanswered."""
 
 from __future__ import annotations
 

@@ -47,8 +47,9 @@ class GenerationSettings(BaseSettings):
         "gets each token as its step ends, the others their run's tokens as it ends or as "
         "their row leaves it (EOS, a stop id). An "
         "arrival that can take a slot, a cancel, an expired streamed sequence or another "
-        "model in line for the compute slots ends the run after its current step; a "
-        "sequence that does not stream is noticed past its deadline when the run ends.",
+        "model in line for the compute slots ends the run after its current step; no run "
+        "goes past the deadline of a sequence that does not stream, by the measured step "
+        "time (its deadline is checked as the run ends).",
     )
     generate_max_waiting: int = Field(
         default=64,

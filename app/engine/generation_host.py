@@ -59,9 +59,6 @@ from app.models.sampling import NO_TOKEN, new_generator
 
 log = logging.getLogger(__name__)
 
-# Weight of the newest step in the step-time average admission predicts waits with.
-STEP_TIME_SMOOTHING = 0.2
-
 
 class GenerationHost:
     def __init__(self, runner: CausalLMRunner, context: EngineContext) -> None:
@@ -231,7 +228,9 @@ class GenerationHost:
             step = (
                 self._steps.start(
                     [s.row() for s in sequences],
-                    steps_for(sequences, self._steps_per_dispatch),
+                    steps_for(
+                        sequences, self._steps_per_dispatch, self._context.clock(), self._step_s
+                    ),
                     # A row ending at EOS frees a slot a waiting sequence can take at once.
                     end_on_eos=bool(self._batch.waiting),
                     listener=self._hand_over.listener(sequences, each_step),
@@ -300,8 +299,7 @@ class GenerationHost:
             self._fail(sequence, FailureKind.DEADLINE, passed)
 
     def _record_step(self, result: StepResult) -> None:
-        old, new, weight = self._step_s, result.step_s, STEP_TIME_SMOOTHING
-        self._step_s = new if old == 0 else (1 - weight) * old + weight * new
+        self._step_s = result.averaged_into(self._step_s)
 
     def _advance(self, sequences: list[GenerationSequence], tokens: list[list[int]]) -> None:
         """Give each sequence its new tokens (one output with them, for a sequence that streams: a
@@ -333,8 +331,10 @@ class GenerationHost:
                 sequence.first_token_at = now
                 self._first_token_histogram.observe(now - sequence.arrived)
             fresh, finish = sequence.take(chosen, eos)
-            if fresh:
-                sequence.last_token_at = now
+            if fresh:  # a held row's tokens come together; one ending at EOS (or a stop id)
+                # chose its last kept token the step before the ending one
+                ended_after = finish is FinishReason.EOS and len(chosen) > len(fresh)
+                sequence.last_token_at = now - self._step_s if ended_after else now
                 self._tokens_counter.inc(len(fresh))
             if finish is not None:
                 ended = self._finish(sequence, fresh, finish, now, row_ended=True)

@@ -228,13 +228,23 @@ class GenerationSequence:
         )
 
 
-def steps_for(sequences: Iterable[GenerationSequence], per_dispatch: int) -> int:
+def steps_for(
+    sequences: Iterable[GenerationSequence],
+    per_dispatch: int,
+    now: float = 0.0,
+    step_s: float = 0.0,
+) -> int:
     """Decode steps the next dispatch may run: one while a sequence prefills (a chunk of its
     prompt); else up to `per_dispatch`, and no step past the one at which a sequence reaches
-    its length (its slot then frees for a waiting one, as with single steps)."""
+    its length (its slot then frees for a waiting one, as with single steps), nor, at
+    `step_s` a step from `now`, past the deadline of one that does not stream (its tokens
+    are taken, and its deadline checked, only as the run ends: a whole run late, its 504
+    came after the proxy's own timeout)."""
     steps = per_dispatch
     for sequence in sequences:
         if sequence.prefilling:
             return 1
         steps = min(steps, sequence.remaining)
+        if not sequence.streams and step_s > 0:
+            steps = min(steps, int((sequence.request.deadline - now) / step_s))
     return max(steps, 1)

@@ -42,6 +42,8 @@ from app.models.causal_lm import CausalLMRunner, StepRow
 from app.models.sampling import NO_TOKEN, new_generator
 
 _GREEDY = SamplingParams(max_new_tokens=1)
+# Weight of a newest single step in the step-time average admission predicts waits with.
+STEP_TIME_SMOOTHING = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,15 @@ class StepResult:
     @property
     def step_s(self) -> float:
         return self.compute_s / max(self.steps, 1)
+
+    def averaged_into(self, average_s: float) -> float:
+        """The step-time average (`average_s`; 0: none yet) with this dispatch's steps, each
+        weighed as if recorded alone (a run of 16 cheap decode steps weighed as much as a
+        one-step prefill beside it, and the average sat near the prefill's)."""
+        if average_s == 0:
+            return self.step_s
+        kept = (1 - STEP_TIME_SMOOTHING) ** max(self.steps, 1)
+        return kept * average_s + (1 - kept) * self.step_s
 
 
 class StepListener(Protocol):

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from app.engine.generation_batch import SequenceTable
 from app.engine.generation_sequences import steps_for
+from app.engine.generation_steps import StepResult
 from tests.support.stand_in_sequence import stand_in_sequence
 
 
@@ -77,3 +80,35 @@ async def test_its_published_work_is_a_step_a_turn_prefilling_or_decoding() -> N
     table.changed()
     decoding = table.work(0.01, max_waiting=8)
     assert decoding.next_batch_s == 0.01 and decoding.turns == 5
+
+
+async def test_a_run_stops_at_the_deadline_of_a_sequence_that_does_not_stream() -> None:
+    """Its tokens are taken, and its deadline checked, only as the run ends: the run is no
+    longer than the steps of `step_s` until its deadline (one that streams is checked every
+    step: its deadline does not shorten the run)."""
+    held = long(4, 8, max_new_tokens=100)
+    held.prefilled = len(held.prompt)
+    held.streams = False
+    assert held.request.deadline > 100.0  # the premise: far off
+    deadline = held.request.deadline
+    assert steps_for([held], 16, now=deadline - 3.5, step_s=1.0) == 3
+    assert steps_for([held], 16, now=deadline - 0.5, step_s=1.0) == 1  # at least one
+    assert steps_for([held], 16) == 16  # no step time yet: none to plan with
+    held.streams = True
+    assert steps_for([held], 16, now=deadline - 3.5, step_s=1.0) == 16
+
+
+def test_the_step_time_average_weighs_a_run_as_its_steps() -> None:
+    """Alternating a one-step prefill dispatch of 100 ms and a 12-step decode run of 20 ms a
+    step, the average settles near the steps' mean (~26 ms), each step weighed as if
+    recorded alone; a dispatch weighed once whatever its steps, it sat near 60 ms, and
+    admission, the fitted lengths and the deadline checks all read it."""
+    average = 0.0
+    for _ in range(50):
+        average = StepResult([], 0.100, 1).averaged_into(average)
+        average = StepResult([], 0.240, 12).averaged_into(average)
+    assert 0.020 < average < 0.040, average
+    one_by_one = 0.030
+    for _ in range(12):
+        one_by_one = StepResult([], 0.020, 1).averaged_into(one_by_one)
+    assert StepResult([], 0.240, 12).averaged_into(0.030) == pytest.approx(one_by_one)

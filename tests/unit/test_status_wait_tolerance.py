@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from app.engine.core import EngineCore
-from app.engine.generation_host import STEP_TIME_SMOOTHING
+from app.engine.generation_steps import STEP_TIME_SMOOTHING
 from app.engine.process import WAIT_TOLERANCE_S, worth_publishing
 from app.engine.protocol import EngineStatus
 from app.engine.zmq_client import STATUS_HEARTBEAT_S, STATUS_INTERVAL_S

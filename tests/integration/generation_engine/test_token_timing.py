@@ -2,7 +2,7 @@
 (the tiny random-weight causal LM, its default steps per dispatch): a sequence's mean time between
 its tokens runs from its first kept token to its last, whether it ends at EOS (chosen one
 step after its last kept token, and not kept) or by its deadline (noticed between steps,
-after its last token)."""
+after its last token); and a run ends at the deadline of a sequence that does not stream."""
 
 from __future__ import annotations
 
@@ -62,14 +62,17 @@ def per_token(engine: InProcessEngine) -> tuple[float | None, float | None]:
     )
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_sequence_ending_at_eos_is_timed_to_its_last_kept_token(
     tmp_path: Path,
     reference: tuple[AutoTokenizer, PreTrainedModel],
     monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
 ) -> None:
     """Two tokens kept (forwards 1 and 2), EOS chosen by forward 3: one interval of one
     second. Timed to the step that chose EOS, it read two seconds: every sequence ending at
-    EOS had its mean inflated by one step over its tokens (double for a 2-token answer)."""
+    EOS had its mean inflated by one step over its tokens (double for a 2-token answer); one
+    that does not stream gets its run's tokens with the ending one, in one hand-over."""
     _, model = reference
     prompt = [1, 50, 60, 70]
     plain = expected_greedy(model, prompt, 10).token_ids
@@ -82,7 +85,7 @@ async def test_a_sequence_ending_at_eos_is_timed_to_its_last_kept_token(
             engine.next_request_id(),
             "tiny",
             START + 120,
-            GeneratePayload(prompt, SamplingParams(max_new_tokens=10)),
+            GeneratePayload(prompt, SamplingParams(max_new_tokens=10), stream=stream),
         )
         result = await collect(engine.stream(request))
     finally:
@@ -118,3 +121,32 @@ async def test_a_sequence_its_deadline_ends_is_timed_to_its_last_token(
         await engine.close()
     assert (len(result.token_ids), result.finish_reason) == (3, FinishReason.LENGTH)
     assert per_token(engine) == (1.0, pytest.approx(1.0))
+
+
+async def test_a_run_stops_at_the_deadline_of_a_sequence_that_does_not_stream(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence that does not stream, 12 tokens asked, its deadline 10.5 s away: admitted
+    on steps estimated at 0.5 s, which turn out to take 1 s (the estimate is 1 s once its
+    prefill ran). Its tokens are taken, and its deadline checked, only as a run ends: the
+    run stops at its deadline (9 steps), and it fails (504) one step later, after 11
+    forwards. A run to its length passed the deadline by 2.5 s before it was noticed."""
+    engine, host, clock = await engine_on_forward_clock(tiny_causal_lm, monkeypatch)
+    host._step_s = 0.5
+    timed_step = host.runner.step
+
+    def slower_than_admitted(rows: Sequence[StepRow]) -> list[int]:
+        tokens = timed_step(rows)
+        host._step_s = 1.0
+        return tokens
+
+    monkeypatch.setattr(host.runner, "step", slower_than_admitted)
+    payload = GeneratePayload([1, 40], SamplingParams(max_new_tokens=12), stream=False)
+    request = Submit(engine.next_request_id(), "tiny", START + 10.5, payload)
+    try:
+        with pytest.raises(Exception) as failed:
+            await collect(engine.stream(request))
+    finally:
+        await engine.close()
+    assert "deadline" in str(failed.value)
+    assert clock.now == START + 11

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Callable, Set
 
 from app.engine.generation_sequences import GenerationSequence
 from app.engine.kv_slots import steps_until_start
@@ -25,6 +26,20 @@ class SequenceTable:
         # any model and every status (each 5 ms) read them, a heap over the running
         # sequences and a push and pop for each of up to `generate_max_waiting` waiting.
         self._steps: tuple[int, int] | None = None
+        # The running sequences whose tokens the run in flight holds on the compute thread,
+        # and the steps it has computed (`hold`), as last forecast with.
+        self._held: Set[GenerationSequence] = frozenset()
+        self._held_steps: Callable[[], int] = lambda: 0
+        self._forecast_held_steps = 0
+
+    def hold(self, held: Set[GenerationSequence], steps_run: Callable[[], int]) -> None:
+        """`held` (running) get their tokens of the run in flight only as it ends, and
+        `steps_run()` is the steps it has computed so far (written on the compute thread):
+        the forecast counts those steps as taken (from the tokens taken alone, a row's steps
+        left were overstated by up to a run's, and so a new sequence's wait for a slot).
+        `hold(frozenset(), ...)` once the run's tokens were taken."""
+        self._held, self._held_steps = held, steps_run
+        self.changed()
 
     def changed(self) -> None:
         """Its sequences moved: one queued, joined or left, or a step's tokens were
@@ -94,10 +109,16 @@ class SequenceTable:
         """Steps before a sequence queued now gets a slot (`steps_until_start`), and before
         every sequence could end: the longest running one's remaining steps, or the last
         waiting one's, started once a slot frees (no later than one queued now). A
-        sequence's steps are its tokens left and its prefill's extra chunks (`steps_left`).
-        Simulated once after each change (`changed`)."""
-        if self._steps is None:
-            running = [seq.steps_left() for seq in self.running.values()]
+        sequence's steps are its tokens left and its prefill's extra chunks (`steps_left`),
+        less the steps a run holding its tokens computed (`hold`). Simulated once after each
+        change (`changed`) or step of such a run."""
+        run = self._held_steps() if self._held else 0
+        if self._steps is None or run != self._forecast_held_steps:
+            self._forecast_held_steps = run
+            running = [
+                max(seq.steps_left() - (run if seq in self._held else 0), 0)
+                for seq in self.running.values()
+            ]
             waiting = [seq.steps_left() for seq in self.waiting]
             until_a_slot = steps_until_start(running, self.slots.free, waiting)
             steps = max(running, default=0)

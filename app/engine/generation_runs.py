@@ -38,6 +38,7 @@ def decode_run(
     each_step: frozenset[int],
     interrupted: threading.Event,
     end_on_eos: threading.Event,
+    stepped: Callable[[], None] = lambda: None,
 ) -> int:
     """Up to `steps` decode steps, each feeding every row the token it just chose (the
     same rows, positions and generator draws as single steps); a row that chose EOS or
@@ -46,8 +47,8 @@ def decode_run(
     waits for a slot), after the step in which any row chose EOS. The tokens of the rows
     in `each_step`'s slots go to `hand_over` as each step ends (their clients see each
     token as it is made); the others' as the run ends, as the row leaves it (its sequence
-    ends then), or before a failed step raises (what was computed is kept). Returns the
-    steps run."""
+    ends then), or before a failed step raises (what was computed is kept). `stepped()` is
+    called as each step ends. Returns the steps run."""
     eos = runner.eos_token_ids
     active = sorted(rows, key=lambda row: row.slot)  # slot order: see `StepRunner._forwards`
     held: dict[int, list[int]] = {}  # by slot: tokens of rows not in `each_step`
@@ -91,6 +92,7 @@ def decode_run(
         if not going_on:
             now_slots.extend(held)
             now_tokens.extend(held.values())
+        stepped()  # before its tokens go over: a held row's are counted either way
         if now_slots:
             hand_over(now_slots, now_tokens, going_on)
         if not going_on:

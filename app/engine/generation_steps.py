@@ -101,6 +101,9 @@ class StepRunner:
         # Slots to zero before the next forward (`clear_slot`): appended on the loop thread
         # between steps, taken on the compute thread when the next step starts.
         self._slots_to_clear: list[int] = []
+        # Steps the dispatch in flight has computed: written on the compute thread, read by
+        # the host's forecast (`SequenceTable.hold`).
+        self.run_steps = 0
         context.slots.on_claim(self.interrupt)  # another's turn ends a run (`start`)
 
     def interrupt(self) -> None:
@@ -247,6 +250,7 @@ class StepRunner:
             raise ValueError("a multi-step run hands its steps to a listener")
         slots = self._context.slots
         slots.take(self)
+        self.run_steps = 0
         if slots.line_waits():  # another waits for a slot: one step, then its turn
             self._interrupted.set()
         else:
@@ -324,6 +328,10 @@ class StepRunner:
             if metered:
                 self._busy.inc(time.perf_counter() - started)
 
+    def _count_step(self) -> None:
+        """Compute thread: a step of the dispatch in flight ended (`run_steps`)."""
+        self.run_steps += 1
+
     def _forwards(
         self,
         rows: Sequence[StepRow],
@@ -348,6 +356,7 @@ class StepRunner:
                 each_step,
                 self._interrupted,
                 self._end_on_eos,
+                self._count_step,
             )
             return StepResult([[] for _ in rows], time.perf_counter() - started, forwards)
         prefill = [row for row in rows if row.prefill]  # prompts and chunks of them

@@ -4,7 +4,8 @@ run's worth at its end (a first token whose text is an incomplete character wait
 run to show: the late first tokens of multi-step decoding over HTTP); a run yields the
 compute slots after one step when another model gets in line for them, or was in line when
 it started; a sequence that does not stream is answered as its row leaves the run, not when
-the run ends; and a failure while taking a run's step fails the loop's sequences instead of
+the run ends; a new sequence's wait counts the steps a run computed for rows whose tokens
+it holds; and a failure while taking a run's step fails the loop's sequences instead of
 leaving them unanswered."""
 
 from __future__ import annotations
@@ -246,3 +247,47 @@ async def test_a_failure_taking_a_runs_step_fails_the_loops_sequences(
         await engine.close()
     assert "generation loop" in str(failed.value) and "RuntimeError" in str(failed.value)
     assert len(after.token_ids) == 5
+
+
+async def test_a_new_sequence_s_wait_counts_the_steps_a_run_holds(
+    tiny_causal_lm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both slots held by sequences that do not stream, their run's 11th step held in the
+    model: a sequence queued now waits for the steps the nearer one has left, less the 10
+    the run computed (its tokens are taken only as the run ends). Counted from the tokens
+    taken, the wait was overstated by the whole run so far."""
+    engine = await started(
+        settings_for(tiny_causal_lm, warmup=False, generate_slots=2, generate_steps_per_dispatch=60)
+    )
+    host = engine.core.hosts["tiny"]
+    assert isinstance(host, GenerationHost)
+    real_step, decode_steps = host.runner.step, 0
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold_the_runs_11th_step(rows: Sequence[StepRow]) -> list[int]:
+        nonlocal decode_steps
+        if not any(row.prefill for row in rows):
+            decode_steps += 1
+            if decode_steps == 11:
+                held.set()
+                let_go.wait(STEP_WAIT_S)
+        return real_step(rows)
+
+    monkeypatch.setattr(host.runner, "step", hold_the_runs_11th_step)
+    sampling = SamplingParams(max_new_tokens=30)
+    try:
+        both = asyncio.gather(
+            generate(engine, PROMPT, sampling, False),
+            generate(engine, [1, 44, 45], sampling, False),
+        )
+        assert await asyncio.to_thread(held.wait, STEP_WAIT_S), "the run never got there"
+        prefilled = [len(s.generated) for s in host._batch.running.values()]
+        assert prefilled == [1, 1], "the premise: the run's tokens are not taken yet"
+        # 29 tokens left each after the prefill's, 10 of them computed by the run.
+        assert host._batch.steps_until_a_slot() == 29 - 10
+        let_go.set()
+        results = await both
+    finally:
+        let_go.set()
+        await engine.close()
+    assert [len(r.token_ids) for r in results] == [30, 30]

@@ -38,6 +38,7 @@ from tests.support.generation_engine import (
     submit,
     tiny_model_that_also_ends_at,
 )
+from tests.support.held_step import held_step
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -49,9 +50,7 @@ HEAD_WAIT_S = 10.0  # likewise, for a streamed token (a failure here takes this 
 
 
 async def test_a_run_streams_each_token_as_its_step_ends(
-    tiny_causal_lm: Path,
-    reference: tuple[AutoTokenizer, PreTrainedModel],
-    monkeypatch: pytest.MonkeyPatch,
+    tiny_causal_lm: Path, reference: tuple[AutoTokenizer, PreTrainedModel]
 ) -> None:
     """A 60-step run whose 4th step is held in the model: the client has the prefill's
     token and the run's first three before the held step ends."""
@@ -61,28 +60,16 @@ async def test_a_run_streams_each_token_as_its_step_ends(
     )
     host = engine.core.hosts["tiny"]
     assert isinstance(host, GenerationHost)
-    real_step, forwards = host.runner.step, 0
-    held, let_go = threading.Event(), threading.Event()
-
-    def hold_the_runs_fourth_step(rows: Sequence[StepRow]) -> list[int]:
-        nonlocal forwards
-        forwards += 1
-        if forwards == 5:  # the prefill, then the run's steps 1-3 ran
-            held.set()
-            let_go.wait(STEP_WAIT_S)
-        return real_step(rows)
-
-    monkeypatch.setattr(host.runner, "step", hold_the_runs_fourth_step)
     runs = record_runs(engine)
     try:
-        stream = engine.stream(submit(engine, PROMPT, SamplingParams(max_new_tokens=20)))
-        # Without hand-overs a run's tokens come at its end, after the held step: never.
-        head = [await asyncio.wait_for(anext(stream), HEAD_WAIT_S) for _ in range(4)]
-        assert await asyncio.to_thread(held.wait, STEP_WAIT_S), "the run went on"
-        let_go.set()
+        # Its 5th forward: the prefill, then the run's steps 1-3 ran.
+        with held_step(host.runner, at=5) as held:
+            stream = engine.stream(submit(engine, PROMPT, SamplingParams(max_new_tokens=20)))
+            # Without hand-overs a run's tokens come at its end, after the held step: never.
+            head = [await asyncio.wait_for(anext(stream), HEAD_WAIT_S) for _ in range(4)]
+            assert await asyncio.to_thread(held.reached.wait, STEP_WAIT_S), "the run went on"
         rest = await collect(stream)
     finally:
-        let_go.set()
         await engine.close()
     head_tokens = [t for o in head for t in o.payload.token_ids]  # type: ignore[union-attr]
     assert head_tokens + rest.token_ids == expected_greedy(model, PROMPT, 20).token_ids

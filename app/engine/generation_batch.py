@@ -18,7 +18,11 @@ from app.model_queues import ModelWork
 
 
 class SequenceTable:
-    def __init__(self, slots: int, reuse: bool = False) -> None:
+    def __init__(
+        self, slots: int, reuse: bool = False, steps_run: Callable[[], int] = lambda: 0
+    ) -> None:
+        """`steps_run()`: the steps the dispatch in flight has computed (written on the
+        compute thread, `StepRunner.run_steps`), which `hold` counts for its rows."""
         self.slots = SlotTable(slots, reuse)
         self.waiting: deque[GenerationSequence] = deque()
         self.running: dict[int, GenerationSequence] = {}  # by slot
@@ -26,19 +30,18 @@ class SequenceTable:
         # any model and every status (each 5 ms) read them, a heap over the running
         # sequences and a push and pop for each of up to `generate_max_waiting` waiting.
         self._steps: tuple[int, int] | None = None
-        # The running sequences whose tokens the run in flight holds on the compute thread,
-        # and the steps it has computed (`hold`), as last forecast with.
+        # The running sequences whose tokens the run in flight holds on the compute thread
+        # (`hold`), and its steps as last forecast with.
+        self._steps_run = steps_run
         self._held: Set[GenerationSequence] = frozenset()
-        self._held_steps: Callable[[], int] = lambda: 0
         self._forecast_held_steps = 0
 
-    def hold(self, held: Set[GenerationSequence], steps_run: Callable[[], int]) -> None:
-        """`held` (running) get their tokens of the run in flight only as it ends, and
-        `steps_run()` is the steps it has computed so far (written on the compute thread):
-        the forecast counts those steps as taken (from the tokens taken alone, a row's steps
-        left were overstated by up to a run's, and so a new sequence's wait for a slot).
-        `hold(frozenset(), ...)` once the run's tokens were taken."""
-        self._held, self._held_steps = held, steps_run
+    def hold(self, held: Set[GenerationSequence]) -> None:
+        """`held` (running) get their tokens of the run in flight only as it ends: the
+        forecast counts the steps it has computed (`steps_run`) as taken for them (from the
+        tokens taken alone, a row's steps left were overstated by up to a run's, and so a
+        new sequence's wait for a slot). `hold(frozenset())` once its tokens were taken."""
+        self._held = held
         self.changed()
 
     def changed(self) -> None:
@@ -112,7 +115,7 @@ class SequenceTable:
         sequence's steps are its tokens left and its prefill's extra chunks (`steps_left`),
         less the steps a run holding its tokens computed (`hold`). Simulated once after each
         change (`changed`) or step of such a run."""
-        run = self._held_steps() if self._held else 0
+        run = self._steps_run() if self._held else 0
         if self._steps is None or run != self._forecast_held_steps:
             self._forecast_held_steps = run
             running = [

@@ -39,12 +39,13 @@ class StepHandOver:
         self._last: tuple[list[GenerationSequence], list[list[int]]] | None = None
 
     def listener(
-        self, sequences: list[GenerationSequence], each_step: frozenset[int]
+        self, sequences: list[GenerationSequence], held: frozenset[GenerationSequence]
     ) -> StepListener:
-        """The listener of a dispatch of `sequences` (each in its slot), those in
-        `each_step`'s slots handed over each step (`StepRunner.start`)."""
+        """The listener of a dispatch of `sequences` (each in its slot), of which `held`
+        get their tokens as the run ends or their row leaves it, the others each step
+        (`StepRunner.start`'s `each_step`)."""
         by_slot = {sequence.slot: sequence for sequence in sequences}
-        held = {s for s in sequences if s.slot not in each_step}
+        pending = set(held)  # less each one handed over as its row left the run
 
         def took(slots: list[int], tokens: list[list[int]], continuing: bool) -> None:
             stepped = [by_slot[slot] for slot in slots]
@@ -55,8 +56,8 @@ class StepHandOver:
                 return
             try:
                 self._advance(stepped, tokens)
-                held.difference_update(stepped)  # handed over as it left the run
-                self._between_steps(held)
+                pending.difference_update(stepped)
+                self._between_steps(pending)
             except Exception as failure:
                 self._failure = failure
                 self._interrupt()

@@ -66,7 +66,8 @@ class GenerationHost:
         self.runner = runner
         self._context = context
         settings = context.settings
-        self._batch = SequenceTable(runner.cache.shape.slots, settings.generate_prefix_reuse)
+        slots, reuse = runner.cache.shape.slots, settings.generate_prefix_reuse
+        self._batch = SequenceTable(slots, reuse, lambda: self._steps.run_steps)  # (below)
         self._admission = GenerationAdmission(runner, self._batch, settings)
         self._max_batch_tokens = settings.generate_max_batch_tokens
         self._max_waiting = settings.generate_max_waiting
@@ -221,9 +222,9 @@ class GenerationHost:
             if not sequences:  # else `start` takes the slot, leaving the line
                 has_work = bool(self._batch)
                 slots.stand(self._steps, waiting=has_work and not available)
-            # A client that streams sees each token as it is made; the others' tokens of a run
-            # are taken as it ends (a loop turn a step competes with the compute thread's).
+            # Streamed tokens go out a step at a time; the others' as a run ends (`held`).
             each_step = frozenset(s.slot for s in sequences if s.streams and s.slot is not None)
+            held = frozenset(s for s in sequences if s.slot not in each_step)
             clock, spd = self._context.clock(), self._steps_per_dispatch
             run = steps_for(sequences, spd, clock, self._step_s) if sequences else 1
             step = (
@@ -232,15 +233,14 @@ class GenerationHost:
                     run,
                     # A row ending at EOS frees a slot a waiting sequence can take at once.
                     end_on_eos=bool(self._batch.waiting),
-                    listener=self._hand_over.listener(sequences, each_step),
+                    listener=self._hand_over.listener(sequences, held),
                     each_step=each_step,
                 )
                 if sequences
                 else None
             )
             if step is not None and run > 1:  # the forecast counts the steps its rows hold
-                held = {s for s in sequences if s.slot not in each_step}
-                self._batch.hold(held, lambda: self._steps.run_steps)
+                self._batch.hold(held)
             self._send_outbox()
             if step is None:
                 if self._closing and not self._batch:
@@ -253,7 +253,7 @@ class GenerationHost:
             except Exception as error:  # blamed narrowly, on its slot (`generation_triage.py`)
                 self._hand_over.raise_failure()
                 self._hand_over.take_last()  # a failed run's steps before the failure
-                self._batch.hold(frozenset(), lambda: 0)
+                self._batch.hold(frozenset())
                 self._send_outbox()  # answers complete before it wait for no triage
                 log.exception("%s: generation step failed; triaging it", self.name)
                 await self._triage.answer(sequences, error)
@@ -261,7 +261,7 @@ class GenerationHost:
             self._hand_over.raise_failure()
             self._record_step(result)
             self._hand_over.take_last()
-            self._batch.hold(frozenset(), lambda: 0)
+            self._batch.hold(frozenset())
 
     def _between_steps(self, held: set[GenerationSequence]) -> None:
         """A run's step was taken (`_advance`) while the next one computes: send its

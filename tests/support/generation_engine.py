@@ -126,16 +126,20 @@ def tiny_model_that_also_ends_at(directory: Path, stop: int) -> Path:
     return directory
 
 
-def record_runs(engine: InProcessEngine, model: str = "tiny") -> list[int]:
+def record_runs(
+    engine: InProcessEngine, model: str = "tiny", only_while: Callable[[], bool] = lambda: True
+) -> list[int]:
     """The decode steps each of `model`'s generation dispatches ran (1: a single step;
-    more: a multi-step run), in order, as its host records their times."""
+    more: a multi-step run), in order, as its host records their times; those that ended
+    while `only_while()` held."""
     host = engine.core.hosts[model]
     assert isinstance(host, GenerationHost)
     runs: list[int] = []
     record = host._record_step
 
     def recording(result: StepResult) -> None:
-        runs.append(result.steps)
+        if only_while():
+            runs.append(result.steps)
         record(result)
 
     host._record_step = recording  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,6 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 from app.engine.generation_host import GenerationHost
 from app.engine.generation_sequences import GenerationSequence
-from app.engine.generation_steps import StepResult
-from app.engine.inprocess import InProcessEngine
 from app.engine.protocol import FinishReason, SamplingParams, TokensOutput
 from app.models.causal_lm import StepRow
 from tests.support.generation import generate_settings
@@ -100,7 +98,7 @@ async def test_another_models_claim_ends_a_run_after_its_current_step(
     runs = record_runs(engine)
     other_host = engine.core.hosts["other"]
     assert isinstance(other_host, GenerationHost)
-    beside_the_other = record_runs_while(engine, lambda: bool(other_host._batch))
+    beside_the_other = record_runs(engine, only_while=lambda: bool(other_host._batch))
     other_prompt = [1, 44, 45]
     try:
         stream = engine.stream(submit(engine, PROMPT, SamplingParams(max_new_tokens=150)))
@@ -147,22 +145,6 @@ async def test_a_run_started_with_another_claimant_in_line_stops_after_a_step(
     assert lined.token_ids == alone.token_ids
     assert in_line == [1] * 8, in_line
     assert runs[8:] == [1, 7], runs
-
-
-def record_runs_while(engine: InProcessEngine, condition: Callable[[], bool]) -> list[int]:
-    """The steps of each of "tiny"'s dispatches that ended while `condition()` held."""
-    host = engine.core.hosts["tiny"]
-    assert isinstance(host, GenerationHost)
-    runs: list[int] = []
-    record = host._record_step
-
-    def recording(result: StepResult) -> None:
-        if condition():
-            runs.append(result.steps)
-        record(result)
-
-    host._record_step = recording  # type: ignore[method-assign]
-    return runs
 
 
 async def test_a_sequence_that_does_not_stream_is_answered_as_its_row_leaves_the_run(
